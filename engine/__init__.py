@@ -1,0 +1,8 @@
+"""An LLM inference engine you can watch: paged KV cache, continuous batching, prefix caching."""
+from .config import EngineConfig
+from .engine import EngineSnapshot, LLMEngine
+from .llm import LLM
+from .request import RequestOutput
+from .sampler import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "EngineSnapshot", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,194 @@
+"""The KV block pool: reference counts, block tables, prefix-cache hash chains and an LRU of cached-free blocks.
+
+A full block is named by a hash chained over (parent block's hash, the block's tokens), so equal hashes
+mean equal prefixes. Free blocks sit in one ordered queue: plain free blocks at the front (used first),
+cached-free blocks at the back in least-recently-freed order, so eviction takes the oldest cached block.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .request import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # (parent block's hash, this block's tokens), set once the block is full and registered in the
+    # prefix cache. The dict of cached blocks is keyed by it, so a hash collision cannot alias two prefixes.
+    hash_key: tuple | None = None
+
+    @property
+    def block_hash(self) -> int | None:
+        return None if self.hash_key is None else hash(self.hash_key)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[tuple, int] = {}  # hash key -> block id
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash_key is not None:  # evicting a cached-free block: it no longer names a prefix
+            del self.cached[block.hash_key]
+            block.hash_key = None
+            self.num_evictions += 1
+        block.ref_count = 1
+        return block_id
+
+    def allocate_contiguous(self, n: int) -> list[int] | None:
+        """First fit of n consecutive free block ids (the contiguous layout needs one run)."""
+        run_start, run_len = None, 0
+        for block in self.blocks:
+            if block.block_id in self.free_queue:
+                if run_len == 0:
+                    run_start = block.block_id
+                run_len += 1
+                if run_len == n:
+                    ids = list(range(run_start, run_start + n))
+                    for i in ids:
+                        self.touch(i)
+                    return ids
+            else:
+                run_len = 0
+        return None
+
+    def touch(self, block_id: int) -> None:
+        """Take a reference; a free (possibly cached) block leaves the free queue and keeps its hash."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} released with ref_count {block.ref_count}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.hash_key is None:  # plain free blocks are reused before any cached one is evicted
+                self.free_queue.move_to_end(block_id, last=False)
+
+    def lookup(self, key: tuple) -> int | None:
+        return self.cached.get(key)
+
+    def register(self, block_id: int, key: tuple) -> None:
+        if key in self.cached:  # another request computed the same block first; keep that one
+            return
+        self.blocks[block_id].hash_key = key
+        self.cached[key] = block_id
+
+    def clear_cache(self) -> None:
+        """Forget every prefix hash (prefix caching switched off); blocks in use are untouched."""
+        for block_id in self.cached.values():
+            block = self.blocks[block_id]
+            block.hash_key = None
+            if block.ref_count == 0:
+                self.free_queue.move_to_end(block_id, last=False)
+        self.cached.clear()
+
+
+class KVCacheManager:
+    """Gives requests block tables. Paged: blocks on demand. Contiguous: max_model_len reserved up front."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, paged: bool,
+                 prefix_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.paged = paged
+        self.prefix_caching = prefix_caching and paged
+        self.blocks_per_reservation = -(-max_model_len // block_size)
+        self.prefix_cache_queries = 0  # prompt tokens looked up (first admission only)
+        self.prefix_cache_hits = 0  # of those, tokens served from cache
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.pool.num_free
+
+    def set_prefix_caching(self, on: bool) -> None:
+        self.prefix_caching = on and self.paged
+        if not self.prefix_caching:
+            self.pool.clear_cache()
+
+    def _hash_keys(self, request: Request) -> list[tuple]:
+        """Chained hash keys of the request's full blocks, extended as its tokens grow."""
+        bs, keys = self.block_size, request.block_hash_keys
+        while (len(keys) + 1) * bs <= request.num_tokens:
+            i = len(keys)
+            keys.append((hash(keys[-1]) if keys else None, tuple(request.token_ids[i * bs:(i + 1) * bs])))
+        return keys
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks of the longest cached prefix. The last token is always recomputed (its logits are needed)."""
+        if not self.prefix_caching or request.num_computed_tokens:
+            return []
+        keys = self._hash_keys(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for key in keys[:max_blocks]:
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def count_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Called on a request's first admission only: recomputation after a preemption is not a query."""
+        if self.prefix_caching:
+            self.prefix_cache_queries += request.num_prompt_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Make room for num_new_tokens more tokens. False (and nothing changed) if the pool is short."""
+        if not self.paged:
+            if request.block_table:
+                return True
+            ids = self.pool.allocate_contiguous(self.blocks_per_reservation)
+            if ids is None:
+                return False
+            request.block_table = ids
+            return True
+        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_needed = -(-total // self.block_size) - len(request.block_table) - len(cached_blocks)
+        # cached blocks that sit in the free queue leave it when touched: they count against the free pool
+        num_cached_free = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        if num_needed + num_cached_free > self.pool.num_free:
+            return False
+        for block_id in cached_blocks:
+            self.pool.touch(block_id)
+        request.block_table.extend(cached_blocks)
+        request.num_cached_blocks = max(request.num_cached_blocks, len(cached_blocks))
+        for _ in range(max(num_needed, 0)):
+            request.block_table.append(self.pool.allocate())
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register blocks whose every token's K/V is now computed."""
+        if not self.prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        keys = self._hash_keys(request)
+        for i in range(request.num_cached_blocks, min(num_full, len(keys))):
+            self.pool.register(request.block_table[i], keys[i])
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        # Release the tail first: it is the least likely to be shared, so it is evicted first.
+        for block_id in reversed(request.block_table):
+            self.pool.release(block_id)
+        request.block_table = []
+        request.num_cached_blocks = 0

@@ -1,0 +1,106 @@
+"""EngineConfig: every size and feature switch of the engine, validated in one place.
+
+`LLM(**kwargs)` and the playground both go through `EngineConfig.from_kwargs`, so a typo in a
+field name or an impossible value is a clear ValueError before any weights are loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Switches declared now and built by later issues: asking for one is an error, never a silent no-op.
+NOT_YET_BUILT = ("chunked_prefill", "speculative_decoding", "cuda_graphs", "quantization")
+FEATURE_SWITCHES = ("kv_cache", "paged_kv", "continuous_batching", "prefix_caching") + NOT_YET_BUILT
+# Changing one of these rebuilds the KV pool: running requests are preempted and re-prefilled.
+STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv")
+# These need a new model load and cannot change while serving.
+LOAD_TIME_FIELDS = ("model", "dtype", "device")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
+    max_model_len: int | None = None  # None: min(model context, 2048)
+    seed: int = 0
+    # feature switches
+    kv_cache: bool = True
+    paged_kv: bool = True
+    continuous_batching: bool = True
+    prefix_caching: bool = True
+    chunked_prefill: bool = False
+    speculative_decoding: bool = False
+    cuda_graphs: bool = False
+    quantization: str | None = None
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown config field(s): {', '.join(unknown)}; known fields: {', '.join(cls.field_names())}")
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def replace(self, **changes) -> EngineConfig:
+        unknown = sorted(set(changes) - set(self.field_names()))
+        if unknown:
+            raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
+        new = dataclasses.replace(self, **changes)
+        new.validate()
+        return new
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    def validate(self) -> None:
+        for name in FEATURE_SWITCHES[:-1]:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in NOT_YET_BUILT:
+            value = getattr(self, name)
+            if value not in (False, None):
+                raise ValueError(
+                    f"{name}={value!r} is declared but not built yet in this engine; leave it off "
+                    f"(it is never silently ignored)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device in ("cpu", "cuda", "auto") or str(self.device).startswith("cuda:")):
+            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs > 1024 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two between 1 and 1024, got {bs!r}")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("seed", self.seed, allow_zero=True)
+        for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}): without chunked prefill a full-length prompt could never be scheduled")
+
+    # What actually runs: prefix caching shares blocks, so it needs a paged KV cache.
+    @property
+    def prefix_caching_active(self) -> bool:
+        return self.prefix_caching and self.paged_kv and self.kv_cache
+
+
+def _positive_int(name: str, value, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

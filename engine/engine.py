@@ -1,0 +1,353 @@
+"""LLMEngine: add_request / step / abort / snapshot.
+
+step():  schedule (+ block allocation) -> prepare inputs -> forward -> sample -> retire.
+Config changes wait for the next step boundary; a change to the KV pool's structure re-prefills running
+requests (their blocks are freed and they are requeued in order), so nothing in flight is lost.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .blocks import KVCacheManager
+from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
+from .request import Request, RequestOutput, RequestStatus
+from .runner import ModelRunner
+from .sampler import SamplingParams, sample
+from .scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass
+class StepRecord:
+    """What the scheduler decided in one step, and what it cost."""
+    step: int
+    time: float
+    prefills: list[tuple[str, int, int]] = field(default_factory=list)  # (request, tokens computed, cached hit)
+    decodes: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[tuple[str, str]] = field(default_factory=list)  # (request, finish reason)
+    num_batched_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    schedule_ms: float = 0.0
+    prepare_ms: float = 0.0
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    retire_ms: float = 0.0
+
+
+@dataclass
+class EngineSnapshot:
+    step: int
+    time: float
+    config: dict
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    running: list[str]
+    waiting: list[str]
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached_free: int
+    block_size: int
+    block_tables: dict[str, list[int]]
+    block_ref_counts: list[int]
+    block_hashes: list[int | None]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    requests: dict[str, dict]
+    steps: list[StepRecord]
+    last_reconfig: dict | None
+
+    @property
+    def block_owners(self) -> dict[int, list[str]]:
+        owners: dict[int, list[str]] = {}
+        for rid, table in self.block_tables.items():
+            for b in table:
+                owners.setdefault(b, []).append(rid)
+        return owners
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model, tokenizer, hf_config=None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.hf_config = hf_config
+        self.requested_config = config
+        self.config = self._resolve(config)
+        self.scheduler = Scheduler(self.config, None)
+        self._build_kv()
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._pending: dict = {}
+        self._ids = itertools.count()
+        self.step_count = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.steps: deque[StepRecord] = deque(maxlen=256)
+        self.last_reconfig: dict | None = None
+        self.generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
+        self.eos_token_ids = _eos_ids(tokenizer, hf_config)
+
+    # ---- configuration -------------------------------------------------------------------------------
+    def _resolve(self, config: EngineConfig) -> EngineConfig:
+        """Fill the sizes left as None from the model and the memory budget, and check they fit together."""
+        max_len = config.max_model_len or self.model.max_len
+        if max_len > self.model.max_len:
+            raise ValueError(f"max_model_len {max_len} exceeds the loaded model's limit ({self.model.max_len})")
+        budget = config.max_num_batched_tokens or max(2048, max_len)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            per_block = self.model.kv_bytes_per_token() * config.block_size
+            num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+        resolved = config.replace(max_model_len=max_len, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
+        if resolved.kv_cache and not resolved.paged_kv and -(-max_len // config.block_size) > num_blocks:
+            raise ValueError(
+                f"contiguous KV reserves max_model_len={max_len} tokens "
+                f"({-(-max_len // config.block_size)} blocks) per request, but the pool has only {num_blocks} blocks")
+        return resolved
+
+    def _build_kv(self) -> None:
+        c = self.config
+        kv = None
+        if c.kv_cache:
+            kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.max_model_len, c.paged_kv, c.prefix_caching_active)
+        self.kv = kv
+        self.scheduler.kv = kv
+        self.scheduler.config = c
+        self.runner = ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache)
+
+    def update_config(self, **changes) -> None:
+        """Validate now (ValueError leaves everything as it was); apply at the next step boundary."""
+        if bad := [k for k in changes if k in LOAD_TIME_FIELDS]:
+            raise ValueError(f"{', '.join(bad)} cannot change while serving: create a new LLM")
+        requested = self.requested_config.replace(**{**self._pending, **changes})
+        resolved = self._resolve(requested)
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._check_fits(req.num_prompt_tokens, req.params, resolved)
+        self._pending.update(changes)
+
+    def _apply_pending(self) -> None:
+        if not self._pending:
+            return
+        changes, self._pending = self._pending, {}
+        old = self.config
+        self.requested_config = self.requested_config.replace(**changes)
+        self.config = self._resolve(self.requested_config)
+        structural = any(getattr(old, f) != getattr(self.config, f) for f in STRUCTURAL_FIELDS)
+        moved = []
+        if structural:
+            # Re-prefill: free every running request's blocks and requeue them, oldest first.
+            for req in reversed(list(self.scheduler.running)):
+                self.scheduler.preempt(req, count=False)
+                moved.append(req.request_id)
+            counters = (self.kv.prefix_cache_queries, self.kv.prefix_cache_hits) if self.kv else (0, 0)
+            self._build_kv()
+            if self.kv:
+                self.kv.prefix_cache_queries, self.kv.prefix_cache_hits = counters
+        else:
+            self.scheduler.config = self.config
+            if self.kv is not None:
+                self.kv.set_prefix_caching(self.config.prefix_caching_active)
+        self.last_reconfig = {"step": self.step_count, "changes": changes,
+                              "action": "re-prefill running requests" if structural else "applied in place",
+                              "requests_re_prefilled": moved[::-1]}
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def _check_fits(self, num_prompt: int, params: SamplingParams, config: EngineConfig) -> None:
+        if num_prompt >= config.max_model_len:
+            raise ValueError(f"prompt has {num_prompt} tokens but max_model_len is {config.max_model_len} "
+                             f"(room is needed for at least one generated token)")
+        if config.kv_cache and config.paged_kv:
+            need = -(-min(num_prompt + params.max_tokens, config.max_model_len) // config.block_size)
+            if need > config.num_kv_blocks:
+                raise ValueError(f"this request needs {need} KV blocks but the pool has only {config.num_kv_blocks}")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        text = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            text = prompt
+            token_ids = self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
+                raise ValueError("prompt token ids must be integers")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("empty prompt")
+        vocab = self.model.shape.vocab_size
+        if bad := [t for t in token_ids if not 0 <= t < vocab]:
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        self._check_fits(len(token_ids), params, self.config)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        gen = self.generator
+        if params.seed is not None:
+            gen = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        req = Request(request_id, token_ids, params, text, arrival_time, gen)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now; its final output (finish_reason "abort") comes from the next step."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.scheduler.finish(req)
+        req.finish_reason = "abort"
+        req.metrics.finished_time = time.perf_counter()
+        self._aborted.append(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self._apply_pending()
+        outputs = [self._pop(r) for r in self._aborted]
+        self._aborted = []
+        rec = StepRecord(self.step_count, time.time())
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        rec.preempted = sched.preempted
+        if sched.requests:
+            batch = self.runner.prepare(sched.requests, sched.num_new_tokens)
+            t2 = time.perf_counter()
+            logits = self.runner.execute(batch)
+            t3 = time.perf_counter()
+            tokens = sample(logits, [r.params for r in batch.requests], [r.generator for r in batch.requests])
+            t4 = time.perf_counter()
+            outputs += self._retire(batch.requests, tokens, sched, rec)
+            t5 = time.perf_counter()
+            rec.schedule_ms, rec.prepare_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+            rec.forward_ms, rec.sample_ms, rec.retire_ms = (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t5 - t4) * 1e3
+        rec.num_batched_tokens = sched.total_tokens
+        rec.num_running, rec.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        self.steps.append(rec)
+        self.step_count += 1
+        return outputs
+
+    def _retire(self, requests: list[Request], tokens: list[int], sched: SchedulerOutput,
+                rec: StepRecord) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for req, token in zip(requests, tokens):
+            n = sched.num_new_tokens[req.request_id]
+            if req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1:
+                rec.decodes.append(req.request_id)
+            else:  # a first prefill, or a recompute after preemption (prompt_tokens_total counts both)
+                rec.prefills.append((req.request_id, n, sched.prefix_hit_tokens.get(req.request_id, 0)))
+                self.prompt_tokens_total += n
+            req.num_computed_tokens = req.num_tokens
+            if self.kv is not None:
+                self.kv.cache_full_blocks(req)
+            req.token_ids.append(token)
+            self.generation_tokens_total += 1
+            m = req.metrics
+            m.num_generation_tokens = req.num_output_tokens
+            if m.first_token_time is None:
+                m.first_token_time = now
+            self._detokenize(req)
+            reason = self._stop_reason(req, token)
+            if reason:
+                req.finish_reason = reason
+                m.finished_time = now
+                self.scheduler.finish(req)
+                rec.finished.append((req.request_id, reason))
+                outputs.append(self._pop(req))
+            else:
+                outputs.append(req.to_output())
+        return outputs
+
+    def _pop(self, req: Request) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        return req.to_output()
+
+    def _detokenize(self, req: Request) -> None:
+        """Append the new token's text, decoding only a short window of recent tokens."""
+        d, ids = req.detok, req.output_token_ids
+        prefix = self.tokenizer.decode(ids[d.prefix_offset:d.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[d.prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            req.text += full[len(prefix):]
+            d.prefix_offset, d.read_offset = d.read_offset, len(ids)
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            start = max(0, req.detok.stop_scan_from - max(len(s) for s in p.stop))
+            hits = [i for i in (req.text.find(s, start) for s in p.stop) if i >= 0]
+            req.detok.stop_scan_from = len(req.text)
+            if hits:
+                req.text = req.text[:min(hits)]
+                return "stop"
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    # ---- the view inside -----------------------------------------------------------------------------
+    def snapshot(self, num_steps: int = 64) -> EngineSnapshot:
+        """A plain-data picture of the engine now; no tensors, cheap enough for every refresh."""
+        s, kv = self.scheduler, self.kv
+        blocks = kv.pool.blocks if kv else []
+        live = list(s.running) + list(s.waiting)
+        return EngineSnapshot(
+            step=self.step_count, time=time.time(), config=self.config.to_dict(),
+            num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
+            running=[r.request_id for r in s.running], waiting=[r.request_id for r in s.waiting],
+            kv_blocks_total=kv.num_blocks if kv else 0, kv_blocks_used=kv.num_used if kv else 0,
+            kv_blocks_cached_free=sum(1 for b in blocks if b.ref_count == 0 and b.hash_key is not None),
+            block_size=self.config.block_size,
+            block_tables={r.request_id: list(r.block_table) for r in s.running},
+            block_ref_counts=[b.ref_count for b in blocks],
+            block_hashes=[b.block_hash for b in blocks],
+            prefix_cache_queries=kv.prefix_cache_queries if kv else 0,
+            prefix_cache_hits=kv.prefix_cache_hits if kv else 0,
+            prefix_cache_evictions=kv.pool.num_evictions if kv else 0,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            requests={r.request_id: {"status": r.status.value, "num_prompt_tokens": r.num_prompt_tokens,
+                                     "num_output_tokens": r.num_output_tokens,
+                                     "num_computed_tokens": r.num_computed_tokens,
+                                     "num_cached_tokens": r.metrics.num_cached_tokens,
+                                     "num_preemptions": r.metrics.num_preemptions} for r in live},
+            steps=list(itertools.islice(reversed(self.steps), num_steps))[::-1],
+            last_reconfig=self.last_reconfig,
+        )
+
+
+def _eos_ids(tokenizer, hf_config) -> set[int]:
+    ids = set()
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+__all__ = ["LLMEngine", "EngineSnapshot", "StepRecord", "RequestStatus"]

@@ -1,0 +1,69 @@
+"""LLM: the offline entry point. generate() and chat() drive LLMEngine.step() until every request is done."""
+from __future__ import annotations
+
+import torch
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .models import load_model
+from .request import RequestOutput
+from .sampler import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but no CUDA GPU is available")
+    return torch.device(device)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config_fields) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **config_fields)
+        device = resolve_device(self.config.device)
+        net, tokenizer, hf_config, folder = load_model(model, DTYPES[self.config.dtype], device,
+                                                       self.config.max_model_len)
+        self.model_path = folder
+        self.tokenizer = tokenizer
+        self.engine = LLMEngine(self.config, net, tokenizer, hf_config)
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            params = [params or SamplingParams()] * len(prompts)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:  # a bad prompt rejects the whole call, and leaves nothing behind
+                self.engine.abort(rid)
+            self.engine.step() if ids else None
+            raise
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[rid] for rid in ids]
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        if not messages:
+            raise ValueError("empty conversation")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in conversations], params)

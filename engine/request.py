@@ -1,0 +1,111 @@
+"""A request's state machine (waiting -> running -> finished, running -> preempted -> running) and its tokens."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampler import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV freed; it will be recomputed
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.finished_time is None or self.first_token_time is None or self.num_generation_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str  # the generated text so far (whole, not a delta)
+    token_ids: list[int]  # generated tokens only
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, arrival_time: float | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + generated
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
+        self.block_table: list[int] = []
+        self.block_hash_keys: list[tuple] = []  # prefix-cache keys of its full blocks, filled lazily
+        self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
+        self.generator = generator
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.detok = _DetokState()
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter(),
+                                      num_prompt_tokens=self.num_prompt_tokens)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
+                             self.output_token_ids, self.finished, self.finish_reason, self.metrics)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+@dataclass
+class _DetokState:
+    """Offsets for incremental detokenization (decode a short window, not the whole output)."""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    stop_scan_from: int = field(default=0)

@@ -1,0 +1,90 @@
+"""Turns a scheduled batch into tensors and runs the model over the paged KV cache.
+
+The KV cache is one preallocated tensor [layers, 2, num_kv_blocks * block_size, kv_heads, head_dim];
+a token at position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSeq
+from .models import LlamaFamilyModel
+from .request import Request
+
+
+@dataclass
+class Batch:
+    requests: list[Request]  # in row order: decodes first, then prefills
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaFamilyModel, block_size: int, num_kv_blocks: int, use_kv_cache: bool) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        s = model.shape
+        self.kv_cache = None
+        if use_kv_cache:
+            self.kv_cache = torch.zeros(s.num_layers, 2, num_kv_blocks * block_size, s.num_kv_heads, s.head_dim,
+                                        dtype=model.dtype, device=model.device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, requests: list[Request], num_new_tokens: dict[str, int]) -> Batch:
+        use_cache = self.kv_cache is not None
+        decodes, prefills = [], []
+        for req in requests:
+            n = num_new_tokens[req.request_id]
+            (decodes if use_cache and n == 1 and req.num_computed_tokens > 0 else prefills).append(req)
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes))
+        for req in ordered:
+            n = num_new_tokens[req.request_id]
+            start = req.num_computed_tokens if use_cache else 0
+            row = len(input_ids)
+            input_ids.extend(req.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            if use_cache:
+                slots.extend(self._slots(req.block_table, start, start + n))
+            if row >= len(decodes):
+                seq = PrefillSeq(row, n)
+                if start > 0:  # earlier tokens come from the cache (prefix hit): attend to all of them
+                    seq.context_slots = torch.tensor(self._slots(req.block_table, 0, start + n), device=self.device)
+                    seq.mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
+                meta.prefills.append(seq)
+            logits_rows.append(row + n - 1)
+        dev = self.device
+        if use_cache:
+            meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        if decodes:
+            bs = self.block_size
+            ctx = torch.tensor([r.num_computed_tokens + 1 for r in decodes], device=dev)
+            max_ctx = int(ctx.max())
+            width = -(-max_ctx // bs)
+            tables = torch.tensor([r.block_table[:width] + [0] * (width - len(r.block_table[:width])) for r in decodes],
+                                  dtype=torch.long, device=dev)
+            pos = torch.arange(max_ctx, device=dev)
+            meta.decode_slots = tables[:, pos // bs] * bs + pos % bs
+            meta.decode_mask = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
+        return Batch(ordered, torch.tensor(input_ids, dtype=torch.long, device=dev),
+                     torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                     torch.tensor(logits_rows, dtype=torch.long, device=dev))
+
+    def execute(self, batch: Batch) -> torch.Tensor:
+        return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.logits_rows)

@@ -1,0 +1,94 @@
+"""Seeded, reproducible workloads read from presets/workloads/*.toml.
+
+A workload is a list of groups; each group makes `count` requests whose own prompt and output lengths are
+drawn uniformly from inclusive ranges, optionally after a prefix shared by the whole group (a system
+prompt). Prompt tokens are drawn from ordinary vocabulary ids, so lengths are exact in tokens.
+"""
+from __future__ import annotations
+
+import random
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .sampler import SamplingParams
+
+WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "presets" / "workloads"
+TOKEN_RANGE = (1000, 20000)  # ordinary word pieces in the default vocabulary, and valid in the tiny test models
+
+
+@dataclass
+class WorkloadRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float  # offset from the workload's start
+    group: str
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    requests: list[WorkloadRequest]
+    config: dict  # EngineConfig fields the workload is meant to run with (e.g. a small pool)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(r.params.max_tokens for r in self.requests)
+
+
+def list_workloads() -> list[str]:
+    return sorted(p.stem for p in WORKLOAD_DIR.glob("*.toml"))
+
+
+def _span(value, what: str) -> tuple[int, int]:
+    lo, hi = (value, value) if isinstance(value, int) else tuple(value)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{what} must be a positive integer or [low, high], got {value!r}")
+    return lo, hi
+
+
+def build_workload(spec: dict) -> Workload:
+    rng = random.Random(spec.get("seed", 0))
+    requests: list[WorkloadRequest] = []
+    arrival = spec.get("arrival", "burst")
+    rate = float(spec.get("rate", 0) or 0)
+    for group in spec["groups"]:
+        prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(group.get("shared_prefix_tokens", 0))]
+        plo, phi = _span(group["prompt_tokens"], "prompt_tokens")
+        olo, ohi = _span(group["output_tokens"], "output_tokens")
+        for _ in range(group.get("count", 1)):
+            own = [rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(plo, phi))]
+            params = SamplingParams(temperature=group.get("temperature", 0.0), max_tokens=rng.randint(olo, ohi),
+                                    ignore_eos=group.get("ignore_eos", True), seed=rng.randrange(2**31))
+            requests.append(WorkloadRequest(prefix + own, params, 0.0, group.get("name", "requests")))
+    if spec.get("shuffle", False):
+        rng.shuffle(requests)
+    if arrival == "poisson" and rate > 0:
+        t = 0.0
+        for r in requests:
+            t += rng.expovariate(rate)
+            r.arrival_s = t
+    elif arrival != "burst":
+        raise ValueError(f"arrival must be 'burst' or 'poisson' (with rate > 0), got {arrival!r}")
+    return Workload(spec.get("name", "workload"), spec.get("description", ""), requests, dict(spec.get("config", {})))
+
+
+def load_workload(name_or_path: str, quick: bool = False) -> Workload:
+    """By preset name (presets/workloads/NAME.toml) or path. quick: a quarter of each group, for a fast look."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = WORKLOAD_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ValueError(f"unknown workload {name_or_path!r}; presets: {', '.join(list_workloads())}")
+    with open(path, "rb") as f:
+        spec = tomllib.load(f)
+    spec.setdefault("name", path.stem)
+    if quick:
+        for group in spec["groups"]:
+            group["count"] = max(1, group.get("count", 1) // 4)
+    return build_workload(spec)

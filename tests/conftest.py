@@ -1,0 +1,75 @@
+"""Shared fixtures: the embedded default model (loaded once) and tiny random models built from configs."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download from a model hub
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY_ARCHS = ("llama", "qwen3", "qwen2")
+
+
+def build_tiny_model(arch: str, folder, seed: int = 0, vocab_size: int = 49152):
+    """A seeded random model of the given family, saved as an HF folder with the default tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from engine.models.loader import resolve_model
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if arch == "llama":
+        config, cls = LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), LlamaForCausalLM
+    elif arch == "qwen3":
+        config, cls = Qwen3Config(**common, head_dim=16, tie_word_embeddings=False), Qwen3ForCausalLM
+    elif arch == "qwen2":
+        config, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(resolve_model(None))).save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> (folder, HF model) for each tiny architecture."""
+    out = {}
+    for arch in TINY_ARCHS:
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        out[arch] = (str(folder), build_tiny_model(arch, folder))
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from engine import LLM
+    return LLM()
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_llm):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(default_llm.model_path), dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' generate, batch 1, greedy: the reference our engine must match token for token."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=hf_model.config.pad_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def assert_all_blocks_free(engine) -> None:
+    assert not engine.has_unfinished()
+    if engine.kv is not None:
+        assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
+        assert engine.kv.pool.num_free == engine.kv.num_blocks
