@@ -1,0 +1,212 @@
+"""Each switch is real: greedy output is the same with it on or off, and its mechanism is visible."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.engine import LLMEngine
+from tests.conftest import assert_all_blocks_free
+from tests.test_parity import TEXT_PROMPTS, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+SWITCHES_OFF = [{"kv_cache": False}, {"paged_kv": False}, {"continuous_batching": False},
+                {"prefix_caching": False}]
+
+
+def engine_like(llm: LLM, **changes) -> LLMEngine:
+    """A fresh engine over the same loaded weights, with other settings."""
+    return LLMEngine(EngineConfig.from_kwargs(**{**llm.config.to_dict(), **changes}), llm.engine.model,
+                     llm.tokenizer, llm.engine.hf_config)
+
+
+def run(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in done, "finished twice"
+                done[out.request_id] = out.token_ids
+    assert_all_blocks_free(engine)
+    return [done[i] for i in ids]
+
+
+def shared_prefix_prompts(n: int, prefix_len: int, seed: int = 0) -> list[list[int]]:
+    prefix = random_prompts(1, seed=seed)[0] * 4
+    prefix = prefix[:prefix_len]
+    return [prefix + p[:8] for p in random_prompts(n, seed=seed + 1)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    return LLM(tiny_models["llama"][0], max_model_len=256)
+
+
+@pytest.mark.parametrize("off", SWITCHES_OFF, ids=lambda d: next(iter(d)))
+def test_tiny_greedy_invariant_to_each_switch(tiny, off):
+    prompts = random_prompts(8, seed=3) + shared_prefix_prompts(4, 40)
+    baseline = run(engine_like(tiny), prompts)
+    assert run(engine_like(tiny, **off), prompts) == baseline
+
+
+@pytest.mark.parametrize("off", SWITCHES_OFF, ids=lambda d: next(iter(d)))
+def test_default_model_greedy_invariant_to_each_switch(default_llm, off):
+    prompts = [default_llm.tokenizer(p).input_ids for p in TEXT_PROMPTS]
+    baseline = run(engine_like(default_llm), prompts)
+    assert run(engine_like(default_llm, **off, max_model_len=256), prompts) == baseline
+
+
+def test_warm_prefix_cache_gives_the_same_tokens(tiny):
+    engine = engine_like(tiny)
+    prompts = shared_prefix_prompts(6, 48)
+    cold = run(engine, prompts)
+    hits_before = engine.kv.prefix_cache_hits
+    warm = run(engine, prompts)
+    assert warm == cold
+    assert engine.kv.prefix_cache_hits > hits_before
+
+
+def test_prefix_hits_are_exact_and_shared_blocks_are_ref_counted(tiny):
+    bs, prefix_len = 8, 43  # 5 full shared blocks; the rest of each prompt differs
+    engine = engine_like(tiny, block_size=bs)
+    prompts = shared_prefix_prompts(4, prefix_len)
+    first = engine.add_request(prompts[0], GREEDY)
+    engine.step()  # the first request's prefill fills and registers its blocks
+    second = engine.add_request(prompts[1], GREEDY)
+    engine.step()
+    snap = engine.snapshot()
+    shared = set(snap.block_tables[first]) & set(snap.block_tables[second])
+    assert len(shared) == prefix_len // bs
+    assert all(snap.block_ref_counts[b] == 2 for b in shared)
+    assert snap.requests[second]["num_cached_tokens"] == (prefix_len // bs) * bs
+    for p in prompts[2:]:
+        engine.add_request(p, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    expected = sum(min(prefix_len // bs, (len(p) - 1) // bs) * bs for p in prompts[1:])
+    assert engine.kv.prefix_cache_hits == expected
+    assert engine.kv.prefix_cache_queries == sum(len(p) for p in prompts)
+    assert_all_blocks_free(engine)
+
+
+def test_last_prompt_token_is_always_computed(tiny):
+    engine = engine_like(tiny, block_size=8)
+    prompt = random_prompts(1, seed=9)[0][:32] * 2  # 64 tokens: exactly 8 full blocks
+    prompt = prompt[:64]
+    a = run(engine, [prompt])
+    engine.add_request(prompt, GREEDY)
+    engine.step()
+    rec = engine.steps[-1]
+    (_, computed, hit), = rec.prefills
+    assert hit == 56 and computed == 8  # 7 blocks reused, the last block recomputed for its logits
+    while engine.has_unfinished():
+        engine.step()
+    assert run(engine, [prompt]) == a
+
+
+def test_eviction_under_pressure_keeps_outputs_correct(tiny):
+    prompts = [p for i in range(4) for p in shared_prefix_prompts(3, 32, seed=10 * i)]
+    expected = run(engine_like(tiny, prefix_caching=False), prompts)
+    engine = engine_like(tiny, block_size=4, num_kv_blocks=40, max_num_seqs=4)
+    assert run(engine, prompts) == expected
+    assert engine.kv.pool.num_evictions > 0
+    assert engine.kv.prefix_cache_hits > 0
+
+
+def test_preemption_recompute_is_not_counted_as_prefix_hits(tiny):
+    engine = engine_like(tiny, block_size=4, num_kv_blocks=30)
+    prompts = random_prompts(6, seed=21)  # nothing shared: every hit would be a recompute
+    run(engine, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.prefix_cache_hits == 0
+
+
+def test_contiguous_kv_admits_fewer_requests_than_paged(tiny):
+    prompts = random_prompts(16, seed=4)
+    prompts = [p[:24] + [5] * (24 - len(p[:24])) for p in prompts]  # 24-token prompts
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    common = dict(block_size=16, num_kv_blocks=64, max_model_len=256, max_num_seqs=32)
+    concurrency = {}
+    for paged in (True, False):
+        engine = engine_like(tiny, paged_kv=paged, **common)
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step()
+        concurrency[paged] = engine.snapshot().num_running
+        while engine.has_unfinished():
+            engine.step()
+        assert_all_blocks_free(engine)
+    assert concurrency[False] == 64 // (256 // 16) == 4  # each request reserves max_model_len up front
+    assert concurrency[True] == 16  # 2 blocks each: all fit
+
+
+def test_static_batching_admits_nothing_mid_batch(tiny):
+    lengths = [4, 8, 12, 16]
+    for continuous in (True, False):
+        engine = engine_like(tiny, continuous_batching=continuous, max_num_seqs=4)
+        first = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                 for p, n in zip(random_prompts(4, seed=5), lengths)]
+        engine.step()
+        late = engine.add_request(random_prompts(1, seed=6)[0], SamplingParams(temperature=0, max_tokens=4))
+        joined_at = None
+        while engine.has_unfinished():
+            engine.step()
+            snap = engine.snapshot()
+            if joined_at is None and late in snap.running:
+                joined_at = snap.step
+                running_first = [r for r in first if r in snap.running]
+        if continuous:
+            assert joined_at == 5  # the seat freed by the 4-token request is refilled at once
+            assert running_first
+        else:
+            assert running_first == []  # joined only once the whole first batch had finished
+        assert_all_blocks_free(engine)
+
+
+def test_switch_changes_apply_at_step_boundary_without_losing_requests(tiny):
+    prompts = random_prompts(6, seed=8) + shared_prefix_prompts(3, 40)
+    expected = run(engine_like(tiny), prompts)
+    engine = engine_like(tiny)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    changes = [{"prefix_caching": False}, {"block_size": 8}, {"paged_kv": False}, {"kv_cache": False},
+               {"continuous_batching": False}, {"kv_cache": True, "paged_kv": True, "num_kv_blocks": 128}]
+    step = 0
+    while engine.has_unfinished():
+        if changes and step % 3 == 1:
+            engine.update_config(**changes.pop(0))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        step += 1
+    assert [done[i] for i in ids] == expected
+    assert engine.last_reconfig["action"] == "re-prefill running requests"
+    assert engine.config.block_size == 8 and engine.config.num_kv_blocks == 128
+    assert_all_blocks_free(engine)
+
+
+def test_bad_config_change_keeps_previous_config(tiny):
+    engine = engine_like(tiny)
+    before = engine.config
+    with pytest.raises(ValueError, match="block_size"):
+        engine.update_config(block_size=12)
+    with pytest.raises(ValueError, match="cannot change while serving"):
+        engine.update_config(model="other")
+    engine.step()
+    assert engine.config == before
+
+
+def test_snapshot_has_the_fields_the_playground_draws(tiny):
+    engine = engine_like(tiny, block_size=8)
+    for p in shared_prefix_prompts(3, 24):
+        engine.add_request(p, GREEDY)
+    engine.step()
+    snap = engine.snapshot()
+    assert snap.num_running == 3 and snap.num_waiting == 0
+    assert snap.kv_blocks_used == len({b for t in snap.block_tables.values() for b in t})
+    assert len(snap.block_ref_counts) == snap.kv_blocks_total == engine.config.num_kv_blocks
+    assert sum(1 for h in snap.block_hashes if h is not None) >= 3
+    assert snap.steps[-1].prefills and snap.steps[-1].forward_ms > 0
+    assert snap.prompt_tokens_total == sum(len(p) for p in shared_prefix_prompts(3, 24))
+    owners = snap.block_owners
+    assert all(len(owners[b]) == snap.block_ref_counts[b] for b in owners)
