@@ -174,11 +174,16 @@ class KVCacheManager:
             request.block_table.append(self.pool.allocate())
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register blocks whose every token's K/V is now computed."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the blocks that are full once the first num_tokens tokens' K/V are written.
+
+        The scheduler calls this as soon as a request's place in the step is final, before the forward
+        pass: a request admitted later in the same step can already share these blocks, because every
+        layer writes the whole step's K/V into the cache before any attention reads it.
+        """
         if not self.prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         if num_full <= request.num_cached_blocks:
             return
         keys = self._hash_keys(request)

@@ -31,7 +31,8 @@ class StepRecord:
     preempted: list[str] = field(default_factory=list)
     finished: list[tuple[str, str]] = field(default_factory=list)  # (request, finish reason)
     num_batched_tokens: int = 0
-    num_running: int = 0
+    num_seqs: int = 0  # requests in this step's batch
+    num_running: int = 0  # after retiring
     num_waiting: int = 0
     schedule_ms: float = 0.0
     prepare_ms: float = 0.0
@@ -244,7 +245,7 @@ class LLMEngine:
             t5 = time.perf_counter()
             rec.schedule_ms, rec.prepare_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             rec.forward_ms, rec.sample_ms, rec.retire_ms = (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t5 - t4) * 1e3
-        rec.num_batched_tokens = sched.total_tokens
+        rec.num_batched_tokens, rec.num_seqs = sched.total_tokens, len(sched.requests)
         rec.num_running, rec.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         self.steps.append(rec)
         self.step_count += 1
@@ -262,8 +263,6 @@ class LLMEngine:
                 rec.prefills.append((req.request_id, n, sched.prefix_hit_tokens.get(req.request_id, 0)))
                 self.prompt_tokens_total += n
             req.num_computed_tokens = req.num_tokens
-            if self.kv is not None:
-                self.kv.cache_full_blocks(req)
             req.token_ids.append(token)
             self.generation_tokens_total += 1
             m = req.metrics

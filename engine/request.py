@@ -71,7 +71,7 @@ class Request:
         self.finish_reason: str | None = None
         self.text = ""
         self.detok = _DetokState()
-        self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter(),
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                       num_prompt_tokens=self.num_prompt_tokens)
 
     @property

@@ -66,7 +66,8 @@ class ModelRunner:
                 seq = PrefillSeq(row, n)
                 if start > 0:  # earlier tokens come from the cache (prefix hit): attend to all of them
                     seq.context_slots = torch.tensor(self._slots(req.block_table, 0, start + n), device=self.device)
-                    seq.mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
+                    allowed = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
+                    seq.mask = self._additive(allowed)
                 meta.prefills.append(seq)
             logits_rows.append(row + n - 1)
         dev = self.device
@@ -81,10 +82,15 @@ class ModelRunner:
                                   dtype=torch.long, device=dev)
             pos = torch.arange(max_ctx, device=dev)
             meta.decode_slots = tables[:, pos // bs] * bs + pos % bs
-            meta.decode_mask = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
+            allowed = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
+            meta.decode_mask = self._additive(allowed)
         return Batch(ordered, torch.tensor(input_ids, dtype=torch.long, device=dev),
                      torch.tensor(positions, dtype=torch.long, device=dev), meta,
                      torch.tensor(logits_rows, dtype=torch.long, device=dev))
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A float mask (0 / -inf) built once per step; a bool mask would be converted again in every layer."""
+        return torch.zeros(allowed.shape, dtype=self.model.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
 
     def execute(self, batch: Batch) -> torch.Tensor:
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.logits_rows)

@@ -60,6 +60,9 @@ class Scheduler:
             out.requests.append(req)
             budget -= n
             i += 1
+        if self.kv is not None:  # no more preemptions this step: the scheduled blocks will be computed
+            for req in out.requests:
+                self.kv.cache_full_blocks(req, req.num_computed_tokens + out.num_new_tokens[req.request_id])
 
         admit = self.config.continuous_batching or batch_was_empty
         while admit and not out.preempted and self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -79,6 +82,8 @@ class Scheduler:
                 if self.kv is not None:
                     self.kv.count_query(req, num_hit)
             req.num_computed_tokens = num_hit
+            if self.kv is not None:
+                self.kv.cache_full_blocks(req, req.num_tokens)  # later admissions may share them at once
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.num_new_tokens[req.request_id] = n

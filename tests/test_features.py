@@ -210,3 +210,20 @@ def test_snapshot_has_the_fields_the_playground_draws(tiny):
     assert snap.prompt_tokens_total == sum(len(p) for p in shared_prefix_prompts(3, 24))
     owners = snap.block_owners
     assert all(len(owners[b]) == snap.block_ref_counts[b] for b in owners)
+
+
+def test_requests_admitted_in_the_same_step_share_a_prefix(tiny):
+    bs, prefix_len = 8, 40
+    prompts = shared_prefix_prompts(4, prefix_len, seed=30)
+    expected = run(engine_like(tiny, prefix_caching=False), prompts)
+    engine = engine_like(tiny, block_size=bs)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()  # all four prefill in one forward pass; the first computes the shared blocks
+    snap = engine.snapshot()
+    assert [snap.requests[i]["num_cached_tokens"] for i in ids] == [0] + [prefix_len // bs * bs] * 3
+    shared = set.intersection(*(set(snap.block_tables[i]) for i in ids))
+    assert len(shared) == prefix_len // bs and all(snap.block_ref_counts[b] == 4 for b in shared)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [done[i] for i in ids] == expected

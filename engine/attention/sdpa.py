@@ -18,7 +18,7 @@ class PrefillSeq:
     start: int  # first row of this sequence in the flattened batch
     num_tokens: int  # query length
     context_slots: torch.Tensor | None = None  # [context_len] when earlier tokens sit in the cache
-    mask: torch.Tensor | None = None  # [num_tokens, context_len] bool, True = may attend
+    mask: torch.Tensor | None = None  # [num_tokens, context_len] additive: 0 may attend, -inf may not
 
 
 @dataclass
@@ -26,7 +26,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None  # [num_tokens] cache slot of each new token; None: no KV cache
     num_decode: int = 0  # the first num_decode rows are single-token decodes
     decode_slots: torch.Tensor | None = None  # [num_decode, max_context] gather index (padding -> slot 0)
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] bool
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] additive (0 / -inf)
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 

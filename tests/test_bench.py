@@ -1,0 +1,243 @@
+"""engine.bench: each subcommand's core function on the tiny model; structure and invariants, never timings."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import bench
+from engine.config import EngineConfig
+from engine.workloads import build_workload
+
+SMALL_POOL = {"num_kv_blocks": 256}  # the tiny model's default pool would be 0.5 GB of zeros per engine
+# Blocks enter the prefix cache once computed, so requests admitted in the same step cannot share them:
+# two seats make the shared group's later requests arrive after its first one computed the prefix.
+FEW_SEATS = {**SMALL_POOL, "max_num_seqs": 2}
+
+
+def tiny_workload(**overrides):
+    spec = {"name": "tiny", "seed": 3, "groups": [
+        {"name": "chat", "count": 5, "prompt_tokens": [6, 30], "output_tokens": [3, 9]},
+        {"name": "shared", "count": 3, "shared_prefix_tokens": 32, "prompt_tokens": [2, 6], "output_tokens": 4},
+    ]}
+    spec.update(overrides)
+    return build_workload(spec)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_models):
+    folder, _ = tiny_models["llama"]
+    return bench.load_llm({"model": folder})
+
+
+# ---- specs -------------------------------------------------------------------------------------------
+def test_parse_value():
+    assert bench.parse_value("true") is True and bench.parse_value("False") is False
+    assert bench.parse_value("none") is None and bench.parse_value("null") is None
+    assert bench.parse_value("8") == 8 and isinstance(bench.parse_value("8"), int)
+    assert bench.parse_value("0.25") == 0.25
+    assert bench.parse_value(" bfloat16 ") == "bfloat16"
+
+
+def test_flag_specs():
+    assert bench.resolve_spec("prefix_caching=false,max_num_seqs=8") == {"prefix_caching": False, "max_num_seqs": 8}
+    assert bench.parse_assignments(["block_size=32", "num_kv_blocks=none"]) == {"block_size": 32,
+                                                                              "num_kv_blocks": None}
+    with pytest.raises(ValueError, match="bogus_field"):
+        bench.resolve_spec("bogus_field=1")
+    with pytest.raises(ValueError, match="key=value"):
+        bench.parse_assignments("block_size=32,oops")
+
+
+def test_feature_presets():
+    names = bench.list_feature_presets()
+    for expected in ("naive", "full", "no-prefix-cache", "contiguous-kv", "static-batching"):
+        assert expected in names
+    assert bench.resolve_spec("naive") == {"kv_cache": False}
+    assert bench.resolve_spec("full") == {}
+    assert bench.resolve_spec("no-prefix-cache") == {"prefix_caching": False}
+    assert bench.resolve_spec("contiguous-kv") == {"paged_kv": False}
+    assert bench.resolve_spec("static-batching") == {"continuous_batching": False}
+    for name in names:
+        EngineConfig.from_kwargs(**bench.resolve_spec(name))
+
+
+def test_bad_preset_name_names_it():
+    with pytest.raises(ValueError, match="no-such-preset"):
+        bench.resolve_spec("no-such-preset")
+
+
+def test_spec_cannot_change_load_time_fields(tiny_llm):
+    with pytest.raises(ValueError, match="dtype"):
+        bench.compare(tiny_llm, tiny_workload(), "full", "dtype=bfloat16", SMALL_POOL)
+
+
+def test_config_order_workload_then_settings_then_spec():
+    wl = tiny_workload(config={"num_kv_blocks": 48, "block_size": 8})
+    fields = bench.config_fields(wl, {"block_size": 16, "max_num_seqs": 4}, {"max_num_seqs": 2})
+    assert fields == {"num_kv_blocks": 48, "block_size": 16, "max_num_seqs": 2}
+
+
+# ---- run_workload and compare ------------------------------------------------------------------------
+def test_run_workload_counts_and_structure(tiny_llm):
+    wl = tiny_workload()
+    result = bench.run_config(tiny_llm, wl, FEW_SEATS)
+    assert result.num_requests == len(wl.requests)
+    assert result.generated_tokens == wl.num_output_tokens
+    assert result.prompt_tokens == wl.num_prompt_tokens
+    assert [len(ids) for ids in result.output_token_ids] == [r.params.max_tokens for r in wl.requests]
+    assert 0 < result.peak_kv_blocks <= 256
+    assert result.prefix_queries == wl.num_prompt_tokens  # warm-up queries are not counted
+    assert result.prefix_hits > 0 and 0 < result.hit_rate <= 1  # the shared group hits
+    assert result.mean_ttft_s is not None and result.mean_tpot_s is not None
+    assert result.steps.num_steps > 0 and set(result.steps.mean_ms) == set(bench.PHASES)
+    assert result.steps.mean_running >= 1
+    assert result.config["num_kv_blocks"] == 256
+
+
+def test_run_workload_more_steps_than_the_engine_keeps(tiny_llm):
+    wl = build_workload({"name": "long", "groups": [{"count": 1, "prompt_tokens": 4, "output_tokens": 300}]})
+    result = bench.run_config(tiny_llm, wl, SMALL_POOL)
+    assert result.steps.num_steps == 300  # every step counted, though engine.steps keeps only 256
+    assert result.generated_tokens == 300
+
+
+def test_run_workload_honours_arrivals(tiny_llm):
+    wl = tiny_workload(arrival="poisson", rate=200.0)
+    assert wl.requests[-1].arrival_s > 0
+    result = bench.run_config(tiny_llm, wl, SMALL_POOL)
+    assert result.generated_tokens == wl.num_output_tokens
+
+
+def test_compare_naive_vs_full_same_greedy_outputs(tiny_llm):
+    wl = tiny_workload()
+    result = bench.compare(tiny_llm, wl, "naive", "full", FEW_SEATS)
+    naive, full = result.results
+    assert result.labels == ("naive", "full")
+    assert result.same_outputs and naive.output_token_ids == full.output_token_ids
+    assert naive.generated_tokens == full.generated_tokens == wl.num_output_tokens
+    assert naive.peak_kv_blocks == 0 and naive.prefix_hits == 0 and naive.config["kv_cache"] is False
+    assert full.peak_kv_blocks > 0 and full.prefix_hits > 0
+    assert result.ratio > 0
+    report = bench.compare_report(result)
+    rows = report.tables["configurations"]
+    assert [r["config"] for r in rows] == ["naive", "full"]
+    assert list(rows[0]) == ["config", "throughput tok/s", "mean TTFT (s)", "mean TPOT (s)", "peak KV blocks",
+                             "preemptions", "prefix hits (tokens)", "hit rate", "wall time (s)"]
+
+
+@pytest.mark.parametrize("spec", ["contiguous-kv", "static-batching", "no-prefix-cache",
+                                  "num_kv_blocks=12,block_size=4"])
+def test_compare_features_keep_greedy_outputs(tiny_llm, spec):
+    wl = tiny_workload()
+    result = bench.compare(tiny_llm, wl, "full", spec, {"num_kv_blocks": 256, "max_model_len": 128})
+    assert result.same_outputs
+    assert result.results[1].generated_tokens == wl.num_output_tokens
+
+
+def test_compare_preempts_with_a_small_pool(tiny_llm):
+    wl = tiny_workload(config={"block_size": 4, "num_kv_blocks": 16})
+    result = bench.compare(tiny_llm, wl, "full", "full")
+    assert result.results[0].config["num_kv_blocks"] == 16  # the workload's own config applies
+    assert result.results[0].preemptions > 0
+    assert result.results[0].peak_kv_blocks <= 16
+    assert result.same_outputs
+
+
+# ---- table, hf-static, sched-cost --------------------------------------------------------------------
+def test_table_rows(tiny_llm):
+    rows = bench.run_table(tiny_llm, [1, 3], input_len=8, output_len=5, settings=SMALL_POOL, hf=True)
+    assert [r.batch for r in rows] == [1, 3]
+    for r in rows:
+        assert r.generated_tokens == r.batch * 5
+        assert r.peak_kv_blocks == r.batch  # 13 tokens per request in blocks of 16
+        assert r.memory_gb * bench.GIB == pytest.approx(
+            r.peak_kv_blocks * 16 * tiny_llm.engine.model.kv_bytes_per_token()
+            + bench.weight_bytes(tiny_llm.engine.model))
+        assert r.hf_tps > 0 and r.ratio == pytest.approx(r.tps / r.hf_tps)
+        assert r.steps.num_steps == 5 and r.steps.mean_running == r.batch
+    report = bench.table_report(rows, 8, 5)
+    assert list(report.tables["reference"][0]) == ["Batch", "Time (s)", "TTFT (s)", "TPOT (s)", "Memory (GB)", "TPS"]
+    assert "engine / HF" in report.tables["vs transformers generate"][0]
+
+
+def test_table_without_hf(tiny_llm):
+    rows = bench.run_table(tiny_llm, [2], input_len=8, output_len=3, settings=SMALL_POOL, hf=False)
+    assert rows[0].hf_tps is None
+    assert "vs transformers generate" not in bench.table_report(rows, 8, 3).tables
+
+
+def test_weight_bytes_matches_hf_parameters(tiny_models, tiny_llm):
+    _, hf_model = tiny_models["llama"]  # tied embeddings: counted once
+    assert bench.weight_bytes(tiny_llm.engine.model) == sum(p.numel() * 4 for p in hf_model.parameters())
+
+
+def test_hf_static(tiny_llm):
+    wl = tiny_workload()
+    result = bench.hf_static(tiny_llm, wl, batch_size=3, settings=SMALL_POOL)
+    assert result.num_batches == 3
+    assert result.hf_useful_tokens == wl.num_output_tokens == result.engine.generated_tokens
+    longest = [max(r.params.max_tokens for r in wl.requests[i:i + 3]) * len(wl.requests[i:i + 3])
+               for i in range(0, len(wl.requests), 3)]
+    assert result.hf_generated_tokens == sum(longest) >= result.hf_useful_tokens
+    assert result.hf_throughput > 0 and result.ratio > 0
+    assert len(bench.hf_static_report(result).tables["throughput"]) == 2
+
+
+def test_sched_cost(tiny_llm):
+    result = bench.sched_cost(tiny_llm, running=5, prompt_len=6, decode_steps=4, settings=SMALL_POOL)
+    assert result.decode.num_steps == 4 and result.decode.mean_running == 5
+    assert result.all_steps.num_steps == 5
+    assert result.decode.max_ms["schedule_ms"] >= result.decode.mean_ms["schedule_ms"] >= 0
+    rows = bench.sched_cost_report(result).tables["cost per step"]
+    assert rows[0]["count"] == 4
+
+
+def test_sched_cost_raises_max_num_seqs(tiny_llm):
+    result = bench.sched_cost(tiny_llm, running=6, prompt_len=4, decode_steps=2,
+                              settings={**SMALL_POOL, "max_num_seqs": 2})
+    assert result.decode.mean_running == 6
+
+
+# ---- rendering and the command line ------------------------------------------------------------------
+def test_markdown_table():
+    text = bench.markdown_table([{"a": 1, "b": 0.5, "c": None, "d": 1234.5}, {"a": 2, "b": 2.0, "c": True, "d": 0.0}])
+    assert text.splitlines() == ["| a | b | c | d |", "|---|---|---|---|", "| 1 | 0.5000 | - | 1234.5 |",
+                                 "| 2 | 2.00 | True | 0.0000 |"]
+
+
+def test_default_subcommand_is_table():
+    args = bench.parse_args(["--batch-sizes", "1,2", "--no-hf"])
+    assert args.command == "table" and args.batch_sizes == [1, 2] and args.input_len == 128
+    assert bench.parse_args([]).command == "table"
+    args = bench.parse_args(["compare", "--workload", "mixed-lengths", "--set", "block_size=32", "--set", "seed=1"])
+    assert bench.settings_from_args(args) == {"block_size": 32, "seed": 1}
+    assert (args.a, args.b) == ("naive", "full")
+
+
+def test_cli_table_json(tiny_models, tmp_path, capsys):
+    folder, _ = tiny_models["llama"]
+    out = tmp_path / "rows.json"
+    assert bench.main(["--model", folder, "--set", "num_kv_blocks=64", "--batch-sizes", "1,2", "--input-len", "8",
+                       "--output-len", "3", "--no-hf", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| Batch | Time (s) | TTFT (s) | TPOT (s) | Memory (GB) | TPS |" in printed
+    data = json.loads(out.read_text())
+    assert [r["Batch"] for r in data["tables"]["reference"]] == [1, 2]
+
+
+def test_cli_compare_with_workload_file(tiny_models, tmp_path, capsys):
+    folder, _ = tiny_models["llama"]
+    path = tmp_path / "wl.toml"
+    path.write_text('name = "file"\n[config]\nnum_kv_blocks = 64\n'
+                    '[[groups]]\ncount = 3\nprompt_tokens = [4, 12]\noutput_tokens = 3\n')
+    assert bench.main(["compare", "--model", folder, "--workload", str(path), "--a", "naive", "--b",
+                       "prefix_caching=false"]) == 0
+    printed = capsys.readouterr().out
+    assert "| naive |" in printed and "| prefix_caching=false |" in printed and "throughput b/a" in printed
+
+
+def test_cli_bad_preset_is_an_error(tiny_models, capsys):
+    folder, _ = tiny_models["llama"]
+    assert bench.main(["compare", "--model", folder, "--workload", "fixed-16", "--b", "nope"]) == 2
+    assert "'nope'" in capsys.readouterr().err

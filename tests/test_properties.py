@@ -1,0 +1,402 @@
+"""Property tests of the block pool, the KV cache manager and the engine's scheduling loop.
+
+Two levels:
+- a hypothesis state machine drives KVCacheManager directly (no model) the way the scheduler does:
+  admit with prefix hits, compute, decode, preempt, finish, toggle prefix caching;
+- random interleavings of add_request / step / abort on a real engine (tiny random model) with small
+  pools, so that preemption, prefix-cache sharing and eviction all happen.
+After every operation the block accounting must be exact; at the end every block is free, every
+request finished exactly once, and greedy outputs equal those of an unconstrained reference run.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.blocks import KVCacheManager
+from engine.request import Request, RequestStatus
+from tests.conftest import assert_all_blocks_free, build_tiny_model
+
+MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chain_keys(token_ids: list[int], block_size: int) -> list[tuple]:
+    """The prefix-cache keys of a token sequence's full blocks, computed independently of the engine."""
+    keys: list[tuple] = []
+    for i in range(len(token_ids) // block_size):
+        keys.append((hash(keys[-1]) if keys else None, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+    return keys
+
+
+def check_pool(kv: KVCacheManager, holders: list[Request], idle: list[Request] = (),
+               sharing_needs_hash: bool = True) -> None:
+    """Exact block accounting. holders: every request that may hold blocks; idle: requests that must hold none."""
+    pool = kv.pool
+    counts = Counter()
+    for req in holders:
+        assert len(set(req.block_table)) == len(req.block_table), f"{req} holds a block twice"
+        counts.update(req.block_table)
+    for req in idle:
+        assert req.block_table == [], f"{req} is not running but holds blocks"
+    for block in pool.blocks:
+        assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
+        assert block.ref_count == counts[block.block_id], (
+            f"block {block.block_id}: ref_count {block.ref_count} but {counts[block.block_id]} tables hold it")
+        in_queue = block.block_id in pool.free_queue
+        assert (block.ref_count == 0) == in_queue, (
+            f"block {block.block_id}: ref_count {block.ref_count}, {'' if in_queue else 'not '}in the free queue")
+        if sharing_needs_hash and block.ref_count > 1:
+            assert block.hash_key is not None, f"block {block.block_id} is shared but names no cached prefix"
+        if block.hash_key is not None:
+            assert pool.cached.get(block.hash_key) == block.block_id, f"block {block.block_id}'s hash is not cached"
+    for key, block_id in pool.cached.items():
+        assert pool.blocks[block_id].hash_key == key, f"pool.cached maps a key to block {block_id}, which lost it"
+    assert len(pool.free_queue) == pool.num_free == sum(1 for b in pool.blocks if b.ref_count == 0)
+    assert kv.num_used == sum(1 for b in pool.blocks if b.ref_count > 0)
+    # Plain free blocks are reused before any cached-free block is evicted: plain ones sit at the front.
+    flags = [pool.blocks[b].hash_key is not None for b in pool.free_queue]
+    assert flags == sorted(flags), "a cached-free block sits in front of a plain free block"
+    if not kv.prefix_caching:
+        assert not pool.cached
+    # A registered block's content is the holder's tokens at that position (a prefix hit reads the right K/V).
+    for req in holders:
+        keys = chain_keys(req.token_ids, kv.block_size)
+        for i, block_id in enumerate(req.block_table):
+            key = pool.blocks[block_id].hash_key
+            if key is not None:
+                assert i < len(keys) and key == keys[i], f"{req}: block {block_id} at {i} caches other tokens"
+
+
+# ---------------------------------------------------------------------------------------------------
+# KVCacheManager alone
+# ---------------------------------------------------------------------------------------------------
+
+MACHINE_MAX_LEN = 20
+TOKENS = st.lists(st.integers(3, 6), min_size=1, max_size=10)  # a tiny alphabet so prefixes repeat
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    """Requests move waiting -> scheduled (slots for all their tokens) -> computed -> scheduled ... -> freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv: KVCacheManager | None = None
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # each has block slots for all its tokens
+        self.done: list[Request] = []
+        self.next_id = 0
+        self.toggled_off = False
+
+    @initialize(num_blocks=st.integers(4, 16), block_size=st.sampled_from([1, 2, 4]),
+                prefix_caching=st.sampled_from([True, True, False]))
+    def setup(self, num_blocks, block_size, prefix_caching):
+        self.kv = KVCacheManager(num_blocks, block_size, max_model_len=64, paged=True, prefix_caching=prefix_caching)
+
+    def _state(self):
+        pool = self.kv.pool
+        return ([(b.ref_count, b.hash_key) for b in pool.blocks], list(pool.free_queue), dict(pool.cached),
+                pool.num_evictions, [(r.request_id, list(r.block_table), r.num_cached_blocks) for r in self.running],
+                [(r.request_id, list(r.block_table)) for r in self.waiting])
+
+    @rule(tokens=TOKENS, copy_from=st.integers(0, 100), keep=st.integers(0, 16))
+    def new_request(self, tokens, copy_from, keep):
+        others = self.running + self.waiting + self.done
+        if others and copy_from % 2 == 0:  # share a prefix with a live or finished request
+            tokens = others[copy_from % len(others)].token_ids[:keep] + tokens
+        req = Request(str(self.next_id), tokens[:MACHINE_MAX_LEN - 1], SamplingParams(max_tokens=8))
+        self.next_id += 1
+        self.waiting.append(req)
+
+    @rule(index=st.integers(0, 100), tokens=TOKENS)
+    def admit(self, index, tokens):
+        if not self.waiting:  # rules stay productive whatever subset hypothesis enables (swarm testing)
+            self.new_request(tokens, index, index % 16)
+        kv, pool = self.kv, self.kv.pool
+        req = self.waiting[index % len(self.waiting)]
+        cached = kv.find_cached_prefix(req)
+        keys = chain_keys(req.token_ids, kv.block_size)
+        assert len(cached) <= (req.num_tokens - 1) // kv.block_size, "the last token must always be recomputed"
+        for i, block_id in enumerate(cached):
+            assert pool.blocks[block_id].hash_key == keys[i], "a prefix hit on a block holding other tokens"
+        num_hit = len(cached) * kv.block_size
+        before = self._state()
+        touched_free = [b for b in cached if pool.blocks[b].ref_count == 0]
+        remaining = [b for b in pool.free_queue if b not in touched_free]
+        plain_free = sum(1 for b in remaining if pool.blocks[b].hash_key is None)
+        need = cdiv(req.num_tokens, kv.block_size) - len(cached)
+        ok = kv.allocate_slots(req, req.num_tokens - num_hit, cached)
+        assert ok == (need + len(touched_free) <= len(before[1])), "allocate_slots refused though the pool had room"
+        event(f"admit ok={ok} hits={len(cached) > 0} evicted={ok and need > plain_free}")
+        if not ok:
+            assert self._state() == before, "a refused allocate_slots changed state"
+            return
+        assert req.block_table[:len(cached)] == cached
+        # new blocks come from the front of the free queue: plain ones first, then the oldest cached-free
+        assert req.block_table[len(cached):] == remaining[:need]
+        assert pool.num_evictions - before[3] == max(0, need - plain_free)
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
+
+    @rule(index=st.integers(0, 100), token=st.integers(3, 6))
+    def compute_and_decode(self, index, token):
+        """One engine step for this request: its K/V is written, a token is sampled, a slot is found for it."""
+        if not self.running:
+            if self.waiting:
+                self.admit(index, [token])
+            return
+        kv = self.kv
+        req = self.running[index % len(self.running)]
+        req.num_computed_tokens = req.num_tokens
+        kv.cache_full_blocks(req, req.num_computed_tokens)
+        req.token_ids.append(token)
+        if req.num_tokens >= MACHINE_MAX_LEN:
+            self._finish(req)
+            return
+        before = self._state()
+        if not kv.allocate_slots(req, 1):
+            assert self._state() == before, "a refused allocate_slots changed state"
+            assert kv.pool.num_free == 0 and req.num_tokens % kv.block_size == 1 % kv.block_size
+            self._preempt(req)
+
+    def _finish(self, req):
+        self.kv.free(req)
+        self.running.remove(req)
+        self.done.append(req)
+
+    def _preempt(self, req):
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+
+    @rule(index=st.integers(0, 100), finish=st.booleans())
+    def release(self, index, finish):
+        if not self.running:
+            return
+        req = self.running[index % len(self.running)]
+        self._finish(req) if finish else self._preempt(req)
+
+    @rule(switch=st.integers(0, 9))
+    def set_prefix_caching(self, switch):
+        if switch >= 2:  # mostly a no-op: switching off clears the cache, and hits are what we want to test
+            return
+        if switch == 0:
+            self.toggled_off = True
+        self.kv.set_prefix_caching(switch == 1)
+
+    @invariant()
+    def accounting(self):
+        if self.kv is None:
+            return
+        check_pool(self.kv, self.running, self.waiting, sharing_needs_hash=not self.toggled_off)
+        for req in self.running:
+            assert len(req.block_table) == cdiv(req.num_tokens, self.kv.block_size)
+
+    def teardown(self):
+        if self.kv is None:
+            return
+        for req in list(self.running):
+            self._finish(req)
+        check_pool(self.kv, [], self.waiting, sharing_needs_hash=not self.toggled_off)
+        assert self.kv.pool.num_free == self.kv.num_blocks
+        assert all(b.ref_count == 0 for b in self.kv.pool.blocks)
+
+
+TestKVCacheMachine = KVCacheMachine.TestCase
+TestKVCacheMachine.settings = settings(max_examples=40, stateful_step_count=100, deadline=None)
+
+
+def test_release_below_zero_is_an_error():
+    kv = KVCacheManager(4, 2, max_model_len=8, paged=True, prefix_caching=True)
+    with pytest.raises(RuntimeError, match="ref_count"):
+        kv.pool.release(0)
+    assert kv.pool.blocks[0].ref_count == 0 and kv.pool.num_free == 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine: random add / step / abort interleavings on a tiny model
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, our model, tokenizer, hf config) of a tiny random llama, loaded once for the module."""
+    from engine import LLM
+    folder = tmp_path_factory.mktemp("props-llama")
+    build_tiny_model("llama", folder)
+    llm = LLM(str(folder))
+    return str(folder), llm.engine.model, llm.tokenizer, llm.engine.hf_config
+
+
+_reference: dict[tuple[int, ...], list[int]] = {}
+REF_TOKENS = 12
+
+
+def reference_outputs(tiny, prompts: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
+    """Greedy outputs of each prompt with a pool too big to preempt and no prefix caching (memoized)."""
+    missing = list({tuple(p) for p in prompts} - set(_reference))
+    if missing:
+        folder, model, tokenizer, hf_config = tiny
+        cfg = EngineConfig.from_kwargs(model=folder, block_size=16, num_kv_blocks=512, prefix_caching=False)
+        eng = LLMEngine(cfg, model, tokenizer, hf_config)
+        params = SamplingParams(temperature=0, max_tokens=REF_TOKENS, ignore_eos=True)
+        ids = {eng.add_request(list(p), params): p for p in missing}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    _reference[ids[out.request_id]] = out.token_ids
+    return _reference
+
+
+def check_engine(eng: LLMEngine, after_step: bool) -> None:
+    s, kv = eng.scheduler, eng.kv
+    check_pool(kv, s.running, s.waiting)
+    assert len(s.running) <= eng.config.max_num_seqs
+    assert not set(map(id, s.running)) & set(map(id, s.waiting))
+    for req in s.running:
+        assert req.status is RequestStatus.RUNNING
+        if after_step:  # a running request holds exactly the blocks its computed tokens need
+            assert req.num_computed_tokens == req.num_tokens - 1
+            assert len(req.block_table) == cdiv(req.num_computed_tokens, kv.block_size)
+    for req in s.waiting:
+        assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and req.num_computed_tokens == 0
+    snap = eng.snapshot()
+    assert snap.kv_blocks_used == kv.num_used == sum(1 for rc in snap.block_ref_counts if rc > 0)
+    assert snap.kv_blocks_total == kv.num_blocks == len(snap.block_ref_counts)
+    assert snap.kv_blocks_cached_free == sum(1 for b in kv.pool.free_queue if kv.pool.blocks[b].hash_key is not None)
+    owners = snap.block_owners
+    assert all(len(owners.get(b, [])) == rc for b, rc in enumerate(snap.block_ref_counts))
+
+
+engine_configs = st.fixed_dictionaries({
+    "block_size": st.sampled_from([2, 4, 8]),
+    "num_kv_blocks": st.one_of(st.integers(8, 16), st.integers(8, 40)),  # skewed small: preemption happens
+    "max_num_seqs": st.one_of(st.integers(3, 6), st.integers(1, 6)),
+    "prefix_caching": st.booleans(),
+})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cfg=engine_configs, data=st.data())
+def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, data):
+    folder, model, tokenizer, hf_config = tiny
+    eng = LLMEngine(EngineConfig.from_kwargs(model=folder, **cfg), model, tokenizer, hf_config)
+    bs, num_blocks = cfg["block_size"], cfg["num_kv_blocks"]
+    base = data.draw(st.lists(st.integers(3, 49151), min_size=24, max_size=24), label="shared prefix")
+
+    added: dict[str, tuple[list[int], int]] = {}  # id -> (prompt, max_tokens)
+    aborted: set[str] = set()
+    finished: Counter[str] = Counter()
+    streamed: dict[str, list[int]] = {}
+    final: dict[str, object] = {}
+
+    def consume(outputs):
+        seen = set()
+        for out in outputs:
+            rid = out.request_id
+            assert rid in added and rid not in seen, f"output for {rid} unknown or twice in one step"
+            seen.add(rid)
+            assert finished[rid] == 0, f"output for {rid} after it finished"
+            prev = streamed.get(rid, [])
+            if out.finish_reason == "abort":
+                assert out.token_ids == prev, "an abort changed the tokens already streamed"
+            else:
+                assert out.token_ids[:-1] == prev and len(out.token_ids) == len(prev) + 1, "not one token per step"
+            streamed[rid] = list(out.token_ids)
+            assert out.finished == (out.finish_reason is not None)
+            if out.finished:
+                finished[rid] += 1
+                final[rid] = out
+
+    n_ops = data.draw(st.integers(4, 30), label="ops")
+    for _ in range(n_ops):
+        op = data.draw(st.sampled_from(["add", "step", "step", "add", "step", "abort"]), label="op")
+        if op == "add":
+            for _ in range(data.draw(st.integers(1, 4), label="burst")):
+                if len(added) >= 14:
+                    break
+                # whole shared prefix, a block-aligned part of it, or any part: the prefix cache gets hits
+                keep = data.draw(st.one_of(st.sampled_from([len(base), 2 * bs, 0]), st.integers(0, len(base))),
+                                 label="prefix len")
+                suffix = data.draw(st.lists(st.integers(3, 40), min_size=0 if keep else 1, max_size=3 * bs),
+                                   label="suffix")
+                prompt = base[:keep] + suffix
+                max_tokens = data.draw(st.integers(1, REF_TOKENS), label="max_tokens")
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                if cdiv(len(prompt) + max_tokens, bs) > num_blocks:
+                    with pytest.raises(ValueError, match="KV blocks"):
+                        eng.add_request(prompt, params)
+                    continue
+                rid = eng.add_request(prompt, params)
+                assert rid not in added
+                added[rid] = (prompt, max_tokens)
+        elif op == "step":
+            consume(eng.step())
+            check_engine(eng, after_step=True)
+            continue
+        elif op == "abort" and added:
+            rid = data.draw(st.sampled_from(sorted(added)), label="abort id")
+            was_live = rid not in final and rid not in aborted
+            assert eng.abort(rid) == was_live
+            if was_live:
+                aborted.add(rid)
+        check_engine(eng, after_step=False)
+
+    assert eng.abort("no-such-request") is False
+    steps = 0
+    while eng.has_unfinished():
+        consume(eng.step())
+        check_engine(eng, after_step=True)
+        steps += 1
+        assert steps < 10_000, "the engine does not drain"
+    assert eng.step() == [], "an idle step produced output"
+
+    event(f"preempted: {eng.scheduler.num_preemptions > 0}")
+    event(f"prefix hits: {eng.kv.prefix_cache_hits > 0}")
+    event(f"evictions: {eng.kv.pool.num_evictions > 0}")
+    event(f"aborted: {len(aborted) > 0}")
+    assert_all_blocks_free(eng)
+    check_pool(eng.kv, [], [])
+    assert eng.requests == {} and not eng.scheduler.running and not eng.scheduler.waiting
+    assert set(finished) == set(added) and all(c == 1 for c in finished.values()), "a request lost or finished twice"
+    ref = reference_outputs(tiny, [p for p, _ in added.values()])
+    for rid, (prompt, max_tokens) in added.items():
+        out = final[rid]
+        expected = ref[tuple(prompt)][:max_tokens]
+        if rid in aborted:
+            assert out.finish_reason == "abort"
+            assert out.token_ids == expected[:len(out.token_ids)]
+        else:
+            assert out.finish_reason == "length" and out.token_ids == expected, f"request {rid} output is wrong"
+            assert out.prompt_token_ids == prompt
+
+
+def test_engine_properties_exercise_preemption_and_prefix_hits(tiny):
+    """The random test above is only as good as what it reaches: this fixed case must preempt and hit the cache."""
+    folder, model, tokenizer, hf_config = tiny
+    cfg = EngineConfig.from_kwargs(model=folder, block_size=2, num_kv_blocks=16, max_num_seqs=4)
+    eng = LLMEngine(cfg, model, tokenizer, hf_config)
+    prefix = list(range(100, 110))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    rid0 = eng.add_request(prefix + [7], params)
+    eng.step()
+    ids = [rid0] + [eng.add_request(prefix + [8 + i], params) for i in range(3)]
+    counts = Counter()
+    while eng.has_unfinished():
+        for out in eng.step():
+            counts[out.request_id] += out.finished
+        check_engine(eng, after_step=True)
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.kv.prefix_cache_hits > 0
+    assert counts == Counter({rid: 1 for rid in ids})
+    assert_all_blocks_free(eng)

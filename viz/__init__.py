@@ -1,0 +1,1 @@
+"""Pure functions from engine snapshots to plotly figures (built with the playground issue)."""
