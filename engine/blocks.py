@@ -125,6 +125,8 @@ class KVCacheManager:
     def _hash_keys(self, request: Request) -> list[tuple]:
         """Chained hash keys of the request's full blocks, extended as its tokens grow."""
         bs, keys = self.block_size, request.block_hash_keys
+        if keys and len(keys[0][1]) != bs:  # made for another block size (the pool was rebuilt): start over
+            keys.clear()
         while (len(keys) + 1) * bs <= request.num_tokens:
             i = len(keys)
             keys.append((hash(keys[-1]) if keys else None, tuple(request.token_ids[i * bs:(i + 1) * bs])))

@@ -48,7 +48,8 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         unknown = sorted(set(kwargs) - set(cls.field_names()))
         if unknown:
-            raise ValueError(f"unknown config field(s): {', '.join(unknown)}; known fields: {', '.join(cls.field_names())}")
+            raise ValueError(f"unknown config field(s): {', '.join(unknown)}; "
+                             f"known fields: {', '.join(cls.field_names())}")
         cfg = cls(**kwargs)
         cfg.validate()
         return cfg
@@ -79,7 +80,7 @@ class EngineConfig:
         if not (self.device in ("cpu", "cuda", "auto") or str(self.device).startswith("cuda:")):
             raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
         bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs > 1024 or bs & (bs - 1):
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs > 1024 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two between 1 and 1024, got {bs!r}")
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("seed", self.seed, allow_zero=True)

@@ -138,6 +138,7 @@ class LLMEngine:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._check_fits(req.num_prompt_tokens, req.params, resolved)
         self._pending.update(changes)
+        self._pending_config = resolved
 
     def _apply_pending(self) -> None:
         if not self._pending:
@@ -199,6 +200,8 @@ class LLMEngine:
         if bad := [t for t in token_ids if not 0 <= t < vocab]:
             raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         self._check_fits(len(token_ids), params, self.config)
+        if self._pending:  # it must also fit the configuration about to apply
+            self._check_fits(len(token_ids), params, self._pending_config)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

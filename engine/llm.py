@@ -45,14 +45,14 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, p))
         except ValueError:
-            for rid in ids:  # a bad prompt rejects the whole call, and leaves nothing behind
+            for rid in ids:  # a bad prompt rejects the whole call; other requests in flight are untouched
                 self.engine.abort(rid)
-            self.engine.step() if ids else None
             raise
+        mine = set(ids)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():
-                if out.finished:
+                if out.finished and out.request_id in mine:
                     done[out.request_id] = out
         return [done[rid] for rid in ids]
 

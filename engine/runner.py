@@ -90,7 +90,8 @@ class ModelRunner:
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A float mask (0 / -inf) built once per step; a bool mask would be converted again in every layer."""
-        return torch.zeros(allowed.shape, dtype=self.model.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
 
     def execute(self, batch: Batch) -> torch.Tensor:
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.logits_rows)

@@ -66,8 +66,9 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     drop = ranks >= k
     probs = sorted_logits.softmax(dim=1)
     # top-p: keep the smallest prefix whose mass reaches p (the token that crosses p stays).
+    # top_p = 1 is off: the float cumsum reaches 1.0 before the tail, which must not drop the tail's tokens.
     mass_before = probs.cumsum(dim=1) - probs
-    drop |= mass_before >= top_p.unsqueeze(1)
+    drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1)
     drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
     drop[:, 0] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -15,7 +15,15 @@ TINY_ARCHS = ("llama", "qwen3", "qwen2")
 
 def build_tiny_model(arch: str, folder, seed: int = 0, vocab_size: int = 49152):
     """A seeded random model of the given family, saved as an HF folder with the default tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     from engine.models.loader import resolve_model
 
@@ -23,7 +31,8 @@ def build_tiny_model(arch: str, folder, seed: int = 0, vocab_size: int = 49152):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if arch == "llama":
-        config, cls = LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), LlamaForCausalLM
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        config, cls = LlamaConfig(**common, tie_word_embeddings=True, rope_parameters=rope), LlamaForCausalLM
     elif arch == "qwen3":
         config, cls = Qwen3Config(**common, head_dim=16, tie_word_embeddings=False), Qwen3ForCausalLM
     elif arch == "qwen2":

@@ -207,7 +207,9 @@ def test_snapshot_has_the_fields_the_playground_draws(tiny):
     assert len(snap.block_ref_counts) == snap.kv_blocks_total == engine.config.num_kv_blocks
     assert sum(1 for h in snap.block_hashes if h is not None) >= 3
     assert snap.steps[-1].prefills and snap.steps[-1].forward_ms > 0
-    assert snap.prompt_tokens_total == sum(len(p) for p in shared_prefix_prompts(3, 24))
+    cached = [r["num_cached_tokens"] for r in snap.requests.values()]
+    assert cached == [0, 24, 24]  # admitted in one step, the later two share the first one's 3 blocks
+    assert snap.prompt_tokens_total == sum(len(p) for p in shared_prefix_prompts(3, 24)) - sum(cached)
     owners = snap.block_owners
     assert all(len(owners[b]) == snap.block_ref_counts[b] for b in owners)
 

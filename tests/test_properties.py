@@ -258,16 +258,18 @@ def reference_outputs(tiny, prompts: list[list[int]]) -> dict[tuple[int, ...], l
     return _reference
 
 
-def check_engine(eng: LLMEngine, after_step: bool) -> None:
+def check_engine(eng: LLMEngine, after_step: bool, sharing_needs_hash: bool = True, seats: int = 0) -> None:
+    """seats: how many requests may run beyond max_num_seqs (lowering it in place does not evict the running)."""
     s, kv = eng.scheduler, eng.kv
-    check_pool(kv, s.running, s.waiting)
-    assert len(s.running) <= eng.config.max_num_seqs
+    check_pool(kv, s.running, s.waiting, sharing_needs_hash)
+    assert len(s.running) <= max(eng.config.max_num_seqs, seats)
     assert not set(map(id, s.running)) & set(map(id, s.waiting))
     for req in s.running:
         assert req.status is RequestStatus.RUNNING
         if after_step:  # a running request holds exactly the blocks its computed tokens need
             assert req.num_computed_tokens == req.num_tokens - 1
-            assert len(req.block_table) == cdiv(req.num_computed_tokens, kv.block_size)
+            need = cdiv(req.num_computed_tokens, kv.block_size) if kv.paged else kv.blocks_per_reservation
+            assert len(req.block_table) == need
     for req in s.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and req.num_computed_tokens == 0
     snap = eng.snapshot()
@@ -282,16 +284,21 @@ engine_configs = st.fixed_dictionaries({
     "block_size": st.sampled_from([2, 4, 8]),
     "num_kv_blocks": st.one_of(st.integers(8, 16), st.integers(8, 40)),  # skewed small: preemption happens
     "max_num_seqs": st.one_of(st.integers(3, 6), st.integers(1, 6)),
-    "prefix_caching": st.booleans(),
+    "prefix_caching": st.sampled_from([True, True, False]),
+    "paged_kv": st.sampled_from([True, True, True, False]),
 })
+CONTIGUOUS_MAX_LEN = 40  # without paging each request reserves max_model_len up front: keep it small
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cfg=engine_configs, data=st.data())
 def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, data):
     folder, model, tokenizer, hf_config = tiny
+    if not cfg["paged_kv"]:
+        cfg = {**cfg, "max_model_len": CONTIGUOUS_MAX_LEN,
+               "num_kv_blocks": max(cfg["num_kv_blocks"], CONTIGUOUS_MAX_LEN // cfg["block_size"])}
     eng = LLMEngine(EngineConfig.from_kwargs(model=folder, **cfg), model, tokenizer, hf_config)
-    bs, num_blocks = cfg["block_size"], cfg["num_kv_blocks"]
+    bs, num_blocks, max_len = cfg["block_size"], cfg["num_kv_blocks"], eng.config.max_model_len
     base = data.draw(st.lists(st.integers(3, 49151), min_size=24, max_size=24), label="shared prefix")
 
     added: dict[str, tuple[list[int], int]] = {}  # id -> (prompt, max_tokens)
@@ -318,22 +325,34 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
                 finished[rid] += 1
                 final[rid] = out
 
+    sharing_needs_hash = True
+    seats = 0  # after max_num_seqs is lowered, the requests already running may finish above it
+
+    def check(after_step: bool) -> None:
+        nonlocal seats
+        check_engine(eng, after_step, sharing_needs_hash, seats)
+        seats = min(seats, len(eng.scheduler.running))
     n_ops = data.draw(st.integers(4, 30), label="ops")
     for _ in range(n_ops):
-        op = data.draw(st.sampled_from(["add", "step", "step", "add", "step", "abort"]), label="op")
+        op = data.draw(st.sampled_from(["add", "step", "step", "add", "step", "abort", "add", "step", "reconfig"]),
+                       label="op")
         if op == "add":
             for _ in range(data.draw(st.integers(1, 4), label="burst")):
                 if len(added) >= 14:
                     break
                 # whole shared prefix, a block-aligned part of it, or any part: the prefix cache gets hits
-                keep = data.draw(st.one_of(st.sampled_from([len(base), 2 * bs, 0]), st.integers(0, len(base))),
+                keep = data.draw(st.one_of(st.just(len(base)), st.sampled_from([2 * bs, 0]), st.integers(0, len(base))),
                                  label="prefix len")
                 suffix = data.draw(st.lists(st.integers(3, 40), min_size=0 if keep else 1, max_size=3 * bs),
                                    label="suffix")
                 prompt = base[:keep] + suffix
                 max_tokens = data.draw(st.integers(1, REF_TOKENS), label="max_tokens")
                 params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-                if cdiv(len(prompt) + max_tokens, bs) > num_blocks:
+                if len(prompt) >= max_len:
+                    with pytest.raises(ValueError, match="max_model_len"):
+                        eng.add_request(prompt, params)
+                    continue
+                if cfg["paged_kv"] and cdiv(len(prompt) + max_tokens, bs) > num_blocks:
                     with pytest.raises(ValueError, match="KV blocks"):
                         eng.add_request(prompt, params)
                     continue
@@ -342,7 +361,31 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
                 added[rid] = (prompt, max_tokens)
         elif op == "step":
             consume(eng.step())
-            check_engine(eng, after_step=True)
+            check(after_step=True)
+            continue
+        elif op == "reconfig":
+            changes = data.draw(st.one_of(
+                st.fixed_dictionaries({"prefix_caching": st.booleans()}),
+                st.fixed_dictionaries({"max_num_seqs": st.integers(1, 6)}),
+                st.fixed_dictionaries({"num_kv_blocks": st.integers(4, 24)}),
+                st.fixed_dictionaries({"block_size": st.sampled_from([2, 4, 8]), "num_kv_blocks": st.integers(4, 24)}),
+            ), label="changes")
+            before, kv_before = eng.config.to_dict(), eng.kv
+            try:
+                eng.update_config(**changes)
+            except ValueError as exc:  # a live request, or a contiguous reservation, would not fit: nothing changes
+                assert "KV blocks" in str(exc) or "contiguous KV reserves" in str(exc)
+                assert eng.config.to_dict() == before
+                continue
+            if changes.get("prefix_caching") is False and eng.kv.prefix_caching:
+                sharing_needs_hash = False  # blocks shared now stay shared, but their hashes are forgotten
+            seats = len(eng.scheduler.running)
+            consume(eng.step())  # applied at this step boundary; nothing may be added in between
+            assert all(eng.config.to_dict()[k] == v for k, v in changes.items())
+            bs, num_blocks = eng.config.block_size, eng.config.num_kv_blocks
+            if eng.kv is not kv_before:
+                sharing_needs_hash = True  # a new pool
+            check(after_step=True)
             continue
         elif op == "abort" and added:
             rid = data.draw(st.sampled_from(sorted(added)), label="abort id")
@@ -350,13 +393,13 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
             assert eng.abort(rid) == was_live
             if was_live:
                 aborted.add(rid)
-        check_engine(eng, after_step=False)
+        check(after_step=False)
 
     assert eng.abort("no-such-request") is False
     steps = 0
     while eng.has_unfinished():
         consume(eng.step())
-        check_engine(eng, after_step=True)
+        check(after_step=True)
         steps += 1
         assert steps < 10_000, "the engine does not drain"
     assert eng.step() == [], "an idle step produced output"
@@ -365,6 +408,8 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
     event(f"prefix hits: {eng.kv.prefix_cache_hits > 0}")
     event(f"evictions: {eng.kv.pool.num_evictions > 0}")
     event(f"aborted: {len(aborted) > 0}")
+    event(f"reconfigured: {eng.last_reconfig is not None}")
+    event(f"paged: {cfg['paged_kv']}")
     assert_all_blocks_free(eng)
     check_pool(eng.kv, [], [])
     assert eng.requests == {} and not eng.scheduler.running and not eng.scheduler.waiting
@@ -372,7 +417,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
     ref = reference_outputs(tiny, [p for p, _ in added.values()])
     for rid, (prompt, max_tokens) in added.items():
         out = final[rid]
-        expected = ref[tuple(prompt)][:max_tokens]
+        expected = ref[tuple(prompt)][:min(max_tokens, max_len - len(prompt))]
         if rid in aborted:
             assert out.finish_reason == "abort"
             assert out.token_ids == expected[:len(out.token_ids)]
@@ -399,4 +444,25 @@ def test_engine_properties_exercise_preemption_and_prefix_hits(tiny):
     assert eng.scheduler.num_preemptions > 0
     assert eng.kv.prefix_cache_hits > 0
     assert counts == Counter({rid: 1 for rid in ids})
+    assert_all_blocks_free(eng)
+
+
+def test_prefix_cache_after_a_block_size_change_reads_the_right_tokens(tiny):
+    """Regression: hash keys memoized under the old block size named blocks holding other tokens after a rebuild."""
+    folder, model, tokenizer, hf_config = tiny
+    shared = [500, 501, 502, 503, 504, 505]
+    prompts = [shared + [600 + i for i in range(8)], shared + [700 + i for i in range(8)]]
+    ref = reference_outputs(tiny, prompts)
+    cfg = EngineConfig.from_kwargs(model=folder, block_size=2, num_kv_blocks=64)
+    eng = LLMEngine(cfg, model, tokenizer, hf_config)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = [eng.add_request(p, params) for p in prompts]
+    eng.step()
+    eng.update_config(block_size=4)  # both are re-prefilled into a new pool; the second may share the first's blocks
+    finals = {}
+    while eng.has_unfinished():
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+        check_engine(eng, after_step=True)
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert finals[rid].token_ids == ref[tuple(prompt)][:6]
     assert_all_blocks_free(eng)

@@ -65,7 +65,8 @@ def resolve_model(model: str | None) -> Path:
         try:
             return _from_hub(model)
         except Exception as exc:
-            raise ValueError(f"model {model!r} is not a local path and could not be fetched from the hub: {exc}") from exc
+            raise ValueError(f"model {model!r} is not a local path and could not be fetched from the hub: "
+                             f"{exc}") from exc
     raise ValueError(f"model path does not exist: {model}")
 
 
@@ -107,7 +108,8 @@ def load_hf_config(folder: Path):
         archs = json.load(f).get("architectures") or []
     unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
     if not archs or unsupported:
-        raise ValueError(f"unsupported architecture {archs or 'unknown'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"unsupported architecture {archs or 'unknown'}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     config = AutoConfig.from_pretrained(str(folder))
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported")
@@ -160,7 +162,8 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
             down=get(m + "down_proj.weight").t().contiguous(),
         ))
     embed = get("embed_tokens.weight")
-    lm_head = embed if getattr(c, "tie_word_embeddings", False) or "lm_head.weight" not in state else get("lm_head.weight")
+    tied = getattr(c, "tie_word_embeddings", False) or "lm_head.weight" not in state
+    lm_head = embed if tied else get("lm_head.weight")
     inv_freq, scaling = rope_inv_freq(c)
     return LlamaFamilyModel(shape, embed, layers, get("norm.weight"), lm_head, inv_freq, scaling, max_len)
 

@@ -1,0 +1,288 @@
+"""Sampling: exact support of top-k / top-p / min-p, temperature, greedy rows, and seeded reproducibility.
+
+The crafted vectors have probabilities far from every threshold used, so each expected kept set below is
+computed by hand and does not depend on rounding.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.sampler import filter_logits, sample
+from tests.conftest import assert_all_blocks_free
+
+NEG_INF = float("-inf")
+
+# A: probabilities 0.5, 0.25, 0.15, 0.1 on tokens 2, 0, 3, 1 (not in sorted order, so the scatter back is tested)
+A_PROBS = {2: 0.5, 0: 0.25, 3: 0.15, 1: 0.1}
+A = [math.log(A_PROBS[i]) for i in range(4)]
+# B: logits 0..5, softmax = 0.634, 0.233, 0.0858, 0.0316, 0.0116, 0.0043 on tokens 5, 4, 3, 2, 1, 0
+B = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+ALL_A = {0, 1, 2, 3}
+
+
+def kept(logits: list[float], temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> set[int]:
+    out = filter_logits(torch.tensor([logits]), torch.tensor([float(temperature)]), torch.tensor([top_k]),
+                        torch.tensor([float(top_p)]), torch.tensor([float(min_p)]))
+    return set(torch.isfinite(out[0]).nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("top_k,expected", [(1, {2}), (2, {2, 0}), (3, {2, 0, 3}), (4, ALL_A), (10, ALL_A),
+                                            (-1, ALL_A)])
+def test_top_k_keeps_the_k_most_likely(top_k, expected):
+    assert kept(A, top_k=top_k) == expected
+
+
+@pytest.mark.parametrize("top_p,expected", [
+    (0.01, {2}),  # the most likely token always survives
+    (0.4, {2}),  # mass before token 0 is 0.5 >= 0.4
+    (0.6, {2, 0}),  # 0.5 < 0.6, then 0.75 >= 0.6: the token that crosses p stays
+    (0.8, {2, 0, 3}),  # 0.75 < 0.8 <= 0.9
+    (0.95, ALL_A),
+    (1.0, ALL_A),
+])
+def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, expected):
+    assert kept(A, top_p=top_p) == expected
+
+
+@pytest.mark.parametrize("min_p,expected", [
+    (1.0, {2}),  # only tokens as likely as the top one
+    (0.6, {2}),  # threshold 0.30
+    (0.4, {2, 0}),  # threshold 0.20
+    (0.25, {2, 0, 3}),  # threshold 0.125
+    (0.1, ALL_A),  # threshold 0.05
+    (0.0, ALL_A),
+])
+def test_min_p_keeps_tokens_above_a_fraction_of_the_top_probability(min_p, expected):
+    assert kept(A, min_p=min_p) == expected
+
+
+@pytest.mark.parametrize("params,expected", [
+    (dict(top_k=3, top_p=0.6), {2, 0}),
+    (dict(top_k=2, min_p=0.1), {2, 0}),
+    (dict(top_k=3, top_p=0.95, min_p=0.25), {2, 0, 3}),
+    (dict(top_k=1, top_p=1.0, min_p=0.0), {2}),
+    (dict(top_p=0.8, min_p=0.4), {2, 0}),
+])
+def test_filters_combine_as_an_intersection(params, expected):
+    assert kept(A, **params) == expected
+
+
+@pytest.mark.parametrize("temperature,expected", [
+    (1.0, {2, 0}),  # mass before token 3: 0.75 >= 0.7
+    (0.5, {2}),  # probs ~ p^2: 0.725, 0.181, ...: 0.725 >= 0.7 already
+    (2.0, {2, 0, 3}),  # probs ~ sqrt(p): 0.370, 0.262, 0.203, 0.166: mass before token 1 is 0.835
+])
+def test_top_p_applies_to_the_tempered_distribution(temperature, expected):
+    assert kept(A, temperature=temperature, top_p=0.7) == expected
+
+
+def test_temperature_scales_the_kept_logits():
+    logits = torch.tensor([B, B, B])
+    temps = torch.tensor([1.0, 0.5, 4.0])
+    out = filter_logits(logits, temps, torch.tensor([-1, -1, -1]), torch.ones(3), torch.zeros(3))
+    assert torch.allclose(out, logits / temps.unsqueeze(1))
+    # the tempered distribution sharpens below 1 and flattens above it
+    probs = out.softmax(dim=1)
+    assert probs[1, 5] > probs[0, 5] > probs[2, 5]
+    assert torch.allclose(probs[2], torch.softmax(torch.tensor(B) / 4, dim=0))
+
+
+def test_kept_logits_are_unchanged_and_the_rest_are_minus_inf():
+    out = filter_logits(torch.tensor([A]), torch.tensor([1.0]), torch.tensor([2]), torch.ones(1), torch.zeros(1))[0]
+    for i in range(4):
+        assert out[i].item() == (pytest.approx(A[i]) if i in (2, 0) else NEG_INF)
+
+
+def test_per_row_parameters_in_one_batch():
+    pad = [NEG_INF, NEG_INF]  # A has 4 tokens, B has 6: a logit already at -inf stays out
+    rows = [  # (logits, temperature, top_k, top_p, min_p, expected kept set)
+        (A + pad, 1.0, -1, 1.0, 0.0, ALL_A),
+        (A + pad, 1.0, 2, 1.0, 0.0, {2, 0}),
+        (B, 1.0, -1, 0.9, 0.0, {5, 4, 3}),  # mass before token 2: 0.953 >= 0.9
+        (B, 1.0, -1, 1.0, 0.04, {5, 4, 3, 2}),  # threshold 0.0254
+        (A + pad, 0.5, -1, 0.7, 0.0, {2}),
+        (A + pad, 2.0, -1, 0.7, 0.0, {2, 0, 3}),
+        (B, 1.0, 2, 1.0, 0.0, {5, 4}),
+        (B, 1.0, -1, 1.0, 0.0, set(range(6))),
+        (B, 1.0, 4, 0.99, 0.1, {5, 4, 3}),  # min_p threshold 0.0634 drops token 2
+    ]
+    out = filter_logits(torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+                        torch.tensor([r[2] for r in rows]), torch.tensor([r[3] for r in rows]),
+                        torch.tensor([r[4] for r in rows]))
+    for i, row in enumerate(rows):
+        assert set(torch.isfinite(out[i]).nonzero().flatten().tolist()) == row[5], f"row {i}"
+        # each row's result is what it would be alone: rows do not leak into each other
+        assert torch.equal(out[i], filter_logits(torch.tensor([row[0]]), torch.tensor([row[1]]), torch.tensor([row[2]]),
+                                                 torch.tensor([row[3]]), torch.tensor([row[4]]))[0])
+
+
+def test_top_p_one_and_min_p_zero_keep_every_finite_token():
+    """Disabled filters keep the whole support, even tokens whose probability is far below float precision."""
+    assert kept([10.0, 0.0, -30.0, -60.0]) == {0, 1, 2, 3}
+    torch.manual_seed(0)
+    logits = torch.randn(4, 49152) * 3
+    out = filter_logits(logits, torch.ones(4), torch.full((4,), -1), torch.ones(4), torch.zeros(4))
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, logits)
+
+
+def test_ties_at_the_top_k_boundary_keep_exactly_k():
+    assert len(kept([1.0, 3.0, 3.0, 3.0, 0.0], top_k=2)) == 2
+    assert kept([1.0, 3.0, 3.0, 3.0, 0.0], top_k=2) <= {1, 2, 3}
+
+
+# ---- sample() -----------------------------------------------------------------------------------------
+
+def test_greedy_rows_take_the_argmax():
+    torch.manual_seed(1)
+    logits = torch.randn(5, 300)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=0, top_k=5, top_p=0.2), SamplingParams(temperature=0.9),
+              SamplingParams(temperature=0)]
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    out = sample(logits, params, gens)
+    argmax = logits.argmax(dim=1).tolist()
+    for i in (0, 1, 2, 4):
+        assert out[i] == argmax[i]
+    assert 0 <= out[3] < 300
+    # an all-greedy batch needs no generator and draws nothing
+    g = torch.Generator().manual_seed(7)
+    state = g.get_state()
+    assert sample(logits, [SamplingParams(temperature=0)] * 5, [g] * 5) == argmax
+    assert torch.equal(g.get_state(), state)
+
+
+def test_greedy_sample_accepts_half_precision_logits():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]], dtype=torch.float16)
+    assert sample(logits, [SamplingParams(temperature=0)] * 2, [None, None]) == [1, 0]
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
+    torch.manual_seed(2)
+    row, others = torch.randn(1, 500), torch.randn(3, 500)
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    for k in range(20):
+        g = torch.Generator().manual_seed(5)
+        alone = sample(row, [p], [g])
+        batch = torch.cat([others[:2], row, others[2:]])
+        mixed = sample(batch, [SamplingParams(temperature=1.0), SamplingParams(temperature=0), p,
+                               SamplingParams(temperature=0.5, top_k=3)],
+                       [torch.Generator().manual_seed(100 + k), None, torch.Generator().manual_seed(5),
+                        torch.Generator().manual_seed(200 + k)])
+        assert mixed[2] == alone[0]
+
+
+def _support_and_probs(logits: list[float], **params) -> tuple[set[int], dict[int, float]]:
+    p = SamplingParams(**params)
+    out = filter_logits(torch.tensor([logits]), torch.tensor([p.temperature]), torch.tensor([p.top_k]),
+                        torch.tensor([p.top_p]), torch.tensor([p.min_p]))[0]
+    probs = out.softmax(dim=0)
+    support = set(torch.isfinite(out).nonzero().flatten().tolist())
+    return support, {i: probs[i].item() for i in support}
+
+
+@pytest.mark.parametrize("params,expected_support", [
+    (dict(temperature=1.0, top_k=3), {5, 4, 3}),
+    (dict(temperature=1.0, top_p=0.9), {5, 4, 3}),
+    (dict(temperature=1.5, min_p=0.2), {5, 4, 3}),  # tempered: 0.50, 0.26, 0.13, 0.07 ... threshold 0.10
+    (dict(temperature=3.0, top_k=5, top_p=0.8), {5, 4, 3, 2}),  # 0.33, 0.23, 0.17, 0.12: 0.85 before token 1
+])
+def test_draws_never_leave_the_support_and_follow_its_distribution(params, expected_support):
+    support, probs = _support_and_probs(B, **params)
+    assert support == expected_support
+    n = 2000
+    g = torch.Generator().manual_seed(1234)
+    draws = sample(torch.tensor([B] * n), [SamplingParams(**params)] * n, [g] * n)
+    counts = Counter(draws)
+    assert set(counts) == support, "a token outside the support was drawn, or one inside never was"
+    for tok, p in probs.items():  # seeded, so deterministic; 5 sigma of slack
+        assert abs(counts[tok] / n - p) < 5 * math.sqrt(p * (1 - p) / n) + 1e-3, (tok, counts[tok] / n, p)
+
+
+def test_draws_stay_in_a_large_vocabulary_support():
+    torch.manual_seed(3)
+    logits = torch.randn(1, 5000) * 2
+    p = SamplingParams(temperature=0.7, top_k=200, top_p=0.5, min_p=0.05)
+    out = filter_logits(logits, torch.tensor([0.7]), torch.tensor([200]), torch.tensor([0.5]), torch.tensor([0.05]))
+    support = set(torch.isfinite(out[0]).nonzero().flatten().tolist())
+    assert 1 < len(support) <= 200
+    assert support <= set(logits[0].topk(200).indices.tolist())
+    g = torch.Generator().manual_seed(9)
+    draws = sample(logits.expand(2000, -1), [p] * 2000, [g] * 2000)
+    assert set(draws) <= support and len(set(draws)) > 1
+
+
+# ---- seeded requests through the engine ---------------------------------------------------------------
+
+SEEDED = dict(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True)
+PROMPT = [345, 9876, 2222, 31000, 17, 4242, 808, 12000]
+OTHERS = [[100 + i for i in range(n)] for n in (5, 11, 23, 3)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    folder, _ = tiny_models["llama"]
+    return LLM(folder, num_kv_blocks=256, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    out = llm.generate([PROMPT], SamplingParams(**SEEDED, seed=1234))[0]
+    assert len(out.token_ids) == 24
+    assert len(set(out.token_ids)) > 5, "the tiny model samples almost deterministically: the test would be weak"
+    return out.token_ids
+
+
+def test_same_seed_reproduces(llm, alone):
+    again = llm.generate([PROMPT], SamplingParams(**SEEDED, seed=1234))[0].token_ids
+    assert again == alone
+
+
+def test_seeded_request_is_independent_of_its_batch(llm, alone):
+    params = [SamplingParams(**SEEDED), SamplingParams(**SEEDED, seed=1234), SamplingParams(**SEEDED, seed=99),
+              SamplingParams(temperature=0, max_tokens=10), SamplingParams(temperature=1.2, top_k=50, max_tokens=30)]
+    outs = llm.generate([OTHERS[0], PROMPT, OTHERS[1], OTHERS[2], OTHERS[3]], params)
+    assert outs[1].token_ids == alone
+    assert outs[2].token_ids != alone
+
+
+def test_seeded_request_joining_a_running_batch(llm, alone):
+    eng = llm.engine
+    others = [eng.add_request(p, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)) for p in OTHERS]
+    for _ in range(3):
+        eng.step()
+    rid = eng.add_request(PROMPT, SamplingParams(**SEEDED, seed=1234))
+    finals = {}
+    while eng.has_unfinished():
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+    assert set(finals) == {rid, *others}
+    assert finals[rid].token_ids == alone
+    assert_all_blocks_free(eng)
+
+
+def test_seeded_request_is_reproduced_through_preemption(llm, alone):
+    """A tiny pool preempts and recomputes it: each generated token still takes one draw of its generator."""
+    cfg = EngineConfig.from_kwargs(model=str(llm.model_path), block_size=4, num_kv_blocks=12, max_num_seqs=4,
+                                   max_model_len=256)
+    eng = LLMEngine(cfg, llm.engine.model, llm.tokenizer, llm.engine.hf_config)
+    rids = [eng.add_request(p, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)) for p in OTHERS[:2]]
+    rid = eng.add_request(PROMPT, SamplingParams(**SEEDED, seed=1234))
+    finals = {}
+    while eng.has_unfinished():
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng.scheduler.num_preemptions > 0
+    assert set(finals) == {rid, *rids}
+    assert finals[rid].token_ids == alone
+    assert_all_blocks_free(eng)
+
+
+def test_different_seeds_give_different_outputs(llm, alone):
+    outs = llm.generate([PROMPT] * 4, [SamplingParams(**SEEDED, seed=s) for s in (1, 2, 3, 1234)])
+    seqs = [tuple(o.token_ids) for o in outs]
+    assert len(set(seqs[:3])) == 3 and alone not in [list(s) for s in seqs[:3]]
+    assert list(seqs[3]) == alone
