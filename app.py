@@ -1,39 +1,215 @@
-"""The playground entry point. The Gradio page comes with the playground issue; until then this streams a demo.
+"""The playground: chat with the real engine while live charts show its insides.
 
-    python app.py [--model PATH_OR_ID] [--prompt TEXT]
+    python app.py [--model PATH_OR_ID] [--preset NAME] [--share]
+
+Layout and wiring only; what each control does lives in playground/handlers.py, the charts in viz/.
+Respects GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (Hugging Face Spaces binds 0.0.0.0:7860).
 """
 from __future__ import annotations
 
 import argparse
-import sys
+import os
 
-from engine import LLM, SamplingParams
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+
+from engine import LLM  # noqa: E402
+from engine.bench import load_feature_preset  # noqa: E402
+from playground.handlers import (BUILT_SWITCHES, NOT_YET_BUILT, Playground, ablation_figure,  # noqa: E402
+                                 feature_presets, workloads)
+
+INTRO = """# Watch an LLM inference engine work
+A real engine (paged KV cache, continuous batching, prefix caching) runs **SmolLM2-135M** on this machine.
+Chat with it, put it under load, switch features off, and watch what changes."""
+
+HELP = {
+    "blocks": "Every square is one KV block (a fixed number of tokens' keys and values). Colour = the request "
+              "that owns it; grey = free; light blue = **cached-free** (no owner, but it still holds a prefix "
+              "the next request can reuse). A black outline and a number mark blocks **shared** by several "
+              "requests (prefix caching). Hover a block for its request, logical index, ref count and hash.",
+    "queues": "Running requests are in the batch; waiting ones wait for a seat (max_num_seqs), token budget or "
+              "KV blocks. A red x marks a **preemption**: the pool ran dry and the newest request gave its "
+              "blocks back, to be recomputed later.",
+    "prefix": "The share of prompt tokens served from the prefix cache (recent window) and the running total. "
+              "Chats that share a system prompt push it up; recomputation after a preemption never counts.",
+    "throughput": "Tokens generated per second across all requests, with time to first token (TTFT) and time per "
+                  "output token (TPOT). Continuous batching keeps tokens/s up as requests come and go.",
+    "memory": "KV blocks in use out of the pool, and the device's memory (GPU via NVML, or this process's RAM).",
+}
+
+
+def build_app(pg: Playground) -> gr.Blocks:
+    with gr.Blocks(title="watch-llm playground") as demo:
+        gr.Markdown(INTRO)
+        status = gr.Markdown(pg.status())
+        with gr.Tabs():
+            with gr.Tab("Chat"):
+                chatbot = gr.Chatbot(label="Chat with the engine", height=420)
+                with gr.Row():
+                    msg = gr.Textbox(placeholder="Type a message and press Enter", scale=5, show_label=False)
+                    send = gr.Button("Send", variant="primary", scale=1)
+                    stop = gr.Button("Stop", scale=1)
+                with gr.Row():
+                    temperature = gr.Slider(0, 1.5, value=0.7, step=0.05, label="temperature")
+                    max_tokens = gr.Slider(8, 512, value=200, step=8, label="max tokens")
+                reply_info = gr.Markdown()
+            with gr.Tab("Dashboard"):
+                gr.Markdown("Live view of the engine, refreshed every second (figures are shared by all tabs).")
+                with gr.Row():
+                    with gr.Column():
+                        blocks_plot = gr.Plot(label="KV block table")
+                        gr.Markdown(HELP["blocks"])
+                    with gr.Column():
+                        queues_plot = gr.Plot(label="scheduler queues")
+                        gr.Markdown(HELP["queues"])
+                with gr.Row():
+                    with gr.Column():
+                        prefix_plot = gr.Plot(label="prefix cache")
+                        gr.Markdown(HELP["prefix"])
+                    with gr.Column():
+                        throughput_plot = gr.Plot(label="throughput")
+                        gr.Markdown(HELP["throughput"])
+                memory_plot = gr.Plot(label="memory")
+                gr.Markdown(HELP["memory"])
+                with gr.Accordion("Traffic generator: put the engine under load", open=False):
+                    with gr.Row():
+                        traffic_workload = gr.Dropdown(workloads(), value="shared-system-prompt", label="workload")
+                        traffic_users = gr.Slider(1, 64, value=16, step=1, label="concurrent users")
+                        traffic_go = gr.Button("Launch users")
+                    traffic_out = gr.Markdown()
+            with gr.Tab("Engine settings"):
+                gr.Markdown("Changes apply to the running engine at the next step boundary. Pool or paging changes "
+                            "rebuild the KV pool: running requests are re-prefilled, nothing is lost.")
+                with gr.Row():
+                    switches = {s: gr.Checkbox(label=s) for s in BUILT_SWITCHES}
+                with gr.Row():
+                    for s in NOT_YET_BUILT:
+                        gr.Checkbox(label=f"{s} (not built yet)", value=False, interactive=False)
+                with gr.Row():
+                    sizes = {"block_size": gr.Dropdown([1, 2, 4, 8, 16, 32, 64, 128, 256], label="block_size"),
+                             "num_kv_blocks": gr.Number(label="num_kv_blocks (pool size)", precision=0),
+                             "max_num_seqs": gr.Number(label="max_num_seqs", precision=0),
+                             "max_num_batched_tokens": gr.Number(label="max_num_batched_tokens", precision=0)}
+                apply = gr.Button("Apply", variant="primary")
+                settings_out = gr.Markdown()
+                restart = gr.Button("Restart the engine")
+            with gr.Tab("What is each feature worth?"):
+                gr.Markdown("Runs a workload through the full engine, then with each switch off in turn, on this "
+                            "machine. The live engine pauses meanwhile so the numbers are clean.")
+                with gr.Row():
+                    ablate_workload = gr.Dropdown(workloads(), value="mixed-lengths", label="workload")
+                    ablate_quick = gr.Checkbox(value=True, label="quick (a quarter of the requests)")
+                    ablate_go = gr.Button("Run ablation", variant="primary")
+                ablate_plot = gr.Plot(label="tokens/s per configuration")
+                ablate_table = gr.Dataframe(label="results")
+            with gr.Tab("Compare two configurations"):
+                with gr.Row():
+                    cmp_workload = gr.Dropdown(workloads(), value="mixed-lengths", label="workload")
+                    cmp_a = gr.Dropdown(feature_presets(), value="naive", label="A (preset, or type flags)",
+                                        allow_custom_value=True)
+                    cmp_b = gr.Dropdown(feature_presets(), value="full", label="B (preset, or type flags)",
+                                        allow_custom_value=True)
+                    cmp_quick = gr.Checkbox(value=True, label="quick")
+                    cmp_go = gr.Button("Compare", variant="primary")
+                cmp_table = gr.Dataframe(label="side by side")
+                cmp_note = gr.Markdown()
+            with gr.Tab("Step mode"):
+                gr.Markdown("Pause the engine and advance one step at a time: read what the scheduler decided.")
+                with gr.Row():
+                    pause_btn = gr.Button("Pause")
+                    step_btn = gr.Button("Step", variant="primary")
+                    resume_btn = gr.Button("Resume")
+                with gr.Row():
+                    step_text = gr.Markdown()
+                    step_blocks = gr.Plot(label="KV block table after the step")
+
+        # ---- wiring ----
+        chat_inputs = [msg, chatbot, temperature, max_tokens]
+        chat_event = msg.submit(pg.chat, chat_inputs, [chatbot, reply_info], concurrency_limit=16, api_name="chat")
+        send_event = send.click(pg.chat, chat_inputs, [chatbot, reply_info], concurrency_limit=16,
+                                api_visibility="undocumented", api_name="send")
+        for ev in (chat_event, send_event):
+            ev.then(lambda: "", None, msg)
+        stop.click(None, None, None, cancels=[chat_event, send_event])
+
+        def refresh():
+            f = pg.dashboard()
+            return pg.status(), f.blocks, f.queues, f.prefix, f.throughput, f.memory
+        timer = gr.Timer(1.0)
+        dash_outputs = [status, blocks_plot, queues_plot, prefix_plot, throughput_plot, memory_plot]
+        timer.tick(refresh, None, dash_outputs, concurrency_limit=4, show_progress="hidden", api_name="dashboard")
+
+        def do_traffic(workload, users, progress=gr.Progress()):
+            return pg.traffic(workload, users, lambda f, d: progress(f, desc=d))
+        traffic_go.click(do_traffic, [traffic_workload, traffic_users], traffic_out, concurrency_limit=2)
+
+        setting_inputs = list(switches.values()) + list(sizes.values())
+        names = list(switches) + list(sizes)
+
+        def load_settings():
+            cfg = pg.settings()
+            return [cfg[n] for n in names]
+
+        def do_apply(*values):
+            return pg.apply_settings(**dict(zip(names, values)))
+        apply.click(do_apply, setting_inputs, settings_out, api_name="apply_settings").then(
+            load_settings, None, setting_inputs)
+        restart.click(pg.restart, None, settings_out).then(load_settings, None, setting_inputs)
+
+        def do_ablate(workload, quick, progress=gr.Progress()):
+            rows = pg.ablate(workload, quick, lambda f, d: progress(f, desc=d))
+            return ablation_figure(rows), _ablation_table(rows)
+
+        def last_ablation():
+            rows = pg.last_ablation()
+            return (ablation_figure(rows), _ablation_table(rows)) if rows else (None, None)
+        ablate_go.click(do_ablate, [ablate_workload, ablate_quick], [ablate_plot, ablate_table])
+
+        def do_compare(workload, a, b, quick, progress=gr.Progress(track_tqdm=False)):
+            from engine.bench import compare_report, render_report
+            progress(0.1, desc="running both configurations")
+            try:
+                report = compare_report(pg.compare(workload, a, b, quick))
+            except ValueError as exc:
+                return None, f"⚠️ {exc}"
+            rows = report.tables["configurations"]
+            return [[r[k] for k in rows[0]] for r in rows], "\n\n".join(report.notes)
+        cmp_go.click(do_compare, [cmp_workload, cmp_a, cmp_b, cmp_quick], [cmp_table, cmp_note])
+
+        pause_btn.click(pg.pause, None, step_text)
+        resume_btn.click(pg.resume, None, step_text)
+
+        def do_step():
+            text = pg.step()
+            return text, pg.dashboard().blocks
+        step_btn.click(do_step, None, [step_text, step_blocks])
+
+        demo.load(load_settings, None, setting_inputs, api_name="settings").then(last_ablation, None, [ablate_plot, ablate_table])
+    return demo
+
+
+def _ablation_table(rows: list[dict]) -> list[list]:
+    return [[r["feature"], _round(r["throughput_tok_s"]), _round(r["ratio"]), r.get("same_output_as_full"),
+             r.get("error") or ""] for r in rows]
+
+
+def _round(x):
+    return None if x is None else round(float(x), 2)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: embedded SmolLM2)")
-    parser.add_argument("--prompt", default="In two sentences, what does a KV cache do in a language model?")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--preset", default=None, help="a feature preset from presets/features/ (e.g. naive)")
+    parser.add_argument("--share", action="store_true", help="a public gradio.live link (Colab)")
     args = parser.parse_args()
-    print("The Gradio playground is not built yet; streaming one chat reply from the real engine instead.\n")
-    llm = LLM(args.model)
-    engine = llm.engine
-    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
-    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-    print(f"user> {args.prompt}\nassistant> ", end="", flush=True)
-    shown = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == rid:
-                sys.stdout.write(out.text[shown:])
-                sys.stdout.flush()
-                shown = len(out.text)
-    snap = engine.snapshot()
-    m = out.metrics
-    print(f"\n\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, TTFT {m.ttft * 1e3:.0f} ms, "
-          f"TPOT {(m.tpot or 0) * 1e3:.1f} ms, {snap.step} engine steps, KV blocks free again: "
-          f"{snap.kv_blocks_used == 0}]")
+    fields = load_feature_preset(args.preset) if args.preset else {}
+    pg = Playground(LLM(args.model, **fields))
+    demo = build_app(pg)
+    demo.queue(default_concurrency_limit=8).launch(
+        server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+        server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python -m engine.bench compare --workload mixed-lengths --a naive --b full
     python -m engine.bench hf-static --workload mixed-lengths   # or --fixed: 16 x (48 prompt, 64 new)
     python -m engine.bench sched-cost --running 64
+    python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
 
 Every function below `main` returns plain dataclasses / dicts, so a UI can call them; only `main` prints.
 Weights are loaded once (`load_llm`); each configuration gets its own engine built from them (`build_engine`).
@@ -19,7 +20,7 @@ import sys
 import time
 import tomllib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -501,12 +502,60 @@ def sched_cost(llm: LLM, running: int = 64, prompt_len: int = 16, decode_steps: 
                            summarize_steps(tracker.records), wall)
 
 
+# ---- `ablate`: the full engine, then each switch off in turn -------------------------------------------
+FULL_ENGINE = "full engine"
+ABLATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    (FULL_ENGINE, {}),
+    ("no KV cache (naive loop)", {"kv_cache": False}),
+    ("contiguous KV (no paging)", {"paged_kv": False}),
+    ("static batching", {"continuous_batching": False}),
+    ("no prefix caching", {"prefix_caching": False}),
+)
+
+
+def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
+           progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
+    """One row per configuration: feature, throughput_tok_s, ratio (vs the full engine), latency, and
+    whether its greedy outputs equal the full engine's. A configuration that cannot run on this workload
+    (e.g. contiguous KV in a pool too small for max_model_len) gets a row with `error` and no throughput."""
+    rows: list[dict[str, Any]] = []
+    full: RunResult | None = None
+    for i, (feature, switch) in enumerate(ABLATIONS):
+        if progress is not None:
+            progress(i, len(ABLATIONS), feature)
+        try:
+            r = run_config(llm, workload, config_fields(workload, settings or {}, switch))
+        except ValueError as exc:
+            rows.append({"feature": feature, "throughput_tok_s": None, "ratio": None, "error": str(exc)})
+            continue
+        full = full or r
+        rows.append({"feature": feature, "throughput_tok_s": r.throughput, "ratio": r.throughput / full.throughput,
+                     "mean_ttft_s": r.mean_ttft_s, "mean_tpot_s": r.mean_tpot_s, "peak_kv_blocks": r.peak_kv_blocks,
+                     "preemptions": r.preemptions, "prefix_hits": r.prefix_hits,
+                     "same_output_as_full": r.output_token_ids == full.output_token_ids, "error": None})
+    if progress is not None:
+        progress(len(ABLATIONS), len(ABLATIONS), "done")
+    return rows
+
+
+def ablate_report(workload: Workload, rows: list[dict[str, Any]]) -> Report:
+    report = Report(f"ablation on workload {workload.name!r} ({len(workload.requests)} requests)")
+    report.tables["each feature off in turn"] = [
+        {"configuration": r["feature"], "tok/s": r["throughput_tok_s"], "x full engine": r["ratio"],
+         "mean TTFT (s)": r.get("mean_ttft_s"), "mean TPOT (s)": r.get("mean_tpot_s"),
+         "peak KV blocks": r.get("peak_kv_blocks"), "same output": r.get("same_output_as_full"),
+         "error": r["error"] or ""} for r in rows]
+    report.rows = rows
+    return report
+
+
 # ---- reports: rows of plain dicts, rendered as markdown ------------------------------------------------
 @dataclass
 class Report:
     title: str
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # caption -> rows
     notes: list[str] = field(default_factory=list)
+    rows: list[dict[str, Any]] | None = None  # when set, --json writes these rows instead of the whole report
 
 
 def breakdown_row(label: str, s: StepBreakdown) -> dict[str, Any]:
@@ -604,7 +653,7 @@ def render_report(report: Report) -> str:
 
 
 # ---- command line --------------------------------------------------------------------------------------
-COMMANDS = ("table", "compare", "hf-static", "sched-cost")
+COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate")
 
 
 def _int_list(text: str) -> list[int]:
@@ -646,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--batch-size", type=int, default=8)
     hf.add_argument("--fixed", action="store_true", help="the fixed-16 workload (16 x 48 prompt, 64 new), one batch")
     hf.add_argument("--quick", action="store_true")
+    ab = sub.add_parser("ablate", parents=common, help="the full engine, then each feature switch off in turn")
+    ab.add_argument("--workload", default="mixed-lengths", help="preset name or TOML path")
+    ab.add_argument("--quick", action="store_true", help="a quarter of each workload group")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -680,6 +732,9 @@ def run_command(args: argparse.Namespace) -> Report:
         workload = load_workload("fixed-16" if args.fixed else args.workload, args.quick)
         batch = len(workload.requests) if args.fixed else args.batch_size
         return hf_static_report(hf_static(llm, workload, batch, settings))
+    if args.command == "ablate":
+        workload = load_workload(args.workload, args.quick)
+        return ablate_report(workload, ablate(llm, workload, settings))
     return sched_cost_report(sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
 
 
@@ -692,7 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(render_report(report))
     if args.json is not None:
-        args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2, default=str) + "\n")
+        data = report.rows if report.rows is not None else dataclasses.asdict(report)
+        args.json.write_text(json.dumps(data, indent=2, default=str) + "\n")
         print(f"\nrows written to {args.json}")
     return 0
 

@@ -112,6 +112,8 @@ class LLMEngine:
         if num_blocks is None:
             per_block = self.model.kv_bytes_per_token() * config.block_size
             num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+            # never more than every seat filled to max_model_len: beyond that the memory would sit idle
+            num_blocks = min(num_blocks, config.max_num_seqs * -(-max_len // config.block_size))
         resolved = config.replace(max_model_len=max_len, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
         if resolved.kv_cache and not resolved.paged_kv and -(-max_len // config.block_size) > num_blocks:
             raise ValueError(

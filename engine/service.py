@@ -1,0 +1,195 @@
+"""EngineService: the engine in one background thread, with thread-safe submit / abort / stream / config.
+
+Only the service thread touches the engine. Callers send commands through a queue and get replies through
+futures; every request's outputs go to its own stream queue; after each step the thread stores a snapshot
+and a small history sample, so any number of viewers can read them without slowing the engine.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from .engine import EngineSnapshot, LLMEngine
+from .request import RequestMetrics, RequestOutput
+from .sampler import SamplingParams
+
+
+@dataclass
+class HistorySample:
+    """One point of the dashboard's time series (taken after every step)."""
+    time: float
+    step: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_blocks_used: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    generation_tokens_total: int
+    step_ms: float
+    ttft_s: float | None  # of requests that got their first token in this step (mean)
+    tpot_s: float | None  # of requests that finished in this step (mean)
+
+
+class EngineService:
+    def __init__(self, engine: LLMEngine, history_len: int = 3600) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, queue.Queue] = {}
+        self._snapshot: EngineSnapshot = engine.snapshot()
+        self.history: deque[HistorySample] = deque(maxlen=history_len)
+        self.paused = False
+        self._step_waiters: deque[Future] = deque()  # step_once callers, one step each
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---- API for any thread --------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, queue.Queue]:
+        """Add a request; raises ValueError (bad input) in the caller's thread. Returns (id, its stream)."""
+        rid, stream = self._call(self._add, prompt, params)
+        return rid, stream
+
+    def stream(self, prompt: str | list[int], params: SamplingParams,
+               timeout: float = 600.0) -> Iterator[RequestOutput]:
+        """Yield the request's outputs as they come; the last one has finished=True."""
+        rid, q = self.submit(prompt, params)
+        try:
+            while True:
+                out = q.get(timeout=timeout)
+                yield out
+                if out.finished:
+                    return
+        finally:  # the consumer went away (stop button, closed tab): free the request's blocks
+            if rid in self._streams:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put((self._abort, (request_id,), None))
+
+    def update_config(self, **changes) -> None:
+        """Validated now (ValueError keeps the old config); applied at the engine's next step boundary."""
+        self._call(self.engine.update_config, **changes)
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def pause(self) -> None:
+        self._call(self._set_paused, True)
+
+    def resume(self) -> None:
+        self._call(self._set_paused, False)
+
+    def step_once(self) -> EngineSnapshot:
+        """While paused: run exactly one step and return the snapshot after it."""
+        done: Future = Future()
+        self._call(self._allow_step, done)
+        return done.result(timeout=120)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, (), None))
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+    def _call(self, fn: Callable, *args, **kwargs):
+        if not self.alive:
+            raise RuntimeError(f"the engine thread has stopped: {self.error or 'shut down'}")
+        future: Future = Future()
+        self._commands.put((lambda: fn(*args, **kwargs), (), future))
+        return future.result(timeout=120)
+
+    def _add(self, prompt, params) -> tuple[str, queue.Queue]:
+        rid = self.engine.add_request(prompt, params)
+        q: queue.Queue = queue.Queue()
+        self._streams[rid] = q
+        return rid, q
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def _set_paused(self, paused: bool) -> None:
+        self.paused = paused
+
+    def _allow_step(self, done: Future) -> None:
+        self._step_waiters.append(done)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, args, future = self._commands.get(timeout=0.05 if block else 0)
+        except queue.Empty:
+            return
+        while True:
+            try:
+                result = fn(*args)
+                if future is not None:
+                    future.set_result(result)
+            except Exception as exc:  # bad input: the caller gets the error, the engine carries on
+                if future is None:
+                    raise
+                future.set_exception(exc)
+            try:
+                fn, args, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                runnable = self._step_waiters or (not self.paused and self.engine.has_unfinished())
+                self._run_commands(block=not runnable)
+                if not (self._step_waiters or (not self.paused and self.engine.has_unfinished())):
+                    continue
+                t0 = time.perf_counter()
+                outputs = self.engine.step()
+                self._publish(outputs, (time.perf_counter() - t0) * 1e3)
+                if self._step_waiters:
+                    self._step_waiters.popleft().set_result(self._snapshot)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            self._fail_all()
+
+    def _publish(self, outputs: list[RequestOutput], step_ms: float) -> None:
+        ttfts, tpots = [], []
+        for out in outputs:
+            if out.metrics.num_generation_tokens == 1 and out.metrics.ttft is not None:
+                ttfts.append(out.metrics.ttft)
+            if out.finished and out.metrics.tpot is not None:
+                tpots.append(out.metrics.tpot)
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+        snap = self.engine.snapshot()
+        self._snapshot = snap
+        self.history.append(HistorySample(
+            time.time(), snap.step, snap.num_running, snap.num_waiting, snap.num_preemptions, snap.kv_blocks_used,
+            snap.prefix_cache_queries, snap.prefix_cache_hits, snap.generation_tokens_total, step_ms,
+            sum(ttfts) / len(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None))
+
+    def _fail_all(self) -> None:
+        """The engine thread died: end every open stream with an error instead of leaving it hanging."""
+        for rid, q in list(self._streams.items()):
+            q.put(RequestOutput(rid, None, [], "", [], True, "error", RequestMetrics(time.perf_counter()),
+                                error=self.error))
+        self._streams.clear()
+        while True:
+            try:
+                _, _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future is not None:
+                future.set_exception(RuntimeError(f"the engine thread has stopped: {self.error}"))

@@ -1,0 +1,120 @@
+"""The playground's handlers called directly, and the app driven through gradio_client on a real port."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from engine import LLM
+from playground import Playground
+from playground.handlers import describe_step
+
+
+@pytest.fixture(scope="module")
+def pg(tiny_models, tmp_path_factory):
+    playground = Playground(LLM(tiny_models["llama"][0], max_model_len=512),
+                            store=tmp_path_factory.mktemp("store") / "ablation.json")
+    yield playground
+    playground.service.shutdown()
+
+
+def test_chat_streams_a_reply_with_its_stats(pg):
+    updates = list(pg.chat("Hello there", [], temperature=0.0, max_tokens=12))
+    assert len(updates) >= 12  # one update per token
+    history, stats = updates[-1]
+    assert history[0] == {"role": "user", "content": "Hello there"}
+    assert history[1]["role"] == "assistant" and history[1]["content"]
+    contents = [h[1]["content"] for h, _ in updates if len(h) == 2]
+    assert all(b.startswith(a) for a, b in zip(contents, contents[1:]))  # streamed text only grows
+    assert "TTFT" in stats and "prefix cache" in stats and "finished: length" in stats
+
+
+def test_second_turn_reuses_the_conversation_prefix(pg):
+    history, _ = list(pg.chat("Tell me a story about a cat and a long winter night", [], 0.0, 16))[-1]
+    _, stats = list(pg.chat("And then?", history, 0.0, 8))[-1]
+    reused = int(stats.split("prefix cache: ")[1].split(" of")[0])
+    assert reused >= 16  # the first turn's blocks serve the second turn's prompt
+
+
+def test_empty_and_too_long_messages(pg):
+    assert list(pg.chat("   ", [], 0.0, 8)) == [([], "")]
+    history, _ = list(pg.chat("word " * 600, [], 0.0, 8))[-1]
+    assert history[-1]["role"] == "assistant" and "max_model_len" in history[-1]["content"]
+    assert pg.service.alive
+
+
+def test_settings_show_the_engine_and_bad_values_keep_it(pg):
+    assert pg.settings()["block_size"] == 16 and pg.settings()["prefix_caching"] is True
+    assert "Not applied" in pg.apply_settings(block_size=12)
+    assert "Applied" in pg.apply_settings(prefix_caching=False, max_num_seqs=8)
+    list(pg.chat("hi", [], 0.0, 2))  # a step boundary passes
+    assert pg.settings()["prefix_caching"] is False and pg.settings()["max_num_seqs"] == 8
+    assert "Applied" in pg.apply_settings(prefix_caching=True, max_num_seqs=64)
+
+
+def test_dashboard_figures_are_shared_between_tabs(pg):
+    first, second = pg.dashboard(), pg.dashboard()
+    assert first is second  # no step in between: built once, served to every tab
+    assert "KV pool" in first.blocks.layout.title.text
+
+
+def test_step_mode_describes_each_decision(pg):
+    pg.pause()
+    rid, q = pg.service.submit([1000 + i for i in range(40)], __import__("engine").SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True))
+    text = pg.step()
+    assert f"request **{rid}** prefilled **40** tokens" in text or "reused from the prefix cache" in text
+    assert f"decoded one token for: {rid}" in pg.step()
+    assert "finished (length)" in pg.step()
+    pg.resume()
+    assert describe_step(pg.service.snapshot()).startswith("### Step")
+
+
+def test_traffic_generator_and_ablation_and_compare(pg):
+    fractions = []
+    msg = pg.traffic("mixed-lengths", 5, lambda f, d: fractions.append(f))
+    assert msg.startswith("5 users") and fractions[-1] == 1.0
+    msg = pg.traffic("long-document", 13)  # its 1,200-token document exceeds max_model_len=512
+    assert msg.startswith("12 users") and "1 request(s) refused" in msg and "max_model_len" in msg
+    rows = pg.ablate("fixed-16", quick=True)
+    assert [r["feature"] for r in rows][0] == "full engine" and rows[0]["ratio"] == 1.0
+    assert all(r["same_output_as_full"] for r in rows if r["throughput_tok_s"])
+    assert pg.last_ablation() == __import__("json").loads(__import__("json").dumps(rows, default=str))
+    result = pg.compare("fixed-16", "naive", "full", quick=True)
+    assert result.same_outputs and result.results[1].generated_tokens == 4 * 64
+    assert not pg.service.paused  # the live engine resumed after the measurements
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    gr = pytest.importorskip("gradio")
+    import app
+    playground = Playground(LLM(tiny_models["llama"][0], max_model_len=512))
+    demo = app.build_app(playground)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo.queue(default_concurrency_limit=8).launch(server_name="127.0.0.1", server_port=port,
+                                                   prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/", playground
+    demo.close()
+    playground.service.shutdown()
+    del gr
+
+
+def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
+    from gradio_client import Client
+    url, playground = server
+    client = Client(url, verbose=False)
+    jobs = [client.submit(f"Hello number {i}", [], 0.0, 24, api_name="/chat") for i in range(2)]
+    results = [job.result(timeout=120) for job in jobs]
+    for history, stats in results:
+        assert history[-1]["role"] == "assistant" and "TTFT" in stats
+    assert max(h.num_running for h in playground.service.history) >= 2  # batched together in the engine
+    assert "Applied" in client.predict(True, True, True, False, 16, 64, 32, 2048, api_name="/apply_settings")
+    threading.Event().wait(0.2)
+    client.predict("x", [], 0.0, 8, api_name="/chat")
+    assert playground.settings()["prefix_caching"] is False and playground.settings()["max_num_seqs"] == 32
+    status, *plots = client.predict(api_name="/dashboard")
+    assert "step" in status and len(plots) == 5 and all(p for p in plots)

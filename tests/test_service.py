@@ -1,0 +1,95 @@
+"""EngineService: the engine in a background thread — concurrent streams, aborts, config, step mode, failure."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.service import EngineService
+from tests.conftest import assert_all_blocks_free
+from tests.test_parity import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture()
+def service(tiny_models):
+    svc = EngineService(LLM(tiny_models["llama"][0], max_model_len=256).engine)
+    yield svc
+    svc.shutdown()
+
+
+def test_concurrent_streams_match_offline_generation(tiny_models, service):
+    prompts = random_prompts(6, seed=40)
+    expected = [o.token_ids for o in LLM(tiny_models["llama"][0], max_model_len=256).generate(prompts, GREEDY)]
+    results: dict[int, list] = {}
+
+    def consume(i):
+        outs = list(service.stream(prompts[i], GREEDY))
+        results[i] = outs
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, outs in results.items():
+        assert outs[-1].finished and outs[-1].token_ids == expected[i]
+        # each streamed output extends the previous one: what a page shows equals the final text
+        texts = [o.text for o in outs]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+        assert [len(o.token_ids) for o in outs] == list(range(1, len(expected[i]) + 1))
+    assert len(results) == len(prompts)
+    assert max(h.num_running for h in service.history) > 1  # they really were batched together
+
+
+def test_bad_input_is_raised_to_the_caller_and_the_engine_keeps_serving(service):
+    with pytest.raises(ValueError, match="empty prompt"):
+        service.submit([], GREEDY)
+    outs = list(service.stream(random_prompts(1, seed=41)[0], GREEDY))
+    assert outs[-1].finished and len(outs[-1].token_ids) == 12
+
+
+def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(service):
+    stream = service.stream(random_prompts(1, seed=42)[0], SamplingParams(temperature=0, max_tokens=200,
+                                                                            ignore_eos=True))
+    next(stream)
+    stream.close()  # the stop button / a closed tab
+    for _ in range(50):
+        if service.snapshot().num_running == 0 and not service.engine.has_unfinished():
+            break
+        threading.Event().wait(0.05)
+    service.pause()
+    assert_all_blocks_free(service.engine)
+
+
+def test_config_change_and_step_mode(service):
+    service.update_config(max_num_seqs=3)
+    with pytest.raises(ValueError, match="block_size"):
+        service.update_config(block_size=3)
+    service.pause()
+    rid, q = service.submit(random_prompts(1, seed=43)[0], GREEDY)
+    snap = service.step_once()
+    assert snap.config["max_num_seqs"] == 3
+    assert snap.steps[-1].prefills and snap.steps[-1].prefills[0][0] == rid
+    assert q.get(timeout=5).token_ids and q.empty()  # exactly one step ran: one token
+    service.step_once()
+    assert len(q.get(timeout=5).token_ids) == 2
+    service.resume()
+    while not (out := q.get(timeout=30)).finished:
+        pass
+    assert len(out.token_ids) == 12
+
+
+def test_engine_failure_ends_streams_with_an_error(service, monkeypatch):
+    def boom():
+        raise RuntimeError("simulated crash")
+    service.pause()
+    rid, q = service.submit(random_prompts(1, seed=44)[0], GREEDY)
+    monkeypatch.setattr(service.engine, "step", boom)
+    service.resume()
+    out = q.get(timeout=10)
+    assert out.finished and out.finish_reason == "error" and "simulated crash" in out.error
+    with pytest.raises(RuntimeError, match="stopped"):
+        service.submit([5, 6, 7], GREEDY)
