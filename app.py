@@ -12,12 +12,11 @@ import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-import gradio as gr  # noqa: E402
+import gradio as gr
 
-from engine import LLM  # noqa: E402
-from engine.bench import load_feature_preset  # noqa: E402
-from playground.handlers import (BUILT_SWITCHES, NOT_YET_BUILT, Playground, ablation_figure,  # noqa: E402
-                                 feature_presets, workloads)
+from engine import LLM
+from engine.bench import load_feature_preset
+from playground.handlers import BUILT_SWITCHES, NOT_YET_BUILT, Playground, ablation_figure, feature_presets, workloads
 
 INTRO = """# Watch an LLM inference engine work
 A real engine (paged KV cache, continuous batching, prefix caching) runs **SmolLM2-135M** on this machine.
@@ -167,7 +166,7 @@ def build_app(pg: Playground) -> gr.Blocks:
         ablate_go.click(do_ablate, [ablate_workload, ablate_quick], [ablate_plot, ablate_table])
 
         def do_compare(workload, a, b, quick, progress=gr.Progress(track_tqdm=False)):
-            from engine.bench import compare_report, render_report
+            from engine.bench import compare_report
             progress(0.1, desc="running both configurations")
             try:
                 report = compare_report(pg.compare(workload, a, b, quick))
@@ -185,7 +184,8 @@ def build_app(pg: Playground) -> gr.Blocks:
             return text, pg.dashboard().blocks
         step_btn.click(do_step, None, [step_text, step_blocks])
 
-        demo.load(load_settings, None, setting_inputs, api_name="settings").then(last_ablation, None, [ablate_plot, ablate_table])
+        demo.load(load_settings, None, setting_inputs, api_name="settings").then(
+            last_ablation, None, [ablate_plot, ablate_table])
     return demo
 
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine import bench
+from engine import LLM, EngineConfig, SamplingParams, bench
 from engine.config import FEATURE_SWITCHES, NOT_YET_BUILT
 from engine.models.loader import cache_dir
 from engine.service import EngineService
 from engine.workloads import list_workloads, load_workload
-from viz.dashboard import DashboardFigures, FigureCache
 from viz import figures
+from viz.dashboard import DashboardFigures, FigureCache
 
 BUILT_SWITCHES = [s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT]
 SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"]
@@ -36,6 +36,7 @@ class Playground:
         self.figures = FigureCache()
         self.store = store or ablation_store()
         self._exclusive = threading.Lock()  # one ablation / comparison at a time
+        self.replies: deque[str] = deque(maxlen=32)  # final texts of recent chat replies
 
     # ---- chat --------------------------------------------------------------------------------------------
     def chat(self, message: str, history: list[dict], temperature: float = 0.7,
@@ -59,6 +60,8 @@ class Playground:
                     yield history, "the engine stopped; restart it from the Engine tab"
                     return
                 history[-1]["content"] = out.text
+                if out.finished:
+                    self.replies.append(out.text)
                 yield history, reply_stats(out)
         except (ValueError, RuntimeError) as exc:  # too long, bad settings, engine down: say so in the chat
             history = [m for m in history if m.get("content") != ""]
@@ -86,7 +89,8 @@ class Playground:
 
     def apply_settings(self, **values) -> str:
         current = self.settings()
-        changes = {k: _coerce(v, current[k]) for k, v in values.items() if k in current and _coerce(v, current[k]) != current[k]}
+        wanted = {k: _coerce(v, current[k]) for k, v in values.items() if k in current}
+        changes = {k: v for k, v in wanted.items() if v != current[k]}
         if not changes:
             return "Nothing changed."
         try:
@@ -126,7 +130,8 @@ class Playground:
             if progress:
                 progress((i + 1) / len(streams), f"{i + 1}/{len(streams)} users done")
         wall = max(time.perf_counter() - start, 1e-9)
-        msg = f"{len(streams)} users from '{workload_name}': {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s)."
+        msg = (f"{len(streams)} users from '{workload_name}': {tokens} tokens in {wall:.1f} s "
+               f"({tokens / wall:.1f} tok/s).")
         if refused:
             msg += f" ⚠️ {len(refused)} request(s) refused by the engine: {refused[0]}"
         return msg
