@@ -13,10 +13,12 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr
+from gradio.components.plot import PlotData
 
 from engine import LLM
 from engine.bench import load_feature_preset
 from playground.handlers import BUILT_SWITCHES, NOT_YET_BUILT, Playground, ablation_figure, feature_presets, workloads
+from viz.figures import to_json
 
 INTRO = """# Watch an LLM inference engine work
 A real engine (paged KV cache, continuous batching, prefix caching) runs **SmolLM2-135M** on this machine.
@@ -38,7 +40,27 @@ HELP = {
 }
 
 
+class SerialisedFigures:
+    """Each figure spec serialised to JSON once, however many tabs show it."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self._by_id: dict[int, tuple[object, PlotData]] = {}
+        self.keep = keep
+
+    def __call__(self, spec: dict | None) -> PlotData | None:
+        if spec is None:
+            return None
+        hit = self._by_id.get(id(spec))
+        if hit is None or hit[0] is not spec:
+            if len(self._by_id) >= self.keep:
+                self._by_id.pop(next(iter(self._by_id)))
+            hit = self._by_id[id(spec)] = (spec, PlotData(type="plotly", plot=to_json(spec)))
+        return hit[1]
+
+
 def build_app(pg: Playground) -> gr.Blocks:
+    serialised = SerialisedFigures()
+
     with gr.Blocks(title="watch-llm playground") as demo:
         gr.Markdown(INTRO)
         status = gr.Markdown(pg.status())
@@ -97,7 +119,7 @@ def build_app(pg: Playground) -> gr.Blocks:
                 gr.Markdown("Runs a workload through the full engine, then with each switch off in turn, on this "
                             "machine. The live engine pauses meanwhile so the numbers are clean.")
                 with gr.Row():
-                    ablate_workload = gr.Dropdown(workloads(), value="mixed-lengths", label="workload")
+                    ablate_workload = gr.Dropdown(workloads(), value="ablation", label="workload")
                     ablate_quick = gr.Checkbox(value=True, label="quick (a quarter of the requests)")
                     ablate_go = gr.Button("Run ablation", variant="primary")
                 ablate_plot = gr.Plot(label="tokens/s per configuration")
@@ -134,7 +156,7 @@ def build_app(pg: Playground) -> gr.Blocks:
 
         def refresh():
             f = pg.dashboard()
-            return pg.status(), f.blocks, f.queues, f.prefix, f.throughput, f.memory
+            return pg.status(), *map(serialised, (f.blocks, f.queues, f.prefix, f.throughput, f.memory))
         timer = gr.Timer(1.0)
         dash_outputs = [status, blocks_plot, queues_plot, prefix_plot, throughput_plot, memory_plot]
         timer.tick(refresh, None, dash_outputs, concurrency_limit=4, show_progress="hidden", api_name="dashboard")
@@ -158,11 +180,11 @@ def build_app(pg: Playground) -> gr.Blocks:
 
         def do_ablate(workload, quick, progress=gr.Progress()):
             rows = pg.ablate(workload, quick, lambda f, d: progress(f, desc=d))
-            return ablation_figure(rows), _ablation_table(rows)
+            return serialised(ablation_figure(rows)), _ablation_table(rows)
 
         def last_ablation():
             rows = pg.last_ablation()
-            return (ablation_figure(rows), _ablation_table(rows)) if rows else (None, None)
+            return (serialised(ablation_figure(rows)), _ablation_table(rows)) if rows else (None, None)
         ablate_go.click(do_ablate, [ablate_workload, ablate_quick], [ablate_plot, ablate_table])
 
         def do_compare(workload, a, b, quick, progress=gr.Progress(track_tqdm=False)):
@@ -181,7 +203,7 @@ def build_app(pg: Playground) -> gr.Blocks:
 
         def do_step():
             text = pg.step()
-            return text, pg.dashboard().blocks
+            return text, serialised(pg.dashboard().blocks)
         step_btn.click(do_step, None, [step_text, step_blocks])
 
         demo.load(load_settings, None, setting_inputs, api_name="settings").then(
@@ -202,10 +224,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: embedded SmolLM2)")
     parser.add_argument("--preset", default=None, help="a feature preset from presets/features/ (e.g. naive)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     parser.add_argument("--share", action="store_true", help="a public gradio.live link (Colab)")
     args = parser.parse_args()
     fields = load_feature_preset(args.preset) if args.preset else {}
-    pg = Playground(LLM(args.model, **fields))
+    pg = Playground(LLM(args.model, **{"device": args.device, **fields}))
     demo = build_app(pg)
     demo.queue(default_concurrency_limit=8).launch(
         server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),

@@ -696,7 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--fixed", action="store_true", help="the fixed-16 workload (16 x 48 prompt, 64 new), one batch")
     hf.add_argument("--quick", action="store_true")
     ab = sub.add_parser("ablate", parents=common, help="the full engine, then each feature switch off in turn")
-    ab.add_argument("--workload", default="mixed-lengths", help="preset name or TOML path")
+    ab.add_argument("--workload", default="ablation", help="preset name or TOML path")
     ab.add_argument("--quick", action="store_true", help="a quarter of each workload group")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)

@@ -91,7 +91,8 @@ class LLMEngine:
         self._build_kv()
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
-        self._pending: dict = {}
+        self._pending: dict = {}  # changes waiting for the next step boundary
+        self._pending_config = self.config  # what the engine will run with once they apply
         self._ids = itertools.count()
         self.step_count = 0
         self.prompt_tokens_total = 0

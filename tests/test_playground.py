@@ -56,7 +56,7 @@ def test_settings_show_the_engine_and_bad_values_keep_it(pg):
 def test_dashboard_figures_are_shared_between_tabs(pg):
     first, second = pg.dashboard(), pg.dashboard()
     assert first is second  # no step in between: built once, served to every tab
-    assert "KV pool" in first.blocks.layout.title.text
+    assert "KV pool" in first.blocks["layout"]["title"]["text"]
 
 
 def test_step_mode_describes_each_decision(pg):

@@ -31,7 +31,7 @@ def test_block_cells_states_owners_and_sharing():
 
 
 def test_block_table_figure_colours_each_request_and_marks_shared_blocks():
-    fig = figures.block_table_figure(snapshot(), cols=4)
+    fig = figures.to_figure(figures.block_table_figure(snapshot(), cols=4))
     by_name = {t.name: t for t in fig.data}
     assert set(by_name) == {"request a", "request b", "cached-free", "free"}
     assert len(by_name["request a"].x) == 3 and len(by_name["request b"].x) == 2  # shared blocks drawn under a
@@ -45,7 +45,7 @@ def test_block_table_figure_colours_each_request_and_marks_shared_blocks():
 
 def test_queue_figure_marks_preemptions():
     hist = [sample(0), sample(1, num_preemptions=1, num_running=1), sample(2, num_preemptions=1)]
-    fig = figures.queues_figure(hist)
+    fig = figures.to_figure(figures.queues_figure(hist))
     running, waiting, pre = fig.data
     assert list(running.y) == [2, 1, 2] and list(waiting.y) == [1, 1, 1]
     assert list(pre.x) == [1.0] and list(pre.y) == [1]
@@ -54,17 +54,18 @@ def test_queue_figure_marks_preemptions():
 def test_prefix_and_throughput_series():
     hist = [sample(0), sample(1, prefix_cache_queries=100, prefix_cache_hits=25, generation_tokens_total=10),
             sample(2, prefix_cache_queries=200, prefix_cache_hits=125, generation_tokens_total=30, ttft_s=0.2)]
-    rate, cumulative = figures.prefix_cache_figure(hist, window=1).data
+    rate, cumulative = figures.to_figure(figures.prefix_cache_figure(hist, window=1)).data
     assert list(rate.y) == [None, 25.0, 100.0] and list(cumulative.y) == [0, 25, 125]
-    tps, ttft, _ = figures.throughput_figure(hist, window=1).data
+    tps, ttft, _ = figures.to_figure(figures.throughput_figure(hist, window=1)).data
     assert list(tps.y) == [None, 10.0, 20.0] and list(ttft.y) == [None, None, 200.0]
 
 
 def test_memory_and_ablation_figures():
-    fig = figures.memory_figure(snapshot(), {"rss_gb": 1.0, "ram_total_gb": 4.0, "gpu_used_gb": None})
+    system = {"rss_gb": 1.0, "ram_total_gb": 4.0, "gpu_used_gb": None}
+    fig = figures.to_figure(figures.memory_figure(snapshot(), system))
     assert list(fig.data[0].y) == ["KV pool (blocks)", "process RSS (GB)"]
     assert list(fig.data[0].x) == [62.5, 25.0]
     rows = [{"feature": "full engine", "throughput_tok_s": 100.0, "ratio": 1.0},
             {"feature": "no KV cache (naive loop)", "throughput_tok_s": 10.0, "ratio": 0.1}]
-    bar = figures.ablation_figure(rows).data[0]
+    bar = figures.to_figure(figures.ablation_figure(rows)).data[0]
     assert list(bar.y) == [100.0, 10.0] and list(bar.text) == ["1.00x", "0.10x"]

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
-
-import plotly.graph_objects as go
 
 from . import figures
 
@@ -16,11 +15,11 @@ from . import figures
 @dataclass
 class DashboardFigures:
     step: int
-    blocks: go.Figure
-    queues: go.Figure
-    prefix: go.Figure
-    throughput: go.Figure
-    memory: go.Figure
+    blocks: dict  # plotly figure spec
+    queues: dict  # plotly figure spec
+    prefix: dict  # plotly figure spec
+    throughput: dict  # plotly figure spec
+    memory: dict  # plotly figure spec
 
 
 def system_memory() -> dict:
@@ -46,16 +45,22 @@ def system_memory() -> dict:
 
 
 class FigureCache:
-    def __init__(self, history_points: int = 300) -> None:
+    def __init__(self, history_points: int = 300, min_interval_s: float = 0.9) -> None:
         self._lock = threading.Lock()
         self._cached: DashboardFigures | None = None
+        self._built_at = 0.0
         self.history_points = history_points
+        self.min_interval_s = min_interval_s
         self.builds = 0
 
     def get(self, snapshot, history) -> DashboardFigures:
-        """Figures for this snapshot; rebuilt only when the engine has stepped since the last build."""
+        """Figures for this snapshot, rebuilt only when the engine has stepped since the last build, and at
+        most once per min_interval_s: building holds the GIL, and the engine thread needs it to keep streaming."""
         with self._lock:
-            if self._cached is None or self._cached.step != snapshot.step:
+            now = time.monotonic()
+            stale = self._cached is None or self._cached.step != snapshot.step
+            if stale and (self._cached is None or now - self._built_at >= self.min_interval_s):
+                self._built_at = now
                 recent = list(history)[-self.history_points:]
                 self._cached = DashboardFigures(
                     snapshot.step, figures.block_table_figure(snapshot), figures.queues_figure(recent),
