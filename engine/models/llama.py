@@ -59,11 +59,12 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, from `rope_parameters` (transformers 5) or `rope_theta`."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    if rope_type != "default":  # scaled variants: transformers' own formulas, on its config object
+        from transformers import AutoConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unsupported rope_type {rope_type!r}")
-        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        return ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.from_pretrained(hf_config.name_or_path), torch.device("cpu"))
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
