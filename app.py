@@ -16,9 +16,9 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from engine import LLM
-from engine.bench import load_feature_preset
+from engine.bench import compare_report, load_feature_preset
 from playground.handlers import BUILT_SWITCHES, NOT_YET_BUILT, Playground, ablation_figure, feature_presets, workloads
-from viz.figures import to_json
+from viz.figures import compare_figure, to_json
 
 INTRO = """# Watch an LLM inference engine work
 A real engine (paged KV cache, continuous batching, prefix caching) runs **SmolLM2-135M** on this machine.
@@ -133,7 +133,8 @@ def build_app(pg: Playground) -> gr.Blocks:
                                         allow_custom_value=True)
                     cmp_quick = gr.Checkbox(value=True, label="quick")
                     cmp_go = gr.Button("Compare", variant="primary")
-                cmp_table = gr.Dataframe(label="side by side")
+                cmp_plot = gr.Plot(label="side by side")
+                cmp_table = gr.Dataframe(label="the numbers")
                 cmp_note = gr.Markdown()
             with gr.Tab("Step mode"):
                 gr.Markdown("Pause the engine and advance one step at a time: read what the scheduler decided.")
@@ -188,15 +189,16 @@ def build_app(pg: Playground) -> gr.Blocks:
         ablate_go.click(do_ablate, [ablate_workload, ablate_quick], [ablate_plot, ablate_table])
 
         def do_compare(workload, a, b, quick, progress=gr.Progress(track_tqdm=False)):
-            from engine.bench import compare_report
             progress(0.1, desc="running both configurations")
             try:
                 report = compare_report(pg.compare(workload, a, b, quick))
             except ValueError as exc:
-                return None, f"⚠️ {exc}"
+                return None, None, f"⚠️ {exc}"
             rows = report.tables["configurations"]
-            return [[r[k] for k in rows[0]] for r in rows], "\n\n".join(report.notes)
-        cmp_go.click(do_compare, [cmp_workload, cmp_a, cmp_b, cmp_quick], [cmp_table, cmp_note])
+            table = {"headers": list(rows[0]), "data": [list(r.values()) for r in rows]}
+            return serialised(compare_figure(rows)), table, "\n\n".join(report.notes)
+        cmp_go.click(do_compare, [cmp_workload, cmp_a, cmp_b, cmp_quick], [cmp_plot, cmp_table, cmp_note],
+                     api_name="compare")
 
         pause_btn.click(pg.pause, None, step_text)
         resume_btn.click(pg.resume, None, step_text)

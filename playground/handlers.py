@@ -54,15 +54,18 @@ class Playground:
             stream = self.service.stream(prompt, SamplingParams(temperature=float(temperature),
                                                                 max_tokens=int(max_tokens), seed=None))
             history = history + [{"role": "assistant", "content": ""}]
-            for out in stream:
-                if out.error:
-                    history[-1]["content"] += f"\n\n[engine error: {out.error}]"
-                    yield history, "the engine stopped; restart it from the Engine tab"
-                    return
-                history[-1]["content"] = out.text
-                if out.finished:
-                    self.replies.append(out.text)
-                yield history, reply_stats(out)
+            try:
+                for out in stream:
+                    if out.error:
+                        history[-1]["content"] += f"\n\n[engine error: {out.error}]"
+                        yield history, "the engine stopped; restart it from the Engine settings tab"
+                        return
+                    history[-1]["content"] = out.text
+                    if out.finished:
+                        self.replies.append(out.text)
+                    yield history, reply_stats(out)
+            finally:  # Stop pressed or tab closed: abort the request now, freeing its blocks
+                stream.close()
         except (ValueError, RuntimeError) as exc:  # too long, bad settings, engine down: say so in the chat
             history = [m for m in history if m.get("content") != ""]
             history.append({"role": "assistant", "content": f"⚠️ {exc}"})

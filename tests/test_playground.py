@@ -118,3 +118,5 @@ def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
     assert playground.settings()["prefix_caching"] is False and playground.settings()["max_num_seqs"] == 32
     status, *plots = client.predict(api_name="/dashboard")
     assert "step" in status and len(plots) == 5 and all(p for p in plots)
+    plot, table, note = client.predict("fixed-16", "naive", "full", True, api_name="/compare")
+    assert plot and [row[0] for row in table["data"]] == ["naive", "full"] and "identical output" in note

@@ -69,3 +69,12 @@ def test_memory_and_ablation_figures():
             {"feature": "no KV cache (naive loop)", "throughput_tok_s": 10.0, "ratio": 0.1}]
     bar = figures.to_figure(figures.ablation_figure(rows)).data[0]
     assert list(bar.y) == [100.0, 10.0] and list(bar.text) == ["1.00x", "0.10x"]
+
+
+def test_compare_figure_puts_both_configurations_in_each_panel():
+    rows = [{"config": "naive", "throughput tok/s": 6.0, "mean TTFT (s)": 0.7, "mean TPOT (s)": 0.78},
+            {"config": "full", "throughput tok/s": 58.0, "mean TTFT (s)": 0.7, "mean TPOT (s)": None}]
+    fig = figures.to_figure(figures.compare_figure(rows))
+    assert [list(t.x) for t in fig.data] == [["naive", "full"]] * 3
+    assert list(fig.data[0].y) == [6.0, 58.0] and list(fig.data[1].y) == [700.0, 700.0]
+    assert list(fig.data[2].y) == [780.0, None]

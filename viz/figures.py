@@ -166,6 +166,24 @@ def memory_figure(snap, system: dict) -> dict:
                   annotations=annotations)
 
 
+def compare_figure(rows: Sequence[dict]) -> dict:
+    """Two configurations side by side: throughput, mean TTFT and mean TPOT, one panel each."""
+    metrics = [("throughput tok/s", "tokens/s", 1.0), ("mean TTFT (s)", "TTFT (ms)", 1e3),
+               ("mean TPOT (s)", "TPOT (ms)", 1e3)]
+    data = []
+    for i, (key, label, scale) in enumerate(metrics):
+        axis = "" if i == 0 else str(i + 1)
+        data.append({"type": "bar", "x": [r["config"] for r in rows],
+                     "y": [None if r[key] is None else r[key] * scale for r in rows], "name": label,
+                     "xaxis": f"x{axis}", "yaxis": f"y{axis}", "marker": {"color": ["#9ecae1", "#31a354"]},
+                     "showlegend": False})
+    layout = {"grid": {"rows": 1, "columns": 3, "pattern": "independent"},
+              "annotations": [{"text": label, "showarrow": False, "xref": f"x{'' if i == 0 else i + 1} domain",
+                               "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.12}
+                              for i, (_, label, _) in enumerate(metrics)]}
+    return figure(data, title="A vs B on the same workload", **layout)
+
+
 def ablation_figure(rows: Sequence[dict]) -> dict:
     """Bar per configuration: tokens/s, labelled with the multiplier against the full engine."""
     return figure([{"type": "bar", "x": [r["feature"] for r in rows], "y": [r["throughput_tok_s"] for r in rows],
