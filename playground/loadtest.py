@@ -109,11 +109,15 @@ def run_phase(url: str, phase: str, num_chats: int, num_dashboards: int, max_tok
     return PhaseResult(phase, [r for r in results if r is not None], counter[0], wall)
 
 
-def launch(model: str | None, timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
-    """`python app.py` in its own process, as a user runs it; the clients here play the browsers."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def launch(model: str | None, timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+    """`python app.py` in its own process, as a user runs it; the clients here play the browsers."""
+    port = free_port()
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)}
     cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "app.py"), "--device", "cpu"]
     if model:

@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded default model (loaded once) and tiny random models built from configs."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -66,6 +67,25 @@ def default_llm():
 def hf_default(default_llm):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(str(default_llm.model_path), dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def serve_app(llm):
+    """The playground app launched on a free local port; yields (url, Playground)."""
+    pytest.importorskip("gradio")
+    import app
+    from playground import Playground
+    from playground.loadtest import free_port
+    pg = Playground(llm)
+    demo = app.build_app(pg)
+    port = free_port()
+    demo.queue(default_concurrency_limit=8).launch(server_name="127.0.0.1", server_port=port,
+                                                   prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/", pg
+    finally:
+        demo.close()
+        pg.service.shutdown()
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

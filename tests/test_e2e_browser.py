@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import serve_app
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -23,20 +24,9 @@ pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("c
 
 @pytest.fixture(scope="module")
 def app_url():
-    pytest.importorskip("gradio")
-    import app
     from engine import LLM
-    from playground import Playground
-    pg = Playground(LLM(max_model_len=1024))
-    demo = app.build_app(pg)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    demo.queue(default_concurrency_limit=8).launch(server_name="127.0.0.1", server_port=port,
-                                                   prevent_thread_lock=True, quiet=True)
-    yield f"http://127.0.0.1:{port}/", pg
-    demo.close()
-    pg.service.shutdown()
+    with serve_app(LLM(max_model_len=1024)) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """The playground's handlers called directly, and the app driven through gradio_client on a real port."""
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from engine import LLM
 from playground import Playground
 from playground.handlers import describe_step
+from tests.conftest import serve_app
 
 
 @pytest.fixture(scope="module")
@@ -88,19 +88,8 @@ def test_traffic_generator_and_ablation_and_compare(pg):
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    gr = pytest.importorskip("gradio")
-    import app
-    playground = Playground(LLM(tiny_models["llama"][0], max_model_len=512))
-    demo = app.build_app(playground)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    demo.queue(default_concurrency_limit=8).launch(server_name="127.0.0.1", server_port=port,
-                                                   prevent_thread_lock=True, quiet=True)
-    yield f"http://127.0.0.1:{port}/", playground
-    demo.close()
-    playground.service.shutdown()
-    del gr
+    with serve_app(LLM(tiny_models["llama"][0], max_model_len=512)) as served:
+        yield served
 
 
 def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):

@@ -100,6 +100,16 @@ def _times(history: Sequence) -> list[float]:
     return [h.time - t0 for h in history]
 
 
+def _windowed_ratio(history: Sequence, window: int, num, den, scale: float = 1.0) -> list[float | None]:
+    """scale * d(num) / d(den) over the last `window` samples at each point (None where den did not move)."""
+    out = []
+    for i, h in enumerate(history):
+        old = history[max(0, i - window)]
+        d = den(h) - den(old)
+        out.append(scale * (num(h) - num(old)) / d if d > 0 else None)
+    return out
+
+
 def queues_figure(history: Sequence) -> dict:
     t = _times(history)
     pre = [(x, h.num_running) for x, h, prev in zip(t[1:], history[1:], history)
@@ -114,11 +124,7 @@ def queues_figure(history: Sequence) -> dict:
 
 def prefix_cache_figure(history: Sequence, window: int = 20) -> dict:
     t = _times(history)
-    rate = []
-    for i, h in enumerate(history):
-        j = max(0, i - window)
-        q = h.prefix_cache_queries - history[j].prefix_cache_queries
-        rate.append(100 * (h.prefix_cache_hits - history[j].prefix_cache_hits) / q if q else None)
+    rate = _windowed_ratio(history, window, lambda h: h.prefix_cache_hits, lambda h: h.prefix_cache_queries, 100)
     return figure([
         scatter(x=t, y=rate, name="hit rate, recent (%)", mode="lines", connectgaps=True),
         scatter(x=t, y=[h.prefix_cache_hits for h in history], name="cumulative hit tokens", mode="lines",
@@ -130,11 +136,7 @@ def prefix_cache_figure(history: Sequence, window: int = 20) -> dict:
 
 def throughput_figure(history: Sequence, window: int = 10) -> dict:
     t = _times(history)
-    tps = []
-    for i, h in enumerate(history):
-        j = max(0, i - window)
-        dt = h.time - history[j].time
-        tps.append((h.generation_tokens_total - history[j].generation_tokens_total) / dt if dt > 0 else None)
+    tps = _windowed_ratio(history, window, lambda h: h.generation_tokens_total, lambda h: h.time)
     return figure([
         scatter(x=t, y=tps, name="tokens/s", mode="lines"),
         scatter(x=t, y=[h.ttft_s * 1e3 if h.ttft_s else None for h in history], name="TTFT (ms)", mode="markers",
