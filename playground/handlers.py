@@ -5,6 +5,7 @@ the same loaded weights, with the live engine paused meanwhile so their measurem
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -161,18 +162,16 @@ class Playground:
         with self._exclusive, self._paused():
             return bench.compare(self.llm, workload, spec_a, spec_b)
 
-    def _paused(self):
-        service = self.service
-
-        class _Pause:
-            def __enter__(self_inner):
-                self_inner.was = service.paused
-                service.pause()
-
-            def __exit__(self_inner, *exc):
-                if not self_inner.was:
-                    service.resume()
-        return _Pause()
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Hold the live engine still while a measurement runs, then restore its state."""
+        service, was_paused = self.service, self.service.paused
+        service.pause()
+        try:
+            yield
+        finally:
+            if not was_paused:
+                service.resume()
 
     # ---- step mode ---------------------------------------------------------------------------------------
     def pause(self) -> str:
