@@ -243,3 +243,35 @@ def test_cli_bad_preset_is_an_error(tiny_models, capsys):
     folder, _ = tiny_models["llama"]
     assert bench.main(["compare", "--model", folder, "--workload", "fixed-16", "--b", "nope"]) == 2
     assert "'nope'" in capsys.readouterr().err
+
+
+def test_cli_ablate_writes_rows_for_the_page(tiny_models, tmp_path, capsys):
+    folder, _ = tiny_models["llama"]
+    path = tmp_path / "wl.toml"
+    path.write_text('name = "file"\n[config]\nnum_kv_blocks = 64\nmax_num_seqs = 2\nmax_model_len = 128\n'
+                    '[[groups]]\ncount = 5\nshared_prefix_tokens = 16\nprompt_tokens = [4, 12]\n'
+                    'output_tokens = [2, 6]\n')
+    out = tmp_path / "ablation.json"
+    assert bench.main(["ablate", "--model", folder, "--set", "block_size=4", "--workload", str(path),
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["feature"] for r in rows] == [name for name, _ in bench.ABLATIONS]
+    assert rows[0]["ratio"] == 1.0 and all(r["throughput_tok_s"] > 0 for r in rows)
+    assert all(r["same_output_as_full"] for r in rows)
+    assert "x full engine" in capsys.readouterr().out
+
+
+def test_ablate_reports_a_configuration_that_cannot_run(tiny_llm):
+    workload = load_workload_text('name = "x"\n[config]\nnum_kv_blocks = 8\nmax_model_len = 256\n'
+                                  '[[groups]]\ncount = 2\nprompt_tokens = 8\noutput_tokens = 2\n')
+    rows = {r["feature"]: r for r in bench.ablate(tiny_llm, workload)}
+    contiguous = rows["contiguous KV (no paging)"]
+    assert contiguous["throughput_tok_s"] is None and "contiguous KV reserves" in contiguous["error"]
+    assert rows["full engine"]["error"] is None
+
+
+def load_workload_text(text: str):
+    import tomllib
+
+    from engine.workloads import build_workload
+    return build_workload(tomllib.loads(text))
