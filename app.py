@@ -58,6 +58,10 @@ class SerialisedFigures:
         return hit[1]
 
 
+PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix": "prefix cache",
+               "throughput": "throughput", "memory": "memory"}
+
+
 def build_app(pg: Playground) -> gr.Blocks:
     serialised = SerialisedFigures()
 
@@ -77,22 +81,13 @@ def build_app(pg: Playground) -> gr.Blocks:
                 reply_info = gr.Markdown()
             with gr.Tab("Dashboard"):
                 gr.Markdown("Live view of the engine, refreshed every second (figures are shared by all tabs).")
-                with gr.Row():
-                    with gr.Column():
-                        blocks_plot = gr.Plot(label="KV block table")
-                        gr.Markdown(HELP["blocks"])
-                    with gr.Column():
-                        queues_plot = gr.Plot(label="scheduler queues")
-                        gr.Markdown(HELP["queues"])
-                with gr.Row():
-                    with gr.Column():
-                        prefix_plot = gr.Plot(label="prefix cache")
-                        gr.Markdown(HELP["prefix"])
-                    with gr.Column():
-                        throughput_plot = gr.Plot(label="throughput")
-                        gr.Markdown(HELP["throughput"])
-                memory_plot = gr.Plot(label="memory")
-                gr.Markdown(HELP["memory"])
+                plots = {}
+                for row in (("blocks", "queues"), ("prefix", "throughput"), ("memory",)):
+                    with gr.Row():
+                        for key in row:
+                            with gr.Column():
+                                plots[key] = gr.Plot(label=PLOT_LABELS[key])
+                                gr.Markdown(HELP[key])
                 with gr.Accordion("Traffic generator: put the engine under load", open=False):
                     with gr.Row():
                         traffic_workload = gr.Dropdown(workloads(), value="shared-system-prompt", label="workload")
@@ -159,7 +154,7 @@ def build_app(pg: Playground) -> gr.Blocks:
             f = pg.dashboard()
             return pg.status(), *map(serialised, (f.blocks, f.queues, f.prefix, f.throughput, f.memory))
         timer = gr.Timer(1.0)
-        dash_outputs = [status, blocks_plot, queues_plot, prefix_plot, throughput_plot, memory_plot]
+        dash_outputs = [status, *(plots[k] for k in ("blocks", "queues", "prefix", "throughput", "memory"))]
         timer.tick(refresh, None, dash_outputs, concurrency_limit=4, show_progress="hidden", api_name="dashboard")
 
         def do_traffic(workload, users, progress=gr.Progress()):
