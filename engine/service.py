@@ -40,7 +40,7 @@ class HistorySample:
 class EngineService:
     def __init__(self, engine: LLMEngine, history_len: int = 3600) -> None:
         self.engine = engine
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue = queue.Queue()  # (thunk, Future or None), run on the engine thread
         self._streams: dict[str, queue.Queue] = {}
         self._snapshot: EngineSnapshot = engine.snapshot()
         self.history: deque[HistorySample] = deque(maxlen=history_len)
@@ -72,7 +72,7 @@ class EngineService:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put((self._abort, (request_id,), None))
+        self._commands.put((lambda: self.engine.abort(request_id), None))
 
     def update_config(self, **changes) -> None:
         """Validated now (ValueError keeps the old config); applied at the engine's next step boundary."""
@@ -95,7 +95,7 @@ class EngineService:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._commands.put((lambda: None, (), None))
+        self._commands.put((lambda: None, None))
         self._thread.join(timeout=30)
 
     @property
@@ -107,7 +107,7 @@ class EngineService:
         if not self.alive:
             raise RuntimeError(f"the engine thread has stopped: {self.error or 'shut down'}")
         future: Future = Future()
-        self._commands.put((lambda: fn(*args, **kwargs), (), future))
+        self._commands.put((lambda: fn(*args, **kwargs), future))
         return future.result(timeout=120)
 
     def _add(self, prompt, params) -> tuple[str, queue.Queue]:
@@ -115,9 +115,6 @@ class EngineService:
         q: queue.Queue = queue.Queue()
         self._streams[rid] = q
         return rid, q
-
-    def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
 
     def _set_paused(self, paused: bool) -> None:
         self.paused = paused
@@ -127,12 +124,12 @@ class EngineService:
 
     def _run_commands(self, block: bool) -> None:
         try:
-            fn, args, future = self._commands.get(timeout=0.05 if block else 0)
+            fn, future = self._commands.get(timeout=0.05 if block else 0)
         except queue.Empty:
             return
         while True:
             try:
-                result = fn(*args)
+                result = fn()
                 if future is not None:
                     future.set_result(result)
             except Exception as exc:  # bad input: the caller gets the error, the engine carries on
@@ -140,16 +137,18 @@ class EngineService:
                     raise
                 future.set_exception(exc)
             try:
-                fn, args, future = self._commands.get_nowait()
+                fn, future = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _should_step(self) -> bool:
+        return bool(self._step_waiters) or (not self.paused and self.engine.has_unfinished())
 
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                runnable = self._step_waiters or (not self.paused and self.engine.has_unfinished())
-                self._run_commands(block=not runnable)
-                if not (self._step_waiters or (not self.paused and self.engine.has_unfinished())):
+                self._run_commands(block=not self._should_step())
+                if not self._should_step():  # the commands just run may have paused it or added work
                     continue
                 t0 = time.perf_counter()
                 outputs = self.engine.step()
@@ -188,7 +187,7 @@ class EngineService:
         self._streams.clear()
         while True:
             try:
-                _, _, future = self._commands.get_nowait()
+                _, future = self._commands.get_nowait()
             except queue.Empty:
                 break
             if future is not None:

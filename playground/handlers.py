@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine import LLM, EngineConfig, SamplingParams, bench
+from engine import LLM, SamplingParams, bench
 from engine.config import FEATURE_SWITCHES, NOT_YET_BUILT
 from engine.models.loader import cache_dir
 from engine.service import EngineService
@@ -239,10 +239,6 @@ def feature_presets() -> list[str]:
 
 def workloads() -> list[str]:
     return list_workloads()
-
-
-def config_field_names() -> list[str]:
-    return EngineConfig.field_names()
 
 
 def _text(content) -> str:
