@@ -17,8 +17,8 @@ from gradio.components.plot import PlotData
 
 from engine import LLM
 from engine.bench import compare_report, load_feature_preset
-from playground.handlers import BUILT_SWITCHES, NOT_YET_BUILT, Playground, ablation_figure, feature_presets, workloads
-from viz.figures import compare_figure, to_json
+from playground.handlers import BUILT_SWITCHES, NOT_YET_BUILT, Playground, feature_presets, workloads
+from viz.figures import ablation_figure, compare_figure, to_json
 
 INTRO = """# Watch an LLM inference engine work
 A real engine (paged KV cache, continuous batching, prefix caching) runs **SmolLM2-135M** on this machine.
@@ -186,12 +186,13 @@ def build_app(pg: Playground) -> gr.Blocks:
         def do_compare(workload, a, b, quick, progress=gr.Progress(track_tqdm=False)):
             progress(0.1, desc="running both configurations")
             try:
-                report = compare_report(pg.compare(workload, a, b, quick))
+                result = pg.compare(workload, a, b, quick)
             except ValueError as exc:
                 return None, None, f"⚠️ {exc}"
+            report = compare_report(result)
             rows = report.tables["configurations"]
             table = {"headers": list(rows[0]), "data": [list(r.values()) for r in rows]}
-            return serialised(compare_figure(rows)), table, "\n\n".join(report.notes)
+            return serialised(compare_figure(result)), table, "\n\n".join(report.notes)
         cmp_go.click(do_compare, [cmp_workload, cmp_a, cmp_b, cmp_quick], [cmp_plot, cmp_table, cmp_note],
                      api_name="compare")
 
@@ -208,9 +209,9 @@ def build_app(pg: Playground) -> gr.Blocks:
     return demo
 
 
-def _ablation_table(rows: list[dict]) -> list[list]:
-    return [[r["feature"], _round(r["throughput_tok_s"]), _round(r["ratio"]), r.get("same_output_as_full"),
-             r.get("error") or ""] for r in rows]
+def _ablation_table(rows: list) -> list[list]:
+    return [[r.feature, _round(r.throughput_tok_s), _round(r.ratio), r.same_output_as_full, r.error or ""]
+            for r in rows]
 
 
 def _round(x):

@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .request import Request
+from .utils import cdiv
 
 
 @dataclass
@@ -99,8 +100,21 @@ class BlockPool:
         self.cached.clear()
 
 
+@dataclass
+class KVCacheStats:
+    """The pool's counters, read by the snapshot and the benchmarks alike (names as the snapshot shows them)."""
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by at least one request
+    kv_blocks_cached_free: int  # held by none, but still naming a cached prefix
+    prefix_cache_queries: int  # prompt tokens looked up (first admission only)
+    prefix_cache_hits: int  # of those, tokens served from the cache
+    prefix_cache_evictions: int
+
+
 class KVCacheManager:
     """Gives requests block tables. Paged: blocks on demand. Contiguous: max_model_len reserved up front."""
+
+    keeps_kv = True
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, paged: bool,
                  prefix_caching: bool) -> None:
@@ -109,13 +123,32 @@ class KVCacheManager:
         self.block_size = block_size
         self.paged = paged
         self.prefix_caching = prefix_caching and paged
-        self.blocks_per_reservation = -(-max_model_len // block_size)
+        self.blocks_per_reservation = cdiv(max_model_len, block_size)
         self.prefix_cache_queries = 0  # prompt tokens looked up (first admission only)
         self.prefix_cache_hits = 0  # of those, tokens served from cache
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.pool.num_free
+
+    def stats(self) -> KVCacheStats:
+        pool = self.pool
+        cached_free = sum(1 for b in pool.cached.values() if pool.blocks[b].ref_count == 0)
+        return KVCacheStats(self.num_blocks, self.num_used, cached_free, self.prefix_cache_queries,
+                            self.prefix_cache_hits, pool.num_evictions)
+
+    def block_states(self) -> tuple[list[int], list[int | None]]:
+        """(ref count, prefix hash or None) of every physical block, for the block-table picture."""
+        blocks = self.pool.blocks
+        return [b.ref_count for b in blocks], [b.block_hash for b in blocks]
+
+    def adopt_counters(self, old: KVCacheManager | NoKVCache) -> None:
+        """Carry the prefix-cache counters over when the pool is rebuilt (they describe the engine's life)."""
+        self.prefix_cache_queries, self.prefix_cache_hits = old.prefix_cache_queries, old.prefix_cache_hits
+
+    def mark_computed(self, request: Request, num_tokens: int) -> None:
+        """The first num_tokens tokens' K/V now sit in the request's blocks."""
+        request.num_computed_tokens = num_tokens
 
     def set_prefix_caching(self, on: bool) -> None:
         self.prefix_caching = on and self.paged
@@ -163,7 +196,7 @@ class KVCacheManager:
             request.block_table = ids
             return True
         total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        num_needed = -(-total // self.block_size) - len(request.block_table) - len(cached_blocks)
+        num_needed = cdiv(total, self.block_size) - len(request.block_table) - len(cached_blocks)
         # cached blocks that sit in the free queue leave it when touched: they count against the free pool
         num_cached_free = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
         if num_needed + num_cached_free > self.pool.num_free:
@@ -199,3 +232,52 @@ class KVCacheManager:
             self.pool.release(block_id)
         request.block_table = []
         request.num_cached_blocks = 0
+
+
+class NoKVCache:
+    """The naive loop's cache: the KV manager's interface, keeping nothing.
+
+    Every step recomputes each sequence from its first token, because no K/V survives a step: a request's
+    num_computed_tokens stays 0, allocation always succeeds, and there is nothing to share or free.
+    """
+
+    keeps_kv = False
+    num_blocks = 0
+    num_used = 0
+    paged = False
+    prefix_caching = False
+    prefix_cache_queries = 0
+    prefix_cache_hits = 0
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(0, 0, 0, 0, 0, 0)
+
+    def block_states(self) -> tuple[list[int], list[int | None]]:
+        return [], []
+
+    def adopt_counters(self, old) -> None:
+        pass
+
+    def set_prefix_caching(self, on: bool) -> None:
+        pass
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        return []
+
+    def count_query(self, request: Request, num_hit_tokens: int) -> None:
+        pass
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        return True
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        pass
+
+    def mark_computed(self, request: Request, num_tokens: int) -> None:
+        request.num_computed_tokens = 0  # nothing was kept
+
+    def free(self, request: Request) -> None:
+        request.block_table = []

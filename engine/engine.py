@@ -6,6 +6,7 @@ requests (their blocks are freed and they are requeued in order), so nothing in 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -13,12 +14,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import KVCacheManager
+from .blocks import KVCacheManager, NoKVCache
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
 from .request import Request, RequestOutput, RequestStatus
-from .runner import ModelRunner
+from .runner import Batch, ModelRunner
 from .sampler import SamplingParams, sample
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Phase, ScheduledRequest, Scheduler
+from .utils import cdiv
+
+
+@dataclass
+class StepEntry:
+    """One scheduled request in one step: its phase and what it computed."""
+    request_id: str
+    phase: str  # "prefill", "decode" or "verify"
+    num_tokens: int  # positions computed (a prefill chunk, 1 for a decode, 1 + drafts for a verify)
+    prefix_hit_tokens: int  # tokens taken from the prefix cache in this step instead of being computed
+    num_computed_after: int  # the request's tokens with K/V in the cache after the step
+    num_prompt_tokens: int
+    num_new_tokens: int = 0  # tokens generated (0 for a prefill chunk that stops short of the prompt's end)
 
 
 @dataclass
@@ -26,8 +40,7 @@ class StepRecord:
     """What the scheduler decided in one step, and what it cost."""
     step: int
     time: float
-    prefills: list[tuple[str, int, int]] = field(default_factory=list)  # (request, tokens computed, cached hit)
-    decodes: list[str] = field(default_factory=list)
+    entries: list[StepEntry] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     finished: list[tuple[str, str]] = field(default_factory=list)  # (request, finish reason)
     num_batched_tokens: int = 0
@@ -40,6 +53,14 @@ class StepRecord:
     sample_ms: float = 0.0
     retire_ms: float = 0.0
 
+    @property
+    def prefills(self) -> list[StepEntry]:
+        return [e for e in self.entries if e.phase == Phase.PREFILL.value]
+
+    @property
+    def decodes(self) -> list[StepEntry]:
+        return [e for e in self.entries if e.phase == Phase.DECODE.value]
+
 
 @dataclass
 class EngineSnapshot:
@@ -51,17 +72,18 @@ class EngineSnapshot:
     num_preemptions: int
     running: list[str]
     waiting: list[str]
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_cached_free: int
     block_size: int
     block_tables: dict[str, list[int]]
     block_ref_counts: list[int]
     block_hashes: list[int | None]
+    # KVCacheStats, field by field
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached_free: int
     prefix_cache_queries: int
     prefix_cache_hits: int
     prefix_cache_evictions: int
-    prompt_tokens_total: int
+    prefill_tokens_total: int  # tokens computed by prefills (first ones, re-prefills, the naive loop's recompute)
     generation_tokens_total: int
     requests: dict[str, dict]
     steps: list[StepRecord]
@@ -87,7 +109,8 @@ class LLMEngine:
         self.hf_config = hf_config
         self.requested_config = config
         self.config = self._resolve(config)
-        self.scheduler = Scheduler(self.config, None)
+        self.kv: KVCacheManager | NoKVCache = NoKVCache(self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.kv)
         self._build_kv()
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
@@ -95,7 +118,7 @@ class LLMEngine:
         self._pending_config = self.config  # what the engine will run with once they apply
         self._ids = itertools.count()
         self.step_count = 0
-        self.prompt_tokens_total = 0
+        self.prefill_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps: deque[StepRecord] = deque(maxlen=256)
         self.last_reconfig: dict | None = None
@@ -114,19 +137,22 @@ class LLMEngine:
             per_block = self.model.kv_bytes_per_token() * config.block_size
             num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
             # never more than every seat filled to max_model_len: beyond that the memory would sit idle
-            num_blocks = min(num_blocks, config.max_num_seqs * -(-max_len // config.block_size))
+            num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
         resolved = config.replace(max_model_len=max_len, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
-        if resolved.kv_cache and not resolved.paged_kv and -(-max_len // config.block_size) > num_blocks:
+        if resolved.kv_cache and not resolved.paged_kv and cdiv(max_len, config.block_size) > num_blocks:
             raise ValueError(
                 f"contiguous KV reserves max_model_len={max_len} tokens "
-                f"({-(-max_len // config.block_size)} blocks) per request, but the pool has only {num_blocks} blocks")
+                f"({cdiv(max_len, config.block_size)} blocks) per request, but the pool has only {num_blocks} blocks")
         return resolved
 
     def _build_kv(self) -> None:
         c = self.config
-        kv = None
+        old = self.kv
         if c.kv_cache:
             kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.max_model_len, c.paged_kv, c.prefix_caching_active)
+        else:
+            kv = NoKVCache(c.block_size)
+        kv.adopt_counters(old)
         self.kv = kv
         self.scheduler.kv = kv
         self.scheduler.config = c
@@ -157,14 +183,10 @@ class LLMEngine:
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.preempt(req, count=False)
                 moved.append(req.request_id)
-            counters = (self.kv.prefix_cache_queries, self.kv.prefix_cache_hits) if self.kv else (0, 0)
             self._build_kv()
-            if self.kv:
-                self.kv.prefix_cache_queries, self.kv.prefix_cache_hits = counters
         else:
             self.scheduler.config = self.config
-            if self.kv is not None:
-                self.kv.set_prefix_caching(self.config.prefix_caching_active)
+            self.kv.set_prefix_caching(self.config.prefix_caching_active)
         self.last_reconfig = {"step": self.step_count, "changes": changes,
                               "action": "re-prefill running requests" if structural else "applied in place",
                               "requests_re_prefilled": moved[::-1]}
@@ -175,7 +197,7 @@ class LLMEngine:
             raise ValueError(f"prompt has {num_prompt} tokens but max_model_len is {config.max_model_len} "
                              f"(room is needed for at least one generated token)")
         if config.kv_cache and config.paged_kv:
-            need = -(-min(num_prompt + params.max_tokens, config.max_model_len) // config.block_size)
+            need = cdiv(min(num_prompt + params.max_tokens, config.max_model_len), config.block_size)
             if need > config.num_kv_blocks:
                 raise ValueError(f"this request needs {need} KV blocks but the pool has only {config.num_kv_blocks}")
 
@@ -240,43 +262,50 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         rec.preempted = sched.preempted
-        if sched.requests:
-            batch = self.runner.prepare(sched.requests, sched.num_new_tokens)
+        if sched.scheduled:
+            batch = self.runner.prepare(sched.scheduled)
             t2 = time.perf_counter()
             logits = self.runner.execute(batch)
             t3 = time.perf_counter()
-            tokens = sample(logits, [r.params for r in batch.requests], [r.generator for r in batch.requests])
+            new_tokens = self._sample(batch, logits)
             t4 = time.perf_counter()
-            outputs += self._retire(batch.requests, tokens, sched, rec)
+            outputs += self._retire(batch.scheduled, new_tokens, rec)
             t5 = time.perf_counter()
             rec.schedule_ms, rec.prepare_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
             rec.forward_ms, rec.sample_ms, rec.retire_ms = (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t5 - t4) * 1e3
-        rec.num_batched_tokens, rec.num_seqs = sched.total_tokens, len(sched.requests)
+        rec.num_batched_tokens, rec.num_seqs = sched.total_tokens, len(sched.scheduled)
         rec.num_running, rec.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         self.steps.append(rec)
         self.step_count += 1
         return outputs
 
-    def _retire(self, requests: list[Request], tokens: list[int], sched: SchedulerOutput,
+    def _sample(self, batch: Batch, logits) -> list[list[int]]:
+        """The tokens each scheduled request gains this step, in batch order (none for a partial prefill)."""
+        sampling = [s.request for s in batch.scheduled if s.num_logits]
+        tokens = iter(sample(logits, [r.params for r in sampling], [r.generator for r in sampling]))
+        return [[next(tokens)] if s.num_logits else [] for s in batch.scheduled]
+
+    def _retire(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
                 rec: StepRecord) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
-        for req, token in zip(requests, tokens):
-            n = sched.num_new_tokens[req.request_id]
-            if req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1:
-                rec.decodes.append(req.request_id)
-            else:  # a first prefill, or a recompute after preemption (prompt_tokens_total counts both)
-                rec.prefills.append((req.request_id, n, sched.prefix_hit_tokens.get(req.request_id, 0)))
-                self.prompt_tokens_total += n
-            req.num_computed_tokens = req.num_tokens
-            req.token_ids.append(token)
-            self.generation_tokens_total += 1
+        for s, tokens in zip(scheduled, new_tokens, strict=True):
+            req = s.request
+            if s.phase is Phase.PREFILL:
+                self.prefill_tokens_total += s.num_tokens
+            self.kv.mark_computed(req, s.end)
+            rec.entries.append(StepEntry(req.request_id, s.phase.value, s.num_tokens, s.prefix_hit_tokens,
+                                         req.num_computed_tokens, req.num_prompt_tokens, len(tokens)))
+            if not tokens:
+                continue
+            req.token_ids.extend(tokens)
+            self.generation_tokens_total += len(tokens)
             m = req.metrics
             m.num_generation_tokens = req.num_output_tokens
             if m.first_token_time is None:
                 m.first_token_time = now
             self._detokenize(req)
-            reason = self._stop_reason(req, token)
+            reason = self._stop_reason(req, tokens[-1])
             if reason:
                 req.finish_reason = reason
                 m.finished_time = now
@@ -318,23 +347,17 @@ class LLMEngine:
     # ---- the view inside -----------------------------------------------------------------------------
     def snapshot(self, num_steps: int = 64) -> EngineSnapshot:
         """A plain-data picture of the engine now; no tensors, cheap enough for every refresh."""
-        s, kv = self.scheduler, self.kv
-        blocks = kv.pool.blocks if kv else []
+        s = self.scheduler
         live = list(s.running) + list(s.waiting)
+        ref_counts, hashes = self.kv.block_states()
         return EngineSnapshot(
             step=self.step_count, time=time.time(), config=self.config.to_dict(),
             num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
             running=[r.request_id for r in s.running], waiting=[r.request_id for r in s.waiting],
-            kv_blocks_total=kv.num_blocks if kv else 0, kv_blocks_used=kv.num_used if kv else 0,
-            kv_blocks_cached_free=sum(1 for b in blocks if b.ref_count == 0 and b.hash_key is not None),
             block_size=self.config.block_size,
             block_tables={r.request_id: list(r.block_table) for r in s.running},
-            block_ref_counts=[b.ref_count for b in blocks],
-            block_hashes=[b.block_hash for b in blocks],
-            prefix_cache_queries=kv.prefix_cache_queries if kv else 0,
-            prefix_cache_hits=kv.prefix_cache_hits if kv else 0,
-            prefix_cache_evictions=kv.pool.num_evictions if kv else 0,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            block_ref_counts=ref_counts, block_hashes=hashes, **dataclasses.asdict(self.kv.stats()),
+            prefill_tokens_total=self.prefill_tokens_total, generation_tokens_total=self.generation_tokens_total,
             requests={r.request_id: {"status": r.status.value, "num_prompt_tokens": r.num_prompt_tokens,
                                      "num_output_tokens": r.num_output_tokens,
                                      "num_computed_tokens": r.num_computed_tokens,
@@ -355,4 +378,4 @@ def _eos_ids(tokenizer, hf_config) -> set[int]:
     return ids
 
 
-__all__ = ["LLMEngine", "EngineSnapshot", "StepRecord", "RequestStatus"]
+__all__ = ["LLMEngine", "EngineSnapshot", "StepEntry", "StepRecord", "RequestStatus"]

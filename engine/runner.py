@@ -11,16 +11,17 @@ import torch
 
 from .attention import AttentionMetadata, PrefillSeq
 from .models import LlamaFamilyModel
-from .request import Request
+from .scheduler import Phase, ScheduledRequest
+from .utils import cdiv
 
 
 @dataclass
 class Batch:
-    requests: list[Request]  # in row order: decodes first, then prefills
+    scheduled: list[ScheduledRequest]  # in row order: decodes first, then prefills and verifies
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: torch.Tensor
+    logits_rows: torch.Tensor  # rows whose logits are sampled, request by request in `scheduled` order
 
 
 class ModelRunner:
@@ -42,44 +43,42 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def prepare(self, requests: list[Request], num_new_tokens: dict[str, int]) -> Batch:
+    def prepare(self, scheduled: list[ScheduledRequest]) -> Batch:
+        """Rows for every scheduled request, by the phase the scheduler gave it: decodes are batched into one
+        attention call; each prefill chunk or verify attends causally over its cached context plus its new rows."""
         use_cache = self.kv_cache is not None
-        decodes, prefills = [], []
-        for req in requests:
-            n = num_new_tokens[req.request_id]
-            (decodes if use_cache and n == 1 and req.num_computed_tokens > 0 else prefills).append(req)
-        ordered = decodes + prefills
+        decodes = [s for s in scheduled if s.phase is Phase.DECODE]
+        ordered = decodes + [s for s in scheduled if s.phase is not Phase.DECODE]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes))
-        for req in ordered:
-            n = num_new_tokens[req.request_id]
-            start = req.num_computed_tokens if use_cache else 0
+        for s in ordered:
+            req, start, n = s.request, s.start, s.num_tokens
             row = len(input_ids)
-            input_ids.extend(req.token_ids[start:start + n])
+            input_ids.extend(req.token_ids[start:start + n - len(s.draft_token_ids)] + s.draft_token_ids)
             positions.extend(range(start, start + n))
             if use_cache:
                 slots.extend(self._slots(req.block_table, start, start + n))
-            if row >= len(decodes):
+            if s.phase is not Phase.DECODE:
                 seq = PrefillSeq(row, n)
-                if start > 0:  # earlier tokens come from the cache (prefix hit): attend to all of them
+                if start > 0:  # earlier tokens come from the cache: attend to all of them
                     seq.context_slots = torch.tensor(self._slots(req.block_table, 0, start + n), device=self.device)
                     allowed = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
                     seq.mask = self._additive(allowed)
                 meta.prefills.append(seq)
-            logits_rows.append(row + n - 1)
+            logits_rows.extend(range(row + n - s.num_logits, row + n))
         dev = self.device
         if use_cache:
             meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         if decodes:
             bs = self.block_size
-            ctx = torch.tensor([r.num_computed_tokens + 1 for r in decodes], device=dev)
+            ctx = torch.tensor([s.end for s in decodes], device=dev)
             max_ctx = int(ctx.max())
-            width = -(-max_ctx // bs)
-            tables = torch.tensor([r.block_table[:width] + [0] * (width - len(r.block_table[:width])) for r in decodes],
-                                  dtype=torch.long, device=dev)
+            width = cdiv(max_ctx, bs)
+            tables = torch.tensor([s.request.block_table[:width] + [0] * (width - len(s.request.block_table[:width]))
+                                   for s in decodes], dtype=torch.long, device=dev)
             pos = torch.arange(max_ctx, device=dev)
             meta.decode_slots = tables[:, pos // bs] * bs + pos % bs
             allowed = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)

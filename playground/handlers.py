@@ -18,7 +18,6 @@ from engine.config import FEATURE_SWITCHES, NOT_YET_BUILT
 from engine.models.loader import cache_dir
 from engine.service import EngineService
 from engine.workloads import list_workloads, load_workload
-from viz import figures
 from viz.dashboard import DashboardFigures, FigureCache
 
 BUILT_SWITCHES = [s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT]
@@ -142,19 +141,19 @@ class Playground:
 
     # ---- ablation and comparison ---------------------------------------------------------------------------
     def ablate(self, workload_name: str, quick: bool = True,
-               progress: ProgressFn | None = None) -> list[dict]:
+               progress: ProgressFn | None = None) -> list[bench.AblationRow]:
         workload = load_workload(workload_name, quick)
         report = (lambda i, n, name: progress(i / n, f"running: {name}")) if progress else None
         with self._exclusive, self._paused():
             rows = bench.ablate(self.llm, workload, progress=report)
         self.store.parent.mkdir(parents=True, exist_ok=True)
-        self.store.write_text(json.dumps({"workload": workload.name, "quick": quick, "rows": rows}, default=str))
+        self.store.write_text(json.dumps(bench.to_jsonable({"workload": workload.name, "quick": quick, "rows": rows})))
         return rows
 
-    def last_ablation(self) -> list[dict]:
+    def last_ablation(self) -> list[bench.AblationRow]:
         try:
-            return json.loads(self.store.read_text())["rows"]
-        except (OSError, ValueError, KeyError):
+            return [bench.AblationRow(**r) for r in json.loads(self.store.read_text())["rows"]]
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or written by an older version
             return []
 
     def compare(self, workload_name: str, spec_a: str, spec_b: str, quick: bool = True) -> bench.CompareResult:
@@ -195,11 +194,11 @@ def describe_step(snap) -> str:
         return "No step yet."
     rec = snap.steps[-1]
     lines = [f"### Step {rec.step}: {rec.num_batched_tokens} tokens in the batch, {rec.num_seqs} requests"]
-    for rid, n, hit in rec.prefills:
-        cached = f" ({hit} prompt tokens reused from the prefix cache)" if hit else ""
-        lines.append(f"- request **{rid}** prefilled **{n}** tokens{cached}")
+    for e in rec.prefills:
+        cached = f" ({e.prefix_hit_tokens} prompt tokens reused from the prefix cache)" if e.prefix_hit_tokens else ""
+        lines.append(f"- request **{e.request_id}** prefilled **{e.num_tokens}** tokens{cached}")
     if rec.decodes:
-        lines.append(f"- decoded one token for: {', '.join(rec.decodes)}")
+        lines.append(f"- decoded one token for: {', '.join(e.request_id for e in rec.decodes)}")
     for rid in rec.preempted:
         lines.append(f"- request **{rid}** was **preempted**: the pool ran out of blocks, so the newest running "
                      "request gave its blocks back and went to the front of the queue (it will be recomputed)")
@@ -227,10 +226,6 @@ def reply_stats(out) -> str:
     if out.finished:
         parts.append(f"finished: {out.finish_reason}")
     return " · ".join(parts)
-
-
-def ablation_figure(rows: list[dict]):
-    return figures.ablation_figure([r for r in rows if r.get("throughput_tok_s")])
 
 
 def feature_presets() -> list[str]:

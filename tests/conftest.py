@@ -99,6 +99,6 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
 
 def assert_all_blocks_free(engine) -> None:
     assert not engine.has_unfinished()
-    if engine.kv is not None:
-        assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
-        assert engine.kv.pool.num_free == engine.kv.num_blocks
+    ref_counts, _ = engine.kv.block_states()
+    assert all(rc == 0 for rc in ref_counts)
+    assert engine.kv.stats().kv_blocks_used == 0

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from engine import bench
+from engine.bench import cli
 from engine.config import EngineConfig
 from engine.workloads import build_workload
 
@@ -209,18 +210,18 @@ def test_markdown_table():
 
 
 def test_default_subcommand_is_table():
-    args = bench.parse_args(["--batch-sizes", "1,2", "--no-hf"])
+    args = cli.parse_args(["--batch-sizes", "1,2", "--no-hf"])
     assert args.command == "table" and args.batch_sizes == [1, 2] and args.input_len == 128
-    assert bench.parse_args([]).command == "table"
-    args = bench.parse_args(["compare", "--workload", "mixed-lengths", "--set", "block_size=32", "--set", "seed=1"])
-    assert bench.settings_from_args(args) == {"block_size": 32, "seed": 1}
+    assert cli.parse_args([]).command == "table"
+    args = cli.parse_args(["compare", "--workload", "mixed-lengths", "--set", "block_size=32", "--set", "seed=1"])
+    assert cli.settings_from_args(args) == {"block_size": 32, "seed": 1}
     assert (args.a, args.b) == ("naive", "full")
 
 
 def test_cli_table_json(tiny_models, tmp_path, capsys):
     folder, _ = tiny_models["llama"]
     out = tmp_path / "rows.json"
-    assert bench.main(["--model", folder, "--set", "num_kv_blocks=64", "--batch-sizes", "1,2", "--input-len", "8",
+    assert cli.main(["--model", folder, "--set", "num_kv_blocks=64", "--batch-sizes", "1,2", "--input-len", "8",
                        "--output-len", "3", "--no-hf", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| Batch | Time (s) | TTFT (s) | TPOT (s) | Memory (GB) | TPS |" in printed
@@ -233,7 +234,7 @@ def test_cli_compare_with_workload_file(tiny_models, tmp_path, capsys):
     path = tmp_path / "wl.toml"
     path.write_text('name = "file"\n[config]\nnum_kv_blocks = 64\n'
                     '[[groups]]\ncount = 3\nprompt_tokens = [4, 12]\noutput_tokens = 3\n')
-    assert bench.main(["compare", "--model", folder, "--workload", str(path), "--a", "naive", "--b",
+    assert cli.main(["compare", "--model", folder, "--workload", str(path), "--a", "naive", "--b",
                        "prefix_caching=false"]) == 0
     printed = capsys.readouterr().out
     assert "| naive |" in printed and "| prefix_caching=false |" in printed and "throughput b/a" in printed
@@ -241,7 +242,7 @@ def test_cli_compare_with_workload_file(tiny_models, tmp_path, capsys):
 
 def test_cli_bad_preset_is_an_error(tiny_models, capsys):
     folder, _ = tiny_models["llama"]
-    assert bench.main(["compare", "--model", folder, "--workload", "fixed-16", "--b", "nope"]) == 2
+    assert cli.main(["compare", "--model", folder, "--workload", "fixed-16", "--b", "nope"]) == 2
     assert "'nope'" in capsys.readouterr().err
 
 
@@ -252,10 +253,11 @@ def test_cli_ablate_writes_rows_for_the_page(tiny_models, tmp_path, capsys):
                     '[[groups]]\ncount = 5\nshared_prefix_tokens = 16\nprompt_tokens = [4, 12]\n'
                     'output_tokens = [2, 6]\n')
     out = tmp_path / "ablation.json"
-    assert bench.main(["ablate", "--model", folder, "--set", "block_size=4", "--workload", str(path),
+    assert cli.main(["ablate", "--model", folder, "--set", "block_size=4", "--workload", str(path),
                        "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["feature"] for r in rows] == [name for name, _ in bench.ABLATIONS]
+    assert [r["feature"] for r in rows] == [bench.FULL_ENGINE] + [name for name, _ in bench.ABLATIONS]
+    assert [r["switch"] for r in rows] == [None] + [switch for _, switch in bench.ABLATIONS]
     assert rows[0]["ratio"] == 1.0 and all(r["throughput_tok_s"] > 0 for r in rows)
     assert all(r["same_output_as_full"] for r in rows)
     assert "x full engine" in capsys.readouterr().out
@@ -264,10 +266,10 @@ def test_cli_ablate_writes_rows_for_the_page(tiny_models, tmp_path, capsys):
 def test_ablate_reports_a_configuration_that_cannot_run(tiny_llm):
     workload = load_workload_text('name = "x"\n[config]\nnum_kv_blocks = 8\nmax_model_len = 256\n'
                                   '[[groups]]\ncount = 2\nprompt_tokens = 8\noutput_tokens = 2\n')
-    rows = {r["feature"]: r for r in bench.ablate(tiny_llm, workload)}
-    contiguous = rows["contiguous KV (no paging)"]
-    assert contiguous["throughput_tok_s"] is None and "contiguous KV reserves" in contiguous["error"]
-    assert rows["full engine"]["error"] is None
+    rows = {r.switch: r for r in bench.ablate(tiny_llm, workload)}
+    contiguous = rows["paged_kv"]
+    assert contiguous.throughput_tok_s is None and "contiguous KV reserves" in contiguous.error
+    assert rows[None].error is None and rows[None].feature == bench.FULL_ENGINE
 
 
 def load_workload_text(text: str):

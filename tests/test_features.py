@@ -97,8 +97,9 @@ def test_last_prompt_token_is_always_computed(tiny):
     engine.add_request(prompt, GREEDY)
     engine.step()
     rec = engine.steps[-1]
-    (_, computed, hit), = rec.prefills
-    assert hit == 56 and computed == 8  # 7 blocks reused, the last block recomputed for its logits
+    (entry,) = rec.prefills
+    # 7 blocks reused, the last block recomputed for its logits
+    assert entry.prefix_hit_tokens == 56 and entry.num_tokens == 8
     while engine.has_unfinished():
         engine.step()
     assert run(engine, [prompt]) == a
@@ -209,7 +210,7 @@ def test_snapshot_has_the_fields_the_playground_draws(tiny):
     assert snap.steps[-1].prefills and snap.steps[-1].forward_ms > 0
     cached = [r["num_cached_tokens"] for r in snap.requests.values()]
     assert cached == [0, 24, 24]  # admitted in one step, the later two share the first one's 3 blocks
-    assert snap.prompt_tokens_total == sum(len(p) for p in shared_prefix_prompts(3, 24)) - sum(cached)
+    assert snap.prefill_tokens_total == sum(len(p) for p in shared_prefix_prompts(3, 24)) - sum(cached)
     owners = snap.block_owners
     assert all(len(owners[b]) == snap.block_ref_counts[b] for b in owners)
 
@@ -229,3 +230,28 @@ def test_requests_admitted_in_the_same_step_share_a_prefix(tiny):
     while engine.has_unfinished():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     assert [done[i] for i in ids] == expected
+
+
+def test_the_phase_is_decided_once_and_the_log_says_what_ran(tiny):
+    """Without a KV cache every step recomputes the whole sequence: the log says so (a prefill of every token),
+    never "decoded". A prefix hit that leaves one prompt token is that prompt's prefill, not a decode."""
+    engine = engine_like(tiny, kv_cache=False)
+    prompt = random_prompts(1, seed=50)[0][:20]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    sizes = []
+    while engine.has_unfinished():
+        engine.step()
+        (entry,) = engine.steps[-1].entries
+        assert entry.phase == "prefill" and entry.num_computed_after == 0  # nothing is kept
+        sizes.append(entry.num_tokens)
+    assert sizes == [20, 21, 22]
+
+    engine = engine_like(tiny, block_size=8)
+    prompt = random_prompts(1, seed=51)[0][:16] + [7]  # 17 tokens: 2 full blocks, then one token
+    run(engine, [prompt])
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    (entry,) = engine.steps[-1].entries
+    assert (entry.phase, entry.num_tokens, entry.prefix_hit_tokens) == ("prefill", 1, 16)
+    engine.step()
+    assert [e.phase for e in engine.steps[-1].entries] == ["decode"]

@@ -78,9 +78,9 @@ def test_traffic_generator_and_ablation_and_compare(pg):
     msg = pg.traffic("long-document", 13)  # its 1,200-token document exceeds max_model_len=512
     assert msg.startswith("12 users") and "1 request(s) refused" in msg and "max_model_len" in msg
     rows = pg.ablate("fixed-16", quick=True)
-    assert [r["feature"] for r in rows][0] == "full engine" and rows[0]["ratio"] == 1.0
-    assert all(r["same_output_as_full"] for r in rows if r["throughput_tok_s"])
-    assert pg.last_ablation() == __import__("json").loads(__import__("json").dumps(rows, default=str))
+    assert rows[0].switch is None and rows[0].ratio == 1.0
+    assert all(r.same_output_as_full for r in rows if r.throughput_tok_s)
+    assert pg.last_ablation() == rows
     result = pg.compare("fixed-16", "naive", "full", quick=True)
     assert result.same_outputs and result.results[1].generated_tokens == 4 * 64
     assert not pg.service.paused  # the live engine resumed after the measurements

@@ -72,7 +72,7 @@ def test_config_change_and_step_mode(service):
     rid, q = service.submit(random_prompts(1, seed=43)[0], GREEDY)
     snap = service.step_once()
     assert snap.config["max_num_seqs"] == 3
-    assert snap.steps[-1].prefills and snap.steps[-1].prefills[0][0] == rid
+    assert snap.steps[-1].prefills and snap.steps[-1].prefills[0].request_id == rid
     assert q.get(timeout=5).token_ids and q.empty()  # exactly one step ran: one token
     service.step_once()
     assert len(q.get(timeout=5).token_ids) == 2

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from engine.bench import AblationRow
 from viz import figures
 
 
@@ -65,16 +66,19 @@ def test_memory_and_ablation_figures():
     fig = figures.to_figure(figures.memory_figure(snapshot(), system))
     assert list(fig.data[0].y) == ["KV pool (blocks)", "process RSS (GB)"]
     assert list(fig.data[0].x) == [62.5, 25.0]
-    rows = [{"feature": "full engine", "throughput_tok_s": 100.0, "ratio": 1.0},
-            {"feature": "no KV cache (naive loop)", "throughput_tok_s": 10.0, "ratio": 0.1}]
+    rows = [AblationRow("full engine", None, throughput_tok_s=100.0, ratio=1.0),
+            AblationRow("no KV cache (naive loop)", "kv_cache", throughput_tok_s=10.0, ratio=0.1),
+            AblationRow("contiguous KV (no paging)", "paged_kv", error="does not fit")]
     bar = figures.to_figure(figures.ablation_figure(rows)).data[0]
     assert list(bar.y) == [100.0, 10.0] and list(bar.text) == ["1.00x", "0.10x"]
 
 
 def test_compare_figure_puts_both_configurations_in_each_panel():
-    rows = [{"config": "naive", "throughput tok/s": 6.0, "mean TTFT (s)": 0.7, "mean TPOT (s)": 0.78},
-            {"config": "full", "throughput tok/s": 58.0, "mean TTFT (s)": 0.7, "mean TPOT (s)": None}]
-    fig = figures.to_figure(figures.compare_figure(rows))
+    run = SimpleNamespace
+    result = SimpleNamespace(labels=("naive", "full"),
+                             results=(run(throughput=6.0, mean_ttft_s=0.7, mean_tpot_s=0.78),
+                                      run(throughput=58.0, mean_ttft_s=0.7, mean_tpot_s=None)))
+    fig = figures.to_figure(figures.compare_figure(result))
     assert [list(t.x) for t in fig.data] == [["naive", "full"]] * 3
     assert list(fig.data[0].y) == [6.0, 58.0] and list(fig.data[1].y) == [700.0, 700.0]
     assert list(fig.data[2].y) == [780.0, None]

@@ -168,17 +168,17 @@ def memory_figure(snap, system: dict) -> dict:
                   annotations=annotations)
 
 
-def compare_figure(rows: Sequence[dict]) -> dict:
-    """Two configurations side by side: throughput, mean TTFT and mean TPOT, one panel each."""
-    metrics = [("throughput tok/s", "tokens/s", 1.0), ("mean TTFT (s)", "TTFT (ms)", 1e3),
-               ("mean TPOT (s)", "TPOT (ms)", 1e3)]
+def compare_figure(result) -> dict:
+    """Two configurations side by side (a CompareResult): throughput, mean TTFT and mean TPOT, a panel each."""
+    metrics = [("throughput", "tokens/s", 1.0), ("mean_ttft_s", "TTFT (ms)", 1e3), ("mean_tpot_s", "TPOT (ms)", 1e3)]
+    labels = list(result.labels)
     data = []
-    for i, (key, label, scale) in enumerate(metrics):
+    for i, (attr, label, scale) in enumerate(metrics):
         axis = "" if i == 0 else str(i + 1)
-        data.append({"type": "bar", "x": [r["config"] for r in rows],
-                     "y": [None if r[key] is None else r[key] * scale for r in rows], "name": label,
-                     "xaxis": f"x{axis}", "yaxis": f"y{axis}", "marker": {"color": ["#9ecae1", "#31a354"]},
-                     "showlegend": False})
+        values = [getattr(r, attr) for r in result.results]
+        data.append({"type": "bar", "x": labels, "y": [None if v is None else v * scale for v in values],
+                     "name": label, "xaxis": f"x{axis}", "yaxis": f"y{axis}",
+                     "marker": {"color": ["#9ecae1", "#31a354"]}, "showlegend": False})
     layout = {"grid": {"rows": 1, "columns": 3, "pattern": "independent"},
               "annotations": [{"text": label, "showarrow": False, "xref": f"x{'' if i == 0 else i + 1} domain",
                                "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.12}
@@ -186,9 +186,10 @@ def compare_figure(rows: Sequence[dict]) -> dict:
     return figure(data, title="A vs B on the same workload", **layout)
 
 
-def ablation_figure(rows: Sequence[dict]) -> dict:
-    """Bar per configuration: tokens/s, labelled with the multiplier against the full engine."""
-    return figure([{"type": "bar", "x": [r["feature"] for r in rows], "y": [r["throughput_tok_s"] for r in rows],
-                    "text": [f"{r['ratio']:.2f}x" for r in rows], "textposition": "outside",
-                    "marker": {"color": ["#31a354" if r["feature"] == "full engine" else "#9ecae1" for r in rows]}}],
+def ablation_figure(rows: Sequence) -> dict:
+    """Bar per configuration (AblationRow) that ran: tokens/s, labelled with the multiplier against the full engine."""
+    rows = [r for r in rows if r.throughput_tok_s]
+    return figure([{"type": "bar", "x": [r.feature for r in rows], "y": [r.throughput_tok_s for r in rows],
+                    "text": [f"{r.ratio:.2f}x" for r in rows], "textposition": "outside",
+                    "marker": {"color": ["#31a354" if r.switch is None else "#9ecae1" for r in rows]}}],
                   title="What each feature is worth (measured here)", yaxis=dict(title={"text": "tokens/s"}))

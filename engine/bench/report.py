@@ -1,0 +1,133 @@
+"""Reports: captioned tables of plain rows, rendered as markdown by the CLI."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..workloads import Workload
+from .experiments import AblationRow, CompareResult, HFStaticResult, SchedCostResult, TableRow
+from .runs import RunResult, StepBreakdown
+
+
+@dataclass
+class Report:
+    title: str
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # caption -> rows
+    notes: list[str] = field(default_factory=list)
+    rows: list[Any] | None = None  # when set (dataclasses), --json writes these rows instead of the whole report
+
+
+def breakdown_row(label: str, s: StepBreakdown) -> dict[str, Any]:
+    return {"run": label, "steps": s.num_steps, "schedule ms": s.mean_ms["schedule_ms"],
+            "prepare inputs ms": s.mean_ms["prepare_ms"], "forward ms": s.mean_ms["forward_ms"],
+            "sample ms": s.mean_ms["sample_ms"], "retire ms": s.mean_ms["retire_ms"],
+            "mean running": s.mean_running}
+
+
+def table_report(rows: list[TableRow], input_len: int, output_len: int) -> Report:
+    report = Report(f"Engine: prompt {input_len} tokens, {output_len} new tokens, greedy")
+    report.tables["reference"] = [
+        {"Batch": r.batch, "Time (s)": r.time_s, "TTFT (s)": r.ttft_s, "TPOT (s)": r.tpot_s,
+         "Memory (GB)": r.memory_gb, "TPS": r.tps} for r in rows]
+    if any(r.hf_tps is not None for r in rows):
+        report.tables["vs transformers generate"] = [
+            {"Batch": r.batch, "engine TPS": r.tps, "HF time (s)": r.hf_time_s, "HF TPS": r.hf_tps,
+             "engine / HF": r.ratio} for r in rows]
+    report.tables["per-step breakdown (mean per step)"] = [breakdown_row(f"batch {r.batch}", r.steps) for r in rows]
+    return report
+
+
+def compare_report(result: CompareResult) -> Report:
+    report = Report(f"compare on workload {result.workload!r}")
+    pairs = list(zip(result.labels, result.results, strict=True))
+    report.tables["configurations"] = [_compare_row(label, r) for label, r in pairs]
+    report.tables["per-step breakdown (mean per step)"] = [breakdown_row(label, r.steps) for label, r in pairs]
+    report.notes.append(f"throughput b/a ({result.labels[1]} / {result.labels[0]}): {result.ratio:.2f}x")
+    report.notes.append(f"identical output token ids for every request: {'yes' if result.same_outputs else 'no'}")
+    return report
+
+
+def _compare_row(label: str, r: RunResult) -> dict[str, Any]:
+    return {"config": label, "throughput tok/s": r.throughput, "mean TTFT (s)": r.mean_ttft_s,
+            "mean TPOT (s)": r.mean_tpot_s, "peak KV blocks": r.peak_kv_blocks, "preemptions": r.preemptions,
+            "prefix hits (tokens)": r.prefix_hits, "hit rate": r.hit_rate, "wall time (s)": r.wall_s}
+
+
+def hf_static_report(result: HFStaticResult) -> Report:
+    report = Report(f"HF generate in static batches of {result.batch_size} vs the engine, "
+                    f"workload {result.workload!r}")
+    e = result.engine
+    report.tables["throughput"] = [
+        {"system": f"HF generate, {result.num_batches} static batch(es)", "useful tokens": result.hf_useful_tokens,
+         "generated tokens": result.hf_generated_tokens, "wall time (s)": result.hf_wall_s,
+         "throughput tok/s": result.hf_throughput},
+        {"system": "engine", "useful tokens": e.generated_tokens, "generated tokens": e.generated_tokens,
+         "wall time (s)": e.wall_s, "throughput tok/s": e.throughput}]
+    report.notes.append(f"engine / HF throughput: {result.ratio:.2f}x (useful tokens only)")
+    return report
+
+
+def sched_cost_report(result: SchedCostResult) -> Report:
+    report = Report(f"scheduler cost: {result.running} requests, prompts of {result.prompt_len} tokens, "
+                    f"{result.decode_steps} decode steps")
+    report.tables["cost per step"] = [_sched_row("decode-only steps", result.decode),
+                                      _sched_row("all steps", result.all_steps)]
+    return report
+
+
+def _sched_row(label: str, s: StepBreakdown) -> dict[str, Any]:
+    per_request = s.mean_ms["schedule_ms"] * 1e3 / s.mean_running if s.mean_running else None
+    return {"steps": label, "count": s.num_steps, "mean running": s.mean_running,
+            "schedule mean ms": s.mean_ms["schedule_ms"], "schedule max ms": s.max_ms["schedule_ms"],
+            "schedule us / request": per_request, "prepare mean ms": s.mean_ms["prepare_ms"],
+            "prepare max ms": s.max_ms["prepare_ms"], "forward mean ms": s.mean_ms["forward_ms"]}
+
+
+def format_cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, float):
+        return str(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        return str(value)
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}" if abs(value) >= 1 else f"{value:.4f}"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    headers = list(rows[0])
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(format_cell(row.get(h)) for h in headers) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_report(report: Report) -> str:
+    parts = [f"## {report.title}"]
+    for caption, rows in report.tables.items():
+        parts += [f"\n{caption}:\n", markdown_table(rows)]
+    if report.notes:
+        parts.append("\n" + "\n".join(report.notes))
+    return "\n".join(parts)
+
+
+def ablate_report(workload: Workload, rows: list[AblationRow]) -> Report:
+    report = Report(f"ablation on workload {workload.name!r} ({len(workload.requests)} requests)")
+    report.tables["each feature off in turn"] = [
+        {"configuration": r.feature, "switch off": r.switch or "", "tok/s": r.throughput_tok_s,
+         "x full engine": r.ratio, "mean TTFT (s)": r.mean_ttft_s, "mean TPOT (s)": r.mean_tpot_s,
+         "peak KV blocks": r.peak_kv_blocks, "same output": r.same_output_as_full, "error": r.error or ""}
+        for r in rows]
+    report.rows = rows
+    return report
+
+
+def to_jsonable(value: Any) -> Any:
+    """Dataclasses (and lists of them) as plain JSON data; anything else JSON cannot hold as its str()."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return dataclasses.asdict(v)
+        return str(v)
+    return json.loads(json.dumps(value, default=plain))

@@ -1,0 +1,230 @@
+"""Running workloads: weights loaded once, an engine per configuration, every step recorded, one RunResult.
+
+Weights are loaded once (`load_llm`); each configuration gets its own engine built from them (`build_engine`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import LOAD_TIME_FIELDS, EngineConfig
+from ..engine import LLMEngine, StepRecord
+from ..llm import LLM
+from ..request import RequestOutput
+from ..sampler import SamplingParams
+from ..workloads import TOKEN_RANGE, Workload, WorkloadRequest
+from .specs import check_fields
+
+PHASES = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "retire_ms")
+GIB = 2**30  # "GB" in the tables means GiB, like EngineConfig.kv_cache_memory_gb
+REQUEST_PREFIX = "bench-"
+ROPE_TABLES = ("cos", "sin")  # model attributes that are precomputed tables, not weights
+MAX_IDLE_STEPS = 1000  # consecutive steps that compute nothing before run_workload gives up
+
+
+def load_llm(settings: dict[str, Any] | None = None) -> LLM:
+    """Load the weights once. Only load-time fields (and max_model_len, which sizes the RoPE tables) are used;
+    the returned LLM's own engine keeps no KV pool (kv_cache=False), so it costs no cache memory:
+    benchmarks build their engines from it with build_engine."""
+    settings = settings or {}
+    check_fields(settings, "settings")
+    load = {k: settings[k] for k in (*LOAD_TIME_FIELDS, "max_model_len") if k in settings and k != "model"}
+    return LLM(settings.get("model"), kv_cache=False, **load)
+
+
+def engine_config(llm: LLM, fields: dict[str, Any]) -> EngineConfig:
+    """EngineConfig for an engine over llm's weights; load-time fields must agree with what was loaded."""
+    fields = dict(fields)
+    for name in LOAD_TIME_FIELDS:
+        loaded = getattr(llm.config, name)
+        if name in fields and fields[name] != loaded:
+            raise ValueError(f"{name}={fields[name]!r} differs from the loaded model's {name}={loaded!r}: "
+                             f"weights are loaded once, so give it with --model / --set for the whole run")
+        fields[name] = loaded
+    return EngineConfig.from_kwargs(**fields)
+
+
+def build_engine(llm: LLM, fields: dict[str, Any]) -> LLMEngine:
+    return LLMEngine(engine_config(llm, fields), llm.engine.model, llm.tokenizer, llm.engine.hf_config)
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """One tiny request, so the timed run does not pay first-call costs."""
+    prompt = random_prompts(1, 8, seed=-1)[0]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*TOKEN_RANGE) for _ in range(length)] for _ in range(n)]
+
+
+def fixed_workload(prompts: list[list[int]], output_len: int) -> Workload:
+    """Greedy requests that each generate exactly output_len tokens, all arriving at time 0."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    requests = [WorkloadRequest(p, dataclasses.replace(params), 0.0, "batch") for p in prompts]
+    return Workload(f"batch-{len(prompts)}", f"{len(prompts)} prompts, {output_len} new tokens each", requests, {})
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the model's weight tensors (a tied lm_head counted once; RoPE tables excluded)."""
+    sizes = {t.data_ptr(): t.numel() * t.element_size()
+             for name, value in vars(model).items() if name not in ROPE_TABLES for t in _tensors(value)}
+    return sum(sizes.values())
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _tensors(getattr(value, f.name))
+
+
+def kv_bytes_per_block(engine: LLMEngine) -> int:
+    return engine.model.kv_bytes_per_token() * engine.config.block_size
+
+@dataclass
+class StepBreakdown:
+    """Per-step costs over the steps that computed something."""
+    num_steps: int
+    mean_ms: dict[str, float]  # phase (schedule_ms, prepare_ms, ...) -> mean over steps
+    max_ms: dict[str, float]
+    mean_running: float  # requests computed per step
+    mean_batched_tokens: float
+
+
+def summarize_steps(records: Sequence[StepRecord]) -> StepBreakdown:
+    active = [r for r in records if r.num_batched_tokens > 0]
+    if not active:
+        zeros = dict.fromkeys(PHASES, 0.0)
+        return StepBreakdown(0, zeros, dict(zeros), 0.0, 0.0)
+    n = len(active)
+    return StepBreakdown(
+        num_steps=n,
+        mean_ms={p: sum(getattr(r, p) for r in active) / n for p in PHASES},
+        max_ms={p: max(getattr(r, p) for r in active) for p in PHASES},
+        mean_running=sum(len(r.entries) for r in active) / n,
+        mean_batched_tokens=sum(r.num_batched_tokens for r in active) / n,
+    )
+
+
+@dataclass
+class RunResult:
+    config: dict[str, Any]  # the engine's resolved EngineConfig
+    num_requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    wall_s: float
+    throughput: float  # generated tokens per second of wall time
+    mean_ttft_s: float | None
+    mean_tpot_s: float | None
+    peak_kv_blocks: int  # max over steps of blocks held by requests (cached-free blocks not counted)
+    preemptions: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens served from it
+    hit_rate: float
+    steps: StepBreakdown
+    output_token_ids: list[list[int]]  # per request, in workload order
+
+
+class StepTracker:
+    """Steps the engine, keeping every StepRecord (engine.steps is a bounded deque) and the peak KV use."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.records: list[StepRecord] = []
+        self.peak_blocks = _kv_used(engine)
+        self.idle = 0
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        record = self.engine.steps[-1]
+        self.records.append(record)
+        self.peak_blocks = max(self.peak_blocks, _kv_used(self.engine))
+        self.idle = 0 if record.num_batched_tokens else self.idle + 1
+        if self.idle > MAX_IDLE_STEPS:
+            raise RuntimeError(f"the engine computed nothing for {MAX_IDLE_STEPS} steps with requests waiting: "
+                               f"{self.engine.snapshot(num_steps=0).waiting}")
+        return outputs
+
+
+def _kv_used(engine: LLMEngine) -> int:
+    return engine.kv.stats().kv_blocks_used
+
+
+def _counters(engine: LLMEngine) -> tuple[int, int, int]:
+    kv = engine.kv.stats()
+    return engine.scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits
+
+
+def _submit_arrived(engine: LLMEngine, workload: Workload, pending: deque[int], start: float) -> None:
+    """Add every request whose arrival offset the wall clock has passed; its TTFT counts from that offset."""
+    now = time.perf_counter() - start
+    while pending and workload.requests[pending[0]].arrival_s <= now:
+        i = pending.popleft()
+        req = workload.requests[i]
+        engine.add_request(list(req.prompt_token_ids), dataclasses.replace(req.params),
+                           request_id=f"{REQUEST_PREFIX}{i}", arrival_time=start + req.arrival_s)
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def run_workload(engine: LLMEngine, workload: Workload) -> RunResult:
+    """Drive the engine through the workload, honouring arrival offsets; the engine should be idle."""
+    pending = deque(sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s))
+    before = _counters(engine)
+    tracker = StepTracker(engine)
+    done: dict[str, RequestOutput] = {}
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        _submit_arrived(engine, workload, pending, start)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, start + workload.requests[pending[0]].arrival_s - time.perf_counter()))
+            continue
+        done.update((o.request_id, o) for o in tracker.step() if o.finished)
+    wall = time.perf_counter() - start
+    outputs = [done[f"{REQUEST_PREFIX}{i}"] for i in range(len(workload.requests))]
+    return _run_result(engine, workload, outputs, tracker, before, wall)
+
+
+def _run_result(engine: LLMEngine, workload: Workload, outputs: list[RequestOutput], tracker: StepTracker,
+                before: tuple[int, int, int], wall: float) -> RunResult:
+    preemptions, queries, hits = (after - b for after, b in zip(_counters(engine), before, strict=True))
+    generated = sum(len(o.token_ids) for o in outputs)
+    return RunResult(
+        config=engine.config.to_dict(), num_requests=len(outputs), prompt_tokens=workload.num_prompt_tokens,
+        generated_tokens=generated, wall_s=wall, throughput=generated / wall if wall > 0 else 0.0,
+        mean_ttft_s=_mean([o.metrics.ttft for o in outputs]), mean_tpot_s=_mean([o.metrics.tpot for o in outputs]),
+        peak_kv_blocks=tracker.peak_blocks, preemptions=preemptions, prefix_queries=queries, prefix_hits=hits,
+        hit_rate=hits / queries if queries else 0.0, steps=summarize_steps(tracker.records),
+        output_token_ids=[list(o.token_ids) for o in outputs],
+    )
+
+
+def run_config(llm: LLM, workload: Workload, fields: dict[str, Any]) -> RunResult:
+    """A fresh, warmed-up engine with these fields, run through the workload."""
+    engine = build_engine(llm, fields)
+    warm_up(engine)
+    return run_workload(engine, workload)
+
+
+def config_fields(workload: Workload, settings: dict[str, Any], spec_fields: dict[str, Any]) -> dict[str, Any]:
+    """The workload's own config first, then the common --set settings, then the spec."""
+    return {**workload.config, **settings, **spec_fields}
+
