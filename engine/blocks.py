@@ -166,13 +166,16 @@ class KVCacheManager:
         return keys
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """Blocks of the longest cached prefix. The last token is always recomputed (its logits are needed)."""
-        if not self.prefix_caching or request.num_computed_tokens:
-            return []
+        """Cached blocks that continue the request's block table: from its first block at admission, or, in the
+        middle of a chunked prefill, from its next block (chunks another request computed meanwhile are skipped).
+        The last token is always recomputed (its logits are needed)."""
+        first = len(request.block_table)
+        if not self.prefix_caching or request.num_computed_tokens != first * self.block_size:
+            return []  # off, or the request's last block is partly written: it must be continued, not replaced
         keys = self._hash_keys(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
-        for key in keys[:max_blocks]:
+        for key in keys[first:max_blocks]:
             block_id = self.pool.lookup(key)
             if block_id is None:
                 break
@@ -184,6 +187,10 @@ class KVCacheManager:
         if self.prefix_caching:
             self.prefix_cache_queries += request.num_prompt_tokens
             self.prefix_cache_hits += num_hit_tokens
+
+    def count_skipped_chunk(self, num_hit_tokens: int) -> None:
+        """Prompt tokens of a request's first prefill, already queried at admission, found cached mid-prefill."""
+        self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more tokens. False (and nothing changed) if the pool is short."""
@@ -203,8 +210,9 @@ class KVCacheManager:
             return False
         for block_id in cached_blocks:
             self.pool.touch(block_id)
-        request.block_table.extend(cached_blocks)
-        request.num_cached_blocks = max(request.num_cached_blocks, len(cached_blocks))
+        if cached_blocks:  # every block before them is registered too (full blocks register as they are computed)
+            request.block_table.extend(cached_blocks)
+            request.num_cached_blocks = len(request.block_table)
         for _ in range(max(num_needed, 0)):
             request.block_table.append(self.pool.allocate())
         return True
@@ -268,6 +276,9 @@ class NoKVCache:
         return []
 
     def count_query(self, request: Request, num_hit_tokens: int) -> None:
+        pass
+
+    def count_skipped_chunk(self, num_hit_tokens: int) -> None:
         pass
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:

@@ -131,7 +131,7 @@ class LLMEngine:
         max_len = config.max_model_len or self.model.max_len
         if max_len > self.model.max_len:
             raise ValueError(f"max_model_len {max_len} exceeds the loaded model's limit ({self.model.max_len})")
-        budget = config.max_num_batched_tokens or max(2048, max_len)
+        budget = config.max_num_batched_tokens or config.default_max_num_batched_tokens(max_len)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             per_block = self.model.kv_bytes_per_token() * config.block_size

@@ -67,6 +67,7 @@ class Request:
         self.block_table: list[int] = []
         self.block_hash_keys: list[tuple] = []  # prefix-cache keys of its full blocks, filled lazily
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
+        self.recomputing = False  # re-prefilling after a preemption or a pool rebuild: prefix hits are not counted
         self.generator = generator
         self.finish_reason: str | None = None
         self.text = ""
@@ -89,6 +90,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last sampled token still lacks its K/V: the prompt (or a recompute) is under way."""
+        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
 
     @property
     def finished(self) -> bool:

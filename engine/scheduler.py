@@ -63,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
+        self._budget = 0  # tokens left in the step being scheduled
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -72,22 +73,27 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        self._budget = self.config.max_num_batched_tokens
         batch_was_empty = not self.running
 
-        i = 0
-        while i < len(self.running):
-            req = self.running[i]
-            start = req.num_computed_tokens
-            n = req.num_tokens - start
-            if n > budget:
-                i += 1
+        # Running requests: decodes first, so streams never stall behind a long prompt's chunks.
+        for req in sorted(self.running, key=lambda r: r.is_prefilling):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room for an older request
+            cached = self.kv.find_cached_prefix(req) if req.is_prefilling else []
+            start = req.num_computed_tokens + len(cached) * self.kv.block_size
+            n = self._fit(start, req.num_tokens - start)
+            if n == 0:
                 continue
-            if not self._allocate_or_preempt(req, n, out):
-                break  # req itself was preempted: it was the newest, nothing after it runs
-            out.scheduled.append(ScheduledRequest(req, _phase(req, start), start, n))
-            budget -= n
-            i += 1
+            if not self._allocate_or_preempt(req, n, cached, out):
+                continue  # req itself was preempted: it was the newest
+            num_hit = start - req.num_computed_tokens
+            if num_hit and not req.recomputing:
+                self.kv.count_skipped_chunk(num_hit)
+                req.metrics.num_cached_tokens += num_hit
+            req.num_computed_tokens = start
+            out.scheduled.append(ScheduledRequest(req, _phase(req, start), start, n, prefix_hit_tokens=num_hit))
+            self._budget -= n
         for s in out.scheduled:  # no more preemptions this step: the scheduled blocks will be computed
             self.kv.cache_full_blocks(s.request, s.end)
 
@@ -96,10 +102,8 @@ class Scheduler:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
             num_hit = len(cached) * self.kv.block_size
-            n = req.num_tokens - num_hit
-            if n > budget:
-                break
-            if not self.kv.allocate_slots(req, n, cached):
+            n = self._fit(num_hit, req.num_tokens - num_hit)
+            if n == 0 or not self.kv.allocate_slots(req, n, cached):
                 break
             self.waiting.popleft()
             if req.metrics.first_scheduled_time is None:  # a re-admission after preemption is not a new query
@@ -107,18 +111,37 @@ class Scheduler:
                 req.metrics.num_cached_tokens = num_hit
                 self.kv.count_query(req, num_hit)
             req.num_computed_tokens = num_hit
-            self.kv.cache_full_blocks(req, req.num_tokens)  # later admissions may share them at once
+            self.kv.cache_full_blocks(req, num_hit + n)  # later admissions may share them at once
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, Phase.PREFILL, num_hit, n, prefix_hit_tokens=num_hit))
-            budget -= n
+            self._budget -= n
         return out
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        while not self.kv.allocate_slots(req, n):
+    def _fit(self, start: int, n: int) -> int:
+        """How many of a request's n remaining tokens run this step: all of them if the budget allows; with
+        chunked prefill, a chunk of what is left of the budget (ending on a block boundary where possible, so
+        the next chunk can be skipped if its blocks turn up in the prefix cache); otherwise none."""
+        if n <= self._budget:
+            return n
+        if not self.config.chunked_prefill_active or self._budget == 0:
+            return 0
+        bs = self.kv.block_size
+        aligned = (start + self._budget) // bs * bs - start
+        return aligned if aligned > 0 else self._budget
+
+    def _allocate_or_preempt(self, req: Request, n: int, cached: list[int], out: SchedulerOutput) -> bool:
+        """Slots for n new tokens, preempting the newest running requests until they fit. A victim scheduled
+        earlier in this step (a decode that went first) leaves the batch and gives its tokens back."""
+        while not self.kv.allocate_slots(req, n, cached):
             victim = self.running[-1]
             self.preempt(victim)
             out.preempted.append(victim.request_id)
+            for s in out.scheduled:
+                if s.request is victim:
+                    out.scheduled.remove(s)
+                    self._budget += s.num_tokens
+                    break
             if victim is req:
                 return False
         return True
@@ -128,6 +151,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.recomputing = True
         req.status = RequestStatus.PREEMPTED
         if count:
             req.metrics.num_preemptions += 1

@@ -178,11 +178,16 @@ def test_bad_config_values(field, value, match):
 
 
 def test_batched_token_budget_smaller_than_max_model_len():
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(128\)"):
-        EngineConfig.from_kwargs(max_num_batched_tokens=64, max_model_len=128)
+    """Only chunked prefill can run a prompt longer than a step's budget (and it needs a KV cache)."""
+    EngineConfig.from_kwargs(max_num_batched_tokens=64, max_model_len=128)  # chunked prefill is on by default
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than max_model_len \(128\) "
+                                         r"and chunked prefill is off"):
+        EngineConfig.from_kwargs(max_num_batched_tokens=64, max_model_len=128, chunked_prefill=False)
+    with pytest.raises(ValueError, match="without a KV cache prompts cannot be chunked"):
+        EngineConfig.from_kwargs(max_num_batched_tokens=64, max_model_len=128, kv_cache=False)
 
 
-@pytest.mark.parametrize("switch,value", [("chunked_prefill", True), ("speculative_decoding", True),
+@pytest.mark.parametrize("switch,value", [("speculative_decoding", True),
                                           ("cuda_graphs", True), ("quantization", "int8")])
 def test_not_yet_built_switches_are_refused(tiny_models, switch, value):
     folder, _ = tiny_models["llama"]
@@ -284,7 +289,8 @@ BAD_UPDATES = [
     ({"block_size": 3}, "block_size must be a power of two"),
     ({"not_a_field": 1}, "unknown config field"),
     ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
-    ({"chunked_prefill": True}, "chunked_prefill=True is declared but not built yet"),
+    ({"speculative_decoding": True}, "speculative_decoding=True is declared but not built yet"),
+    ({"chunked_prefill": False, "max_num_batched_tokens": 16}, "chunked prefill is off"),
     ({"quantization": "int8"}, "quantization='int8' is declared but not built yet"),
     ({"dtype": "float16"}, "dtype cannot change while serving"),
     ({"model": "other"}, "model cannot change while serving"),

@@ -267,7 +267,10 @@ def check_engine(eng: LLMEngine, after_step: bool, sharing_needs_hash: bool = Tr
     for req in s.running:
         assert req.status is RequestStatus.RUNNING
         if after_step:  # a running request holds exactly the blocks its computed tokens need
-            assert req.num_computed_tokens == req.num_tokens - 1
+            if req.is_prefilling:  # a chunked prefill under way
+                assert 0 < req.num_computed_tokens < req.num_tokens and eng.config.chunked_prefill_active
+            else:
+                assert req.num_computed_tokens == req.num_tokens - 1
             need = cdiv(req.num_computed_tokens, kv.block_size) if kv.paged else kv.blocks_per_reservation
             assert len(req.block_table) == need
     for req in s.waiting:
@@ -286,6 +289,7 @@ engine_configs = st.fixed_dictionaries({
     "max_num_seqs": st.one_of(st.integers(3, 6), st.integers(1, 6)),
     "prefix_caching": st.sampled_from([True, True, False]),
     "paged_kv": st.sampled_from([True, True, True, False]),
+    "max_num_batched_tokens": st.sampled_from([None, None, 5, 8, 16, 40]),  # small budgets: prompts are chunked
 })
 CONTIGUOUS_MAX_LEN = 40  # without paging each request reserves max_model_len up front: keep it small
 
@@ -325,6 +329,13 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
                 finished[rid] += 1
                 final[rid] = out
 
+    chunked_steps: list[bool] = []
+
+    def step() -> None:
+        outputs = eng.step()
+        chunked_steps.append(any(e.num_new_tokens == 0 for e in eng.steps[-1].entries))  # a prompt chunk
+        consume(outputs)
+
     sharing_needs_hash = True
     seats = 0  # after max_num_seqs is lowered, the requests already running may finish above it
 
@@ -360,7 +371,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
                 assert rid not in added
                 added[rid] = (prompt, max_tokens)
         elif op == "step":
-            consume(eng.step())
+            step()
             check(after_step=True)
             continue
         elif op == "reconfig":
@@ -369,19 +380,22 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
                 st.fixed_dictionaries({"max_num_seqs": st.integers(1, 6)}),
                 st.fixed_dictionaries({"num_kv_blocks": st.integers(4, 24)}),
                 st.fixed_dictionaries({"block_size": st.sampled_from([2, 4, 8]), "num_kv_blocks": st.integers(4, 24)}),
+                st.fixed_dictionaries({"chunked_prefill": st.booleans(),
+                                       "max_num_batched_tokens": st.sampled_from([None, 6, 16])}),
             ), label="changes")
             before, kv_before = eng.config.to_dict(), eng.kv
             try:
                 eng.update_config(**changes)
             except ValueError as exc:  # a live request, or a contiguous reservation, would not fit: nothing changes
-                assert "KV blocks" in str(exc) or "contiguous KV reserves" in str(exc)
+                assert ("KV blocks" in str(exc) or "contiguous KV reserves" in str(exc)
+                        or "chunked prefill is off" in str(exc))
                 assert eng.config.to_dict() == before
                 continue
             if changes.get("prefix_caching") is False and eng.kv.prefix_caching:
                 sharing_needs_hash = False  # blocks shared now stay shared, but their hashes are forgotten
             seats = len(eng.scheduler.running)
-            consume(eng.step())  # applied at this step boundary; nothing may be added in between
-            assert all(eng.config.to_dict()[k] == v for k, v in changes.items())
+            step()  # applied at this step boundary; nothing may be added in between
+            assert all(eng.config.to_dict()[k] == v for k, v in changes.items() if v is not None)  # None: resolved
             bs, num_blocks = eng.config.block_size, eng.config.num_kv_blocks
             if eng.kv is not kv_before:
                 sharing_needs_hash = True  # a new pool
@@ -398,7 +412,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
     assert eng.abort("no-such-request") is False
     steps = 0
     while eng.has_unfinished():
-        consume(eng.step())
+        step()
         check(after_step=True)
         steps += 1
         assert steps < 10_000, "the engine does not drain"
@@ -410,6 +424,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
     event(f"aborted: {len(aborted) > 0}")
     event(f"reconfigured: {eng.last_reconfig is not None}")
     event(f"paged: {cfg['paged_kv']}")
+    event(f"chunked: {any(chunked_steps)}")
     assert_all_blocks_free(eng)
     check_pool(eng.kv, [], [])
     assert eng.requests == {} and not eng.scheduler.running and not eng.scheduler.waiting
