@@ -17,7 +17,8 @@ from gradio.components.plot import PlotData
 
 from engine import LLM
 from engine.bench import compare_report, load_feature_preset
-from playground.handlers import BUILT_SWITCHES, NOT_YET_BUILT, Playground, feature_presets, workloads
+from engine.config import BUILT_SWITCHES, NOT_YET_BUILT
+from playground.handlers import Playground, feature_presets, workloads
 from viz.figures import ablation_figure, compare_figure, to_json
 
 INTRO = """# Watch an LLM inference engine work

@@ -147,8 +147,13 @@ class KVCacheManager:
         self.prefix_cache_queries, self.prefix_cache_hits = old.prefix_cache_queries, old.prefix_cache_hits
 
     def mark_computed(self, request: Request, num_tokens: int) -> None:
-        """The first num_tokens tokens' K/V now sit in the request's blocks."""
+        """The first num_tokens tokens' K/V now sit in the request's blocks. Blocks past them held only the
+        slots of rejected draft tokens (never registered in the prefix cache): they go back to the pool."""
         request.num_computed_tokens = num_tokens
+        if self.paged:
+            keep = cdiv(num_tokens, self.block_size)
+            while len(request.block_table) > keep:
+                self.pool.release(request.block_table.pop())
 
     def set_prefix_caching(self, on: bool) -> None:
         self.prefix_caching = on and self.paged

@@ -9,8 +9,10 @@ import dataclasses
 from dataclasses import dataclass
 
 # Switches declared now and built by later issues: asking for one is an error, never a silent no-op.
-NOT_YET_BUILT = ("speculative_decoding", "cuda_graphs", "quantization")
-FEATURE_SWITCHES = ("kv_cache", "paged_kv", "continuous_batching", "prefix_caching", "chunked_prefill") + NOT_YET_BUILT
+NOT_YET_BUILT = ("cuda_graphs", "quantization")
+FEATURE_SWITCHES = ("kv_cache", "paged_kv", "continuous_batching", "prefix_caching", "chunked_prefill",
+                    "speculative_decoding") + NOT_YET_BUILT
+BUILT_SWITCHES = tuple(s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT)
 # Changing one of these rebuilds the KV pool: running requests are preempted and re-prefilled.
 STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv")
 # These need a new model load and cannot change while serving.
@@ -18,6 +20,7 @@ LOAD_TIME_FIELDS = ("model", "dtype", "device")
 DTYPES = ("float32", "bfloat16", "float16")
 # Tokens per step with chunked prefill (measured on a 2-core CPU: see the README's chunked-prefill table).
 CHUNKED_PREFILL_BUDGET = 512
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -39,6 +42,11 @@ class EngineConfig:
     prefix_caching: bool = True
     chunked_prefill: bool = True
     speculative_decoding: bool = False
+    num_speculative_tokens: int = 4  # k: draft tokens per request and step, at most
+    prompt_lookup_min: int = 2  # shortest n-gram matched to propose drafts
+    prompt_lookup_max: int = 4  # longest n-gram tried first
+    # rows (decodes + drafts) a step may verify before drafts shrink: k = min(k, budget // decoding - 1)
+    speculative_token_budget: int = 16
     cuda_graphs: bool = False
     quantization: str | None = None
 
@@ -85,6 +93,14 @@ class EngineConfig:
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs > 1024 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two between 1 and 1024, got {bs!r}")
         _positive_int("max_num_seqs", self.max_num_seqs)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_token_budget"):
+            _positive_int(name, getattr(self, name))
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
         _positive_int("seed", self.seed, allow_zero=True)
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) is not None:
@@ -107,6 +123,11 @@ class EngineConfig:
     @property
     def chunked_prefill_active(self) -> bool:
         return self.chunked_prefill and self.kv_cache
+
+    # Drafts are verified against a cached context.
+    @property
+    def speculative_decoding_active(self) -> bool:
+        return self.speculative_decoding and self.kv_cache
 
     def default_max_num_batched_tokens(self, max_model_len: int) -> int:
         """With chunked prefill, a step's budget bounds how long one step (and so every stream's gap between

@@ -20,6 +20,7 @@ from .request import Request, RequestOutput, RequestStatus
 from .runner import Batch, ModelRunner
 from .sampler import SamplingParams, sample
 from .scheduler import Phase, ScheduledRequest, Scheduler
+from .spec import SpecDecodeStats, verify
 from .utils import cdiv
 
 
@@ -33,6 +34,8 @@ class StepEntry:
     num_computed_after: int  # the request's tokens with K/V in the cache after the step
     num_prompt_tokens: int
     num_new_tokens: int = 0  # tokens generated (0 for a prefill chunk that stops short of the prompt's end)
+    num_drafts: int = 0  # draft tokens verified (speculative decoding)
+    num_accepted: int = 0  # of those, accepted
 
 
 @dataclass
@@ -61,6 +64,10 @@ class StepRecord:
     def decodes(self) -> list[StepEntry]:
         return [e for e in self.entries if e.phase == Phase.DECODE.value]
 
+    @property
+    def verifies(self) -> list[StepEntry]:
+        return [e for e in self.entries if e.phase == Phase.VERIFY.value]
+
 
 @dataclass
 class EngineSnapshot:
@@ -88,6 +95,7 @@ class EngineSnapshot:
     requests: dict[str, dict]
     steps: list[StepRecord]
     last_reconfig: dict | None
+    speculation: dict  # active, k (drafts per request now), the adaptive rule, and SpecDecodeStats' counters
 
     @property
     def block_owners(self) -> dict[int, list[str]]:
@@ -120,6 +128,7 @@ class LLMEngine:
         self.step_count = 0
         self.prefill_tokens_total = 0
         self.generation_tokens_total = 0
+        self.spec_stats = SpecDecodeStats()
         self.steps: deque[StepRecord] = deque(maxlen=256)
         self.last_reconfig: dict | None = None
         self.generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
@@ -280,10 +289,23 @@ class LLMEngine:
         return outputs
 
     def _sample(self, batch: Batch, logits) -> list[list[int]]:
-        """The tokens each scheduled request gains this step, in batch order (none for a partial prefill)."""
-        sampling = [s.request for s in batch.scheduled if s.num_logits]
-        tokens = iter(sample(logits, [r.params for r in sampling], [r.generator for r in sampling]))
-        return [[next(tokens)] if s.num_logits else [] for s in batch.scheduled]
+        """The tokens each scheduled request gains this step, in batch order: one for a prefill's end or a
+        decode, the accepted drafts plus one for a verify, none for a prefill chunk short of the prompt's end."""
+        rows, row = [], 0
+        for s in batch.scheduled:
+            rows.append(row)
+            row += s.num_logits
+        single = [i for i, s in enumerate(batch.scheduled) if s.num_logits == 1]
+        reqs = [batch.scheduled[i].request for i in single]
+        sampled = sample(logits[[rows[i] for i in single]], [r.params for r in reqs], [r.generator for r in reqs])
+        out: list[list[int]] = [[] for _ in batch.scheduled]
+        for i, token in zip(single, sampled, strict=True):
+            out[i] = [token]
+        for i, s in enumerate(batch.scheduled):
+            if s.phase is Phase.VERIFY:
+                out[i] = verify(logits[rows[i]:rows[i] + s.num_logits], s.draft_token_ids, s.request.params,
+                                s.request.generator)
+        return out
 
     def _retire(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
                 rec: StepRecord) -> list[RequestOutput]:
@@ -293,19 +315,29 @@ class LLMEngine:
             req = s.request
             if s.phase is Phase.PREFILL:
                 self.prefill_tokens_total += s.num_tokens
-            self.kv.mark_computed(req, s.end)
-            rec.entries.append(StepEntry(req.request_id, s.phase.value, s.num_tokens, s.prefix_hit_tokens,
-                                         req.num_computed_tokens, req.num_prompt_tokens, len(tokens)))
+            num_accepted = max(0, len(tokens) - 1) if s.phase is Phase.VERIFY else 0
+            if s.phase is Phase.VERIFY:
+                self.spec_stats.record(len(s.draft_token_ids), num_accepted)
+            # the accepted drafts' K/V are right (computed over the right tokens); the rejected ones' slots go back
+            self.kv.mark_computed(req, s.known_end + num_accepted)
+            entry = StepEntry(req.request_id, s.phase.value, s.num_tokens, s.prefix_hit_tokens,
+                              req.num_computed_tokens, req.num_prompt_tokens, 0, len(s.draft_token_ids), num_accepted)
+            rec.entries.append(entry)
             if not tokens:
                 continue
-            req.token_ids.extend(tokens)
-            self.generation_tokens_total += len(tokens)
             m = req.metrics
-            m.num_generation_tokens = req.num_output_tokens
             if m.first_token_time is None:
                 m.first_token_time = now
-            self._detokenize(req)
-            reason = self._stop_reason(req, tokens[-1])
+            reason = None
+            for token in tokens:  # one by one: a stop inside an accepted run ends it there
+                req.token_ids.append(token)
+                entry.num_new_tokens += 1
+                self._detokenize(req)
+                reason = self._stop_reason(req, token)
+                if reason:
+                    break
+            self.generation_tokens_total += entry.num_new_tokens
+            m.num_generation_tokens = req.num_output_tokens
             if reason:
                 req.finish_reason = reason
                 m.finished_time = now
@@ -364,8 +396,16 @@ class LLMEngine:
                                      "num_cached_tokens": r.metrics.num_cached_tokens,
                                      "num_preemptions": r.metrics.num_preemptions} for r in live},
             steps=list(itertools.islice(reversed(self.steps), num_steps))[::-1],
-            last_reconfig=self.last_reconfig,
+            last_reconfig=self.last_reconfig, speculation=self._speculation(),
         )
+
+    def _speculation(self) -> dict:
+        c, stats = self.config, self.spec_stats
+        k, budget = c.num_speculative_tokens, c.speculative_token_budget
+        return {"active": c.speculative_decoding_active, "k": self.scheduler.spec_k,
+                "rule": f"k = min({k}, {budget} // decoding requests - 1): {k} drafts up to "
+                        f"{budget // (k + 1)} decoding requests, none above {budget // 2}",
+                **dataclasses.asdict(stats), "acceptance_rate": stats.acceptance_rate}
 
 
 def _eos_ids(tokenizer, hf_config) -> set[int]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from .blocks import KVCacheManager, NoKVCache
 from .config import EngineConfig
 from .request import Request, RequestStatus
+from .spec import adaptive_k, propose_ngram
 
 
 class Phase(enum.StrEnum):
@@ -39,9 +40,14 @@ class ScheduledRequest:
         return self.start + self.num_tokens
 
     @property
+    def known_end(self) -> int:
+        """End of the positions whose tokens are known (the drafts after them are guesses until verified)."""
+        return self.end - len(self.draft_token_ids)
+
+    @property
     def num_logits(self) -> int:
         """Rows to sample from: none for a prefill chunk that stops short of the sequence's end."""
-        if self.start + self.num_tokens - len(self.draft_token_ids) < self.request.num_tokens:
+        if self.known_end < self.request.num_tokens:
             return 0
         return 1 + len(self.draft_token_ids)
 
@@ -64,6 +70,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self._budget = 0  # tokens left in the step being scheduled
+        self.spec_k = 0  # drafts per decoding request in the last step (adaptive)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -75,14 +82,19 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
         batch_was_empty = not self.running
+        num_decoding = sum(1 for r in self.running if not r.is_prefilling)
+        c = self.config
+        self.spec_k = (adaptive_k(c.num_speculative_tokens, num_decoding, c.speculative_token_budget)
+                       if c.speculative_decoding_active else 0)
 
         # Running requests: decodes first, so streams never stall behind a long prompt's chunks.
         for req in sorted(self.running, key=lambda r: r.is_prefilling):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room for an older request
             cached = self.kv.find_cached_prefix(req) if req.is_prefilling else []
+            drafts = [] if req.is_prefilling else self._propose(req)
             start = req.num_computed_tokens + len(cached) * self.kv.block_size
-            n = self._fit(start, req.num_tokens - start)
+            n = self._fit(start, req.num_tokens - start + len(drafts))
             if n == 0:
                 continue
             if not self._allocate_or_preempt(req, n, cached, out):
@@ -92,10 +104,11 @@ class Scheduler:
                 self.kv.count_skipped_chunk(num_hit)
                 req.metrics.num_cached_tokens += num_hit
             req.num_computed_tokens = start
-            out.scheduled.append(ScheduledRequest(req, _phase(req, start), start, n, prefix_hit_tokens=num_hit))
+            phase = Phase.VERIFY if drafts else _phase(req, start)
+            out.scheduled.append(ScheduledRequest(req, phase, start, n, num_hit, drafts))
             self._budget -= n
         for s in out.scheduled:  # no more preemptions this step: the scheduled blocks will be computed
-            self.kv.cache_full_blocks(s.request, s.end)
+            self.kv.cache_full_blocks(s.request, s.known_end)
 
         admit = self.config.continuous_batching or batch_was_empty
         while admit and not out.preempted and self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -117,6 +130,14 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, Phase.PREFILL, num_hit, n, prefix_hit_tokens=num_hit))
             self._budget -= n
         return out
+
+    def _propose(self, req: Request) -> list[int]:
+        """Draft tokens for a decoding request: never past max_tokens or max_model_len (the verified token
+        after the drafts always counts), and never more than the step's budget can verify."""
+        c = self.config
+        room = min(self.spec_k, req.params.max_tokens - req.num_output_tokens - 1,
+                   c.max_model_len - req.num_tokens - 1, self._budget - 1)
+        return propose_ngram(req.token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max) if room > 0 else []
 
     def _fit(self, start: int, n: int) -> int:
         """How many of a request's n remaining tokens run this step: all of them if the budget allows; with

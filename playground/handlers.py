@@ -14,13 +14,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine import LLM, SamplingParams, bench
-from engine.config import FEATURE_SWITCHES, NOT_YET_BUILT
+from engine.config import BUILT_SWITCHES
 from engine.models.loader import cache_dir
 from engine.service import EngineService
 from engine.workloads import list_workloads, load_workload
 from viz.dashboard import DashboardFigures, FigureCache
 
-BUILT_SWITCHES = [s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT]
 SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"]
 ProgressFn = Callable[[float, str], None]
 
@@ -88,7 +87,7 @@ class Playground:
     def settings(self) -> dict:
         """The engine's actual configuration (what the controls show on page load)."""
         cfg = self.service.snapshot().config
-        return {k: cfg[k] for k in BUILT_SWITCHES + SIZE_FIELDS}
+        return {k: cfg[k] for k in (*BUILT_SWITCHES, *SIZE_FIELDS)}
 
     def apply_settings(self, **values) -> str:
         current = self.settings()

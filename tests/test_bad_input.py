@@ -187,8 +187,7 @@ def test_batched_token_budget_smaller_than_max_model_len():
         EngineConfig.from_kwargs(max_num_batched_tokens=64, max_model_len=128, kv_cache=False)
 
 
-@pytest.mark.parametrize("switch,value", [("speculative_decoding", True),
-                                          ("cuda_graphs", True), ("quantization", "int8")])
+@pytest.mark.parametrize("switch,value", [("cuda_graphs", True), ("quantization", "int8")])
 def test_not_yet_built_switches_are_refused(tiny_models, switch, value):
     folder, _ = tiny_models["llama"]
     with pytest.raises(ValueError, match=f"{switch}=.*not built yet"):
@@ -241,7 +240,9 @@ def test_max_model_len_beyond_the_models_context(tiny_models):
 @pytest.mark.parametrize("kwargs,match", [
     ({"not_a_field": 1}, "unknown config field.*not_a_field"),
     ({"block_size": 12}, "block_size must be a power of two"),
-    ({"speculative_decoding": True}, "speculative_decoding=True is declared but not built yet"),
+    ({"cuda_graphs": True}, "cuda_graphs=True is declared but not built yet"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min \\(5\\) must be <= prompt_lookup_max"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"model": "/no/such/model/dir"}, "model path does not exist"),
     ({"model": "GPT2"}, "unsupported architecture"),
 ])
@@ -289,7 +290,9 @@ BAD_UPDATES = [
     ({"block_size": 3}, "block_size must be a power of two"),
     ({"not_a_field": 1}, "unknown config field"),
     ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
-    ({"speculative_decoding": True}, "speculative_decoding=True is declared but not built yet"),
+    ({"cuda_graphs": True}, "cuda_graphs=True is declared but not built yet"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min \\(5\\) must be <= prompt_lookup_max"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"chunked_prefill": False, "max_num_batched_tokens": 16}, "chunked prefill is off"),
     ({"quantization": "int8"}, "quantization='int8' is declared but not built yet"),
     ({"dtype": "float16"}, "dtype cannot change while serving"),

@@ -101,7 +101,8 @@ def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
     for history, stats in results:
         assert history[-1]["role"] == "assistant" and "TTFT" in stats
     assert max(h.num_running for h in playground.service.history) >= 2  # batched together in the engine
-    assert "Applied" in client.predict(True, True, True, False, 16, 64, 32, 2048, api_name="/apply_settings")
+    assert "Applied" in client.predict(True, True, True, False, True, False, 16, 64, 32, 2048,
+                                     api_name="/apply_settings")
     threading.Event().wait(0.2)
     client.predict("x", [], 0.0, 8, api_name="/chat")
     assert playground.settings()["prefix_caching"] is False and playground.settings()["max_num_seqs"] == 32
