@@ -20,6 +20,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation as prompt token ids, through the model's chat template, ready for the reply."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 class LLM:
     def __init__(self, model: str | None = None, **config_fields) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **config_fields)
@@ -57,8 +63,7 @@ class LLM:
         return [done[rid] for rid in ids]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return chat_token_ids(self.tokenizer, messages)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

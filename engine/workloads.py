@@ -2,10 +2,13 @@
 
 A workload is a list of groups; each group makes `count` requests whose own prompt and output lengths are
 drawn uniformly from inclusive ranges, optionally after a prefix shared by the whole group (a system
-prompt). Prompt tokens are drawn from ordinary vocabulary ids, so lengths are exact in tokens.
+prompt). Prompt tokens are drawn from ordinary vocabulary ids, so lengths are exact in tokens. A group may
+instead give `texts`: real user messages (sent through the model's chat template, cycled to `count`), for
+behaviour that needs meaning, such as answers that copy from the prompt. A group's `arrival_s` delays it.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import tomllib
 from dataclasses import dataclass
@@ -19,10 +22,11 @@ TOKEN_RANGE = (1000, 20000)  # ordinary word pieces in the default vocabulary, a
 
 @dataclass
 class WorkloadRequest:
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # empty for a text request until the workload is tokenized
     params: SamplingParams
     arrival_s: float  # offset from the workload's start
     group: str
+    text: str | None = None  # a user message, tokenized with the model's chat template
 
 
 @dataclass
@@ -39,6 +43,15 @@ class Workload:
     @property
     def num_output_tokens(self) -> int:
         return sum(r.params.max_tokens for r in self.requests)
+
+    def tokenized(self, tokenizer) -> Workload:
+        """The same workload with every text request turned into token ids (the model's chat template)."""
+        from .llm import chat_token_ids
+        ids = {t: chat_token_ids(tokenizer, [{"role": "user", "content": t}]) for t in {r.text for r in self.requests}
+               if t is not None}
+        requests = [r if r.text is None else dataclasses.replace(r, prompt_token_ids=ids[r.text])
+                    for r in self.requests]
+        return dataclasses.replace(self, requests=requests)
 
 
 def list_workloads() -> list[str]:
@@ -58,21 +71,23 @@ def build_workload(spec: dict) -> Workload:
     arrival = spec.get("arrival", "burst")
     rate = float(spec.get("rate", 0) or 0)
     for group in spec["groups"]:
+        texts = list(group.get("texts", []))
         prefix = [rng.randrange(*TOKEN_RANGE) for _ in range(group.get("shared_prefix_tokens", 0))]
-        plo, phi = _span(group["prompt_tokens"], "prompt_tokens")
+        plo, phi = _span(group["prompt_tokens"], "prompt_tokens") if not texts else (0, 0)
         olo, ohi = _span(group["output_tokens"], "output_tokens")
-        for _ in range(group.get("count", 1)):
+        for i in range(group.get("count", len(texts) or 1)):
             own = [rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(plo, phi))]
             params = SamplingParams(temperature=group.get("temperature", 0.0), max_tokens=rng.randint(olo, ohi),
-                                    ignore_eos=group.get("ignore_eos", True), seed=rng.randrange(2**31))
-            requests.append(WorkloadRequest(prefix + own, params, 0.0, group.get("name", "requests")))
+                                    ignore_eos=group.get("ignore_eos", not texts), seed=rng.randrange(2**31))
+            requests.append(WorkloadRequest(prefix + own, params, float(group.get("arrival_s", 0.0)),
+                                            group.get("name", "requests"), texts[i % len(texts)] if texts else None))
     if spec.get("shuffle", False):
         rng.shuffle(requests)
     if arrival == "poisson" and rate > 0:
         t = 0.0
         for r in requests:
             t += rng.expovariate(rate)
-            r.arrival_s = t
+            r.arrival_s += t
     elif arrival != "burst":
         raise ValueError(f"arrival must be 'burst' or 'poisson' (with rate > 0), got {arrival!r}")
     return Workload(spec.get("name", "workload"), spec.get("description", ""), requests, dict(spec.get("config", {})))

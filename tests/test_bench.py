@@ -124,7 +124,8 @@ def test_compare_naive_vs_full_same_greedy_outputs(tiny_llm):
     rows = report.tables["configurations"]
     assert [r["config"] for r in rows] == ["naive", "full"]
     assert list(rows[0]) == ["config", "throughput tok/s", "mean TTFT (s)", "mean TPOT (s)", "peak KV blocks",
-                             "preemptions", "prefix hits (tokens)", "hit rate", "wall time (s)"]
+                             "preemptions", "prefix hits (tokens)", "hit rate", "wall time (s)", "max token gap (s)",
+                             "p95 token gap (s)", "draft acceptance"]
 
 
 @pytest.mark.parametrize("spec", ["contiguous-kv", "static-batching", "no-prefix-cache",
@@ -277,3 +278,64 @@ def load_workload_text(text: str):
 
     from engine.workloads import build_workload
     return build_workload(tomllib.loads(text))
+
+
+def test_compare_repeats_side_by_side_and_reports_token_gaps(tiny_llm):
+    wl = tiny_workload()
+    result = bench.compare(tiny_llm, wl, "chunked_prefill=false", "max_num_batched_tokens=16", SMALL_POOL, repeat=2)
+    assert len(result.ratios) == 2 and len(result.gap_ratios) == 2 and result.same_outputs
+    a, b = result.results
+    assert a.max_token_gap_s >= a.p95_token_gap_s > 0 and b.peak_running >= 1
+    notes = "\n".join(bench.compare_report(result).notes)
+    assert "median of 2" in notes and "longest gap between two tokens" in notes
+
+
+def test_every_built_switch_has_an_ablation_row(tiny_llm):
+    from engine.config import BUILT_SWITCHES
+    rows = bench.ablate(tiny_llm, tiny_workload(), FEW_SEATS)
+    assert [r.switch for r in rows] == [None, *BUILT_SWITCHES]
+    assert all(r.error is None and r.same_output_as_full for r in rows)
+    assert rows[0].ratio == 1.0 and rows[0].feature == bench.FULL_ENGINE
+
+
+def test_cumulative_ablation_adds_features_back_in_the_course_order(tiny_llm):
+    rows = bench.ablate_cumulative(tiny_llm, tiny_workload(), FEW_SEATS)
+    assert [r.feature for r in rows] == [bench.NAIVE_LOOP] + [f"+ {f.name}" for f in bench.FEATURES]
+    assert rows[0].peak_kv_blocks == 0 and rows[0].step_ratio is None and rows[0].ratio == 1.0
+    assert all(r.same_output_as_full for r in rows)  # greedy output never changes as features come back
+    assert rows[1].step_ratio == pytest.approx(rows[1].ratio)
+    text = bench.render_report(bench.ablate_report(tiny_workload(), rows, cumulative=True))
+    assert "x previous" in text and "+ speculative decoding" in text
+
+
+def test_ablation_at_each_concurrency(tiny_llm):
+    rows = bench.ablate_concurrency(tiny_llm, tiny_workload(), [1, 3], SMALL_POOL)
+    assert [r.concurrency for r in rows] == [1] * (len(bench.FEATURES) + 1) + [3] * (len(bench.FEATURES) + 1)
+    text = bench.render_report(bench.ablate_report(tiny_workload(), rows))
+    assert "x full @ 1" in text and "x full @ 3" in text
+
+
+def test_memory_sweep_paged_fits_more_than_contiguous(tiny_llm):
+    wl = tiny_workload(config={"max_model_len": 64})
+    rows = bench.memory_sweep(tiny_llm, wl, [16, 40], {"block_size": 4, "max_num_seqs": 8})
+    assert [(r.num_kv_blocks, r.paged) for r in rows] == [(16, True), (16, False), (40, True), (40, False)]
+    by = {(r.num_kv_blocks, r.paged): r for r in rows}
+    assert by[(40, True)].peak_running > by[(40, False)].peak_running  # contiguous reserves 16 blocks each
+    assert by[(40, False)].peak_running == 40 // (64 // 4)
+    assert 0 < by[(40, False)].memory_efficiency < by[(40, True)].memory_efficiency <= 1
+    assert by[(16, True)].preemptions > 0 or by[(16, True)].error
+    assert by[(40, True)].kv_cache_mb > by[(16, True)].kv_cache_mb > 0
+
+
+def test_text_workloads_and_group_arrivals(tiny_llm):
+    wl = build_workload({"name": "t", "groups": [
+        {"name": "copy", "texts": ["Repeat: a b c", "Repeat: d e f"], "count": 3, "output_tokens": 4},
+        {"name": "late", "count": 1, "prompt_tokens": 5, "output_tokens": 2, "arrival_s": 0.2}]})
+    assert [r.text for r in wl.requests[:3]] == ["Repeat: a b c", "Repeat: d e f", "Repeat: a b c"]
+    assert wl.requests[3].arrival_s == 0.2 and wl.requests[0].params.ignore_eos is False
+    tokenized = wl.tokenized(tiny_llm.tokenizer)
+    assert tokenized.requests[0].prompt_token_ids == tiny_llm.apply_chat_template(
+        [{"role": "user", "content": "Repeat: a b c"}])
+    result = bench.run_config(tiny_llm, wl, SMALL_POOL)
+    assert result.num_requests == 4 and result.prompt_tokens == tokenized.num_prompt_tokens
+    assert result.wall_s >= 0.2

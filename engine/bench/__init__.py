@@ -3,7 +3,7 @@
     specs.py        feature presets and "key=value" flags -> EngineConfig fields
     runs.py         weights loaded once, an engine per configuration, a workload run -> RunResult
     hf.py           transformers' generate over the same weights
-    experiments.py  table, compare, hf-static, sched-cost, ablate: each returns dataclasses
+    experiments.py  table, compare, hf-static, sched-cost, ablate (--cumulative, --concurrency), memory
     report.py       captioned tables rendered as markdown, JSON rows
     cli.py          `python -m engine.bench ...`: the only module that prints
 
@@ -11,15 +11,23 @@ The playground imports the experiments from here; only `python -m engine.bench` 
 """
 from .experiments import (
                           ABLATIONS,
+                          FEATURES,
                           FULL_ENGINE,
+                          FULL_FIELDS,
+                          NAIVE_LOOP,
                           AblationRow,
                           CompareResult,
+                          Feature,
                           HFStaticResult,
+                          MemoryRow,
                           SchedCostResult,
                           TableRow,
                           ablate,
+                          ablate_concurrency,
+                          ablate_cumulative,
                           compare,
                           hf_static,
+                          memory_sweep,
                           run_table,
                           sched_cost,
 )
@@ -29,6 +37,7 @@ from .report import (
                           compare_report,
                           hf_static_report,
                           markdown_table,
+                          memory_report,
                           render_report,
                           sched_cost_report,
                           table_report,
@@ -50,10 +59,11 @@ from .runs import (
 from .specs import list_feature_presets, load_feature_preset, parse_assignments, parse_value, resolve_spec
 
 __all__ = [
-    "ABLATIONS", "FULL_ENGINE", "GIB", "PHASES", "AblationRow", "CompareResult", "HFStaticResult", "Report",
-    "RunResult", "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_report", "build_engine",
-    "compare", "compare_report", "config_fields", "engine_config", "hf_static", "hf_static_report",
-    "list_feature_presets", "load_feature_preset", "load_llm", "markdown_table", "parse_assignments",
-    "parse_value", "render_report", "resolve_spec", "run_config", "run_table", "run_workload", "sched_cost",
-    "sched_cost_report", "table_report", "to_jsonable", "weight_bytes",
+    "ABLATIONS", "FEATURES", "FULL_ENGINE", "FULL_FIELDS", "GIB", "NAIVE_LOOP", "PHASES", "AblationRow",
+    "CompareResult", "Feature", "HFStaticResult", "MemoryRow", "Report", "RunResult", "SchedCostResult",
+    "StepBreakdown", "TableRow", "ablate", "ablate_concurrency", "ablate_cumulative", "ablate_report",
+    "build_engine", "compare", "compare_report", "config_fields", "engine_config", "hf_static", "hf_static_report",
+    "list_feature_presets", "load_feature_preset", "load_llm", "markdown_table", "memory_report", "memory_sweep",
+    "parse_assignments", "parse_value", "render_report", "resolve_spec", "run_config", "run_table", "run_workload",
+    "sched_cost", "sched_cost_report", "table_report", "to_jsonable", "weight_bytes",
 ]

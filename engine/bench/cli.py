@@ -5,6 +5,9 @@
     python -m engine.bench hf-static --workload mixed-lengths   # or --fixed: 16 x (48 prompt, 64 new)
     python -m engine.bench sched-cost --running 64
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
+    python -m engine.bench ablate --cumulative                  # the engine, feature by feature
+    python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
+    python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting
 
 A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such as "prefix_caching=false".
 """
@@ -23,7 +26,7 @@ from . import report as rp
 from .runs import load_llm
 from .specs import parse_assignments
 
-COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate")
+COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory")
 
 
 def _int_list(text: str) -> list[int]:
@@ -60,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--a", default="naive", help="preset name or flags (default: naive)")
     cmp.add_argument("--b", default="full", help="preset name or flags (default: full)")
     cmp.add_argument("--quick", action="store_true", help="a quarter of each workload group")
+    cmp.add_argument("--repeat", type=int, default=1, help="run the pair N times side by side (report the spread)")
     hf = sub.add_parser("hf-static", parents=common, help="HF generate in static batches vs the engine")
     hf.add_argument("--workload", default="mixed-lengths")
     hf.add_argument("--batch-size", type=int, default=8)
@@ -68,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     ab = sub.add_parser("ablate", parents=common, help="the full engine, then each feature switch off in turn")
     ab.add_argument("--workload", default="ablation", help="preset name or TOML path")
     ab.add_argument("--quick", action="store_true", help="a quarter of each workload group")
+    ab.add_argument("--cumulative", action="store_true",
+                    help="everything off (the naive loop), then each feature added back in the course's order")
+    ab.add_argument("--concurrency", type=_int_list, default=None, metavar="1,8,32",
+                    help="each feature's multiplier at each number of requests at a time (max_num_seqs)")
+    mem = sub.add_parser("memory", parents=common, help="KV pool sizes, paged vs contiguous: what fits")
+    mem.add_argument("--workload", default="memory-pressure", help="preset name or TOML path")
+    mem.add_argument("--blocks", type=_int_list, default=[32, 64, 128, 256], help="pool sizes, in blocks")
+    mem.add_argument("--quick", action="store_true", help="a quarter of each workload group")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -89,6 +101,11 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+def _bar(done: int, total: int, what: str) -> None:
+    """Progress on stderr, so stdout stays the report."""
+    print(f"[{done}/{total}] {what}", file=sys.stderr, flush=True)
+
+
 def run_command(args: argparse.Namespace) -> rp.Report:
     settings = settings_from_args(args)
     llm = load_llm(settings)
@@ -97,14 +114,22 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         return rp.table_report(rows, args.input_len, args.output_len)
     if args.command == "compare":
         workload = load_workload(args.workload, args.quick)
-        return rp.compare_report(ex.compare(llm, workload, args.a, args.b, settings))
+        return rp.compare_report(ex.compare(llm, workload, args.a, args.b, settings, args.repeat))
     if args.command == "hf-static":
         workload = load_workload("fixed-16" if args.fixed else args.workload, args.quick)
         batch = len(workload.requests) if args.fixed else args.batch_size
         return rp.hf_static_report(ex.hf_static(llm, workload, batch, settings))
     if args.command == "ablate":
-        workload = load_workload(args.workload, args.quick)
-        return rp.ablate_report(workload, ex.ablate(llm, workload, settings))
+        workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
+        if args.concurrency:
+            return rp.ablate_report(workload, ex.ablate_concurrency(llm, workload, args.concurrency, settings, _bar))
+        if args.cumulative:
+            return rp.ablate_report(workload, ex.ablate_cumulative(llm, workload, settings, _bar), cumulative=True)
+        return rp.ablate_report(workload, ex.ablate(llm, workload, settings, _bar))
+    if args.command == "memory":
+        workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
+        rows = ex.memory_sweep(llm, workload, args.blocks, settings, _bar)
+        return rp.memory_report(workload, rows, llm.engine.model.kv_bytes_per_token())
     return rp.sched_cost_report(ex.sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
 
 

@@ -5,14 +5,15 @@ table (the reference table, with HF generate), compare (one workload, two config
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..config import EngineConfig
+from ..config import BUILT_SWITCHES, EngineConfig
 from ..engine import LLMEngine
 from ..llm import LLM
 from ..sampler import SamplingParams
@@ -105,19 +106,26 @@ def run_table(llm: LLM, batch_sizes: Sequence[int], input_len: int = 128, output
 class CompareResult:
     workload: str
     labels: tuple[str, str]
-    results: tuple[RunResult, RunResult]
-    ratio: float  # throughput b / a
+    results: tuple[RunResult, RunResult]  # the first repetition's
+    ratio: float  # throughput b / a, the median over repetitions
     same_outputs: bool  # every request's output token ids equal (expected for greedy workloads)
+    ratios: list[float] = field(default_factory=list)  # throughput b / a in each repetition
+    gap_ratios: list[float] = field(default_factory=list)  # max token gap a / b in each repetition
 
 
 def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str,
-            settings: dict[str, Any] | None = None) -> CompareResult:
+            settings: dict[str, Any] | None = None, repeat: int = 1) -> CompareResult:
+    """The same workload through two configurations, a then b, `repeat` times side by side (the spread of the
+    ratios says how much to trust it on a noisy machine)."""
     fields = [config_fields(workload, settings or {}, resolve_spec(s)) for s in (spec_a, spec_b)]
     for f in fields:  # every spec is checked before anything runs
         engine_config(llm, f)
-    a, b = (run_config(llm, workload, f) for f in fields)
-    ratio = b.throughput / a.throughput if a.throughput else float("inf")
-    return CompareResult(workload.name, (spec_a, spec_b), (a, b), ratio, a.output_token_ids == b.output_token_ids)
+    pairs = [tuple(run_config(llm, workload, f) for f in fields) for _ in range(max(1, repeat))]
+    ratios = [b.throughput / a.throughput if a.throughput else float("inf") for a, b in pairs]
+    gap_ratios = [a.max_token_gap_s / b.max_token_gap_s for a, b in pairs if a.max_token_gap_s and b.max_token_gap_s]
+    a, b = pairs[0]
+    return CompareResult(workload.name, (spec_a, spec_b), (a, b), statistics.median(ratios),
+                         all(x.output_token_ids == y.output_token_ids for x, y in pairs), ratios, gap_ratios)
 
 
 # ---- `hf-static`: transformers in static batches vs the engine -----------------------------------------
@@ -177,55 +185,149 @@ def sched_cost(llm: LLM, running: int = 64, prompt_len: int = 16, decode_steps: 
                            summarize_steps(tracker.records), wall)
 
 
-# ---- `ablate`: the full engine, then each switch off in turn -------------------------------------------
-FULL_ENGINE = "full engine"
-# (label, the EngineConfig switch turned off); the full engine has every built switch on
-ABLATIONS: tuple[tuple[str, str], ...] = (
-    ("no KV cache (naive loop)", "kv_cache"),
-    ("contiguous KV (no paging)", "paged_kv"),
-    ("static batching", "continuous_batching"),
-    ("no prefix caching", "prefix_caching"),
+# ---- `ablate`: the full engine, then each switch off in turn; --cumulative; --concurrency ---------------
+@dataclass(frozen=True)
+class Feature:
+    switch: str  # the EngineConfig field
+    name: str  # "+ name" in the cumulative chart
+    off_label: str  # the ablation row of the engine without it
+
+
+# In the course's order: the cumulative ablation adds them back one by one in this order.
+FEATURES = (
+    Feature("kv_cache", "KV cache", "no KV cache (naive loop)"),
+    Feature("paged_kv", "paged KV", "contiguous KV (no paging)"),
+    Feature("continuous_batching", "continuous batching", "static batching"),
+    Feature("prefix_caching", "prefix caching", "no prefix caching"),
+    Feature("chunked_prefill", "chunked prefill", "no chunked prefill"),
+    Feature("speculative_decoding", "speculative decoding", "no speculative decoding"),
 )
+assert {f.switch for f in FEATURES} == set(BUILT_SWITCHES), "every built switch has its row"
+FULL_ENGINE = "full engine"
+NAIVE_LOOP = "naive loop (everything off)"
+ABLATIONS: tuple[tuple[str, str], ...] = tuple((f.off_label, f.switch) for f in FEATURES)
+FULL_FIELDS = {f.switch: True for f in FEATURES}  # every built feature on (speculation is off by default)
+Progress = Callable[[int, int, str], None] | None
 
 
 @dataclass
 class AblationRow:
     feature: str  # what the row shows, for people
-    switch: str | None  # the EngineConfig field that was turned off; None for the full engine
+    switch: str | None  # the EngineConfig field that was turned off (added, cumulatively); None for the baseline
     throughput_tok_s: float | None = None
-    ratio: float | None = None  # throughput / the full engine's
+    ratio: float | None = None  # throughput / the baseline's (the full engine; the naive loop when cumulative)
     mean_ttft_s: float | None = None
     mean_tpot_s: float | None = None
     peak_kv_blocks: int | None = None
     preemptions: int | None = None
     prefix_hits: int | None = None
-    same_output_as_full: bool | None = None
+    same_output_as_full: bool | None = None  # greedy outputs equal the baseline's
     error: str | None = None  # why this configuration could not run on the workload
+    concurrency: int | None = None  # requests at a time (max_num_seqs), when swept
+    step_ratio: float | None = None  # cumulative: throughput / the previous row's (what this feature added)
+    acceptance_rate: float | None = None  # speculative decoding's accepted / drafted tokens
 
 
-def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
-           progress: Callable[[int, int, str], None] | None = None) -> list[AblationRow]:
-    """One row per configuration: the full engine, then each switch off; throughput, its ratio to the full
-    engine, latency, and whether its greedy outputs equal the full engine's. A configuration that cannot run
-    on this workload (e.g. contiguous KV in a pool too small for max_model_len) gets a row with `error`."""
-    plan: list[tuple[str, str | None]] = [(FULL_ENGINE, None), *ABLATIONS]
+def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list[tuple[str, str | None, dict]],
+              progress: Progress, concurrency: int | None = None) -> list[AblationRow]:
+    """Each (label, switch, fields) in turn; ratios against the first row that ran."""
     rows: list[AblationRow] = []
-    full: RunResult | None = None
-    for i, (feature, switch) in enumerate(plan):
+    base: RunResult | None = None
+    previous: RunResult | None = None
+    for i, (feature, switch, fields) in enumerate(plan):
         if progress is not None:
             progress(i, len(plan), feature)
-        row = AblationRow(feature, switch)
+        row = AblationRow(feature, switch, concurrency=concurrency)
         rows.append(row)
         try:
-            r = run_config(llm, workload, config_fields(workload, settings or {}, {switch: False} if switch else {}))
+            r = run_config(llm, workload, config_fields(workload, settings, fields))
         except ValueError as exc:
             row.error = str(exc)
             continue
-        full = full or r
-        row.throughput_tok_s, row.ratio = r.throughput, r.throughput / full.throughput
+        base = base or r
+        row.throughput_tok_s, row.ratio = r.throughput, r.throughput / base.throughput
+        row.step_ratio = r.throughput / previous.throughput if previous else None
         row.mean_ttft_s, row.mean_tpot_s, row.peak_kv_blocks = r.mean_ttft_s, r.mean_tpot_s, r.peak_kv_blocks
-        row.preemptions, row.prefix_hits = r.preemptions, r.prefix_hits
-        row.same_output_as_full = r.output_token_ids == full.output_token_ids
+        row.preemptions, row.prefix_hits, row.acceptance_rate = r.preemptions, r.prefix_hits, r.acceptance_rate
+        row.same_output_as_full = r.output_token_ids == base.output_token_ids
+        previous = r
+    if progress is not None:
+        progress(len(plan), len(plan), "done")
+    return rows
+
+
+def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None, progress: Progress = None,
+           concurrency: int | None = None) -> list[AblationRow]:
+    """The full engine (every built switch on), then each switch off in turn: throughput, its ratio to the full
+    engine, latency, and whether greedy outputs equal the full engine's. A configuration that cannot run on
+    this workload (e.g. contiguous KV in a pool too small for max_model_len) gets a row with `error`.
+    concurrency: requests at a time (max_num_seqs), instead of the workload's own."""
+    settings = {**(settings or {}), **({"max_num_seqs": concurrency} if concurrency else {})}
+    plan = [(FULL_ENGINE, None, FULL_FIELDS)]
+    plan += [(f.off_label, f.switch, {**FULL_FIELDS, f.switch: False}) for f in FEATURES]
+    return _run_plan(llm, workload, settings, plan, progress, concurrency)
+
+
+def ablate_cumulative(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
+                      progress: Progress = None) -> list[AblationRow]:
+    """The course's "engine, feature by feature", measured: everything off (the naive loop), then the features
+    added back one at a time in the course's order. ratio: against the naive loop; step_ratio: what each added."""
+    plan = [(NAIVE_LOOP, None, dict.fromkeys(FULL_FIELDS, False))]
+    for i, f in enumerate(FEATURES):
+        on = {g.switch: j <= i for j, g in enumerate(FEATURES)}
+        plan.append((f"+ {f.name}", f.switch, on))
+    return _run_plan(llm, workload, settings or {}, plan, progress)
+
+
+def ablate_concurrency(llm: LLM, workload: Workload, levels: Sequence[int], settings: dict[str, Any] | None = None,
+                       progress: Progress = None) -> list[AblationRow]:
+    """Each feature's multiplier at each concurrency: speculation matters at 1 and fades under load."""
+    rows: list[AblationRow] = []
+    steps = len(levels) * (len(FEATURES) + 1)
+    for i, level in enumerate(levels):
+        report = None if progress is None else (
+            lambda j, n, name, i=i, level=level: progress(i * (len(FEATURES) + 1) + j, steps, f"{name} @ {level}"))
+        rows += ablate(llm, workload, settings, report, concurrency=level)
+    if progress is not None:
+        progress(steps, steps, "done")
+    return rows
+
+
+# ---- `memory`: where requests stop fitting ------------------------------------------------------------
+@dataclass
+class MemoryRow:
+    num_kv_blocks: int
+    paged: bool
+    kv_cache_mb: float  # the pool's size
+    peak_running: int | None = None  # most requests in the batch at once
+    preemptions: int | None = None
+    throughput_tok_s: float | None = None
+    mean_ttft_s: float | None = None
+    memory_efficiency: float | None = None  # KV slots holding live tokens / slots reserved, mean over steps
+    error: str | None = None
+
+
+def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settings: dict[str, Any] | None = None,
+                 progress: Progress = None) -> list[MemoryRow]:
+    """Each pool size, paged and contiguous: how many requests fit at once, what it costs when they do not."""
+    plan = [(blocks, paged) for blocks in pool_sizes for paged in (True, False)]
+    rows: list[MemoryRow] = []
+    for i, (blocks, paged) in enumerate(plan):
+        if progress is not None:
+            progress(i, len(plan), f"{blocks} blocks, {'paged' if paged else 'contiguous'}")
+        fields = config_fields(workload, settings or {}, {"num_kv_blocks": blocks, "paged_kv": paged})
+        row = MemoryRow(blocks, paged, 0.0)
+        rows.append(row)
+        try:
+            engine = build_engine(llm, fields)
+            row.kv_cache_mb = blocks * kv_bytes_per_block(engine) / 2**20
+            warm_up(engine)
+            r = run_workload(engine, workload, track_efficiency=True)
+        except ValueError as exc:
+            row.error = str(exc)
+            continue
+        row.peak_running, row.preemptions, row.throughput_tok_s = r.peak_running, r.preemptions, r.throughput
+        row.mean_ttft_s, row.memory_efficiency = r.mean_ttft_s, r.memory_efficiency
     if progress is not None:
         progress(len(plan), len(plan), "done")
     return rows

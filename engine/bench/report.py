@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..workloads import Workload
-from .experiments import AblationRow, CompareResult, HFStaticResult, SchedCostResult, TableRow
+from .experiments import AblationRow, CompareResult, HFStaticResult, MemoryRow, SchedCostResult, TableRow
 from .runs import RunResult, StepBreakdown
 
 
@@ -44,15 +44,25 @@ def compare_report(result: CompareResult) -> Report:
     pairs = list(zip(result.labels, result.results, strict=True))
     report.tables["configurations"] = [_compare_row(label, r) for label, r in pairs]
     report.tables["per-step breakdown (mean per step)"] = [breakdown_row(label, r.steps) for label, r in pairs]
-    report.notes.append(f"throughput b/a ({result.labels[1]} / {result.labels[0]}): {result.ratio:.2f}x")
+    report.notes.append(f"throughput b/a ({result.labels[1]} / {result.labels[0]}): {result.ratio:.2f}x"
+                        + (f" (median of {len(result.ratios)}: {_spread(result.ratios)})" if len(result.ratios) > 1
+                           else ""))
+    if result.gap_ratios:
+        report.notes.append(f"longest gap between two tokens of a request, a/b: {_spread(result.gap_ratios)}")
     report.notes.append(f"identical output token ids for every request: {'yes' if result.same_outputs else 'no'}")
     return report
+
+
+def _spread(values: list[float]) -> str:
+    return ", ".join(f"{v:.2f}x" for v in values)
 
 
 def _compare_row(label: str, r: RunResult) -> dict[str, Any]:
     return {"config": label, "throughput tok/s": r.throughput, "mean TTFT (s)": r.mean_ttft_s,
             "mean TPOT (s)": r.mean_tpot_s, "peak KV blocks": r.peak_kv_blocks, "preemptions": r.preemptions,
-            "prefix hits (tokens)": r.prefix_hits, "hit rate": r.hit_rate, "wall time (s)": r.wall_s}
+            "prefix hits (tokens)": r.prefix_hits, "hit rate": r.hit_rate, "wall time (s)": r.wall_s,
+            "max token gap (s)": r.max_token_gap_s, "p95 token gap (s)": r.p95_token_gap_s,
+            "draft acceptance": r.acceptance_rate}
 
 
 def hf_static_report(result: HFStaticResult) -> Report:
@@ -113,14 +123,45 @@ def render_report(report: Report) -> str:
     return "\n".join(parts)
 
 
-def ablate_report(workload: Workload, rows: list[AblationRow]) -> Report:
-    report = Report(f"ablation on workload {workload.name!r} ({len(workload.requests)} requests)")
+def ablate_report(workload: Workload, rows: list[AblationRow], cumulative: bool = False) -> Report:
+    title = "cumulative ablation (the engine, feature by feature)" if cumulative else "ablation"
+    report = Report(f"{title} on workload {workload.name!r} ({len(workload.requests)} requests)")
+    report.rows = rows
+    levels = sorted({r.concurrency for r in rows if r.concurrency is not None})
+    if levels:  # one column of multipliers per concurrency
+        table = {}
+        for r in rows:
+            line = table.setdefault(r.feature, {"configuration": r.feature, "switch off": r.switch or ""})
+            line[f"x full @ {r.concurrency}"] = r.ratio if r.error is None else r.error[:40]
+            line[f"tok/s @ {r.concurrency}"] = r.throughput_tok_s
+        report.tables["each feature's multiplier at each concurrency"] = list(table.values())
+        return report
+    if cumulative:
+        report.tables["features added back in the course's order"] = [
+            {"configuration": r.feature, "tok/s": r.throughput_tok_s, "x naive": r.ratio, "x previous": r.step_ratio,
+             "mean TTFT (s)": r.mean_ttft_s, "mean TPOT (s)": r.mean_tpot_s, "peak KV blocks": r.peak_kv_blocks,
+             "same output": r.same_output_as_full, "error": r.error or ""} for r in rows]
+        return report
     report.tables["each feature off in turn"] = [
         {"configuration": r.feature, "switch off": r.switch or "", "tok/s": r.throughput_tok_s,
          "x full engine": r.ratio, "mean TTFT (s)": r.mean_ttft_s, "mean TPOT (s)": r.mean_tpot_s,
-         "peak KV blocks": r.peak_kv_blocks, "same output": r.same_output_as_full, "error": r.error or ""}
-        for r in rows]
+         "peak KV blocks": r.peak_kv_blocks, "draft acceptance": r.acceptance_rate,
+         "same output": r.same_output_as_full, "error": r.error or ""} for r in rows]
+    return report
+
+
+def memory_report(workload: Workload, rows: list[MemoryRow], kv_bytes_per_token: int) -> Report:
+    report = Report(f"memory sweep on workload {workload.name!r} ({len(workload.requests)} requests)")
     report.rows = rows
+    report.tables["KV pool size vs what fits"] = [
+        {"KV blocks": r.num_kv_blocks, "layout": "paged" if r.paged else "contiguous", "KV MB": r.kv_cache_mb,
+         "peak running": r.peak_running, "preemptions": r.preemptions, "tok/s": r.throughput_tok_s,
+         "mean TTFT (s)": r.mean_ttft_s, "memory efficiency": r.memory_efficiency, "error": r.error or ""}
+        for r in rows]
+    mean_tokens = (workload.num_prompt_tokens + workload.num_output_tokens) / max(1, len(workload.requests))
+    report.notes.append(f"KV bytes per token: {kv_bytes_per_token:,}; a mean request ({mean_tokens:.0f} tokens) "
+                        f"holds {kv_bytes_per_token * mean_tokens / 2**20:.1f} MB when paged; contiguous KV reserves "
+                        f"max_model_len tokens for every request.")
     return report
 
 

@@ -5,6 +5,7 @@ Weights are loaded once (`load_llm`); each configuration gets its own engine bui
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 from collections import deque
@@ -138,36 +139,71 @@ class RunResult:
     hit_rate: float
     steps: StepBreakdown
     output_token_ids: list[list[int]]  # per request, in workload order
+    peak_running: int = 0  # most requests in the batch at once
+    max_token_gap_s: float | None = None  # longest wait between two tokens of one request (after the first)
+    p95_token_gap_s: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted
+    num_accepted_tokens: int = 0
+    memory_efficiency: float | None = None  # mean over steps of KV slots holding live tokens / slots reserved
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 class StepTracker:
-    """Steps the engine, keeping every StepRecord (engine.steps is a bounded deque) and the peak KV use."""
+    """Steps the engine, keeping every StepRecord (engine.steps is a bounded deque), the peak KV use and batch,
+    when each request's tokens arrived, and (if asked) how much of the reserved KV memory holds live tokens."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, track_efficiency: bool = False) -> None:
         self.engine = engine
         self.records: list[StepRecord] = []
         self.peak_blocks = _kv_used(engine)
+        self.peak_running = 0
         self.idle = 0
+        self.token_times: dict[str, list[float]] = {}  # request -> time of each output that brought tokens
+        self.track_efficiency = track_efficiency
+        self.efficiency: list[float] = []
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            if o.finish_reason != "abort":
+                self.token_times.setdefault(o.request_id, []).append(now)
         record = self.engine.steps[-1]
         self.records.append(record)
         self.peak_blocks = max(self.peak_blocks, _kv_used(self.engine))
+        self.peak_running = max(self.peak_running, record.num_seqs)
+        if self.track_efficiency:
+            self._sample_efficiency()
         self.idle = 0 if record.num_batched_tokens else self.idle + 1
         if self.idle > MAX_IDLE_STEPS:
             raise RuntimeError(f"the engine computed nothing for {MAX_IDLE_STEPS} steps with requests waiting: "
                                f"{self.engine.snapshot(num_steps=0).waiting}")
         return outputs
 
+    def _sample_efficiency(self) -> None:
+        """Slots holding live tokens / slots in blocks held: a shared block's slots count once."""
+        bs = self.engine.config.block_size
+        filled: dict[int, int] = {}
+        for req in self.engine.scheduler.running:
+            for i, block in enumerate(req.block_table):
+                filled[block] = max(filled.get(block, 0), min(bs, max(0, req.num_computed_tokens - i * bs)))
+        if filled:
+            self.efficiency.append(sum(filled.values()) / (len(filled) * bs))
+
+    def token_gaps(self) -> list[float]:
+        return [b - a for times in self.token_times.values() for a, b in itertools.pairwise(times)]
 
 def _kv_used(engine: LLMEngine) -> int:
     return engine.kv.stats().kv_blocks_used
 
 
-def _counters(engine: LLMEngine) -> tuple[int, int, int]:
-    kv = engine.kv.stats()
-    return engine.scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits
+def _counters(engine: LLMEngine) -> tuple[int, int, int, int, int]:
+    kv, spec = engine.kv.stats(), engine.spec_stats
+    return (engine.scheduler.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits,
+            spec.num_draft_tokens, spec.num_accepted_tokens)
 
 
 def _submit_arrived(engine: LLMEngine, workload: Workload, pending: deque[int], start: float) -> None:
@@ -185,11 +221,12 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def run_workload(engine: LLMEngine, workload: Workload) -> RunResult:
+def run_workload(engine: LLMEngine, workload: Workload, track_efficiency: bool = False) -> RunResult:
     """Drive the engine through the workload, honouring arrival offsets; the engine should be idle."""
+    workload = workload.tokenized(engine.tokenizer)
     pending = deque(sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s))
     before = _counters(engine)
-    tracker = StepTracker(engine)
+    tracker = StepTracker(engine, track_efficiency)
     done: dict[str, RequestOutput] = {}
     start = time.perf_counter()
     while pending or engine.has_unfinished():
@@ -204,24 +241,29 @@ def run_workload(engine: LLMEngine, workload: Workload) -> RunResult:
 
 
 def _run_result(engine: LLMEngine, workload: Workload, outputs: list[RequestOutput], tracker: StepTracker,
-                before: tuple[int, int, int], wall: float) -> RunResult:
-    preemptions, queries, hits = (after - b for after, b in zip(_counters(engine), before, strict=True))
+                before: tuple[int, ...], wall: float) -> RunResult:
+    preemptions, queries, hits, drafted, accepted = (
+        after - b for after, b in zip(_counters(engine), before, strict=True))
     generated = sum(len(o.token_ids) for o in outputs)
+    gaps = sorted(tracker.token_gaps())
     return RunResult(
         config=engine.config.to_dict(), num_requests=len(outputs), prompt_tokens=workload.num_prompt_tokens,
         generated_tokens=generated, wall_s=wall, throughput=generated / wall if wall > 0 else 0.0,
         mean_ttft_s=_mean([o.metrics.ttft for o in outputs]), mean_tpot_s=_mean([o.metrics.tpot for o in outputs]),
         peak_kv_blocks=tracker.peak_blocks, preemptions=preemptions, prefix_queries=queries, prefix_hits=hits,
         hit_rate=hits / queries if queries else 0.0, steps=summarize_steps(tracker.records),
-        output_token_ids=[list(o.token_ids) for o in outputs],
+        output_token_ids=[list(o.token_ids) for o in outputs], peak_running=tracker.peak_running,
+        max_token_gap_s=gaps[-1] if gaps else None, p95_token_gap_s=gaps[int(0.95 * (len(gaps) - 1))] if gaps else None,
+        num_draft_tokens=drafted, num_accepted_tokens=accepted,
+        memory_efficiency=_mean(tracker.efficiency) if tracker.track_efficiency else None,
     )
 
 
-def run_config(llm: LLM, workload: Workload, fields: dict[str, Any]) -> RunResult:
+def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], track_efficiency: bool = False) -> RunResult:
     """A fresh, warmed-up engine with these fields, run through the workload."""
     engine = build_engine(llm, fields)
     warm_up(engine)
-    return run_workload(engine, workload)
+    return run_workload(engine, workload, track_efficiency)
 
 
 def config_fields(workload: Workload, settings: dict[str, Any], spec_fields: dict[str, Any]) -> dict[str, Any]:
