@@ -37,6 +37,7 @@ from .report import (
 from .runs import (
                           GIB,
                           PHASES,
+                          Cancelled,
                           RunResult,
                           StepBreakdown,
                           build_engine,
@@ -50,7 +51,8 @@ from .runs import (
 from .specs import list_feature_presets, load_feature_preset, parse_assignments, parse_value, resolve_spec
 
 __all__ = [
-    "ABLATIONS", "FULL_ENGINE", "GIB", "PHASES", "AblationRow", "CompareResult", "HFStaticResult", "Report",
+    "ABLATIONS", "FULL_ENGINE", "GIB", "PHASES", "AblationRow", "Cancelled", "CompareResult", "HFStaticResult",
+    "Report",
     "RunResult", "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_report", "build_engine",
     "compare", "compare_report", "config_fields", "engine_config", "hf_static", "hf_static_report",
     "list_feature_presets", "load_feature_preset", "load_llm", "markdown_table", "parse_assignments",

@@ -23,6 +23,7 @@ from .runs import (
     RunResult,
     StepBreakdown,
     StepTracker,
+    StopCheck,
     build_engine,
     config_fields,
     engine_config,
@@ -110,12 +111,20 @@ class CompareResult:
     same_outputs: bool  # every request's output token ids equal (expected for greedy workloads)
 
 
-def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str,
-            settings: dict[str, Any] | None = None) -> CompareResult:
+def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str, settings: dict[str, Any] | None = None,
+            progress: Callable[[int, int, str], None] | None = None,
+            should_stop: StopCheck | None = None) -> CompareResult:
     fields = [config_fields(workload, settings or {}, resolve_spec(s)) for s in (spec_a, spec_b)]
     for f in fields:  # every spec is checked before anything runs
         engine_config(llm, f)
-    a, b = (run_config(llm, workload, f) for f in fields)
+    runs = []
+    for i, (spec, f) in enumerate(zip((spec_a, spec_b), fields, strict=True)):
+        if progress is not None:
+            progress(i, len(fields), spec)
+        runs.append(run_config(llm, workload, f, should_stop))
+    if progress is not None:
+        progress(len(fields), len(fields), "done")
+    a, b = runs
     ratio = b.throughput / a.throughput if a.throughput else float("inf")
     return CompareResult(workload.name, (spec_a, spec_b), (a, b), ratio, a.output_token_ids == b.output_token_ids)
 
@@ -204,7 +213,8 @@ class AblationRow:
 
 
 def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
-           progress: Callable[[int, int, str], None] | None = None) -> list[AblationRow]:
+           progress: Callable[[int, int, str], None] | None = None,
+           should_stop: StopCheck | None = None) -> list[AblationRow]:
     """One row per configuration: the full engine, then each switch off; throughput, its ratio to the full
     engine, latency, and whether its greedy outputs equal the full engine's. A configuration that cannot run
     on this workload (e.g. contiguous KV in a pool too small for max_model_len) gets a row with `error`."""
@@ -217,7 +227,8 @@ def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
         row = AblationRow(feature, switch)
         rows.append(row)
         try:
-            r = run_config(llm, workload, config_fields(workload, settings or {}, {switch: False} if switch else {}))
+            r = run_config(llm, workload, config_fields(workload, settings or {}, {switch: False} if switch else {}),
+                           should_stop)
         except ValueError as exc:
             row.error = str(exc)
             continue
