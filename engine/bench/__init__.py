@@ -52,8 +52,7 @@ from .specs import list_feature_presets, load_feature_preset, parse_assignments,
 
 __all__ = [
     "ABLATIONS", "FULL_ENGINE", "GIB", "PHASES", "AblationRow", "Cancelled", "CompareResult", "HFStaticResult",
-    "Report",
-    "RunResult", "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_report", "build_engine",
+    "Report", "RunResult", "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_report", "build_engine",
     "compare", "compare_report", "config_fields", "engine_config", "hf_static", "hf_static_report",
     "list_feature_presets", "load_feature_preset", "load_llm", "markdown_table", "parse_assignments",
     "parse_value", "render_report", "resolve_spec", "run_config", "run_table", "run_workload", "sched_cost",
