@@ -16,7 +16,7 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from engine import LLM
-from engine.bench import compare_report, load_feature_preset
+from engine.bench import Cancelled, compare_report, load_feature_preset
 from engine.config import BUILT_SWITCHES, NOT_YET_BUILT
 from playground.handlers import Playground, feature_presets, workloads
 from viz.figures import ablation_figure, compare_figure, to_json
@@ -96,8 +96,9 @@ def build_app(pg: Playground) -> gr.Blocks:
                         traffic_go = gr.Button("Launch users")
                     traffic_out = gr.Markdown()
             with gr.Tab("Engine settings"):
-                gr.Markdown("Changes apply to the running engine at the next step boundary. Pool or paging changes "
-                            "rebuild the KV pool: running requests are re-prefilled, nothing is lost.")
+                gr.Markdown("An idle engine applies a change at once; a busy one at its next step boundary. Pool or "
+                            "paging changes rebuild the KV pool: running requests are re-prefilled, nothing is lost. "
+                            "Only the fields you change are sent; an empty size is chosen by the engine.")
                 with gr.Row():
                     switches = {s: gr.Checkbox(label=s) for s in BUILT_SWITCHES}
                 with gr.Row():
@@ -107,10 +108,15 @@ def build_app(pg: Playground) -> gr.Blocks:
                     sizes = {"block_size": gr.Dropdown([1, 2, 4, 8, 16, 32, 64, 128, 256], label="block_size"),
                              "num_kv_blocks": gr.Number(label="num_kv_blocks (pool size)", precision=0),
                              "max_num_seqs": gr.Number(label="max_num_seqs", precision=0),
-                             "max_num_batched_tokens": gr.Number(label="max_num_batched_tokens", precision=0)}
-                apply = gr.Button("Apply", variant="primary")
+                             "max_num_batched_tokens": gr.Number(label="max_num_batched_tokens", precision=0),
+                             "max_model_len": gr.Number(label="max_model_len (tokens per request)", precision=0)}
+                with gr.Row():
+                    apply = gr.Button("Apply", variant="primary")
+                    reset = gr.Button("Reset to defaults")
+                    restart = gr.Button("Restart the engine")
                 settings_out = gr.Markdown()
-                restart = gr.Button("Restart the engine")
+                settings_note = gr.Markdown()
+                loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
             with gr.Tab("What is each feature worth?"):
                 gr.Markdown("Runs a workload through the full engine, then with each switch off in turn, on this "
                             "machine. The live engine pauses meanwhile so the numbers are clean.")
@@ -118,6 +124,8 @@ def build_app(pg: Playground) -> gr.Blocks:
                     ablate_workload = gr.Dropdown(workloads(), value="ablation", label="workload")
                     ablate_quick = gr.Checkbox(value=True, label="quick (a quarter of the requests)")
                     ablate_go = gr.Button("Run ablation", variant="primary")
+                    ablate_cancel = gr.Button("Cancel")
+                ablate_note = gr.Markdown()
                 ablate_plot = gr.Plot(label="tokens/s per configuration")
                 ablate_table = gr.Dataframe(label="results")
             with gr.Tab("Compare two configurations"):
@@ -129,6 +137,7 @@ def build_app(pg: Playground) -> gr.Blocks:
                                         allow_custom_value=True)
                     cmp_quick = gr.Checkbox(value=True, label="quick")
                     cmp_go = gr.Button("Compare", variant="primary")
+                    cmp_cancel = gr.Button("Cancel")
                 cmp_plot = gr.Plot(label="side by side")
                 cmp_table = gr.Dataframe(label="the numbers")
                 cmp_note = gr.Markdown()
@@ -166,29 +175,37 @@ def build_app(pg: Playground) -> gr.Blocks:
         names = list(switches) + list(sizes)
 
         def load_settings():
-            cfg = pg.settings()
-            return [cfg[n] for n in names]
+            cfg, hints = pg.settings(), pg.settings_hints()
+            fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n]) if n in hints else cfg[n]
+                      for n in names]
+            return *fields, cfg, pg.settings_note()
+        form_outputs = [*setting_inputs, loaded, settings_note]
 
-        def do_apply(*values):
-            return pg.apply_settings(**dict(zip(names, values)))
-        apply.click(do_apply, setting_inputs, settings_out, api_name="apply_settings").then(
-            load_settings, None, setting_inputs)
-        restart.click(pg.restart, None, settings_out).then(load_settings, None, setting_inputs)
+        def do_apply(loaded_values, *values):
+            return pg.apply_settings(loaded_values, **dict(zip(names, values)))
+        apply.click(do_apply, [loaded, *setting_inputs], settings_out, api_name="apply_settings").then(
+            load_settings, None, form_outputs)
+        reset.click(pg.reset_settings, None, settings_out).then(load_settings, None, form_outputs)
+        restart.click(pg.restart, None, settings_out).then(load_settings, None, form_outputs)
 
         def do_ablate(workload, quick, progress=gr.Progress()):
-            rows = pg.ablate(workload, quick, lambda f, d: progress(f, desc=d))
-            return serialised(ablation_figure(rows)), _ablation_table(rows)
+            try:
+                rows = pg.ablate(workload, quick, lambda f, d: progress(f, desc=d))
+            except (ValueError, Cancelled) as exc:
+                return gr.skip(), gr.skip(), f"⚠️ {exc}"
+            return serialised(ablation_figure(rows)), _ablation_table(rows), ""
 
         def last_ablation():
             rows = pg.last_ablation()
             return (serialised(ablation_figure(rows)), _ablation_table(rows)) if rows else (None, None)
-        ablate_go.click(do_ablate, [ablate_workload, ablate_quick], [ablate_plot, ablate_table])
+        ablate_go.click(do_ablate, [ablate_workload, ablate_quick], [ablate_plot, ablate_table, ablate_note])
+        ablate_cancel.click(pg.cancel_measurement, None, ablate_note)
+        cmp_cancel.click(pg.cancel_measurement, None, cmp_note)
 
         def do_compare(workload, a, b, quick, progress=gr.Progress(track_tqdm=False)):
-            progress(0.1, desc="running both configurations")
             try:
-                result = pg.compare(workload, a, b, quick)
-            except ValueError as exc:
+                result = pg.compare(workload, a, b, quick, lambda f, d: progress(f, desc=d))
+            except (ValueError, Cancelled) as exc:
                 return None, None, f"⚠️ {exc}"
             report = compare_report(result)
             rows = report.tables["configurations"]
@@ -205,7 +222,7 @@ def build_app(pg: Playground) -> gr.Blocks:
             return text, serialised(pg.dashboard().blocks)
         step_btn.click(do_step, None, [step_text, step_blocks])
 
-        demo.load(load_settings, None, setting_inputs, api_name="settings").then(
+        demo.load(load_settings, None, form_outputs, api_name="settings").then(
             last_ablation, None, [ablate_plot, ablate_table])
     return demo
 

@@ -16,6 +16,7 @@ import torch
 
 from .blocks import KVCacheManager, NoKVCache
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
+from .memory import check_kv_pool_fits
 from .request import Request, RequestOutput, RequestStatus
 from .runner import Batch, ModelRunner
 from .sampler import SamplingParams, sample
@@ -119,7 +120,7 @@ class LLMEngine:
         self.config = self._resolve(config)
         self.kv: KVCacheManager | NoKVCache = NoKVCache(self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv)
-        self._build_kv()
+        self._use_kv(*self._build_kv(self.config))
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._pending: dict = {}  # changes waiting for the next step boundary
@@ -135,37 +136,59 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(tokenizer, hf_config)
 
     # ---- configuration -------------------------------------------------------------------------------
-    def _resolve(self, config: EngineConfig) -> EngineConfig:
-        """Fill the sizes left as None from the model and the memory budget, and check they fit together."""
+    def automatic_sizes(self, config: EngineConfig) -> dict[str, int]:
+        """What each size left empty (None) comes to, given config's other fields (the settings form says it)."""
         max_len = config.max_model_len or self.model.max_len
+        per_block = self.model.kv_bytes_per_token() * config.block_size
+        num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+        # never more than every seat filled to max_model_len: beyond that the memory would sit idle
+        num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
+        return {"max_model_len": self.model.max_len,
+                "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len), "num_kv_blocks": num_blocks}
+
+    def _resolve(self, config: EngineConfig) -> EngineConfig:
+        """Fill the sizes left as None from the model and the memory budget, and check they fit together and
+        in the memory free now. Every way in (LLM(...), update_config, the page) passes here."""
+        auto = self.automatic_sizes(config)
+        max_len = config.max_model_len or auto["max_model_len"]
         if max_len > self.model.max_len:
             raise ValueError(f"max_model_len {max_len} exceeds the loaded model's limit ({self.model.max_len})")
-        budget = config.max_num_batched_tokens or config.default_max_num_batched_tokens(max_len)
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None:
-            per_block = self.model.kv_bytes_per_token() * config.block_size
-            num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
-            # never more than every seat filled to max_model_len: beyond that the memory would sit idle
-            num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
+        budget = config.max_num_batched_tokens or auto["max_num_batched_tokens"]
+        num_blocks = config.num_kv_blocks or auto["num_kv_blocks"]
         resolved = config.replace(max_model_len=max_len, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
         if resolved.kv_cache and not resolved.paged_kv and cdiv(max_len, config.block_size) > num_blocks:
             raise ValueError(
                 f"contiguous KV reserves max_model_len={max_len} tokens "
                 f"({cdiv(max_len, config.block_size)} blocks) per request, but the pool has only {num_blocks} blocks")
+        self._check_memory(config, resolved)
         return resolved
 
-    def _build_kv(self) -> None:
-        c = self.config
-        old = self.kv
+    def _check_memory(self, requested: EngineConfig, resolved: EngineConfig) -> None:
+        """A new pool must fit beside the current one (it is built before the old one is let go); keeping the
+        current pool needs nothing new, even if free memory has shrunk since."""
+        current = getattr(self, "config", None)  # None while __init__ resolves the first config
+        rebuild = current is None or any(getattr(current, f) != getattr(resolved, f) for f in STRUCTURAL_FIELDS)
+        if not (resolved.kv_cache and rebuild):
+            return
+        what = (f"num_kv_blocks={requested.num_kv_blocks}" if requested.num_kv_blocks is not None else
+                f"kv_cache_memory_gb={requested.kv_cache_memory_gb} ({resolved.num_kv_blocks} blocks)")
+        check_kv_pool_fits(what, resolved.num_kv_blocks, self.model.kv_bytes_per_token() * resolved.block_size,
+                           self.model.device)
+
+    def _build_kv(self, c: EngineConfig) -> tuple[KVCacheManager | NoKVCache, ModelRunner]:
+        """A pool and runner for config c. Changes nothing in the engine, so a failure here leaves it serving."""
         if c.kv_cache:
             kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.max_model_len, c.paged_kv, c.prefix_caching_active)
         else:
             kv = NoKVCache(c.block_size)
-        kv.adopt_counters(old)
+        return kv, ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache)
+
+    def _use_kv(self, kv: KVCacheManager | NoKVCache, runner: ModelRunner) -> None:
+        kv.adopt_counters(self.kv)
         self.kv = kv
         self.scheduler.kv = kv
-        self.scheduler.config = c
-        self.runner = ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache)
+        self.scheduler.config = self.config
+        self.runner = runner
 
     def update_config(self, **changes) -> None:
         """Validate now (ValueError leaves everything as it was); apply at the next step boundary."""
@@ -178,24 +201,47 @@ class LLMEngine:
         self._pending.update(changes)
         self._pending_config = resolved
 
+    def pending_config(self) -> tuple[EngineConfig, EngineConfig]:
+        """(requested, resolved): what the engine runs once the pending changes apply (what it runs now if none
+        wait). Requested keeps None for the sizes left automatic; resolved has the numbers they come to."""
+        return self.requested_config.replace(**self._pending), self._pending_config
+
+    def apply_pending(self) -> dict | None:
+        """Apply waiting changes now; only between steps (the service calls it when the engine is idle, so a
+        change does not wait for a step that may never come). Returns the reconfiguration record, if any."""
+        if not self._pending:
+            return None
+        self._apply_pending()
+        return self.last_reconfig
+
     def _apply_pending(self) -> None:
         if not self._pending:
             return
         changes, self._pending = self._pending, {}
         old = self.config
-        self.requested_config = self.requested_config.replace(**changes)
-        self.config = self._resolve(self.requested_config)
-        structural = any(getattr(old, f) != getattr(self.config, f) for f in STRUCTURAL_FIELDS)
+        try:
+            requested = self.requested_config.replace(**changes)
+            new = self._resolve(requested)  # checked again: free memory may have shrunk since update_config
+            structural = any(getattr(old, f) != getattr(new, f) for f in STRUCTURAL_FIELDS)
+            # The new pool is built while the old one still serves: if memory runs out, nothing has changed.
+            built = self._build_kv(new) if structural else None
+        except (ValueError, MemoryError, RuntimeError) as exc:  # torch's out-of-memory is a RuntimeError
+            self._pending_config = old
+            self.last_reconfig = {"step": self.step_count, "changes": changes,
+                                  "action": "not applied: the previous configuration keeps serving",
+                                  "requests_re_prefilled": [], "error": f"{type(exc).__name__}: {exc}"}
+            return
+        self.requested_config, self.config, self._pending_config = requested, new, new
         moved = []
-        if structural:
-            # Re-prefill: free every running request's blocks and requeue them, oldest first.
+        if built is not None:
+            # Re-prefill: free every running request's blocks in the old pool and requeue them, oldest first.
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.preempt(req, count=False)
                 moved.append(req.request_id)
-            self._build_kv()
+            self._use_kv(*built)
         else:
-            self.scheduler.config = self.config
-            self.kv.set_prefix_caching(self.config.prefix_caching_active)
+            self.scheduler.config = new
+            self.kv.set_prefix_caching(new.prefix_caching_active)
         self.last_reconfig = {"step": self.step_count, "changes": changes,
                               "action": "re-prefill running requests" if structural else "applied in place",
                               "requests_re_prefilled": moved[::-1]}

@@ -37,12 +37,27 @@ class HistorySample:
     tpot_s: float | None  # of requests that finished in this step (mean)
 
 
+@dataclass(frozen=True)
+class ConfigView:
+    """The configuration the engine runs once its pending changes apply: what a settings form should show, so
+    that sending the form back never undoes a change still waiting for a step boundary."""
+    requested: dict  # as asked: None for a size left automatic
+    resolved: dict  # the numbers it runs with
+    automatic: dict[str, int]  # what each size left empty comes to under the other fields
+    running: dict  # as asked, what runs now: differs from `requested` while changes wait for a step boundary
+
+    @property
+    def pending(self) -> dict:
+        return {k: v for k, v in self.requested.items() if v != self.running[k]}
+
+
 class EngineService:
     def __init__(self, engine: LLMEngine, history_len: int = 3600) -> None:
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()  # (thunk, Future or None), run on the engine thread
         self._streams: dict[str, queue.Queue] = {}
         self._snapshot: EngineSnapshot = engine.snapshot()
+        self._config_view = self._view_config()
         self.history: deque[HistorySample] = deque(maxlen=history_len)
         self.paused = False
         self._step_waiters: deque[Future] = deque()  # step_once callers, one step each
@@ -74,9 +89,15 @@ class EngineService:
     def abort(self, request_id: str) -> None:
         self._commands.put((lambda: self.engine.abort(request_id), None))
 
-    def update_config(self, **changes) -> None:
-        """Validated now (ValueError keeps the old config); applied at the engine's next step boundary."""
-        self._call(self.engine.update_config, **changes)
+    def update_config(self, **changes) -> dict | None:
+        """Validated now (ValueError keeps the old config). An idle engine applies it at once and its reconfiguration
+        record comes back (with an "error" key if the new pool could not be built); a busy one applies it at its
+        next step boundary, and None comes back."""
+        return self._call(self._update_config, changes)
+
+    def config_view(self) -> ConfigView:
+        """What the engine runs once pending changes apply; readable even after the engine thread stopped."""
+        return self._config_view
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
@@ -97,6 +118,8 @@ class EngineService:
         self._stop.set()
         self._commands.put((lambda: None, None))
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # a stream still open would otherwise wait for a step that never comes
+            self._fail_all("the engine was shut down (restarted)")
 
     @property
     def alive(self) -> bool:
@@ -115,6 +138,19 @@ class EngineService:
         q: queue.Queue = queue.Queue()
         self._streams[rid] = q
         return rid, q
+
+    def _update_config(self, changes: dict) -> dict | None:
+        self.engine.update_config(**changes)
+        # Idle, no step would come to apply it: the form would show the old values and send them back.
+        record = None if self.engine.has_unfinished() else self.engine.apply_pending()
+        self._snapshot = self.engine.snapshot()
+        self._config_view = self._view_config()
+        return record
+
+    def _view_config(self) -> ConfigView:
+        requested, resolved = self.engine.pending_config()
+        return ConfigView(requested.to_dict(), resolved.to_dict(), self.engine.automatic_sizes(requested),
+                          self.engine.requested_config.to_dict())
 
     def _set_paused(self, paused: bool) -> None:
         self.paused = paused
@@ -158,7 +194,7 @@ class EngineService:
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
-            self._fail_all()
+            self._fail_all(self.error)
 
     def _publish(self, outputs: list[RequestOutput], step_ms: float) -> None:
         ttfts, tpots = [], []
@@ -174,16 +210,17 @@ class EngineService:
                     del self._streams[out.request_id]
         snap = self.engine.snapshot()
         self._snapshot = snap
+        self._config_view = self._view_config()
         self.history.append(HistorySample(
             time.time(), snap.step, snap.num_running, snap.num_waiting, snap.num_preemptions, snap.kv_blocks_used,
             snap.prefix_cache_queries, snap.prefix_cache_hits, snap.generation_tokens_total, step_ms,
             sum(ttfts) / len(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None))
 
-    def _fail_all(self) -> None:
-        """The engine thread died: end every open stream with an error instead of leaving it hanging."""
+    def _fail_all(self, reason: str) -> None:
+        """The engine thread ended: end every open stream with an error instead of leaving it hanging."""
         for rid, q in list(self._streams.items()):
             q.put(RequestOutput(rid, None, [], "", [], True, "error", RequestMetrics(time.perf_counter()),
-                                error=self.error))
+                                error=reason))
         self._streams.clear()
         while True:
             try:
@@ -191,4 +228,4 @@ class EngineService:
             except queue.Empty:
                 break
             if future is not None:
-                future.set_exception(RuntimeError(f"the engine thread has stopped: {self.error}"))
+                future.set_exception(RuntimeError(f"the engine thread has stopped: {reason}"))

@@ -11,17 +11,42 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import LLM, SamplingParams, bench
+from engine import LLM, EngineConfig, SamplingParams, bench
 from engine.config import BUILT_SWITCHES
 from engine.models.loader import cache_dir
 from engine.service import EngineService
 from engine.workloads import list_workloads, load_workload
 from viz.dashboard import DashboardFigures, FigureCache
 
-SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"]
+SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"]
+AUTOMATIC_FIELDS = {"num_kv_blocks": "blocks", "max_num_batched_tokens": "tokens", "max_model_len": "tokens"}
 ProgressFn = Callable[[float, str], None]
+
+
+@dataclass
+class Measurement:
+    """A run that holds the live engine still (ablation, comparison): every tab can say why, and for how long."""
+    name: str
+    total: int  # configurations to run
+    progress: ProgressFn | None = None  # the caller's progress bar
+    done: int = 0
+    current: str = ""
+    started: float = field(default_factory=time.monotonic)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def report(self, done: int, total: int, current: str) -> None:
+        """bench's progress callback, called before each configuration and once at the end."""
+        self.done, self.total, self.current = done, total, current
+        if self.progress:
+            self.progress(done / total, f"{self.describe()} · running: {current}")
+
+    def describe(self) -> str:
+        elapsed = time.monotonic() - self.started
+        left = f"~{elapsed / self.done * (self.total - self.done):.0f} s left" if self.done else "estimating time left"
+        return f"{self.name}: {self.done}/{self.total} configurations, {left}"
 
 
 def ablation_store() -> Path:
@@ -35,6 +60,7 @@ class Playground:
         self.figures = FigureCache()
         self.store = store or ablation_store()
         self._exclusive = threading.Lock()  # one ablation / comparison at a time
+        self.measurement: Measurement | None = None  # the one running now, for every tab's status line
         self.replies: deque[str] = deque(maxlen=32)  # final texts of recent chat replies
 
     # ---- chat --------------------------------------------------------------------------------------------
@@ -53,6 +79,8 @@ class Playground:
             stream = self.service.stream(prompt, SamplingParams(temperature=float(temperature),
                                                                 max_tokens=int(max_tokens), seed=None))
             history = history + [{"role": "assistant", "content": ""}]
+            if note := self.queued_note():  # the first token waits for a measurement or step mode: say so
+                yield history, note
             try:
                 for out in stream:
                     if out.error:
@@ -76,40 +104,101 @@ class Playground:
 
     def status(self) -> str:
         snap = self.service.snapshot()
-        state = "⛔ engine thread stopped: " + self.service.error if self.service.error else (
-            "⏸ paused (step mode)" if self.service.paused else "▶ running")
+        measuring = self.measurement
+        state = ("⛔ engine thread stopped: " + self.service.error if self.service.error else
+                 f"⏸ paused for a measurement ({measuring.describe()})" if measuring else
+                 "⏸ paused (step mode)" if self.service.paused else "▶ running")
         return (f"**{state}** · step {snap.step} · running {snap.num_running} · waiting {snap.num_waiting} · "
                 f"preemptions {snap.num_preemptions} · KV {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks · "
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "
                 f"generated {snap.generation_tokens_total} tokens")
 
+    def queued_note(self) -> str:
+        """Why a request just sent will wait before its first token ("" when it will not)."""
+        if (measuring := self.measurement) is not None:
+            return (f"⏸ queued behind a measurement ({measuring.describe()}): the reply starts when it ends "
+                    f"(or press Cancel on its tab)")
+        return "⏸ queued: the engine is paused (step mode); press Resume or Step" if self.service.paused else ""
+
     # ---- settings ----------------------------------------------------------------------------------------
     def settings(self) -> dict:
-        """The engine's actual configuration (what the controls show on page load)."""
-        cfg = self.service.snapshot().config
+        """What the form shows: the configuration the engine runs once pending changes apply (so sending the form
+        back never undoes one), with None for a size left automatic."""
+        cfg = self.service.config_view().requested
         return {k: cfg[k] for k in (*BUILT_SWITCHES, *SIZE_FIELDS)}
 
-    def apply_settings(self, **values) -> str:
+    def settings_hints(self) -> dict[str, str]:
+        """For each size that may be left empty: what empty means, with the number the engine would use."""
+        view = self.service.config_view()
+        return {k: f"empty = automatic: {view.automatic[k]} {unit}"
+                + ("" if view.requested[k] is None else f" (now set to {view.requested[k]})")
+                for k, unit in AUTOMATIC_FIELDS.items()}
+
+    def settings_note(self) -> str:
+        """Changes still waiting for a step boundary, and a change that could not be applied."""
+        view, notes = self.service.config_view(), []
+        if view.pending:
+            notes.append(f"⏳ waiting for the next step boundary: {_fields(view.pending)}")
+        last = self.service.snapshot().last_reconfig
+        if last and last.get("error"):
+            notes.append(f"⚠️ step {last['step']}: {_fields(last['changes'])} could not be applied, the previous "
+                         f"configuration kept serving: {last['error']}")
+        return "\n\n".join(notes)
+
+    def apply_settings(self, loaded: dict | None = None, **values) -> str:
+        """Send only the fields the user changed: those that differ from the values the form was loaded with
+        (`loaded`), so a stale field never undoes another change. Without `loaded` (an API call), every field
+        that differs from what the engine will run is sent."""
         current = self.settings()
-        wanted = {k: _coerce(v, current[k]) for k, v in values.items() if k in current}
-        changes = {k: v for k, v in wanted.items() if v != current[k]}
+        base = {**current, **{k: _coerce(k, v) for k, v in (loaded or {}).items() if k in current}}
+        wanted = {k: _coerce(k, v) for k, v in values.items() if k in current}
+        changes = {k: v for k, v in wanted.items() if v != base[k] and v != current[k]}
         if not changes:
             return "Nothing changed."
+        return self._update(changes)
+
+    def reset_settings(self) -> str:
+        """Every switch and size back to EngineConfig's defaults (sizes automatic)."""
+        defaults, current = EngineConfig(), self.settings()
+        changes = {k: getattr(defaults, k) for k, v in current.items() if getattr(defaults, k) != v}
+        return self._update(changes) if changes else "Already at the defaults."
+
+    def _update(self, changes: dict) -> str:
+        if not self.service.alive:  # the thread died: the change comes with a fresh engine
+            return self.restart(changes)
         try:
-            self.service.update_config(**changes)
+            record = self.service.update_config(**changes)
         except ValueError as exc:
             return f"⚠️ Not applied, the engine keeps its previous configuration: {exc}"
-        shown = ", ".join(f"{k}={v}" for k, v in changes.items())
-        return f"Applied at the next step boundary: {shown}."
+        except RuntimeError:  # the thread died meanwhile
+            return self.restart(changes)
+        if record is None:
+            return f"Applied at the next step boundary (requests are in flight): {_fields(changes)}."
+        if record.get("error"):
+            return f"⚠️ Not applied, the engine keeps its previous configuration: {record['error']}"
+        moved = record["requests_re_prefilled"]
+        return f"Applied: {_fields(changes)}." + (f" Re-prefilled: {', '.join(moved)}." if moved else "")
 
-    def restart(self) -> str:
-        """A new engine thread over the same weights (after a crash, or to start clean)."""
+    def restart(self, changes: dict | None = None) -> str:
+        """A new engine thread over the same weights (after a crash, or to start clean). It comes back with the
+        last configuration that ran (plus `changes`, for a change applied to a stopped engine); if that cannot
+        be built, with the defaults. Never raises: the page must always get an engine back."""
         old = self.service
         old.shutdown()
-        engine = bench.build_engine(self.llm, self.llm.engine.requested_config.to_dict())
-        self.llm.engine = engine
-        self.service = EngineService(engine)
-        return "Engine restarted."
+        last = old.engine.requested_config.to_dict()
+        attempts = [(f"with {_fields(changes)}", {**last, **changes})] if changes else []
+        attempts += [("with the last configuration that ran", last), ("with the defaults", {})]
+        failures = []
+        for label, fields in attempts:
+            try:
+                engine = bench.build_engine(self.llm, fields)
+            except Exception as exc:  # whatever went wrong, the next attempt may still work
+                failures.append(f"{label}: {exc}")
+                continue
+            self.llm.engine = engine
+            self.service = EngineService(engine)
+            return f"Engine restarted {label}." + (f" ⚠️ Not possible {'; '.join(failures)}." if failures else "")
+        return f"⛔ The engine could not be restarted: {'; '.join(failures)}"
 
     # ---- traffic generator -----------------------------------------------------------------------------
     def traffic(self, workload_name: str, num_users: int, progress: ProgressFn | None = None) -> str:
@@ -141,10 +230,10 @@ class Playground:
     # ---- ablation and comparison ---------------------------------------------------------------------------
     def ablate(self, workload_name: str, quick: bool = True,
                progress: ProgressFn | None = None) -> list[bench.AblationRow]:
+        """Raises bench.Cancelled if cancelled, ValueError if another measurement is running."""
         workload = load_workload(workload_name, quick)
-        report = (lambda i, n, name: progress(i / n, f"running: {name}")) if progress else None
-        with self._exclusive, self._paused():
-            rows = bench.ablate(self.llm, workload, progress=report)
+        with self._measuring("ablation", len(bench.ABLATIONS) + 1, progress) as m:
+            rows = bench.ablate(self.llm, workload, progress=m.report, should_stop=m.cancel.is_set)
         self.store.parent.mkdir(parents=True, exist_ok=True)
         self.store.write_text(json.dumps(bench.to_jsonable({"workload": workload.name, "quick": quick, "rows": rows})))
         return rows
@@ -155,21 +244,39 @@ class Playground:
         except (OSError, ValueError, KeyError, TypeError):  # none yet, or written by an older version
             return []
 
-    def compare(self, workload_name: str, spec_a: str, spec_b: str, quick: bool = True) -> bench.CompareResult:
+    def compare(self, workload_name: str, spec_a: str, spec_b: str, quick: bool = True,
+                progress: ProgressFn | None = None) -> bench.CompareResult:
+        """Raises bench.Cancelled if cancelled, ValueError for a bad spec or if another measurement is running."""
         workload = load_workload(workload_name, quick)
-        with self._exclusive, self._paused():
-            return bench.compare(self.llm, workload, spec_a, spec_b)
+        with self._measuring("comparison", 2, progress) as m:
+            return bench.compare(self.llm, workload, spec_a, spec_b, progress=m.report, should_stop=m.cancel.is_set)
+
+    def cancel_measurement(self) -> str:
+        if (measuring := self.measurement) is None:
+            return "No measurement is running."
+        measuring.cancel.set()
+        return f"Cancelling the {measuring.name}: the live engine resumes within a step."
 
     @contextlib.contextmanager
-    def _paused(self) -> Iterator[None]:
-        """Hold the live engine still while a measurement runs, then restore its state."""
-        service, was_paused = self.service, self.service.paused
-        service.pause()
+    def _measuring(self, name: str, total: int, progress: ProgressFn | None) -> Iterator[Measurement]:
+        """Hold the live engine still while a measurement runs (so its numbers are clean), say so to every tab,
+        then restore the engine's state. One at a time: a second is refused rather than left waiting silently."""
+        if not self._exclusive.acquire(blocking=False):
+            running = self.measurement
+            raise ValueError(f"another measurement is running ({running.describe() if running else 'starting'}); "
+                             f"wait for it or cancel it")
         try:
-            yield
+            service, was_paused = self.service, self.service.paused
+            self.measurement = Measurement(name, total, progress)
+            service.pause()
+            try:
+                yield self.measurement
+            finally:
+                self.measurement = None
+                if not was_paused and service.alive:  # not if it was restarted meanwhile
+                    service.resume()
         finally:
-            if not was_paused:
-                service.resume()
+            self._exclusive.release()
 
     # ---- step mode ---------------------------------------------------------------------------------------
     def pause(self) -> str:
@@ -244,9 +351,17 @@ def _text(content) -> str:
     return str(content)
 
 
-def _coerce(value, like):
-    if isinstance(like, bool):
+def _coerce(name: str, value):
+    """A form value as the config field wants it: gradio hands numbers back as floats (or strings from a
+    dropdown), and an emptied number field as None, which means automatic for the sizes that allow it."""
+    if name in BUILT_SWITCHES:
         return bool(value)
-    if isinstance(like, int) and value is not None:
+    if isinstance(value, str) and value.strip().isdigit():
         return int(value)
-    return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value  # None, or something EngineConfig will refuse with a message
+
+
+def _fields(changes: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in changes.items())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -329,6 +330,59 @@ def test_a_bad_update_does_not_drop_a_good_one_pending(llm, expected):
     engine.update_config(max_num_seqs=64)
     engine.step()
     assert engine.config.max_num_seqs == 64
+
+
+# ---- memory: a pool that cannot fit is refused before anything is allocated ---------------------------
+
+HUGE_POOL = r"num_kv_blocks=50000000 needs [\d.]+ GB of KV cache but only [\d.]+ [GM]B of RAM is available"
+
+
+def test_a_pool_larger_than_memory_is_refused_before_anything_is_allocated(tiny_models):
+    folder, _ = tiny_models["llama"]
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=HUGE_POOL + r".*at most \d+ blocks of this size fit"):
+        LLM(folder, num_kv_blocks=50_000_000, max_model_len=MAX_MODEL_LEN)
+    assert time.perf_counter() - start < 15  # refused by arithmetic, not after building 16 GB of block objects
+
+
+def test_update_config_to_a_pool_larger_than_memory_is_refused(llm, expected):
+    raises_while_serving(llm, expected, HUGE_POOL, lambda: llm.engine.update_config(num_kv_blocks=50_000_000))
+
+
+def test_the_memory_check_counts_what_is_free_now_and_spares_the_pool_in_use(llm, expected, monkeypatch):
+    from engine import memory
+    monkeypatch.setattr(memory, "free_ram", lambda: memory.FreeMemory(usable=0, reserve=2**30, where="RAM"))
+    engine = llm.engine
+    rid = start_good(engine)
+    with pytest.raises(ValueError, match="num_kv_blocks=32 needs 0 MB of KV cache but only 0 MB of RAM"):
+        engine.update_config(num_kv_blocks=32)  # even a smaller pool is built beside the old one
+    engine.update_config(max_num_seqs=4)  # keeps the pool: nothing new to allocate
+    engine.step()
+    assert engine.config.max_num_seqs == 4
+    finish_good(engine, rid, expected)
+    engine.update_config(max_num_seqs=64)
+    engine.step()
+
+
+def test_a_pool_that_cannot_be_built_leaves_the_old_one_serving(llm, expected, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise MemoryError("simulated: the allocator said no")
+    engine = llm.engine
+    rid = start_good(engine)
+    before = engine.config.to_dict()
+    monkeypatch.setattr("engine.engine.ModelRunner", no_memory)
+    engine.update_config(num_kv_blocks=32, max_num_seqs=4)  # validated: it fits the memory free now
+    engine.step()  # the step boundary: building the new pool fails
+    assert engine.config.to_dict() == before and engine.requested_config.num_kv_blocks == 64
+    assert engine.last_reconfig["changes"] == {"num_kv_blocks": 32, "max_num_seqs": 4}
+    assert "MemoryError: simulated" in engine.last_reconfig["error"]
+    assert engine.pending_config()[1].to_dict() == before  # nothing left pending to fail again
+    finish_good(engine, rid, expected)
+    monkeypatch.undo()
+    engine.update_config(num_kv_blocks=32)  # a later change builds normally
+    assert engine.apply_pending()["action"] == "re-prefill running requests" and engine.config.num_kv_blocks == 32
+    engine.update_config(num_kv_blocks=64)
+    engine.apply_pending()
 
 
 # ---- regressions: bugs these tests found, now fixed ---------------------------------------------------

@@ -6,6 +6,7 @@ With UPDATE_SCREENSHOTS=1 it also refreshes the README's screenshots in docs/.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -83,10 +84,15 @@ def test_chat_dashboard_and_toggle_in_a_real_browser(app_url, page, tmp_path_fac
     shot(page, "dashboard.png", tmp_path_factory)
 
     page.get_by_role("tab", name="Engine settings").click()
+    page.get_by_text("empty = automatic:").first.wait_for(timeout=30_000)  # an empty size says what it means
+    page.get_by_label("num_kv_blocks (pool size)").fill("10000000")  # terabytes: refused on any machine
+    page.get_by_role("button", name="Apply").click()
+    page.get_by_text(re.compile("Not applied.*GB of (RAM|GPU memory).* is available")).wait_for(timeout=30_000)
+    assert pg.service.alive
     checkbox = page.get_by_label("prefix_caching")
     assert checkbox.is_checked()  # the controls show the engine's actual state on load
     checkbox.uncheck()
     page.get_by_role("button", name="Apply").click()
-    page.get_by_text("Applied at the next step boundary").wait_for(timeout=30_000)
+    page.get_by_text(re.compile(r"^Applied")).wait_for(timeout=30_000)
     assert pg.service.snapshot().config["prefix_caching"] is False or "prefix_caching" in pg.service.engine._pending
     shot(page, "settings.png", tmp_path_factory)

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from engine import LLM
+from engine import LLM, SamplingParams, bench
 from playground import Playground
-from playground.handlers import describe_step
+from playground.handlers import Measurement, describe_step
 from tests.conftest import serve_app
 
 
@@ -75,15 +75,133 @@ def test_traffic_generator_and_ablation_and_compare(pg):
     fractions = []
     msg = pg.traffic("mixed-lengths", 5, lambda f, d: fractions.append(f))
     assert msg.startswith("5 users") and fractions[-1] == 1.0
-    msg = pg.traffic("long-document", 13)  # its 1,200-token document exceeds max_model_len=512
+    msg = pg.traffic("long-document", 13)  # its 1,500-token document exceeds max_model_len=512
     assert msg.startswith("12 users") and "1 request(s) refused" in msg and "max_model_len" in msg
     rows = pg.ablate("fixed-16", quick=True)
     assert rows[0].switch is None and rows[0].ratio == 1.0
     assert all(r.same_output_as_full for r in rows if r.throughput_tok_s)
     assert pg.last_ablation() == rows
-    result = pg.compare("fixed-16", "naive", "full", quick=True)
+    steps = []
+    result = pg.compare("fixed-16", "naive", "full", quick=True, progress=lambda f, d: steps.append((f, d)))
     assert result.same_outputs and result.results[1].generated_tokens == 4 * 64
+    # the bar advances after each configuration instead of sitting at one value for the whole run
+    assert [f for f, _ in steps] == [0.0, 0.5, 1.0] and "running: naive" in steps[0][1]
     assert not pg.service.paused  # the live engine resumed after the measurements
+
+
+def test_the_settings_form_shows_what_the_engine_will_run_and_sends_only_edits(pg):
+    form = pg.settings()
+    assert form["num_kv_blocks"] is None and form["max_model_len"] == 512  # empty: the engine chooses
+    auto = pg.service.snapshot().config
+    hints = pg.settings_hints()
+    assert hints["num_kv_blocks"] == f"empty = automatic: {auto['num_kv_blocks']} blocks"
+    assert hints["max_num_batched_tokens"] == f"empty = automatic: {auto['max_num_batched_tokens']} tokens"
+    # an idle engine applies at once, and the reloaded form shows it
+    msg = pg.apply_settings(form, **{**form, "prefix_caching": False, "num_kv_blocks": 48})
+    assert msg == "Applied: prefix_caching=False, num_kv_blocks=48."
+    form = pg.settings()
+    assert form["prefix_caching"] is False and form["num_kv_blocks"] == 48
+    assert pg.service.snapshot().kv_blocks_total == 48
+    # a tab loaded before that change edits another field: its stale values are not sent back
+    stale = {**form, "prefix_caching": True, "num_kv_blocks": None}
+    assert "max_num_seqs=9" in pg.apply_settings(stale, **{**stale, "max_num_seqs": 9})
+    assert pg.settings()["prefix_caching"] is False and pg.settings()["num_kv_blocks"] == 48
+    form = pg.settings()
+    assert pg.apply_settings(form, **{**form, "paged_kv": False}) == "Applied: paged_kv=False."
+    assert pg.service.snapshot().config["num_kv_blocks"] == 48  # unchecking paged_kv kept the pool
+    # contiguous KV in a smaller pool needs a shorter max_model_len, which the form now has
+    form = pg.settings()
+    assert "contiguous KV reserves max_model_len=512" in pg.apply_settings(form, **{**form, "num_kv_blocks": 16})
+    assert "Applied" in pg.apply_settings(form, **{**form, "num_kv_blocks": 16, "max_model_len": 256})
+    assert pg.service.snapshot().config["max_model_len"] == 256
+    assert "Applied" in pg.reset_settings()
+    assert pg.settings() == {"kv_cache": True, "paged_kv": True, "continuous_batching": True,
+                             "prefix_caching": True, "chunked_prefill": True, "speculative_decoding": False,
+                             "block_size": 16, "num_kv_blocks": None, "max_num_seqs": 64,
+                             "max_num_batched_tokens": None, "max_model_len": None}
+
+
+def test_a_change_waiting_for_a_step_is_what_the_form_shows(pg):
+    pg.pause()
+    rid, q = pg.service.submit([1000 + i for i in range(20)], SamplingParams(temperature=0, max_tokens=3,
+                                                                            ignore_eos=True))
+    pg.step()
+    form = pg.settings()
+    assert "next step boundary" in pg.apply_settings(form, **{**form, "max_num_seqs": 5})
+    assert pg.settings()["max_num_seqs"] == 5 and "waiting for the next step boundary: max_num_seqs=5" in \
+        pg.settings_note()
+    pg.resume()
+    while not q.get(timeout=30).finished:
+        pass
+    assert "Applied" in pg.reset_settings() and pg.settings_note() == ""
+
+
+def test_a_refused_pool_is_explained_and_the_engine_keeps_serving(pg):
+    msg = pg.apply_settings(None, num_kv_blocks=50_000_000)
+    assert "Not applied" in msg and "GB of RAM is available" in msg
+    history, stats = list(pg.chat("hi", [], 0.0, 4))[-1]
+    assert "finished" in stats and pg.service.alive
+
+
+def test_restart_and_apply_work_after_the_engine_thread_died(pg, monkeypatch):
+    def crash():
+        raise RuntimeError("simulated crash")
+
+    def kill_engine():
+        monkeypatch.setattr(pg.service.engine, "step", crash)
+        history, _ = list(pg.chat("hi", [], 0.0, 4))[-1]
+        assert "engine error" in history[-1]["content"] and not pg.service.alive
+
+    kill_engine()
+    msg = pg.apply_settings(None, max_num_seqs=7)  # a sane value on a stopped engine brings it back
+    assert msg.startswith("Engine restarted with max_num_seqs=7") and pg.service.alive
+    assert pg.settings()["max_num_seqs"] == 7
+    assert "finished" in list(pg.chat("hi", [], 0.0, 4))[-1][1]
+    kill_engine()
+    real, calls = bench.build_engine, []
+
+    def no_room_for_the_last_pool(llm, fields):
+        calls.append(fields)
+        if len(calls) == 1:
+            raise MemoryError("simulated: no room")
+        return real(llm, fields)
+    monkeypatch.setattr(bench, "build_engine", no_room_for_the_last_pool)
+    msg = pg.restart()
+    assert msg.startswith("Engine restarted with the defaults") and "no room" in msg and calls[-1] == {}
+    assert "finished" in list(pg.chat("hi", [], 0.0, 4))[-1][1]
+
+
+def test_a_measurement_says_why_the_engine_waits_and_can_be_cancelled(pg):
+    started, outcome = threading.Event(), {}
+
+    def run():
+        try:
+            outcome["rows"] = pg.ablate("fixed-16", quick=True, progress=lambda f, d: started.set())
+        except bench.Cancelled as exc:
+            outcome["cancelled"] = exc
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert started.wait(60)
+    configurations = len(bench.FEATURES) + 1
+    assert (f"⏸ paused for a measurement (ablation: 0/{configurations} configurations, estimating time left)"
+            in pg.status())
+    chat = pg.chat("hello", [], 0.0, 4)
+    _, stats = next(chat)  # said before the reply waits, not after
+    assert stats.startswith("⏸ queued behind a measurement (ablation:")
+    with pytest.raises(ValueError, match="another measurement is running"):
+        pg.compare("fixed-16", "naive", "full")
+    assert pg.cancel_measurement().startswith("Cancelling the ablation")
+    worker.join(60)
+    assert "cancelled" in outcome and pg.measurement is None and not pg.service.paused
+    assert "finished" in list(chat)[-1][1]
+    assert "paused" not in pg.status()
+
+
+def test_a_measurement_estimates_the_time_left():
+    m = Measurement("ablation", 5)
+    m.started -= 20
+    m.report(2, 5, "static batching")
+    assert m.describe() == "ablation: 2/5 configurations, ~30 s left"
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +219,8 @@ def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
     for history, stats in results:
         assert history[-1]["role"] == "assistant" and "TTFT" in stats
     assert max(h.num_running for h in playground.service.history) >= 2  # batched together in the engine
-    assert "Applied" in client.predict(True, True, True, False, True, False, 16, 64, 32, 2048,
-                                     api_name="/apply_settings")
+    assert "Applied" in client.predict(True, True, True, False, True, False, 16, 64, 32, 2048, 512,
+                                       api_name="/apply_settings")
     threading.Event().wait(0.2)
     client.predict("x", [], 0.0, 8, api_name="/chat")
     assert playground.settings()["prefix_caching"] is False and playground.settings()["max_num_seqs"] == 32

@@ -93,3 +93,52 @@ def test_engine_failure_ends_streams_with_an_error(service, monkeypatch):
     assert out.finished and out.finish_reason == "error" and "simulated crash" in out.error
     with pytest.raises(RuntimeError, match="stopped"):
         service.submit([5, 6, 7], GREEDY)
+
+
+def drain(q) -> list:
+    outs = [q.get(timeout=30)]
+    while not outs[-1].finished:
+        outs.append(q.get(timeout=30))
+    return outs
+
+
+def test_a_change_on_an_idle_engine_applies_at_once(service):
+    record = service.update_config(max_num_seqs=3, num_kv_blocks=48)
+    assert record["changes"] == {"max_num_seqs": 3, "num_kv_blocks": 48} and "error" not in record
+    snap = service.snapshot()  # no step has run: the page sees the new pool anyway
+    assert snap.config["max_num_seqs"] == 3 and snap.kv_blocks_total == 48
+    view = service.config_view()
+    assert view.requested["num_kv_blocks"] == 48 and not view.pending
+
+
+def test_a_change_waiting_for_a_busy_engine_shows_in_the_config_view(service):
+    service.pause()
+    rid, q = service.submit(random_prompts(1, seed=45)[0], GREEDY)
+    service.step_once()
+    assert service.update_config(prefix_caching=False) is None  # requests in flight: the next step applies it
+    view = service.config_view()
+    assert view.pending == {"prefix_caching": False} and view.requested["prefix_caching"] is False
+    assert service.snapshot().config["prefix_caching"] is True
+    service.step_once()
+    assert not service.config_view().pending and service.snapshot().config["prefix_caching"] is False
+    service.resume()
+    assert len(drain(q)[-1].token_ids) == 12
+
+
+def test_a_pool_that_cannot_be_built_leaves_the_service_serving(service, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise MemoryError("simulated: the allocator said no")
+    service.pause()
+    rid, q = service.submit(random_prompts(1, seed=46)[0], GREEDY)
+    service.step_once()
+    monkeypatch.setattr("engine.engine.ModelRunner", no_memory)
+    assert service.update_config(num_kv_blocks=32) is None
+    service.resume()
+    outs = drain(q)
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 12 and service.alive
+    snap = service.snapshot()
+    assert "MemoryError" in snap.last_reconfig["error"] and snap.config["num_kv_blocks"] != 32
+    assert "MemoryError" in service.update_config(num_kv_blocks=32)["error"]  # idle: refused at once
+    monkeypatch.undo()
+    assert "error" not in service.update_config(num_kv_blocks=32)
+    assert service.snapshot().kv_blocks_total == 32

@@ -46,6 +46,7 @@ from .report import (
 from .runs import (
                           GIB,
                           PHASES,
+                          Cancelled,
                           RunResult,
                           StepBreakdown,
                           build_engine,
@@ -60,10 +61,11 @@ from .specs import list_feature_presets, load_feature_preset, parse_assignments,
 
 __all__ = [
     "ABLATIONS", "FEATURES", "FULL_ENGINE", "FULL_FIELDS", "GIB", "NAIVE_LOOP", "PHASES", "AblationRow",
-    "CompareResult", "Feature", "HFStaticResult", "MemoryRow", "Report", "RunResult", "SchedCostResult",
-    "StepBreakdown", "TableRow", "ablate", "ablate_concurrency", "ablate_cumulative", "ablate_report",
-    "build_engine", "compare", "compare_report", "config_fields", "engine_config", "hf_static", "hf_static_report",
-    "list_feature_presets", "load_feature_preset", "load_llm", "markdown_table", "memory_report", "memory_sweep",
-    "parse_assignments", "parse_value", "render_report", "resolve_spec", "run_config", "run_table", "run_workload",
-    "sched_cost", "sched_cost_report", "table_report", "to_jsonable", "weight_bytes",
+    "Cancelled", "CompareResult", "Feature", "HFStaticResult", "MemoryRow", "Report", "RunResult",
+    "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_concurrency", "ablate_cumulative",
+    "ablate_report", "build_engine", "compare", "compare_report", "config_fields", "engine_config", "hf_static",
+    "hf_static_report", "list_feature_presets", "load_feature_preset", "load_llm", "markdown_table",
+    "memory_report", "memory_sweep", "parse_assignments", "parse_value", "render_report", "resolve_spec",
+    "run_config", "run_table", "run_workload", "sched_cost", "sched_cost_report", "table_report", "to_jsonable",
+    "weight_bytes",
 ]

@@ -24,6 +24,7 @@ from .runs import (
     RunResult,
     StepBreakdown,
     StepTracker,
+    StopCheck,
     build_engine,
     config_fields,
     engine_config,
@@ -113,18 +114,25 @@ class CompareResult:
     gap_ratios: list[float] = field(default_factory=list)  # max token gap a / b in each repetition
 
 
-def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str,
-            settings: dict[str, Any] | None = None, repeat: int = 1) -> CompareResult:
+def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str, settings: dict[str, Any] | None = None,
+            repeat: int = 1, progress: Progress = None, should_stop: StopCheck | None = None) -> CompareResult:
     """The same workload through two configurations, a then b, `repeat` times side by side (the spread of the
     ratios says how much to trust it on a noisy machine)."""
     fields = [config_fields(workload, settings or {}, resolve_spec(s)) for s in (spec_a, spec_b)]
     for f in fields:  # every spec is checked before anything runs
         engine_config(llm, f)
-    pairs = [tuple(run_config(llm, workload, f) for f in fields) for _ in range(max(1, repeat))]
+    plan = [(spec, f) for _ in range(max(1, repeat)) for spec, f in zip((spec_a, spec_b), fields, strict=True)]
+    runs = []
+    for i, (spec, f) in enumerate(plan):
+        if progress is not None:
+            progress(i, len(plan), spec)
+        runs.append(run_config(llm, workload, f, should_stop))
+    if progress is not None:
+        progress(len(plan), len(plan), "done")
+    pairs = list(zip(runs[::2], runs[1::2], strict=True))
     ratios = [b.throughput / a.throughput if a.throughput else float("inf") for a, b in pairs]
     gap_ratios = [a.max_token_gap_s / b.max_token_gap_s for a, b in pairs if a.max_token_gap_s and b.max_token_gap_s]
-    a, b = pairs[0]
-    return CompareResult(workload.name, (spec_a, spec_b), (a, b), statistics.median(ratios),
+    return CompareResult(workload.name, (spec_a, spec_b), pairs[0], statistics.median(ratios),
                          all(x.output_token_ids == y.output_token_ids for x, y in pairs), ratios, gap_ratios)
 
 
@@ -229,7 +237,8 @@ class AblationRow:
 
 
 def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list[tuple[str, str | None, dict]],
-              progress: Progress, concurrency: int | None = None) -> list[AblationRow]:
+              progress: Progress, concurrency: int | None = None,
+              should_stop: StopCheck | None = None) -> list[AblationRow]:
     """Each (label, switch, fields) in turn; ratios against the first row that ran."""
     rows: list[AblationRow] = []
     base: RunResult | None = None
@@ -240,7 +249,7 @@ def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list
         row = AblationRow(feature, switch, concurrency=concurrency)
         rows.append(row)
         try:
-            r = run_config(llm, workload, config_fields(workload, settings, fields))
+            r = run_config(llm, workload, config_fields(workload, settings, fields), should_stop)
         except ValueError as exc:
             row.error = str(exc)
             continue
@@ -257,7 +266,7 @@ def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list
 
 
 def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None, progress: Progress = None,
-           concurrency: int | None = None) -> list[AblationRow]:
+           concurrency: int | None = None, should_stop: StopCheck | None = None) -> list[AblationRow]:
     """The full engine (every built switch on), then each switch off in turn: throughput, its ratio to the full
     engine, latency, and whether greedy outputs equal the full engine's. A configuration that cannot run on
     this workload (e.g. contiguous KV in a pool too small for max_model_len) gets a row with `error`.
@@ -265,29 +274,29 @@ def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
     settings = {**(settings or {}), **({"max_num_seqs": concurrency} if concurrency else {})}
     plan = [(FULL_ENGINE, None, FULL_FIELDS)]
     plan += [(f.off_label, f.switch, {**FULL_FIELDS, f.switch: False}) for f in FEATURES]
-    return _run_plan(llm, workload, settings, plan, progress, concurrency)
+    return _run_plan(llm, workload, settings, plan, progress, concurrency, should_stop)
 
 
 def ablate_cumulative(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
-                      progress: Progress = None) -> list[AblationRow]:
+                      progress: Progress = None, should_stop: StopCheck | None = None) -> list[AblationRow]:
     """The course's "engine, feature by feature", measured: everything off (the naive loop), then the features
     added back one at a time in the course's order. ratio: against the naive loop; step_ratio: what each added."""
     plan = [(NAIVE_LOOP, None, dict.fromkeys(FULL_FIELDS, False))]
     for i, f in enumerate(FEATURES):
         on = {g.switch: j <= i for j, g in enumerate(FEATURES)}
         plan.append((f"+ {f.name}", f.switch, on))
-    return _run_plan(llm, workload, settings or {}, plan, progress)
+    return _run_plan(llm, workload, settings or {}, plan, progress, should_stop=should_stop)
 
 
 def ablate_concurrency(llm: LLM, workload: Workload, levels: Sequence[int], settings: dict[str, Any] | None = None,
-                       progress: Progress = None) -> list[AblationRow]:
+                       progress: Progress = None, should_stop: StopCheck | None = None) -> list[AblationRow]:
     """Each feature's multiplier at each concurrency: speculation matters at 1 and fades under load."""
     rows: list[AblationRow] = []
     steps = len(levels) * (len(FEATURES) + 1)
     for i, level in enumerate(levels):
         report = None if progress is None else (
             lambda j, n, name, i=i, level=level: progress(i * (len(FEATURES) + 1) + j, steps, f"{name} @ {level}"))
-        rows += ablate(llm, workload, settings, report, concurrency=level)
+        rows += ablate(llm, workload, settings, report, concurrency=level, should_stop=should_stop)
     if progress is not None:
         progress(steps, steps, "done")
     return rows
@@ -308,7 +317,7 @@ class MemoryRow:
 
 
 def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settings: dict[str, Any] | None = None,
-                 progress: Progress = None) -> list[MemoryRow]:
+                 progress: Progress = None, should_stop: StopCheck | None = None) -> list[MemoryRow]:
     """Each pool size, paged and contiguous: how many requests fit at once, what it costs when they do not."""
     plan = [(blocks, paged) for blocks in pool_sizes for paged in (True, False)]
     rows: list[MemoryRow] = []
@@ -322,7 +331,7 @@ def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settin
             engine = build_engine(llm, fields)
             row.kv_cache_mb = blocks * kv_bytes_per_block(engine) / 2**20
             warm_up(engine)
-            r = run_workload(engine, workload, track_efficiency=True)
+            r = run_workload(engine, workload, should_stop, track_efficiency=True)
         except ValueError as exc:
             row.error = str(exc)
             continue

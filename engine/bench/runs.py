@@ -9,7 +9,7 @@ import itertools
 import random
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,11 @@ GIB = 2**30  # "GB" in the tables means GiB, like EngineConfig.kv_cache_memory_g
 REQUEST_PREFIX = "bench-"
 ROPE_TABLES = ("cos", "sin")  # model attributes that are precomputed tables, not weights
 MAX_IDLE_STEPS = 1000  # consecutive steps that compute nothing before run_workload gives up
+StopCheck = Callable[[], bool]  # polled between steps: True cancels the run
+
+
+class Cancelled(Exception):
+    """A run stopped by its should_stop check (not a ValueError: an experiment must not record it as a row)."""
 
 
 def load_llm(settings: dict[str, Any] | None = None) -> LLM:
@@ -221,7 +226,8 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def run_workload(engine: LLMEngine, workload: Workload, track_efficiency: bool = False) -> RunResult:
+def run_workload(engine: LLMEngine, workload: Workload, should_stop: StopCheck | None = None,
+                 track_efficiency: bool = False) -> RunResult:
     """Drive the engine through the workload, honouring arrival offsets; the engine should be idle."""
     workload = workload.tokenized(engine.tokenizer)
     pending = deque(sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_s))
@@ -230,6 +236,8 @@ def run_workload(engine: LLMEngine, workload: Workload, track_efficiency: bool =
     done: dict[str, RequestOutput] = {}
     start = time.perf_counter()
     while pending or engine.has_unfinished():
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"cancelled after {time.perf_counter() - start:.1f} s of '{workload.name}'")
         _submit_arrived(engine, workload, pending, start)
         if not engine.has_unfinished():
             time.sleep(max(0.0, start + workload.requests[pending[0]].arrival_s - time.perf_counter()))
@@ -259,11 +267,12 @@ def _run_result(engine: LLMEngine, workload: Workload, outputs: list[RequestOutp
     )
 
 
-def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], track_efficiency: bool = False) -> RunResult:
+def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], should_stop: StopCheck | None = None,
+               track_efficiency: bool = False) -> RunResult:
     """A fresh, warmed-up engine with these fields, run through the workload."""
     engine = build_engine(llm, fields)
     warm_up(engine)
-    return run_workload(engine, workload, track_efficiency)
+    return run_workload(engine, workload, should_stop, track_efficiency)
 
 
 def config_fields(workload: Workload, settings: dict[str, Any], spec_fields: dict[str, Any]) -> dict[str, Any]:
