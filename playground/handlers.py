@@ -20,6 +20,8 @@ from engine.service import EngineService
 from engine.workloads import list_workloads, load_workload
 from viz.dashboard import DashboardFigures, FigureCache
 
+from .stepmode import describe_step, plural
+
 BUILT_SWITCHES = [s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT]
 SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"]
 ProgressFn = Callable[[float, str], None]
@@ -79,10 +81,10 @@ class Playground:
         snap = self.service.snapshot()
         state = "⛔ engine thread stopped: " + self.service.error if self.service.error else (
             "⏸ paused (step mode)" if self.service.paused else "▶ running")
-        return (f"**{state}** · step {snap.step} · running {snap.num_running} · waiting {snap.num_waiting} · "
+        return (f"**{state}** · steps done: {snap.step} · running {snap.num_running} · waiting {snap.num_waiting} · "
                 f"preemptions {snap.num_preemptions} · KV {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks · "
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "
-                f"generated {snap.generation_tokens_total} tokens")
+                f"generated {plural(snap.generation_tokens_total, 'token')}")
 
     # ---- settings ----------------------------------------------------------------------------------------
     def settings(self) -> dict:
@@ -185,30 +187,9 @@ class Playground:
         if not self.service.paused:
             self.service.pause()
         snap = self.service.step_once()
-        return describe_step(snap)
+        return describe_step(snap, self.llm.tokenizer)
 
 
-def describe_step(snap) -> str:
-    """What the scheduler decided in the snapshot's last step, in words."""
-    if not snap.steps:
-        return "No step yet."
-    rec = snap.steps[-1]
-    lines = [f"### Step {rec.step}: {rec.num_batched_tokens} tokens in the batch, {rec.num_seqs} requests"]
-    for e in rec.prefills:
-        cached = f" ({e.prefix_hit_tokens} prompt tokens reused from the prefix cache)" if e.prefix_hit_tokens else ""
-        lines.append(f"- request **{e.request_id}** prefilled **{e.num_tokens}** tokens{cached}")
-    if rec.decodes:
-        lines.append(f"- decoded one token for: {', '.join(e.request_id for e in rec.decodes)}")
-    for rid in rec.preempted:
-        lines.append(f"- request **{rid}** was **preempted**: the pool ran out of blocks, so the newest running "
-                     "request gave its blocks back and went to the front of the queue (it will be recomputed)")
-    for rid, reason in rec.finished:
-        lines.append(f"- request **{rid}** finished ({reason}); its blocks are free for the next step")
-    if not (rec.prefills or rec.decodes or rec.preempted):
-        lines.append("- nothing to run" + (f"; {rec.num_waiting} waiting" if rec.num_waiting else ""))
-    lines.append(f"\nAfter the step: {snap.num_running} running, {snap.num_waiting} waiting, "
-                 f"{snap.kv_blocks_used}/{snap.kv_blocks_total} blocks used.")
-    return "\n".join(lines)
 
 
 def reply_stats(out) -> str:

@@ -5,9 +5,10 @@ import threading
 
 import pytest
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from playground import Playground
 from playground.handlers import describe_step
+from playground.stepmode import plural
 from tests.conftest import serve_app
 
 
@@ -61,14 +62,27 @@ def test_dashboard_figures_are_shared_between_tabs(pg):
 
 def test_step_mode_describes_each_decision(pg):
     pg.pause()
-    rid, q = pg.service.submit([1000 + i for i in range(40)], __import__("engine").SamplingParams(
-        temperature=0, max_tokens=3, ignore_eos=True))
+    rid, q = pg.service.submit([1000 + i for i in range(40)], SamplingParams(temperature=0, max_tokens=3,
+                                                                                ignore_eos=True))
     text = pg.step()
-    assert f"request **{rid}** prefilled **40** tokens" in text or "reused from the prefix cache" in text
-    assert f"decoded one token for: {rid}" in pg.step()
+    done = pg.service.snapshot().step
+    # the first step is "Step 1", and the status counts the same way
+    assert text.startswith(f"### Step {done}: ") and f"steps done: {done}" in pg.status()
+    assert f"request **{rid}** prefilled **40 tokens**" in text or "reused from the prefix cache" in text
+    assert "its first generated token: `'" in text and "ending `'" in text  # tokens shown as text
+    token = pg.llm.tokenizer.decode(q.get(timeout=10).token_ids)
+    assert f"`{token!r}`" in text
+    text = pg.step()
+    assert f"decoded one token each for 1 request: **{rid}** → `'" in text
+    assert "1 request" in text.splitlines()[0] and "1 requests" not in text  # grammar
     assert "finished (length)" in pg.step()
+    pg.service.update_config(prefix_caching=False)  # a change asked for while paused applies at the next step
+    assert "the configuration change applied: prefix_caching=False (applied in place)" in pg.step()
+    assert "configuration change" not in pg.step()
+    pg.service.update_config(prefix_caching=True)
     pg.resume()
     assert describe_step(pg.service.snapshot()).startswith("### Step")
+    assert (plural(1, "token"), plural(2, "token"), plural(0, "request")) == ("1 token", "2 tokens", "0 requests")
 
 
 def test_traffic_generator_and_ablation_and_compare(pg):
