@@ -75,6 +75,7 @@ def build_app(pg: Playground) -> gr.Blocks:
                     msg = gr.Textbox(placeholder="Type a message and press Enter", scale=5, show_label=False)
                     send = gr.Button("Send", variant="primary", scale=1)
                     stop = gr.Button("Stop", scale=1)
+                    clear = gr.Button("Clear", scale=1, elem_id="clear-chat")
                 with gr.Row():
                     temperature = gr.Slider(0, 1.5, value=0.7, step=0.05, label="temperature")
                     max_tokens = gr.Slider(8, 512, value=200, step=8, label="max tokens")
@@ -149,6 +150,8 @@ def build_app(pg: Playground) -> gr.Blocks:
         for ev in (chat_event, send_event):
             ev.then(lambda: "", None, msg)
         stop.click(None, None, None, cancels=[chat_event, send_event])
+        # a fresh conversation: nothing of the old one is sent again (a reply still streaming is stopped)
+        clear.click(lambda: ([], ""), None, [chatbot, reply_info], cancels=[chat_event, send_event])
 
         def refresh():
             f = pg.dashboard()

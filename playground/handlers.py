@@ -20,11 +20,14 @@ from engine.service import EngineService
 from engine.workloads import list_workloads, load_workload
 from viz.dashboard import DashboardFigures, FigureCache
 
+from . import conversation
+from .conversation import QUEUED, WARNING
 from .stepmode import describe_step, plural
 
 BUILT_SWITCHES = [s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT]
 SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"]
 ProgressFn = Callable[[float, str], None]
+QUEUED_NOTE = f"{QUEUED} queued: the engine is paused (step mode). Press Step or Resume on the Step mode tab to run it."
 
 
 def ablation_store() -> Path:
@@ -43,18 +46,25 @@ class Playground:
     # ---- chat --------------------------------------------------------------------------------------------
     def chat(self, message: str, history: list[dict], temperature: float = 0.7,
              max_tokens: int = 256) -> Iterator[tuple[list[dict], str]]:
-        """Stream the assistant's reply into the history; the second value is the reply's stats line."""
+        """Stream the assistant's reply into the history; the second value is the reply's stats line.
+        The model sees the conversation without the playground's notes (warnings, "queued"), and without its
+        oldest turns when it no longer fits max_model_len (the stats line says so)."""
         history = list(history or [])
         if not message or not message.strip():
             yield history, ""
             return
-        conversation = [{"role": m["role"], "content": _text(m["content"])} for m in history]
-        conversation.append({"role": "user", "content": message})
+        messages = conversation.for_model(history) + [{"role": "user", "content": message}]
         history = history + [{"role": "user", "content": message}]
         try:
-            prompt = self.llm.apply_chat_template(conversation)
+            config = self.service.snapshot().config
+            prompt, dropped = conversation.fit(messages, self.llm.apply_chat_template,
+                                               conversation.prompt_budget(config, int(max_tokens)))
+            oldest = "the oldest turn" if dropped == 1 else f"the {dropped} oldest turns"
+            trimmed = f"too long for max_model_len {config['max_model_len']}: left out {oldest} · " if dropped else ""
             stream = self.service.stream(prompt, SamplingParams(temperature=float(temperature),
                                                                 max_tokens=int(max_tokens), seed=None))
+            if self.service.paused:  # say so now rather than show an empty reply until someone steps
+                yield history + [{"role": "assistant", "content": QUEUED_NOTE}], trimmed + "queued"
             history = history + [{"role": "assistant", "content": ""}]
             try:
                 for out in stream:
@@ -65,12 +75,12 @@ class Playground:
                     history[-1]["content"] = out.text
                     if out.finished:
                         self.replies.append(out.text)
-                    yield history, reply_stats(out)
+                    yield history, trimmed + reply_stats(out)
             finally:  # Stop pressed or tab closed: abort the request now, freeing its blocks
                 stream.close()
         except (ValueError, RuntimeError) as exc:  # too long, bad settings, engine down: say so in the chat
             history = [m for m in history if m.get("content") != ""]
-            history.append({"role": "assistant", "content": f"⚠️ {exc}"})
+            history.append({"role": "assistant", "content": f"{WARNING} {exc}"})
             yield history, ""
 
     # ---- dashboard -------------------------------------------------------------------------------------
@@ -190,8 +200,6 @@ class Playground:
         return describe_step(snap, self.llm.tokenizer)
 
 
-
-
 def reply_stats(out) -> str:
     m = out.metrics
     parts = []
@@ -215,15 +223,6 @@ def feature_presets() -> list[str]:
 
 def workloads() -> list[str]:
     return list_workloads()
-
-
-def _text(content) -> str:
-    """Chat message content as text (gradio may hand back a list of parts)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return str(content)
 
 
 def _coerce(value, like):

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from engine import LLM, SamplingParams
-from playground import Playground
+from playground import Playground, conversation
 from playground.handlers import describe_step
 from playground.stepmode import plural
 from tests.conftest import serve_app
@@ -43,6 +43,54 @@ def test_empty_and_too_long_messages(pg):
     history, _ = list(pg.chat("word " * 600, [], 0.0, 8))[-1]
     assert history[-1]["role"] == "assistant" and "max_model_len" in history[-1]["content"]
     assert pg.service.alive
+
+
+def test_a_refused_message_does_not_poison_the_conversation(pg):
+    """A refused 20,000-character message used to stay in what was sent, so every later message was refused."""
+    history, _ = list(pg.chat("x" * 20_000, [], 0.0, 8))[-1]
+    assert history[-1]["content"].startswith("⚠️")
+    history, stats = list(pg.chat("Hello again", history, 0.0, 4))[-1]
+    assert not history[-1]["content"].startswith("⚠️") and "finished" in stats
+    assert len(history) == 4  # the refused turn stays visible on the page
+
+
+def test_notes_and_the_turns_they_answer_are_not_sent():
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+               {"role": "user", "content": "x" * 100}, {"role": "assistant", "content": "⚠️ too long"},
+               {"role": "user", "content": "while paused"}, {"role": "assistant", "content": "⏳ queued: ..."},
+               {"role": "user", "content": [{"type": "text", "text": "parts"}]},
+               {"role": "assistant", "content": "fine"}]
+    assert conversation.for_model(history) == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "parts"}, {"role": "assistant", "content": "fine"}]
+
+
+def test_a_long_conversation_drops_its_oldest_turns_instead_of_being_refused(pg):
+    turn = [{"role": "user", "content": "tell me more " * 20}, {"role": "assistant", "content": "well " * 60}]
+    history = turn * 6  # ~600 tokens: more than max_model_len=512
+    with pytest.raises(ValueError, match="max_model_len"):  # what the engine says to the whole conversation
+        pg.service.submit(pg.llm.apply_chat_template(conversation.for_model(history)), SamplingParams(max_tokens=8))
+    updates = list(pg.chat("And now?", history, 0.0, 8))
+    history, stats = updates[-1]
+    assert not history[-1]["content"].startswith("⚠️") and "finished" in stats
+    assert "too long for max_model_len 512: left out the" in stats and "oldest turns" in stats
+    assert len(history) == 14  # trimmed for the model only: the page keeps every turn
+    config = {"max_model_len": 512, "kv_cache": True, "paged_kv": True, "num_kv_blocks": 64, "block_size": 16}
+    assert conversation.prompt_budget(config, 8) == 504 and conversation.prompt_budget(config, 400) == 384
+    assert conversation.prompt_budget({**config, "num_kv_blocks": 16}, 200) == 56  # the pool's 256 tokens
+
+
+def test_a_chat_sent_while_paused_says_it_is_queued(pg):
+    pg.pause()
+    try:
+        chat = pg.chat("Hello", [], 0.0, 2)
+        history, stats = next(chat)
+        assert history[-1]["content"].startswith("⏳ queued: the engine is paused (step mode)") and stats == "queued"
+        pg.step()
+    finally:
+        pg.resume()
+    history, stats = list(chat)[-1]
+    assert history[-1]["content"] and not history[-1]["content"].startswith("⏳") and "finished" in stats
 
 
 def test_settings_show_the_engine_and_bad_values_keep_it(pg):
