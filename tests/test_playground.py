@@ -1,6 +1,7 @@
 """The playground's handlers called directly, and the app driven through gradio_client on a real port."""
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ from engine import LLM, SamplingParams
 from playground import Playground, conversation
 from playground.handlers import describe_step
 from playground.stepmode import plural
+from playground.tables import COMPARE_HEADERS, ablation_table, compare_table
 from tests.conftest import serve_app
 
 
@@ -143,8 +145,15 @@ def test_traffic_generator_and_ablation_and_compare(pg):
     assert rows[0].switch is None and rows[0].ratio == 1.0
     assert all(r.same_output_as_full for r in rows if r.throughput_tok_s)
     assert pg.last_ablation() == rows
+    table = ablation_table(rows)  # real headers, not "1 2 3 4 5"; numbers rounded for reading
+    assert table["headers"][:3] == ["configuration", "tok/s", "x full engine"]
+    assert [r[0] for r in table["data"]] == [r.feature for r in rows] and table["data"][0][2] == "1.00"
     result = pg.compare("fixed-16", "naive", "full", quick=True)
     assert result.same_outputs and result.results[1].generated_tokens == 4 * 64
+    table = compare_table(__import__("engine").bench.compare_report(result))
+    assert table["headers"] == COMPARE_HEADERS and [r[0] for r in table["data"]] == ["naive", "full"]
+    cells = [c for r in table["data"] for c in r]
+    assert all(isinstance(c, str) and not re.search(r"\.\d{5}", c) for c in cells), cells  # not 5.665796017719589
     assert not pg.service.paused  # the live engine resumed after the measurements
 
 
