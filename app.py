@@ -19,7 +19,8 @@ from engine import LLM
 from engine.bench import Cancelled, compare_report, load_feature_preset
 from engine.config import BUILT_SWITCHES, NOT_YET_BUILT
 from playground.handlers import Playground, feature_presets, workloads
-from viz.figures import ablation_figure, compare_figure, to_json
+from playground.tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
+from viz.figures import ablation_figure, compare_figure, placeholder_figure, to_json
 
 INTRO = """# Watch an LLM inference engine work
 A real engine (paged KV cache, continuous batching, prefix caching) runs **SmolLM2-135M** on this machine.
@@ -59,6 +60,18 @@ class SerialisedFigures:
         return hit[1]
 
 
+# A chart drawn while its tab was hidden keeps plotly's default width (700 px) until the window resizes: resize
+# when a tab opens. A shown label makes gradio force a 100 px top margin; each chart carries its own title.
+RESIZE_CHARTS = "() => { setTimeout(() => window.dispatchEvent(new Event('resize')), 50); }"
+
+
+def chart(label: str, empty: str | None = None) -> gr.Plot:
+    """`empty`: what the chart says before it has anything to show."""
+    value = PlotData(type="plotly", plot=to_json(placeholder_figure(empty))) if empty else None
+    return gr.Plot(value, label=label, show_label=False)
+
+
+NO_ABLATION = "Press Run ablation: the full engine, then each switch off in turn, measured on this machine"
 PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix": "prefix cache",
                "throughput": "throughput", "memory": "memory"}
 
@@ -69,13 +82,14 @@ def build_app(pg: Playground) -> gr.Blocks:
     with gr.Blocks(title="watch-llm playground") as demo:
         gr.Markdown(INTRO)
         status = gr.Markdown(pg.status())
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             with gr.Tab("Chat"):
                 chatbot = gr.Chatbot(label="Chat with the engine", height=420)
                 with gr.Row():
                     msg = gr.Textbox(placeholder="Type a message and press Enter", scale=5, show_label=False)
                     send = gr.Button("Send", variant="primary", scale=1)
                     stop = gr.Button("Stop", scale=1)
+                    clear = gr.Button("Clear", scale=1, elem_id="clear-chat")
                 with gr.Row():
                     temperature = gr.Slider(0, 1.5, value=0.7, step=0.05, label="temperature")
                     max_tokens = gr.Slider(8, 512, value=200, step=8, label="max tokens")
@@ -87,7 +101,7 @@ def build_app(pg: Playground) -> gr.Blocks:
                     with gr.Row():
                         for key in row:
                             with gr.Column():
-                                plots[key] = gr.Plot(label=PLOT_LABELS[key])
+                                plots[key] = chart(PLOT_LABELS[key])
                                 gr.Markdown(HELP[key])
                 with gr.Accordion("Traffic generator: put the engine under load", open=False):
                     with gr.Row():
@@ -126,8 +140,8 @@ def build_app(pg: Playground) -> gr.Blocks:
                     ablate_go = gr.Button("Run ablation", variant="primary")
                     ablate_cancel = gr.Button("Cancel")
                 ablate_note = gr.Markdown()
-                ablate_plot = gr.Plot(label="tokens/s per configuration")
-                ablate_table = gr.Dataframe(label="results")
+                ablate_plot = chart("tokens/s per configuration", NO_ABLATION)
+                ablate_table = gr.Dataframe(ablation_table([]), headers=ABLATION_HEADERS, label="results")
             with gr.Tab("Compare two configurations"):
                 with gr.Row():
                     cmp_workload = gr.Dropdown(workloads(), value="mixed-lengths", label="workload")
@@ -138,8 +152,9 @@ def build_app(pg: Playground) -> gr.Blocks:
                     cmp_quick = gr.Checkbox(value=True, label="quick")
                     cmp_go = gr.Button("Compare", variant="primary")
                     cmp_cancel = gr.Button("Cancel")
-                cmp_plot = gr.Plot(label="side by side")
-                cmp_table = gr.Dataframe(label="the numbers")
+                cmp_plot = chart("side by side", "Press Compare: both configurations run the workload, side by side")
+                cmp_table = gr.Dataframe({"headers": COMPARE_HEADERS, "data": []}, headers=COMPARE_HEADERS,
+                                         label="the numbers")
                 cmp_note = gr.Markdown()
             with gr.Tab("Step mode"):
                 gr.Markdown("Pause the engine and advance one step at a time: read what the scheduler decided.")
@@ -149,9 +164,11 @@ def build_app(pg: Playground) -> gr.Blocks:
                     resume_btn = gr.Button("Resume")
                 with gr.Row():
                     step_text = gr.Markdown()
-                    step_blocks = gr.Plot(label="KV block table after the step")
+                    step_blocks = chart("KV block table after the step",
+                                        "Press Pause, then Step: the block table after each step shows here")
 
         # ---- wiring ----
+        tabs.select(None, None, None, js=RESIZE_CHARTS)
         chat_inputs = [msg, chatbot, temperature, max_tokens]
         chat_event = msg.submit(pg.chat, chat_inputs, [chatbot, reply_info], concurrency_limit=16, api_name="chat")
         send_event = send.click(pg.chat, chat_inputs, [chatbot, reply_info], concurrency_limit=16,
@@ -159,6 +176,8 @@ def build_app(pg: Playground) -> gr.Blocks:
         for ev in (chat_event, send_event):
             ev.then(lambda: "", None, msg)
         stop.click(None, None, None, cancels=[chat_event, send_event])
+        # a fresh conversation: nothing of the old one is sent again (a reply still streaming is stopped)
+        clear.click(lambda: ([], ""), None, [chatbot, reply_info], cancels=[chat_event, send_event])
 
         def refresh():
             f = pg.dashboard()
@@ -193,11 +212,11 @@ def build_app(pg: Playground) -> gr.Blocks:
                 rows = pg.ablate(workload, quick, lambda f, d: progress(f, desc=d))
             except (ValueError, Cancelled) as exc:
                 return gr.skip(), gr.skip(), f"⚠️ {exc}"
-            return serialised(ablation_figure(rows)), _ablation_table(rows), ""
+            return serialised(ablation_figure(rows)), ablation_table(rows), ""
 
         def last_ablation():
             rows = pg.last_ablation()
-            return (serialised(ablation_figure(rows)), _ablation_table(rows)) if rows else (None, None)
+            return serialised(ablation_figure(rows) if rows else placeholder_figure(NO_ABLATION)), ablation_table(rows)
         ablate_go.click(do_ablate, [ablate_workload, ablate_quick], [ablate_plot, ablate_table, ablate_note])
         ablate_cancel.click(pg.cancel_measurement, None, ablate_note)
         cmp_cancel.click(pg.cancel_measurement, None, cmp_note)
@@ -206,15 +225,13 @@ def build_app(pg: Playground) -> gr.Blocks:
             try:
                 result = pg.compare(workload, a, b, quick, lambda f, d: progress(f, desc=d))
             except (ValueError, Cancelled) as exc:
-                return None, None, f"⚠️ {exc}"
+                return gr.skip(), gr.skip(), f"⚠️ {exc}"
             report = compare_report(result)
-            rows = report.tables["configurations"]
-            table = {"headers": list(rows[0]), "data": [list(r.values()) for r in rows]}
-            return serialised(compare_figure(result)), table, "\n\n".join(report.notes)
+            return serialised(compare_figure(result)), compare_table(report), "\n\n".join(report.notes)
         cmp_go.click(do_compare, [cmp_workload, cmp_a, cmp_b, cmp_quick], [cmp_plot, cmp_table, cmp_note],
                      api_name="compare")
 
-        pause_btn.click(pg.pause, None, step_text)
+        pause_btn.click(lambda: (pg.pause(), serialised(pg.dashboard().blocks)), None, [step_text, step_blocks])
         resume_btn.click(pg.resume, None, step_text)
 
         def do_step():
@@ -225,15 +242,6 @@ def build_app(pg: Playground) -> gr.Blocks:
         demo.load(load_settings, None, form_outputs, api_name="settings").then(
             last_ablation, None, [ablate_plot, ablate_table])
     return demo
-
-
-def _ablation_table(rows: list) -> list[list]:
-    return [[r.feature, _round(r.throughput_tok_s), _round(r.ratio), r.same_output_as_full, r.error or ""]
-            for r in rows]
-
-
-def _round(x):
-    return None if x is None else round(float(x), 2)
 
 
 def main() -> None:

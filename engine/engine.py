@@ -440,7 +440,9 @@ class LLMEngine:
                                      "num_output_tokens": r.num_output_tokens,
                                      "num_computed_tokens": r.num_computed_tokens,
                                      "num_cached_tokens": r.metrics.num_cached_tokens,
-                                     "num_preemptions": r.metrics.num_preemptions} for r in live},
+                                     "num_preemptions": r.metrics.num_preemptions,
+                                     # a few, not all: enough for a viewer to show the latest tokens as text
+                                     "recent_token_ids": r.token_ids[-8:]} for r in live},
             steps=list(itertools.islice(reversed(self.steps), num_steps))[::-1],
             last_reconfig=self.last_reconfig, speculation=self._speculation(),
         )

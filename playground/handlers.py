@@ -21,9 +21,14 @@ from engine.service import EngineService
 from engine.workloads import list_workloads, load_workload
 from viz.dashboard import DashboardFigures, FigureCache
 
+from . import conversation
+from .conversation import QUEUED, WARNING
+from .stepmode import describe_step, plural
+
 SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"]
 AUTOMATIC_FIELDS = {"num_kv_blocks": "blocks", "max_num_batched_tokens": "tokens", "max_model_len": "tokens"}
 ProgressFn = Callable[[float, str], None]
+QUEUED_NOTE = f"{QUEUED} queued: the engine is paused (step mode). Press Step or Resume on the Step mode tab to run it."
 
 
 @dataclass
@@ -66,21 +71,26 @@ class Playground:
     # ---- chat --------------------------------------------------------------------------------------------
     def chat(self, message: str, history: list[dict], temperature: float = 0.7,
              max_tokens: int = 256) -> Iterator[tuple[list[dict], str]]:
-        """Stream the assistant's reply into the history; the second value is the reply's stats line."""
+        """Stream the assistant's reply into the history; the second value is the reply's stats line.
+        The model sees the conversation without the playground's notes (warnings, "queued"), and without its
+        oldest turns when it no longer fits max_model_len (the stats line says so)."""
         history = list(history or [])
         if not message or not message.strip():
             yield history, ""
             return
-        conversation = [{"role": m["role"], "content": _text(m["content"])} for m in history]
-        conversation.append({"role": "user", "content": message})
+        messages = conversation.for_model(history) + [{"role": "user", "content": message}]
         history = history + [{"role": "user", "content": message}]
         try:
-            prompt = self.llm.apply_chat_template(conversation)
+            config = self.service.snapshot().config
+            prompt, dropped = conversation.fit(messages, self.llm.apply_chat_template,
+                                               conversation.prompt_budget(config, int(max_tokens)))
+            oldest = "the oldest turn" if dropped == 1 else f"the {dropped} oldest turns"
+            trimmed = f"too long for max_model_len {config['max_model_len']}: left out {oldest} · " if dropped else ""
             stream = self.service.stream(prompt, SamplingParams(temperature=float(temperature),
                                                                 max_tokens=int(max_tokens), seed=None))
+            if note := self.queued_note():  # say so now rather than show an empty reply until the engine runs
+                yield history + [{"role": "assistant", "content": note}], trimmed + "queued"
             history = history + [{"role": "assistant", "content": ""}]
-            if note := self.queued_note():  # the first token waits for a measurement or step mode: say so
-                yield history, note
             try:
                 for out in stream:
                     if out.error:
@@ -90,12 +100,12 @@ class Playground:
                     history[-1]["content"] = out.text
                     if out.finished:
                         self.replies.append(out.text)
-                    yield history, reply_stats(out)
+                    yield history, trimmed + reply_stats(out)
             finally:  # Stop pressed or tab closed: abort the request now, freeing its blocks
                 stream.close()
         except (ValueError, RuntimeError) as exc:  # too long, bad settings, engine down: say so in the chat
             history = [m for m in history if m.get("content") != ""]
-            history.append({"role": "assistant", "content": f"⚠️ {exc}"})
+            history.append({"role": "assistant", "content": f"{WARNING} {exc}"})
             yield history, ""
 
     # ---- dashboard -------------------------------------------------------------------------------------
@@ -108,17 +118,17 @@ class Playground:
         state = ("⛔ engine thread stopped: " + self.service.error if self.service.error else
                  f"⏸ paused for a measurement ({measuring.describe()})" if measuring else
                  "⏸ paused (step mode)" if self.service.paused else "▶ running")
-        return (f"**{state}** · step {snap.step} · running {snap.num_running} · waiting {snap.num_waiting} · "
+        return (f"**{state}** · steps done: {snap.step} · running {snap.num_running} · waiting {snap.num_waiting} · "
                 f"preemptions {snap.num_preemptions} · KV {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks · "
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "
-                f"generated {snap.generation_tokens_total} tokens")
+                f"generated {plural(snap.generation_tokens_total, 'token')}")
 
     def queued_note(self) -> str:
         """Why a request just sent will wait before its first token ("" when it will not)."""
         if (measuring := self.measurement) is not None:
-            return (f"⏸ queued behind a measurement ({measuring.describe()}): the reply starts when it ends "
+            return (f"{QUEUED} queued behind a measurement ({measuring.describe()}): the reply starts when it ends "
                     f"(or press Cancel on its tab)")
-        return "⏸ queued: the engine is paused (step mode); press Resume or Step" if self.service.paused else ""
+        return QUEUED_NOTE if self.service.paused else ""
 
     # ---- settings ----------------------------------------------------------------------------------------
     def settings(self) -> dict:
@@ -291,30 +301,7 @@ class Playground:
         if not self.service.paused:
             self.service.pause()
         snap = self.service.step_once()
-        return describe_step(snap)
-
-
-def describe_step(snap) -> str:
-    """What the scheduler decided in the snapshot's last step, in words."""
-    if not snap.steps:
-        return "No step yet."
-    rec = snap.steps[-1]
-    lines = [f"### Step {rec.step}: {rec.num_batched_tokens} tokens in the batch, {rec.num_seqs} requests"]
-    for e in rec.prefills:
-        cached = f" ({e.prefix_hit_tokens} prompt tokens reused from the prefix cache)" if e.prefix_hit_tokens else ""
-        lines.append(f"- request **{e.request_id}** prefilled **{e.num_tokens}** tokens{cached}")
-    if rec.decodes:
-        lines.append(f"- decoded one token for: {', '.join(e.request_id for e in rec.decodes)}")
-    for rid in rec.preempted:
-        lines.append(f"- request **{rid}** was **preempted**: the pool ran out of blocks, so the newest running "
-                     "request gave its blocks back and went to the front of the queue (it will be recomputed)")
-    for rid, reason in rec.finished:
-        lines.append(f"- request **{rid}** finished ({reason}); its blocks are free for the next step")
-    if not (rec.prefills or rec.decodes or rec.preempted):
-        lines.append("- nothing to run" + (f"; {rec.num_waiting} waiting" if rec.num_waiting else ""))
-    lines.append(f"\nAfter the step: {snap.num_running} running, {snap.num_waiting} waiting, "
-                 f"{snap.kv_blocks_used}/{snap.kv_blocks_total} blocks used.")
-    return "\n".join(lines)
+        return describe_step(snap, self.llm.tokenizer)
 
 
 def reply_stats(out) -> str:
@@ -340,15 +327,6 @@ def feature_presets() -> list[str]:
 
 def workloads() -> list[str]:
     return list_workloads()
-
-
-def _text(content) -> str:
-    """Chat message content as text (gradio may hand back a list of parts)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    return str(content)
 
 
 def _coerce(name: str, value):

@@ -70,13 +70,14 @@ def hf_default(default_llm):
 
 
 @contextlib.contextmanager
-def serve_app(llm):
-    """The playground app launched on a free local port; yields (url, Playground)."""
+def serve_app(llm, store=None):
+    """The playground app launched on a free local port; yields (url, Playground). `store`: where its ablation
+    results go (a test passes a temporary file so the user's own results stay untouched)."""
     pytest.importorskip("gradio")
     import app
     from playground import Playground
     from playground.loadtest import free_port
-    pg = Playground(llm)
+    pg = Playground(llm, store=store)
     demo = app.build_app(pg)
     port = free_port()
     demo.queue(default_concurrency_limit=8).launch(server_name="127.0.0.1", server_port=port,

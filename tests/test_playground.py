@@ -1,13 +1,16 @@
 """The playground's handlers called directly, and the app driven through gradio_client on a real port."""
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
 
 from engine import LLM, SamplingParams, bench
-from playground import Playground
+from playground import Playground, conversation
 from playground.handlers import Measurement, describe_step
+from playground.stepmode import plural
+from playground.tables import COMPARE_HEADERS, ablation_table, compare_table
 from tests.conftest import serve_app
 
 
@@ -44,6 +47,54 @@ def test_empty_and_too_long_messages(pg):
     assert pg.service.alive
 
 
+def test_a_refused_message_does_not_poison_the_conversation(pg):
+    """A refused 20,000-character message used to stay in what was sent, so every later message was refused."""
+    history, _ = list(pg.chat("x" * 20_000, [], 0.0, 8))[-1]
+    assert history[-1]["content"].startswith("⚠️")
+    history, stats = list(pg.chat("Hello again", history, 0.0, 4))[-1]
+    assert not history[-1]["content"].startswith("⚠️") and "finished" in stats
+    assert len(history) == 4  # the refused turn stays visible on the page
+
+
+def test_notes_and_the_turns_they_answer_are_not_sent():
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+               {"role": "user", "content": "x" * 100}, {"role": "assistant", "content": "⚠️ too long"},
+               {"role": "user", "content": "while paused"}, {"role": "assistant", "content": "⏳ queued: ..."},
+               {"role": "user", "content": [{"type": "text", "text": "parts"}]},
+               {"role": "assistant", "content": "fine"}]
+    assert conversation.for_model(history) == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "parts"}, {"role": "assistant", "content": "fine"}]
+
+
+def test_a_long_conversation_drops_its_oldest_turns_instead_of_being_refused(pg):
+    turn = [{"role": "user", "content": "tell me more " * 20}, {"role": "assistant", "content": "well " * 60}]
+    history = turn * 6  # ~600 tokens: more than max_model_len=512
+    with pytest.raises(ValueError, match="max_model_len"):  # what the engine says to the whole conversation
+        pg.service.submit(pg.llm.apply_chat_template(conversation.for_model(history)), SamplingParams(max_tokens=8))
+    updates = list(pg.chat("And now?", history, 0.0, 8))
+    history, stats = updates[-1]
+    assert not history[-1]["content"].startswith("⚠️") and "finished" in stats
+    assert "too long for max_model_len 512: left out the" in stats and "oldest turns" in stats
+    assert len(history) == 14  # trimmed for the model only: the page keeps every turn
+    config = {"max_model_len": 512, "kv_cache": True, "paged_kv": True, "num_kv_blocks": 64, "block_size": 16}
+    assert conversation.prompt_budget(config, 8) == 504 and conversation.prompt_budget(config, 400) == 384
+    assert conversation.prompt_budget({**config, "num_kv_blocks": 16}, 200) == 56  # the pool's 256 tokens
+
+
+def test_a_chat_sent_while_paused_says_it_is_queued(pg):
+    pg.pause()
+    try:
+        chat = pg.chat("Hello", [], 0.0, 2)
+        history, stats = next(chat)
+        assert history[-1]["content"].startswith("⏳ queued: the engine is paused (step mode)") and stats == "queued"
+        pg.step()
+    finally:
+        pg.resume()
+    history, stats = list(chat)[-1]
+    assert history[-1]["content"] and not history[-1]["content"].startswith("⏳") and "finished" in stats
+
+
 def test_settings_show_the_engine_and_bad_values_keep_it(pg):
     assert pg.settings()["block_size"] == 16 and pg.settings()["prefix_caching"] is True
     assert "Not applied" in pg.apply_settings(block_size=12)
@@ -61,14 +112,27 @@ def test_dashboard_figures_are_shared_between_tabs(pg):
 
 def test_step_mode_describes_each_decision(pg):
     pg.pause()
-    rid, q = pg.service.submit([1000 + i for i in range(40)], __import__("engine").SamplingParams(
-        temperature=0, max_tokens=3, ignore_eos=True))
+    rid, q = pg.service.submit([1000 + i for i in range(40)], SamplingParams(temperature=0, max_tokens=3,
+                                                                                ignore_eos=True))
     text = pg.step()
-    assert f"request **{rid}** prefilled **40** tokens" in text or "reused from the prefix cache" in text
-    assert f"decoded one token for: {rid}" in pg.step()
+    done = pg.service.snapshot().step
+    # the first step is "Step 1", and the status counts the same way
+    assert text.startswith(f"### Step {done}: ") and f"steps done: {done}" in pg.status()
+    assert f"request **{rid}** prefilled **40 tokens**" in text or "reused from the prefix cache" in text
+    assert "its first generated token: `'" in text and "ending `'" in text  # tokens shown as text
+    token = pg.llm.tokenizer.decode(q.get(timeout=10).token_ids)
+    assert f"`{token!r}`" in text
+    text = pg.step()
+    assert f"decoded one token each for 1 request: **{rid}** → `'" in text
+    assert "1 request" in text.splitlines()[0] and "1 requests" not in text  # grammar
     assert "finished (length)" in pg.step()
+    pg.service.update_config(prefix_caching=False)  # a change asked for while paused applies at the next step
+    assert "the configuration change applied: prefix_caching=False (applied in place)" in pg.step()
+    assert "configuration change" not in pg.step()
+    pg.service.update_config(prefix_caching=True)
     pg.resume()
     assert describe_step(pg.service.snapshot()).startswith("### Step")
+    assert (plural(1, "token"), plural(2, "token"), plural(0, "request")) == ("1 token", "2 tokens", "0 requests")
 
 
 def test_traffic_generator_and_ablation_and_compare(pg):
@@ -81,11 +145,18 @@ def test_traffic_generator_and_ablation_and_compare(pg):
     assert rows[0].switch is None and rows[0].ratio == 1.0
     assert all(r.same_output_as_full for r in rows if r.throughput_tok_s)
     assert pg.last_ablation() == rows
+    table = ablation_table(rows)  # real headers, not "1 2 3 4 5"; numbers rounded for reading
+    assert table["headers"][:3] == ["configuration", "tok/s", "x full engine"]
+    assert [r[0] for r in table["data"]] == [r.feature for r in rows] and table["data"][0][2] == "1.00"
     steps = []
     result = pg.compare("fixed-16", "naive", "full", quick=True, progress=lambda f, d: steps.append((f, d)))
     assert result.same_outputs and result.results[1].generated_tokens == 4 * 64
     # the bar advances after each configuration instead of sitting at one value for the whole run
     assert [f for f, _ in steps] == [0.0, 0.5, 1.0] and "running: naive" in steps[0][1]
+    table = compare_table(bench.compare_report(result))
+    assert table["headers"] == COMPARE_HEADERS and [r[0] for r in table["data"]] == ["naive", "full"]
+    cells = [c for r in table["data"] for c in r]
+    assert all(isinstance(c, str) and not re.search(r"\.\d{5}", c) for c in cells), cells  # not 5.665796017719589
     assert not pg.service.paused  # the live engine resumed after the measurements
 
 
@@ -186,8 +257,8 @@ def test_a_measurement_says_why_the_engine_waits_and_can_be_cancelled(pg):
     assert (f"⏸ paused for a measurement (ablation: 0/{configurations} configurations, estimating time left)"
             in pg.status())
     chat = pg.chat("hello", [], 0.0, 4)
-    _, stats = next(chat)  # said before the reply waits, not after
-    assert stats.startswith("⏸ queued behind a measurement (ablation:")
+    history, stats = next(chat)  # said before the reply waits, not after
+    assert history[-1]["content"].startswith("⏳ queued behind a measurement (ablation:") and stats == "queued"
     with pytest.raises(ValueError, match="another measurement is running"):
         pg.compare("fixed-16", "naive", "full")
     assert pg.cancel_measurement().startswith("Cancelling the ablation")

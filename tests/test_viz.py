@@ -34,9 +34,13 @@ def test_block_cells_states_owners_and_sharing():
 def test_block_table_figure_colours_each_request_and_marks_shared_blocks():
     fig = figures.to_figure(figures.block_table_figure(snapshot(), cols=4))
     by_name = {t.name: t for t in fig.data}
-    assert set(by_name) == {"request a", "request b", "cached-free", "free"}
+    assert set(by_name) == {"request a", "request b", "cached-free", "free", "shared (number = ref count)"}
     assert len(by_name["request a"].x) == 3 and len(by_name["request b"].x) == 2  # shared blocks drawn under a
     assert list(by_name["request a"].text) == ["2", "2", ""]  # ref counts shown on shared blocks
+    # the ref count contrasts with its cell: it was dark text on dark cells
+    assert by_name["request a"].textfont.color == figures.text_colour(figures.owner_colour("a"))
+    assert figures.text_colour("#31a354") == "white" and figures.text_colour("#e7ba52") == "#222"
+    assert {figures.text_colour(c) for c in figures.PALETTE} == {"white", "#222"}
     assert by_name["free"].marker.color == figures.FREE and by_name["cached-free"].marker.color == figures.CACHED_FREE
     assert by_name["request a"].marker.color == figures.owner_colour("a")
     assert "5/8 blocks used" in fig.layout.title.text
@@ -56,9 +60,10 @@ def test_prefix_and_throughput_series():
     hist = [sample(0), sample(1, prefix_cache_queries=100, prefix_cache_hits=25, generation_tokens_total=10),
             sample(2, prefix_cache_queries=200, prefix_cache_hits=125, generation_tokens_total=30, ttft_s=0.2)]
     rate, cumulative = figures.to_figure(figures.prefix_cache_figure(hist, window=1)).data
-    assert list(rate.y) == [None, 25.0, 100.0] and list(cumulative.y) == [0, 25, 125]
+    # a point without new prompt tokens has no hit rate: left out, so the line joins its neighbours
+    assert list(rate.x) == [1, 2] and list(rate.y) == [25.0, 100.0] and list(cumulative.y) == [0, 25, 125]
     tps, ttft, _ = figures.to_figure(figures.throughput_figure(hist, window=1)).data
-    assert list(tps.y) == [None, 10.0, 20.0] and list(ttft.y) == [None, None, 200.0]
+    assert list(tps.y) == [10.0, 20.0] and list(ttft.y) == [None, None, 200.0]
 
 
 def test_memory_and_ablation_figures():
@@ -66,6 +71,7 @@ def test_memory_and_ablation_figures():
     fig = figures.to_figure(figures.memory_figure(snapshot(), system))
     assert list(fig.data[0].y) == ["KV pool (blocks)", "process RSS (GB)"]
     assert list(fig.data[0].x) == [62.5, 25.0]
+    assert list(fig.data[0].text) == ["5 / 8", "1 / 4"]  # not "2.05e+03" for a pool of 2048 blocks
     rows = [AblationRow("full engine", None, throughput_tok_s=100.0, ratio=1.0),
             AblationRow("no KV cache (naive loop)", "kv_cache", throughput_tok_s=10.0, ratio=0.1),
             AblationRow("contiguous KV (no paging)", "paged_kv", error="does not fit")]
@@ -82,3 +88,86 @@ def test_compare_figure_puts_both_configurations_in_each_panel():
     assert [list(t.x) for t in fig.data] == [["naive", "full"]] * 3
     assert list(fig.data[0].y) == [6.0, 58.0] and list(fig.data[1].y) == [700.0, 700.0]
     assert list(fig.data[2].y) == [780.0, None]
+
+
+def test_block_table_legend_and_grid_stay_put_with_many_requests():
+    """Above a dozen requests the legend used to vanish and the grid to change shape with it."""
+    def pool(num_requests: int):
+        tables = {str(i): [2 * i, 2 * i + 1] for i in range(num_requests)}
+        refs = [1] * (2 * num_requests) + [0] * (64 - 2 * num_requests)
+        return snapshot(kv_blocks_total=64, kv_blocks_used=2 * num_requests, block_tables=tables,
+                        block_ref_counts=refs, block_hashes=[None] * 64)
+    few, many = figures.block_table_figure(pool(2)), figures.block_table_figure(pool(20))
+    for spec in (few, many):
+        names = [t["name"] for t in spec["data"] if t.get("showlegend", True)]
+        assert len(names) <= figures.LEGEND_OWNERS + 4
+        assert {"free", "cached-free", "shared (number = ref count)"} <= set(names)  # always explained
+        assert all(t["x"] for t in spec["data"])  # plotly leaves a trace without points out of the legend
+    assert "14 other requests" in [t["name"] for t in many["data"]]
+    assert sum(len(t["x"]) for t in many["data"] if t["x"] != [None]) == 64  # every block still drawn
+    for key in ("height", "margin", "xaxis", "yaxis"):
+        assert few["layout"][key] == many["layout"][key]  # same pool, same grid
+
+
+def test_a_big_pool_gets_smaller_cells_not_a_taller_chart():
+    assert [figures.grid_columns(n) for n in (8, 728, 768, 2048, 8192)] == [32, 32, 32, 64, 128]
+    heights = []
+    for n in (768, 2048, 8192):
+        spec = figures.block_table_figure(snapshot(kv_blocks_total=n, block_tables={}, block_ref_counts=[0] * n,
+                                                   block_hashes=[None] * n))
+        heights.append(spec["layout"]["height"])
+    assert max(heights) <= 700, heights
+
+
+def test_time_series_break_across_idle_periods():
+    """Fifty seconds of nothing used to draw a slope from the last busy value to the next one."""
+    counters = [(0.0, 0, 0, 0), (0.1, 100, 80, 10), (0.2, 200, 160, 20),  # busy: 80% hits
+                (50.0, 300, 160, 25), (50.1, 400, 160, 30)]  # 50 s later, busy again: 0% hits
+    hist = [sample(t, step_ms=100.0, prefix_cache_queries=q, prefix_cache_hits=h, generation_tokens_total=g)
+            for t, q, h, g in counters]
+    for spec in (figures.queues_figure(hist), figures.prefix_cache_figure(hist, window=1),
+                 figures.throughput_figure(hist, window=1)):
+        line = figures.to_figure(spec).data[0]
+        assert "connectgaps" not in spec["data"][0]
+        xs, ys = list(line.x), list(line.y)
+        gap = [i for i, y in enumerate(ys) if y is None]
+        assert gap and all(0.2 < xs[i] < 50.0 for i in gap), (xs, ys)  # a hole between the two busy periods
+    # a lone point (one step in step mode) is drawn as a marker, since a one-point line shows nothing
+    lone = figures.queues_figure([sample(0.0), sample(10.0), sample(20.0)])["data"][0]
+    assert lone["marker"]["size"] == [6, 0, 6, 0, 6]
+
+
+def test_prefix_chart_says_when_prefix_caching_is_off():
+    hist = [sample(0), sample(1)]
+    assert figures.prefix_cache_figure(hist)["layout"]["annotations"] == []
+    off = figures.to_figure(figures.prefix_cache_figure(hist, active=False))
+    assert [a.text for a in off.layout.annotations] == ["prefix caching is off"]
+    on = dict(prefix_caching=True, kv_cache=True, paged_kv=True)
+    assert figures.prefix_caching_active(on)
+    assert not any(figures.prefix_caching_active({**on, k: False}) for k in on)
+
+
+def test_axes_make_room_for_their_labels():
+    """Right-hand ticks ("4(") and the memory chart's labels ("SS (GB)") were cut by fixed margins."""
+    hist = [sample(0), sample(1)]
+    system = {"rss_gb": 1.0, "ram_total_gb": 4.0}
+    for spec in (figures.prefix_cache_figure(hist), figures.throughput_figure(hist), figures.queues_figure(hist),
+                 figures.memory_figure(snapshot(), system)):
+        layout = spec["layout"]
+        for axis in [k for k in layout if k.startswith(("xaxis", "yaxis"))]:
+            assert layout[axis]["automargin"] is True, axis
+    assert figures.prefix_cache_figure(hist)["layout"]["yaxis2"]["side"] == "right"
+
+
+def test_ablation_bars_leave_room_for_their_labels():
+    rows = [AblationRow("full engine", None, throughput_tok_s=100.0, ratio=1.0),
+            AblationRow("static batching", "continuous_batching", throughput_tok_s=90.0, ratio=0.9)]
+    spec = figures.ablation_figure(rows)
+    assert spec["layout"]["yaxis"]["range"][1] >= 115.0 and spec["data"][0]["cliponaxis"] is False
+
+
+def test_empty_charts_say_why():
+    for spec in (figures.queues_figure([]), figures.prefix_cache_figure([]), figures.throughput_figure([])):
+        assert [a["text"] for a in figures.to_figure(spec).to_dict()["layout"]["annotations"]] == ["no steps yet"]
+    spec = figures.to_figure(figures.placeholder_figure("Press Compare"))
+    assert [a.text for a in spec.layout.annotations] == ["Press Compare"] and not spec.data

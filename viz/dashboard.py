@@ -64,7 +64,8 @@ class FigureCache:
                 recent = list(history)[-self.history_points:]
                 self._cached = DashboardFigures(
                     snapshot.step, figures.block_table_figure(snapshot), figures.queues_figure(recent),
-                    figures.prefix_cache_figure(recent), figures.throughput_figure(recent),
+                    figures.prefix_cache_figure(recent, active=figures.prefix_caching_active(snapshot.config)),
+                    figures.throughput_figure(recent),
                     figures.memory_figure(snapshot, system_memory()))
                 self.builds += 1
             return self._cached

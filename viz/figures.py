@@ -17,8 +17,14 @@ import plotly.graph_objects as go
 FREE, CACHED_FREE = "#e8e8e8", "#9ecae1"
 PALETTE = ["#e6550d", "#31a354", "#756bb1", "#d6616b", "#8c6d31", "#e7ba52", "#637939", "#7b4173",
            "#843c39", "#3182bd", "#636363", "#ce6dbd"]
-LAYOUT = dict(margin=dict(l=40, r=10, t=40, b=30), height=300, plot_bgcolor="white",
-              legend=dict(orientation="h", y=-0.2), xaxis=dict(gridcolor="#eee"), yaxis=dict(gridcolor="#eee"))
+# automargin on every axis: plotly grows a margin to fit its tick labels and title instead of cutting them
+AXIS = dict(gridcolor="#eee", automargin=True)
+# the legend sits between the title and the plot: below it, it collided with the x axis' title
+LAYOUT = dict(margin=dict(l=50, r=20, t=75, b=40), height=300, plot_bgcolor="white", title=dict(font=dict(size=15)),
+              legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom"), xaxis=AXIS, yaxis=AXIS)
+IDLE_GAP_S = 2.0  # an engine idle longer than this between two steps breaks the time series' lines
+LEGEND_OWNERS = 6  # the block table's legend names the requests holding most blocks, then "N other requests"
+CELL_PX = 22  # a block table row at 32 columns, in pixels: the grid's height depends on the pool size only
 
 
 def to_figure(spec: dict) -> go.Figure:
@@ -36,16 +42,39 @@ def scatter(**kw) -> dict:
 
 def figure(data: list[dict], **layout) -> dict:
     merged = {**LAYOUT, **layout}
-    for axis in ("xaxis", "yaxis"):
-        merged[axis] = {**LAYOUT[axis], **layout.get(axis, {})}
+    for axis in ("xaxis", "yaxis", "yaxis2"):
+        if axis in LAYOUT or axis in layout:
+            merged[axis] = {**AXIS, **layout.get(axis, {})}
     if isinstance(merged.get("title"), str):
-        merged["title"] = {"text": merged["title"]}
+        merged["title"] = {**LAYOUT["title"], "text": merged["title"]}
     return {"data": data, "layout": merged}
+
+
+def note(text: str) -> dict:
+    """A message in the middle of a chart, for when its lines would say nothing."""
+    return dict(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(size=16, color="#555"),
+                bgcolor="rgba(255,255,255,0.85)")
+
+
+def placeholder_figure(text: str, height: int = 250) -> dict:
+    """An empty chart that says why it is empty (gradio's own empty plot is a blank box)."""
+    return figure([], height=height, margin=dict(l=10, r=10, t=10, b=10), annotations=[note(text)],
+                  xaxis=dict(visible=False), yaxis=dict(visible=False))
+
+
+def _empty_note(history: Sequence) -> list[dict]:
+    return [] if history else [note("no steps yet")]
 
 
 def owner_colour(request_id: str) -> str:
     """Stable across refreshes: the same request keeps its colour."""
     return PALETTE[zlib.crc32(request_id.encode()) % len(PALETTE)]
+
+
+def text_colour(background: str) -> str:
+    """White on dark cells, near-black on light ones (by the colour's luma), so a ref count stays readable."""
+    r, g, b = (int(background[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return "#222" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.6 else "white"
 
 
 def block_cells(snap, cols: int = 32) -> list[dict]:
@@ -64,27 +93,59 @@ def block_cells(snap, cols: int = 32) -> list[dict]:
     return cells
 
 
-def block_table_figure(snap, cols: int = 32) -> dict:
+def grid_columns(num_blocks: int) -> int:
+    """32 columns, doubled while the grid would be more than 3/4 as tall as it is wide: a big pool gets
+    smaller cells rather than a chart taller than the page."""
+    cols = 32
+    while num_blocks > cols * cols * 3 // 4:
+        cols *= 2
+    return cols
+
+
+def block_table_figure(snap, cols: int | None = None) -> dict:
+    """Every block a square. The grid's shape depends only on the pool size, and the legend has at most
+    LEGEND_OWNERS + 4 entries however many requests run, so neither jumps as requests come and go."""
+    cols = cols or grid_columns(len(snap.block_ref_counts))
+    pitch = CELL_PX * min(1.0, 32 / cols)  # pixels per row (and, at the usual chart width, per column)
     cells = block_cells(snap, cols)
-    groups: dict[str, list[dict]] = {}
+    by_owner: dict[str, list[dict]] = {}
     for c in cells:
-        key = c["owners"][0][0] if c["owners"] else c["state"]
-        groups.setdefault(key, []).append(c)
-    data = []
-    for key, group in groups.items():
-        colour = FREE if key == "free" else CACHED_FREE if key == "cached-free" else owner_colour(key)
-        name = key if key in ("free", "cached-free") else f"request {key}"
-        data.append(scatter(
-            x=[c["col"] for c in group], y=[c["row"] for c in group], mode="markers+text", name=name,
-            marker=dict(symbol="square", size=14, color=colour,
-                        line=dict(width=[2 if c["shared"] else 0 for c in group], color="black")),
-            text=[str(c["ref_count"]) if c["shared"] else "" for c in group], textfont=dict(size=8),
-            hovertext=[_cell_hover(c) for c in group], hoverinfo="text", showlegend=len(groups) <= 14))
+        if c["owners"]:  # a shared block is drawn in its first owner's colour
+            by_owner.setdefault(c["owners"][0][0], []).append(c)
+    ranked = sorted(by_owner, key=lambda rid: (-len(by_owner[rid]), rid))
+    named, others = ranked[:LEGEND_OWNERS], ranked[LEGEND_OWNERS:]
+    data = [_cells_trace(by_owner[rid], f"request {rid}", owner_colour(rid), pitch) for rid in named]
+    if others:
+        rest = [c for rid in others for c in by_owner[rid]]
+        colours = [owner_colour(c["owners"][0][0]) for c in rest]  # each still in its own colour
+        data.append(_cells_trace(rest, f"{len(others)} other requests", colours, pitch))
+    for state, colour in (("free", FREE), ("cached-free", CACHED_FREE)):  # always in the legend, even when empty
+        data.append(_cells_trace([c for c in cells if c["state"] == state], state, colour, pitch))
+    data.append(scatter(x=[None], y=[None], mode="markers", name="shared (number = ref count)", hoverinfo="skip",
+                        marker=dict(symbol="square", color="white", line=dict(width=2, color="black"))))
     rows = max(1, -(-len(cells) // cols))
-    return figure(data, height=max(220, 22 * rows + 90),
+    top, bottom = 50, 90  # the title; the legend (3-4 lines of fixed-width entries at most, see LEGEND_OWNERS)
+    return figure(data, height=round(pitch * rows) + top + bottom, margin=dict(l=10, r=10, t=top, b=bottom),
+                  legend=dict(orientation="h", x=0, y=0, yanchor="top", entrywidth=170, itemsizing="constant"),
                   title=f"KV pool: {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks used, "
                         f"{snap.kv_blocks_cached_free} cached-free (block = {snap.block_size} tokens)",
-                  xaxis=dict(visible=False, range=[-1, cols]), yaxis=dict(visible=False, autorange="reversed"))
+                  xaxis=dict(visible=False, range=[-0.6, cols - 0.4], fixedrange=True),
+                  yaxis=dict(visible=False, range=[rows - 0.5, -0.5], fixedrange=True))
+
+
+def _cells_trace(cells: list[dict], name: str, colour: str | list[str], pitch: float = CELL_PX) -> dict:
+    text = text_colour(colour) if isinstance(colour, str) else [text_colour(c) for c in colour]
+    roomy = pitch >= 16  # small cells: no room for a number (hover shows the ref count), a thinner outline
+    if not cells:  # plotly leaves a trace without points out of the legend; one empty point keeps it there
+        return scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
+                       marker=dict(symbol="square", color=colour))
+    return scatter(
+        x=[c["col"] for c in cells], y=[c["row"] for c in cells], mode="markers+text" if roomy else "markers",
+        name=name, marker=dict(symbol="square", size=max(3, round(pitch * 0.64)), color=colour,
+                               line=dict(width=[(2 if roomy else 1) if c["shared"] else 0 for c in cells],
+                                         color="black")),
+        text=[str(c["ref_count"]) if c["shared"] else "" for c in cells], textfont=dict(size=9, color=text),
+        hovertext=[_cell_hover(c) for c in cells], hoverinfo="text")
 
 
 def _cell_hover(c: dict) -> str:
@@ -100,52 +161,100 @@ def _times(history: Sequence) -> list[float]:
     return [h.time - t0 for h in history]
 
 
-def _windowed_ratio(history: Sequence, window: int, num, den, scale: float = 1.0) -> list[float | None]:
-    """scale * d(num) / d(den) over the last `window` samples at each point (None where den did not move)."""
-    out = []
+def _busy_starts(history: Sequence, idle_gap_s: float) -> list[bool]:
+    """True where a sample starts a busy period: before its step the engine sat idle longer than idle_gap_s.
+    Samples are taken after each step, so the idle time before one is the gap minus the step's own time."""
+    return [i > 0 and h.time - prev.time - h.step_ms / 1e3 > idle_gap_s
+            for i, (h, prev) in enumerate(zip(history, [None, *history[:-1]]))]
+
+
+def _windowed_ratio(history: Sequence, window: int, num, den, scale: float = 1.0,
+                    starts: Sequence[bool] | None = None) -> list[float | None]:
+    """scale * d(num) / d(den) over the last `window` samples at each point (None where den did not move).
+    With `starts`, a window never reaches back across an idle period (for rates over time)."""
+    out, first = [], 0
     for i, h in enumerate(history):
-        old = history[max(0, i - window)]
+        if starts is not None and starts[i]:
+            first = i
+        old = history[max(first, i - window)]
         d = den(h) - den(old)
         out.append(scale * (num(h) - num(old)) / d if d > 0 else None)
     return out
 
 
-def queues_figure(history: Sequence) -> dict:
-    t = _times(history)
+def _line(t: Sequence[float], y: Sequence, starts: Sequence[bool], drop_missing: bool = False, **kw) -> dict:
+    """A line broken at idle periods (no slope drawn through time when nothing ran). A point with no neighbour
+    (a lone step, as in step mode) gets a marker, since a line of one point draws nothing. With drop_missing,
+    points without a value are left out, so the line joins its neighbours within a busy period."""
+    xs: list[float | None] = []
+    ys: list = []
+    broken = False
+    for x, v, start in zip(t, y, starts):
+        broken = broken or start
+        if v is None and drop_missing:
+            continue
+        if broken and xs:
+            xs.append((xs[-1] + x) / 2)
+            ys.append(None)
+        broken = False
+        xs.append(x)
+        ys.append(v)
+    lone = [v is not None and (i == 0 or ys[i - 1] is None) and (i == len(ys) - 1 or ys[i + 1] is None)
+            for i, v in enumerate(ys)]
+    return scatter(x=xs, y=ys, mode="lines+markers", marker=dict(size=[6 if a else 0 for a in lone]), **kw)
+
+
+def queues_figure(history: Sequence, idle_gap_s: float = IDLE_GAP_S) -> dict:
+    t, starts = _times(history), _busy_starts(history, idle_gap_s)
     pre = [(x, h.num_running) for x, h, prev in zip(t[1:], history[1:], history)
            if h.num_preemptions > prev.num_preemptions]
     return figure([
-        scatter(x=t, y=[h.num_running for h in history], name="running", mode="lines"),
-        scatter(x=t, y=[h.num_waiting for h in history], name="waiting", mode="lines"),
+        _line(t, [h.num_running for h in history], starts, name="running"),
+        _line(t, [h.num_waiting for h in history], starts, name="waiting"),
         scatter(x=[p[0] for p in pre], y=[p[1] for p in pre], name="preemption", mode="markers",
                 marker=dict(symbol="x", size=10, color="red")),
-    ], title="Scheduler queues", xaxis=dict(title={"text": "seconds"}), yaxis=dict(title={"text": "requests"}))
+    ], title="Scheduler queues", xaxis=dict(title={"text": "seconds"}), annotations=_empty_note(history),
+        yaxis=dict(title={"text": "requests"}, rangemode="tozero", **_whole_ticks(
+            max((max(h.num_running, h.num_waiting) for h in history), default=0))))
 
 
-def prefix_cache_figure(history: Sequence, window: int = 20) -> dict:
-    t = _times(history)
+def _whole_ticks(top: int) -> dict:
+    """Ticks at whole numbers: there is no half a request."""
+    return dict(tick0=0, dtick=max(1, -(-top // 5)))
+
+
+def prefix_caching_active(config: dict) -> bool:
+    """The engine matches prefixes only with all three on (a contiguous or absent KV cache has no shared blocks)."""
+    return all(config.get(k) for k in ("prefix_caching", "kv_cache", "paged_kv"))
+
+
+def prefix_cache_figure(history: Sequence, window: int = 20, active: bool = True,
+                        idle_gap_s: float = IDLE_GAP_S) -> dict:
+    """`active`: whether prefix caching is on now (see prefix_caching_active); when off, the chart says so."""
+    t, starts = _times(history), _busy_starts(history, idle_gap_s)
+    # counters only move at steps, so this window may span an idle period: it is the last `window` steps' rate
     rate = _windowed_ratio(history, window, lambda h: h.prefix_cache_hits, lambda h: h.prefix_cache_queries, 100)
     return figure([
-        scatter(x=t, y=rate, name="hit rate, recent (%)", mode="lines", connectgaps=True),
-        scatter(x=t, y=[h.prefix_cache_hits for h in history], name="cumulative hit tokens", mode="lines",
-                yaxis="y2"),
+        _line(t, rate, starts, drop_missing=True, name="hit rate, recent (%)"),
+        _line(t, [h.prefix_cache_hits for h in history], starts, name="cumulative hit tokens", yaxis="y2"),
     ], title="Prefix cache", xaxis=dict(title={"text": "seconds"}),
-        yaxis=dict(title={"text": "hit rate %"}, range=[0, 100]),
-        yaxis2=dict(title={"text": "tokens"}, overlaying="y", side="right", rangemode="tozero"))
+        yaxis=dict(title={"text": "hit rate %"}, range=[0, 105]),
+        yaxis2=dict(title={"text": "tokens"}, overlaying="y", side="right", rangemode="tozero", showgrid=False),
+        annotations=_empty_note(history) if active else [note("prefix caching is off")])
 
 
-def throughput_figure(history: Sequence, window: int = 10) -> dict:
-    t = _times(history)
-    tps = _windowed_ratio(history, window, lambda h: h.generation_tokens_total, lambda h: h.time)
+def throughput_figure(history: Sequence, window: int = 10, idle_gap_s: float = IDLE_GAP_S) -> dict:
+    t, starts = _times(history), _busy_starts(history, idle_gap_s)
+    tps = _windowed_ratio(history, window, lambda h: h.generation_tokens_total, lambda h: h.time, starts=starts)
     return figure([
-        scatter(x=t, y=tps, name="tokens/s", mode="lines"),
+        _line(t, tps, starts, drop_missing=True, name="tokens/s"),
         scatter(x=t, y=[h.ttft_s * 1e3 if h.ttft_s else None for h in history], name="TTFT (ms)", mode="markers",
                 yaxis="y2"),
         scatter(x=t, y=[h.tpot_s * 1e3 if h.tpot_s else None for h in history], name="TPOT (ms)", mode="markers",
                 yaxis="y2"),
-    ], title="Throughput and latency", xaxis=dict(title={"text": "seconds"}),
+    ], title="Throughput and latency", xaxis=dict(title={"text": "seconds"}), annotations=_empty_note(history),
         yaxis=dict(title={"text": "tokens/s"}, rangemode="tozero"),
-        yaxis2=dict(title={"text": "ms"}, overlaying="y", side="right", rangemode="tozero"))
+        yaxis2=dict(title={"text": "ms"}, overlaying="y", side="right", rangemode="tozero", showgrid=False))
 
 
 def memory_figure(snap, system: dict) -> dict:
@@ -161,11 +270,18 @@ def memory_figure(snap, system: dict) -> dict:
     annotations = []
     if system.get("gpu_util") is not None:
         annotations.append(dict(text=f"GPU utilisation {system['gpu_util']}%", x=100, y=len(names) - 1,
-                                showarrow=False))
-    return figure([{"type": "bar", "x": pct, "y": names, "orientation": "h", "textposition": "auto",
-                    "text": [f"{u:.3g} / {t:.3g}" for u, t in zip(used, total)]}],
-                  height=200, title="Memory", xaxis=dict(range=[0, 100], title={"text": "% used"}),
+                                xanchor="right", showarrow=False))
+    # labels beside their bars (an empty pool's bar has no inside), in a right margin wide enough for them
+    return figure([{"type": "bar", "x": pct, "y": names, "orientation": "h", "textposition": "outside",
+                    "cliponaxis": False, "text": [f"{_amount(u)} / {_amount(t)}" for u, t in zip(used, total)]}],
+                  height=200, title="Memory", margin=dict(l=50, r=110, t=50, b=40),
+                  xaxis=dict(range=[0, 100], title={"text": "% used"}),
                   annotations=annotations)
+
+
+def _amount(x: float) -> str:
+    """2048 rather than 2.05e+03; 0.654 rather than 0.6543212."""
+    return str(int(x)) if float(x).is_integer() else f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
 
 
 def compare_figure(result) -> dict:
@@ -177,19 +293,26 @@ def compare_figure(result) -> dict:
         axis = "" if i == 0 else str(i + 1)
         values = [getattr(r, attr) for r in result.results]
         data.append({"type": "bar", "x": labels, "y": [None if v is None else v * scale for v in values],
-                     "name": label, "xaxis": f"x{axis}", "yaxis": f"y{axis}",
-                     "marker": {"color": ["#9ecae1", "#31a354"]}, "showlegend": False})
-    layout = {"grid": {"rows": 1, "columns": 3, "pattern": "independent"},
+                     "name": label, "xaxis": f"x{axis}", "yaxis": f"y{axis}", "texttemplate": "%{y:.3~g}",
+                     "textposition": "auto", "marker": {"color": ["#9ecae1", "#31a354"]}, "showlegend": False})
+    layout = {"grid": {"rows": 1, "columns": 3, "pattern": "independent", "xgap": 0.15},
               "annotations": [{"text": label, "showarrow": False, "xref": f"x{'' if i == 0 else i + 1} domain",
-                               "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.12}
-                              for i, (_, label, _) in enumerate(metrics)]}
-    return figure(data, title="A vs B on the same workload", **layout)
+                               "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.0,
+                               "yanchor": "bottom"} for i, (_, label, _) in enumerate(metrics)]}
+    for i in range(2, len(metrics) + 1):
+        layout[f"xaxis{i}"] = dict(AXIS)
+        layout[f"yaxis{i}"] = dict(AXIS)
+    return figure(data, title="A vs B on the same workload", margin=dict(l=50, r=20, t=80, b=40), **layout)
 
 
 def ablation_figure(rows: Sequence) -> dict:
     """Bar per configuration (AblationRow) that ran: tokens/s, labelled with the multiplier against the full engine."""
     rows = [r for r in rows if r.throughput_tok_s]
+    top = max((r.throughput_tok_s for r in rows), default=1.0)
     return figure([{"type": "bar", "x": [r.feature for r in rows], "y": [r.throughput_tok_s for r in rows],
-                    "text": [f"{r.ratio:.2f}x" for r in rows], "textposition": "outside",
+                    "text": [f"{r.ratio:.2f}x" for r in rows], "textposition": "outside", "cliponaxis": False,
+                    "hovertemplate": "%{x}: %{y:.1f} tokens/s (%{text})<extra></extra>",
                     "marker": {"color": ["#31a354" if r.switch is None else "#9ecae1" for r in rows]}}],
-                  title="What each feature is worth (measured here)", yaxis=dict(title={"text": "tokens/s"}))
+                  title="What each feature is worth (measured here)",
+                  # headroom above the tallest bar for its "1.00x" label
+                  yaxis=dict(title={"text": "tokens/s"}, range=[0, top * 1.18]))

@@ -57,12 +57,15 @@ def _spread(values: list[float]) -> str:
     return ", ".join(f"{v:.2f}x" for v in values)
 
 
+COMPARE_HEADERS = ["config", "throughput tok/s", "mean TTFT (s)", "mean TPOT (s)", "peak KV blocks", "preemptions",
+                   "prefix hits (tokens)", "hit rate", "wall time (s)", "max token gap (s)", "p95 token gap (s)",
+                   "draft acceptance"]
+
+
 def _compare_row(label: str, r: RunResult) -> dict[str, Any]:
-    return {"config": label, "throughput tok/s": r.throughput, "mean TTFT (s)": r.mean_ttft_s,
-            "mean TPOT (s)": r.mean_tpot_s, "peak KV blocks": r.peak_kv_blocks, "preemptions": r.preemptions,
-            "prefix hits (tokens)": r.prefix_hits, "hit rate": r.hit_rate, "wall time (s)": r.wall_s,
-            "max token gap (s)": r.max_token_gap_s, "p95 token gap (s)": r.p95_token_gap_s,
-            "draft acceptance": r.acceptance_rate}
+    values = [label, r.throughput, r.mean_ttft_s, r.mean_tpot_s, r.peak_kv_blocks, r.preemptions, r.prefix_hits,
+              r.hit_rate, r.wall_s, r.max_token_gap_s, r.p95_token_gap_s, r.acceptance_rate]
+    return dict(zip(COMPARE_HEADERS, values, strict=True))
 
 
 def hf_static_report(result: HFStaticResult) -> Report:

@@ -1,0 +1,65 @@
+"""What of a chat the model sees: the playground's own notes left out, the oldest turns trimmed to fit.
+
+A refused message used to stay in what was sent, so every later message was refused too; and a long chat
+ended at max_model_len with every new message refused. Now notes are never sent, and old turns make room.
+"""
+from __future__ import annotations
+
+WARNING = "⚠️"  # the playground's message when the engine refused a turn or failed
+QUEUED = "⏳"  # the playground's placeholder while a reply waits for a paused engine
+NOTES = (WARNING, QUEUED)
+
+
+def text_of(content) -> str:
+    """Chat message content as text (gradio may hand back a list of parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return str(content)
+
+
+def for_model(history: list[dict]) -> list[dict]:
+    """The messages the model sees: the playground's notes and the user messages they answered (refused or
+    never run) are left out."""
+    out: list[dict] = []
+    for m in history:
+        text = text_of(m["content"])
+        if m["role"] == "assistant" and text.startswith(NOTES):
+            if out and out[-1]["role"] == "user":
+                out.pop()
+            continue
+        out.append({"role": m["role"], "content": text})
+    return out
+
+
+def drop_oldest_turn(messages: list[dict]) -> list[dict]:
+    """Without the first user message and the replies to it (a leading system message stays)."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    end = next((i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"), len(messages))
+    return messages[:first] + messages[end:]
+
+
+def prompt_budget(config: dict, max_tokens: int) -> int:
+    """The longest prompt to send: max_model_len less room for the reply (max_tokens, but at most a quarter
+    of max_model_len, so a long reply does not cost the whole conversation). With paged KV, a request whose
+    prompt + max_tokens needs more blocks than the pool is refused, so the pool bounds it too."""
+    max_len = config["max_model_len"]
+    budget = max_len - max(1, min(max_tokens, max_len // 4))
+    if config.get("kv_cache") and config.get("paged_kv"):
+        pool = config["num_kv_blocks"] * config["block_size"]
+        if pool < max_len:
+            budget = min(budget, pool - max_tokens)
+    return budget
+
+
+def fit(messages: list[dict], encode, budget: int) -> tuple[list[int], int]:
+    """(prompt token ids, number of oldest turns dropped): turns go, oldest first, until the prompt fits the
+    budget; the newest user message always stays (if it alone is too long, the engine says so)."""
+    dropped = 0
+    prompt = encode(messages)
+    while len(prompt) > budget and sum(m["role"] == "user" for m in messages) > 1:
+        messages = drop_oldest_turn(messages)
+        dropped += 1
+        prompt = encode(messages)
+    return prompt, dropped

@@ -1,0 +1,161 @@
+"""Every tab of the playground in a real headless Chromium at 1600x1200: nothing clipped, nothing empty.
+
+Each tab gets a screenshot (a temporary folder; docs/tabs/ with UPDATE_SCREENSHOTS=1) and a JavaScript check
+that every text of every visible plotly chart (tick labels, titles, legend, annotations, bar labels) lies
+inside its chart. Uses a tiny random model so the ablation and comparison runs take seconds.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import serve_app
+from tests.test_e2e_browser import CHROMIUM, DOCS, FLAGS
+
+pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
+                                reason="no chromium: apt-get install -y chromium")
+
+# Text that sticks out of its chart, a bar label cut by the plot area, a chart that does not fill its box:
+# [chart index, text, why].
+OVERFLOWING_TEXT = """() => {
+  const bad = [];
+  const inside = (r, b) => r.left >= b.left - 1 && r.right <= b.right + 1 && r.top >= b.top - 1
+                           && r.bottom <= b.bottom + 1;
+  document.querySelectorAll('.js-plotly-plot').forEach((plot, i) => {
+    const box = plot.getBoundingClientRect();
+    if (box.width === 0 || box.height === 0) return;  // on a hidden tab
+    const areas = Array.from(plot.querySelectorAll('.nsewdrag')).map(d => d.getBoundingClientRect());
+    // drawn while its tab was hidden, a chart kept plotly's default width instead of filling its box
+    const svg = plot.querySelector('.main-svg');
+    if (svg && svg.getBoundingClientRect().width < box.width - 4) bad.push([i, '', 'narrower than its box']);
+    plot.querySelectorAll('svg text').forEach(t => {
+      const r = t.getBoundingClientRect();
+      if (!t.textContent.trim() || r.width === 0) return;
+      if (!inside(r, box)) bad.push([i, t.textContent, 'outside the chart']);
+      // a label drawn in a clipped layer (bar text) is cut where it leaves the plot area
+      if (t.closest('[clip-path]') && t.closest('.bartext, .textpoint') && !areas.some(a => inside(r, a)))
+        bad.push([i, t.textContent, 'cut by the plot area']);
+    });
+  });
+  return bad;
+}"""
+
+# gradio's Dataframe draws its rows as a virtual table of divs
+TABLE_CELLS = "() => Array.from(document.querySelectorAll('[data-testid^=\"cell-\"]'))" \
+              ".filter(c => c.getBoundingClientRect().width > 0).map(c => c.innerText.trim())"
+VISIBLE_CHARTS = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))" \
+                 ".filter(p => p.getBoundingClientRect().width > 0).length"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, tmp_path_factory):
+    from engine import LLM
+    store = tmp_path_factory.mktemp("store") / "ablation.json"
+    with serve_app(LLM(tiny_models["llama"][0], max_model_len=512), store=store) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def page():
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield browser.new_page(viewport={"width": 1600, "height": 1200})
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    return DOCS / "tabs" if os.environ.get("UPDATE_SCREENSHOTS") else tmp_path_factory.mktemp("tabs")
+
+
+def visit(page, tab: str, shots: Path, min_charts: int = 0, name: str | None = None) -> None:
+    """Open a tab, wait for its charts, screenshot it and fail on any chart text that overflows its chart."""
+    page.get_by_role("tab", name=tab).click()
+    if min_charts:
+        page.wait_for_function(f"() => ({VISIBLE_CHARTS})() >= {min_charts}", timeout=60_000)
+    page.wait_for_timeout(1000)  # a dashboard refresh lands and plotly finishes its layout
+    with contextlib.suppress(Exception):  # a busy machine: give a resize or a refresh time to land
+        page.wait_for_function(f"() => ({OVERFLOWING_TEXT})().length === 0", timeout=20_000)
+    shots.mkdir(parents=True, exist_ok=True)
+    path = shots / ((name or re.sub(r"\W+", "-", tab.lower()).strip("-")) + ".png")
+    page.screenshot(path=str(path), full_page=True)
+    assert page.evaluate(OVERFLOWING_TEXT) == [], f"chart text overflows on the {tab} tab (see {path})"
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_every_tab_readable_at_1600x1200(served, page, shots):
+    url, pg = served
+    page.goto(url)
+    page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
+
+    box = page.get_by_placeholder("Type a message and press Enter")
+    box.fill("Hello")
+    box.press("Enter")
+    page.get_by_text("finished:").wait_for(timeout=60_000)
+    visit(page, "Chat", shots)
+    page.locator("#clear-chat").click()
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"bot\"]')", timeout=30_000)
+
+    # many requests at once, held in step mode: the block table's legend must stay readable
+    page.get_by_role("tab", name="Step mode").click()
+    page.get_by_role("button", name="Pause").click()
+    page.get_by_text("Paused: the engine waits").wait_for(timeout=30_000)
+    page.get_by_role("tab", name="Dashboard").click()
+    page.get_by_text("Traffic generator").click()
+    page.get_by_role("button", name="Launch users").click()
+    wait_until(lambda: len(pg.service.engine.requests) >= 16)
+    page.get_by_role("tab", name="Step mode").click()
+    page.get_by_role("button", name="Step", exact=True).click()
+    page.get_by_text("After the step:").wait_for(timeout=30_000)
+    heading = page.evaluate("() => Array.from(document.querySelectorAll('h3')).map(h => h.innerText)"
+                            ".find(t => /^Step \\d+/.test(t)) || ''")
+    step = int(re.search(r"Step (\d+)", heading).group(1))
+    # the heading and the status line count steps the same way
+    page.wait_for_function(f"() => document.body.innerText.includes('steps done: {step}')", timeout=30_000)
+    visit(page, "Step mode", shots, min_charts=1)
+    visit(page, "Dashboard", shots, min_charts=5)
+    legend = page.evaluate("() => Array.from(document.querySelectorAll('.js-plotly-plot')[0]"
+                           ".querySelectorAll('.legendtext')).map(t => t.textContent)")
+    assert any("other requests" in t for t in legend) and "free" in legend, legend
+    page.get_by_role("tab", name="Step mode").click()
+    page.get_by_role("button", name="Resume").click()
+    page.get_by_text("16 users from").wait_for(state="attached", timeout=120_000)
+
+    visit(page, "Engine settings", shots)
+
+    page.get_by_role("tab", name="What is each feature worth?").click()
+    page.get_by_role("button", name="Run ablation").click()
+    page.wait_for_function(f"() => ({TABLE_CELLS})().includes('full engine')", timeout=180_000)
+    visit(page, "What is each feature worth?", shots, min_charts=1)
+    headers = page.evaluate("() => Array.from(document.querySelectorAll('table th'))"
+                            ".filter(th => th.getBoundingClientRect().width > 0).map(th => th.innerText.trim())")
+    assert "configuration" in headers and "tok/s" in headers, headers
+
+    page.get_by_role("tab", name="Compare two configurations").click()
+    page.get_by_role("button", name="Compare", exact=True).click()
+    page.get_by_text("identical output").wait_for(timeout=180_000)
+    visit(page, "Compare two configurations", shots, min_charts=1)
+    cells = page.evaluate(TABLE_CELLS)
+    assert "naive" in cells and "full" in cells, cells
+    assert not [c for c in cells if re.fullmatch(r"-?\d+\.\d{5,}", c)], cells  # no raw floats
+
+    # with prefix caching off the prefix chart says so instead of staying empty
+    pg.service.update_config(prefix_caching=False)
+    list(pg.service.stream("hi", __import__("engine").SamplingParams(max_tokens=2)))
+    page.get_by_role("tab", name="Dashboard").click()
+    page.wait_for_function("() => Array.from(document.querySelectorAll('.js-plotly-plot'))"
+                           ".some(p => p.textContent.includes('prefix caching is off'))", timeout=30_000)
+    visit(page, "Dashboard", shots, min_charts=5, name="dashboard-prefix-caching-off")
