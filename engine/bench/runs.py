@@ -18,6 +18,7 @@ import torch
 from ..config import LOAD_TIME_FIELDS, EngineConfig
 from ..engine import LLMEngine, StepRecord
 from ..llm import LLM
+from ..models.linear import Linear
 from ..request import RequestOutput
 from ..sampler import SamplingParams
 from ..workloads import TOKEN_RANGE, Workload, WorkloadRequest
@@ -82,21 +83,25 @@ def fixed_workload(prompts: list[list[int]], output_len: int) -> Workload:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of the model's weight tensors (a tied lm_head counted once; RoPE tables excluded)."""
-    sizes = {t.data_ptr(): t.numel() * t.element_size()
-             for name, value in vars(model).items() if name not in ROPE_TABLES for t in _tensors(value)}
+    """Bytes of the model's weights (a tied lm_head counted once; RoPE tables excluded)."""
+    sizes: dict[int, int] = {}
+    for name, value in vars(model).items():
+        if name not in ROPE_TABLES:
+            for w in _weights(value):
+                key = id(w) if isinstance(w, Linear) else w.data_ptr()
+                sizes[key] = w.nbytes if isinstance(w, Linear) else w.numel() * w.element_size()
     return sum(sizes.values())
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
+def _weights(value: Any) -> Iterator[torch.Tensor | Linear]:
+    if isinstance(value, (torch.Tensor, Linear)):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors(item)
+            yield from _weights(item)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            yield from _tensors(getattr(value, f.name))
+            yield from _weights(getattr(value, f.name))
 
 
 def kv_bytes_per_block(engine: LLMEngine) -> int:

@@ -1,7 +1,7 @@
 """Our own Llama-family decoder (Llama / SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) over a ragged batch.
 
-All tokens of a step are one flat [num_tokens, hidden] tensor. Weights are stored pre-transposed and
-fused (qkv, gate|up) so each projection is one `x @ W`. The math follows transformers' reference
+All tokens of a step are one flat [num_tokens, hidden] tensor. Projections are fused (qkv, gate|up) and
+stored as `Linear`s, each one kernel call (see linear.py). The math follows transformers' reference
 implementation step by step (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match it token for token.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionMetadata, attention
+from .linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -19,15 +20,15 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [hidden, (num_heads + 2 * num_kv_heads) * head_dim]
+    qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm over head_dim
     k_norm: torch.Tensor | None
-    o: torch.Tensor  # [num_heads * head_dim, hidden]
+    o: Linear  # num_heads * head_dim -> hidden
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
-    down: torch.Tensor  # [intermediate, hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 @dataclass
@@ -77,9 +78,7 @@ class LlamaFamilyModel:
         self.embed = embed
         self.layers = layers
         self.norm = norm
-        # [hidden, vocab]: stored transposed like every projection (a tied head costs one copy of the
-        # embedding, and saves ~30% of the head's time at batch 1)
-        self.lm_head = lm_head.t().contiguous()
+        self.lm_head = Linear(lm_head)  # a tied head costs one copy of the embedding, stored for the kernel
         self.dtype = embed.dtype
         self.device = embed.device
         positions = torch.arange(max_len, dtype=torch.float32)
@@ -110,7 +109,7 @@ class LlamaFamilyModel:
         num_tokens = x.shape[0]
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, s.rms_norm_eps)
-            qkv = h @ w.qkv
+            qkv = w.qkv(h)
             if w.qkv_bias is not None:
                 qkv = qkv + w.qkv_bias
             q = qkv[:, :q_size].view(num_tokens, s.num_heads, s.head_dim)
@@ -124,13 +123,13 @@ class LlamaFamilyModel:
             kc = vc = None
             if kv_cache is not None:
                 kc, vc = kv_cache[i, 0], kv_cache[i, 1]
-            a = attention(q, k, v.contiguous(), kc, vc, meta) @ w.o
+            a = w.o(attention(q, k, v.contiguous(), kc, vc, meta))
             if w.o_bias is not None:
                 a = a + w.o_bias
             x = x + a
             h = rms_norm(x, w.post_norm, s.rms_norm_eps)
-            gu = h @ w.gate_up
+            gu = w.gate_up(h)
             g, u = gu.chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ w.down
+            x = x + w.down(F.silu(g) * u)
         h = rms_norm(x[logits_rows], self.norm, s.rms_norm_eps)
-        return (h @ self.lm_head).float()
+        return self.lm_head(h).float()

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .linear import Linear
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
 
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -170,13 +171,13 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
         a, m = p + "self_attn.", p + "mlp."
         layers.append(LayerWeights(
             input_norm=get(p + "input_layernorm.weight"),
-            qkv=torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]).t().contiguous(),
+            qkv=Linear(torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"])),
             qkv_bias=cat_opt([a + f"{n}_proj.bias" for n in "qkv"]),
             q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
-            o=get(a + "o_proj.weight").t().contiguous(), o_bias=opt(a + "o_proj.bias"),
+            o=Linear(get(a + "o_proj.weight")), o_bias=opt(a + "o_proj.bias"),
             post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).t().contiguous(),
-            down=get(m + "down_proj.weight").t().contiguous(),
+            gate_up=Linear(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])),
+            down=Linear(get(m + "down_proj.weight")),
         ))
     embed = get("embed_tokens.weight")
     tied = getattr(c, "tie_word_embeddings", False) or "lm_head.weight" not in state
