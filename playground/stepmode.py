@@ -38,14 +38,24 @@ def describe_step(snap, tokenizer=None) -> str:
         lines.append(f"- before this step, the configuration change applied: {changes} ({reconfig['action']}"
                      + (f": requests {', '.join(moved)} gave their blocks back and are prefilled again" if moved
                         else "") + ")")
+    if rec.prefills and not snap.config.get("kv_cache", True):
+        lines.append("- no KV cache: every request recomputes its whole sequence, every step")
     for e in rec.prefills:
         cached = f" ({plural(e.prefix_hit_tokens, 'prompt token')} reused from the prefix cache)" \
             if e.prefix_hit_tokens else ""
         tail, new = _recent(snap, e, tokenizer)
         ending = f", ending {tail}" if tail else ""
         sampled = f"; its first generated token: {new}" if new else ""
+        chunk = (f" — a chunk: {e.num_computed_after}/{e.num_prompt_tokens} prompt tokens done, the rest in the next "
+                 "steps beside the decodes" if not e.num_new_tokens and e.num_computed_after < e.num_prompt_tokens
+                 else "")
         lines.append(f"- request **{e.request_id}** prefilled **{plural(e.num_tokens, 'token')}**{cached}"
-                     f"{ending}{sampled}")
+                     f"{ending}{sampled}{chunk}")
+    for e in rec.verifies:
+        new = _recent(snap, e, tokenizer)[1]
+        lines.append(f"- request **{e.request_id}** drafted {e.num_drafts}, accepted {e.num_accepted} "
+                     f"(speculative decoding: {plural(e.num_new_tokens, 'token')} this step"
+                     + (f" → {new}" if new else "") + ")")
     if rec.decodes:
         shown = [f"**{e.request_id}**" + (f" → {new}" if (new := _recent(snap, e, tokenizer)[1]) else "")
                  for e in rec.decodes[:MAX_DECODES_SHOWN]]
@@ -57,7 +67,7 @@ def describe_step(snap, tokenizer=None) -> str:
                      "request gave its blocks back and went to the front of the queue (it will be recomputed)")
     for rid, reason in rec.finished:
         lines.append(f"- request **{rid}** finished ({reason}); its blocks are free for the next step")
-    if not (rec.prefills or rec.decodes or rec.preempted):
+    if not (rec.prefills or rec.decodes or rec.verifies or rec.preempted):
         lines.append("- nothing to run" + (f"; {rec.num_waiting} waiting" if rec.num_waiting else ""))
     lines.append(f"\nAfter the step: {snap.num_running} running, {snap.num_waiting} waiting, "
                  f"{snap.kv_blocks_used}/{plural(snap.kv_blocks_total, 'block')} used.")

@@ -299,3 +299,25 @@ def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
     assert "step" in status and len(plots) == 5 and all(p for p in plots)
     plot, table, note = client.predict("fixed-16", "naive", "full", True, api_name="/compare")
     assert plot and [row[0] for row in table["data"]] == ["naive", "full"] and "identical output" in note
+
+
+def test_step_mode_explains_chunks_and_drafts(tiny_models, monkeypatch):
+    import engine.scheduler as scheduler_module
+    llm = LLM(tiny_models["llama"][0], max_model_len=512, max_num_batched_tokens=16, speculative_decoding=True,
+              num_kv_blocks=64)
+    eng = llm.engine
+    eng.add_request([1000 + i for i in range(40)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    eng.step()
+    assert "prefilled **16 tokens** — a chunk: 16/40 prompt tokens done" in describe_step(eng.snapshot())
+    while not eng.steps[-1].entries[0].num_new_tokens:
+        eng.step()
+    monkeypatch.setattr(scheduler_module, "propose_ngram", lambda ids, k, *_: [7] * k)  # drafts that are wrong
+    eng.step()
+    text = describe_step(eng.snapshot(), llm.tokenizer)
+    assert "drafted 2, accepted 0 (speculative decoding: 1 token this step" in text, text
+
+    naive = LLM(tiny_models["llama"][0], max_model_len=512, kv_cache=False).engine
+    naive.add_request([1000 + i for i in range(8)], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    naive.step()
+    naive.step()
+    assert "no KV cache: every request recomputes its whole sequence" in describe_step(naive.snapshot())

@@ -10,7 +10,9 @@ from viz import figures
 def snapshot(**kw):
     base = dict(step=3, block_size=4, kv_blocks_total=8, kv_blocks_used=5, kv_blocks_cached_free=1,
                 block_tables={"a": [0, 1, 2], "b": [0, 1, 3, 4]},
-                block_ref_counts=[2, 2, 1, 1, 1, 0, 0, 0], block_hashes=[11, 22, None, None, None, 33, None, None])
+                block_ref_counts=[2, 2, 1, 1, 1, 0, 0, 0], block_hashes=[11, 22, None, None, None, 33, None, None],
+                requests={"a": {"status": "running", "num_computed_tokens": 11, "num_prompt_tokens": 9},
+                          "b": {"status": "running", "num_computed_tokens": 14, "num_prompt_tokens": 14}})
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -171,3 +173,15 @@ def test_empty_charts_say_why():
         assert [a["text"] for a in figures.to_figure(spec).to_dict()["layout"]["annotations"]] == ["no steps yet"]
     spec = figures.to_figure(figures.placeholder_figure("Press Compare"))
     assert [a.text for a in spec.layout.annotations] == ["Press Compare"] and not spec.data
+
+
+def test_block_table_shows_a_partly_prefilled_request():
+    snap = snapshot(requests={"a": {"status": "running", "num_computed_tokens": 8, "num_prompt_tokens": 40},
+                              "b": {"status": "running", "num_computed_tokens": 14, "num_prompt_tokens": 14}})
+    fig = figures.to_figure(figures.block_table_figure(snap))
+    names = [t.name for t in fig.data]
+    assert "request a (prefill 8/40)" in names and "request b" in names
+    a = fig.data[names.index("request a (prefill 8/40)")]
+    assert list(a.marker.opacity) == [figures.PREFILLING_OPACITY] * 3 and "still prefilling" in a.hovertext[0]
+    b = fig.data[names.index("request b")]
+    assert set(b.marker.opacity) == {1.0}

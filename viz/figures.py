@@ -25,6 +25,7 @@ LAYOUT = dict(margin=dict(l=50, r=20, t=75, b=40), height=300, plot_bgcolor="whi
 IDLE_GAP_S = 2.0  # an engine idle longer than this between two steps breaks the time series' lines
 LEGEND_OWNERS = 6  # the block table's legend names the requests holding most blocks, then "N other requests"
 CELL_PX = 22  # a block table row at 32 columns, in pixels: the grid's height depends on the pool size only
+PREFILLING_OPACITY = 0.45  # a request whose prompt is still being prefilled in chunks: its blocks drawn faint
 
 
 def to_figure(spec: dict) -> go.Figure:
@@ -83,14 +84,22 @@ def block_cells(snap, cols: int = 32) -> list[dict]:
     for rid, table in snap.block_tables.items():
         for logical, block in enumerate(table):
             where.setdefault(block, []).append((rid, logical))
+    progress = prefill_progress(snap)
     cells = []
     for block, ref in enumerate(snap.block_ref_counts):
         h = snap.block_hashes[block]
         owners = where.get(block, [])
         state = "used" if ref > 0 else ("cached-free" if h is not None else "free")
         cells.append({"block": block, "row": block // cols, "col": block % cols, "state": state, "ref_count": ref,
-                      "owners": owners, "hash": h, "shared": ref > 1})
+                      "owners": owners, "hash": h, "shared": ref > 1,
+                      "prefilling": bool(owners) and owners[0][0] in progress})
     return cells
+
+
+def prefill_progress(snap) -> dict[str, tuple[int, int]]:
+    """Running requests whose prompt is still being prefilled (in chunks): id -> (computed, prompt tokens)."""
+    return {rid: (r["num_computed_tokens"], r["num_prompt_tokens"]) for rid, r in snap.requests.items()
+            if r["status"] == "running" and r["num_computed_tokens"] < r["num_prompt_tokens"]}
 
 
 def grid_columns(num_blocks: int) -> int:
@@ -114,7 +123,10 @@ def block_table_figure(snap, cols: int | None = None) -> dict:
             by_owner.setdefault(c["owners"][0][0], []).append(c)
     ranked = sorted(by_owner, key=lambda rid: (-len(by_owner[rid]), rid))
     named, others = ranked[:LEGEND_OWNERS], ranked[LEGEND_OWNERS:]
-    data = [_cells_trace(by_owner[rid], f"request {rid}", owner_colour(rid), pitch) for rid in named]
+    progress = prefill_progress(snap)
+    data = [_cells_trace(by_owner[rid], f"request {rid}" + (" (prefill {}/{})".format(*progress[rid])
+                                                              if rid in progress else ""), owner_colour(rid), pitch)
+            for rid in named]
     if others:
         rest = [c for rid in others for c in by_owner[rid]]
         colours = [owner_colour(c["owners"][0][0]) for c in rest]  # each still in its own colour
@@ -142,6 +154,7 @@ def _cells_trace(cells: list[dict], name: str, colour: str | list[str], pitch: f
     return scatter(
         x=[c["col"] for c in cells], y=[c["row"] for c in cells], mode="markers+text" if roomy else "markers",
         name=name, marker=dict(symbol="square", size=max(3, round(pitch * 0.64)), color=colour,
+                               opacity=[PREFILLING_OPACITY if c["prefilling"] else 1.0 for c in cells],
                                line=dict(width=[(2 if roomy else 1) if c["shared"] else 0 for c in cells],
                                          color="black")),
         text=[str(c["ref_count"]) if c["shared"] else "" for c in cells], textfont=dict(size=9, color=text),
@@ -149,7 +162,8 @@ def _cells_trace(cells: list[dict], name: str, colour: str | list[str], pitch: f
 
 
 def _cell_hover(c: dict) -> str:
-    lines = [f"block {c['block']} · {c['state']} · ref count {c['ref_count']}"]
+    lines = [f"block {c['block']} · {c['state']} · ref count {c['ref_count']}"
+             + (" · its request is still prefilling (chunked)" if c["prefilling"] else "")]
     lines += [f"request {rid}, logical block {logical}" for rid, logical in c["owners"]]
     if c["hash"] is not None:
         lines.append(f"prefix hash {c['hash'] & 0xFFFFFFFF:08x}")
