@@ -314,6 +314,7 @@ class MemoryRow:
     mean_ttft_s: float | None = None
     memory_efficiency: float | None = None  # KV slots holding live tokens / slots reserved, mean over steps
     error: str | None = None
+    kv_cache_dtype: str | None = None  # the KV cache's element type when swept (e.g. "int8"); None: the model's
 
 
 def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settings: dict[str, Any] | None = None,
