@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from engine.bench import AblationRow
+from engine.bench import AblationRow, MemoryRow
 from viz import figures
 
 
@@ -185,3 +185,78 @@ def test_block_table_shows_a_partly_prefilled_request():
     assert list(a.marker.opacity) == [figures.PREFILLING_OPACITY] * 3 and "still prefilling" in a.hovertext[0]
     b = fig.data[names.index("request b")]
     assert set(b.marker.opacity) == {1.0}
+
+
+def test_cumulative_figure_labels_each_bar_with_what_its_feature_added_and_the_total():
+    rows = [AblationRow("naive loop (everything off)", None, throughput_tok_s=5.0, ratio=1.0),
+            AblationRow("+ KV cache", "kv_cache", throughput_tok_s=50.0, ratio=10.0, step_ratio=10.0),
+            AblationRow("+ paged KV", "paged_kv", error="pool too small"),
+            AblationRow("+ continuous batching", "continuous_batching", throughput_tok_s=49.0, ratio=9.8,
+                        step_ratio=0.98),
+            AblationRow("+ speculative decoding", "speculative_decoding", throughput_tok_s=40.0, ratio=8.0,
+                        step_ratio=0.8)]
+    spec = figures.cumulative_figure(rows)
+    bar = figures.to_figure(spec).data[0]
+    # every configuration keeps its place in the course's order, the naive loop's label on two lines
+    assert list(bar.x) == ["naive loop<br>(everything off)", "+ KV cache", "+ paged KV", "+ continuous batching",
+                           "+ speculative decoding"]
+    assert list(bar.y) == [5.0, 50.0, None, 49.0, 40.0]
+    assert list(bar.text) == ["<b>baseline</b>", "<b>10.0x</b><br>total 10.0x", "", "<b>0.98x</b><br>total 9.80x",
+                              "<b>0.80x</b><br>total 8.00x"]
+    # a gain green, noise blue, a loss red; the configuration that could not run says so where its bar would be
+    assert list(bar.marker.color) == [figures.BASELINE, figures.GAIN, figures.BASELINE, figures.EVEN, figures.LOSS]
+    assert [a["x"] for a in spec["layout"]["annotations"]] == ["+ paged KV"]
+    assert spec["layout"]["yaxis"]["range"][1] >= 50.0 * 1.25 and bar.cliponaxis is False  # room for two lines
+    empty = figures.cumulative_figure([AblationRow("naive loop (everything off)", None, error="x")])
+    assert [a["text"] for a in empty["layout"]["annotations"]] == ["no configuration ran"]
+
+
+def test_concurrency_figure_draws_each_features_worth_up_from_one():
+    rows = []
+    for level, spec_ratio in ((1, 0.5), (8, 0.8), (32, 1.0)):
+        rows += [AblationRow("full engine", None, throughput_tok_s=40.0, ratio=1.0, concurrency=level),
+                 AblationRow("no KV cache (naive loop)", "kv_cache", throughput_tok_s=4.0, ratio=0.1,
+                             concurrency=level),
+                 AblationRow("no speculative decoding", "speculative_decoding", throughput_tok_s=20.0,
+                             ratio=spec_ratio, concurrency=level)]
+    names = {"kv_cache": "KV cache", "speculative_decoding": "speculative decoding"}
+    spec = figures.concurrency_figure(rows, names=names)
+    fig = figures.to_figure(spec)
+    assert [t.name for t in fig.data] == ["concurrency 1", "concurrency 8", "concurrency 32"]
+    assert list(fig.data[0].x) == ["KV cache", "speculative decoding"]  # the full engine is the reference
+    # worth = full / without: the bar goes from 1x to it (a log axis, so 10x and 1.25x both read)
+    assert [list(t.customdata) for t in fig.data] == [[10.0, 2.0], [10.0, 1.25], [10.0, 1.0]]
+    assert list(fig.data[1].text) == ["10.0x", "1.25x"] and fig.data[0].base == 1
+    assert fig.layout.yaxis.type == "log" and fig.layout.shapes[0].y0 == 1
+    low, high = spec["layout"]["yaxis"]["range"]
+    assert 10 ** low < 1 < 10.0 * 1.5 < 10 ** high
+    only = figures.to_figure(figures.concurrency_figure(rows, level=32, names=names))
+    assert [t.name for t in only.data] == ["concurrency 32"]
+    missing = figures.concurrency_figure(rows, level=4)
+    assert [a["text"] for a in missing["layout"]["annotations"]] == ["no feature ran at this concurrency"]
+
+
+def test_memory_sweep_figure_paged_vs_contiguous_and_a_series_per_kv_dtype():
+    rows = [MemoryRow(32, True, 7.5, peak_running=4, preemptions=6, throughput_tok_s=30.0),
+            MemoryRow(32, False, 0.0, error="a request's max_model_len needs 48 blocks"),
+            MemoryRow(64, True, 15.0, peak_running=9, preemptions=0, throughput_tok_s=45.0),
+            MemoryRow(64, False, 15.0, peak_running=1, preemptions=0, throughput_tok_s=12.0)]
+    fig = figures.to_figure(figures.memory_sweep_figure(rows))
+    assert [(t.name, t.xaxis, t.showlegend) for t in fig.data] == [
+        ("paged", "x", True), ("paged", "x2", False), ("paged", "x3", False),
+        ("contiguous", "x", True), ("contiguous", "x2", False), ("contiguous", "x3", False)]
+    paged, contiguous = fig.data[0], fig.data[3]
+    assert list(paged.x) == [7.5, 15.0] and list(paged.y) == [4, 9] and list(fig.data[1].y) == [6, 0]
+    # the pool that cannot hold one contiguous reservation: 0 requests fit, marked with an x, at its pool's size
+    assert list(contiguous.x) == [7.5, 15.0] and list(contiguous.y) == [0, 1]
+    assert list(contiguous.marker.symbol) == ["x", "circle"] and list(fig.data[5].y) == [None, 12.0]
+    assert list(fig.layout.xaxis.ticktext) == ["7.5 MB", "15 MB"]
+    # the fp32 vs int8 hook: rows that carry a KV dtype get a series each, told apart by their dash
+    quantized = rows + [MemoryRow(32, True, 1.9, peak_running=9, preemptions=0, throughput_tok_s=44.0,
+                                  kv_cache_dtype="int8")]
+    fig = figures.to_figure(figures.memory_sweep_figure(quantized))
+    legend = [(t.name, t.line.dash) for t in fig.data if t.showlegend]
+    assert legend == [("paged", "solid"), ("contiguous", "solid"), ("paged, KV int8", "dash")]
+    # rows from before the field existed still draw
+    old = [SimpleNamespace(**{k: v for k, v in vars(r).items() if k != "kv_cache_dtype"}) for r in rows]
+    assert [t.name for t in figures.to_figure(figures.memory_sweep_figure(old)).data][::3] == ["paged", "contiguous"]

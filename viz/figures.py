@@ -9,6 +9,7 @@ tests) check that every spec is a valid plotly figure.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Sequence
 
@@ -330,3 +331,130 @@ def ablation_figure(rows: Sequence) -> dict:
                   title="What each feature is worth (measured here)",
                   # headroom above the tallest bar for its "1.00x" label
                   yaxis=dict(title={"text": "tokens/s"}, range=[0, top * 1.18]))
+
+
+# ---- the engine, feature by feature: cumulative ablation, each feature's worth under load, the memory sweep --
+GAIN, LOSS, EVEN, BASELINE = "#31a354", "#d6616b", "#9ecae1", "#636363"
+NOISE = 0.05  # within 5% of 1x is the noise of a shared machine (the README's 5-10%), not a gain or a loss
+LEVEL_COLOURS = ["#fd8d3c", "#6baed6", "#08519c"]  # concurrency 1, 8, 32: warm for one request, dark for many
+
+
+def _times_x(x: float) -> str:
+    return f"{x:.2f}x" if x < 10 else f"{x:.1f}x"
+
+
+def _gain_colour(ratio: float | None) -> str:
+    if ratio is None:
+        return BASELINE
+    return GAIN if ratio >= 1 + NOISE else LOSS if ratio <= 1 - NOISE else EVEN
+
+
+def _two_lines(label: str) -> str:
+    """'naive loop (everything off)' over two lines, so seven bars' labels fit side by side."""
+    return label.replace(" (", "<br>(")
+
+
+def cumulative_figure(rows: Sequence) -> dict:
+    """The course's "engine, feature by feature", measured (AblationRows of a cumulative ablation): everything off,
+    then each feature added back. Each bar says what its feature added (step_ratio, bold) and the total against
+    the naive loop (ratio); a configuration that could not run keeps its place, marked."""
+    cats = [_two_lines(r.feature) for r in rows]
+    ran = [r for r in rows if r.throughput_tok_s]
+    text = ["" if not r.throughput_tok_s else
+            "<b>baseline</b>" if r.step_ratio is None else
+            f"<b>{_times_x(r.step_ratio)}</b><br>total {_times_x(r.ratio)}" for r in rows]
+    top = max((r.throughput_tok_s for r in ran), default=1.0)
+    bar = {"type": "bar", "x": cats, "y": [r.throughput_tok_s or None for r in rows], "text": text,
+           "textposition": "outside", "cliponaxis": False, "textfont": {"size": 13},
+           "marker": {"color": [_gain_colour(r.step_ratio) for r in rows]},
+           "hovertemplate": "%{x}: %{y:.1f} tokens/s<extra></extra>"}
+    failed = [dict(x=c, y=0, yanchor="bottom", showarrow=False, text="could not run<br>(see the table)",
+                   font=dict(color=LOSS)) for c, r in zip(cats, rows) if not r.throughput_tok_s]
+    return figure([bar], height=460, margin=dict(l=60, r=20, t=80, b=60), showlegend=False,
+                  title="The engine, feature by feature: tokens/s as each feature is added back (measured)<br>"
+                        "<sup>bold: what that feature added · total: against the naive loop · green = a gain, "
+                        "red = a loss, blue = within 5% (noise)</sup>",
+                  annotations=failed if ran else [note("no configuration ran")],
+                  # headroom above the tallest bar for its two-line label
+                  yaxis=dict(title={"text": "tokens/s"}, range=[0, top * 1.3]), xaxis=dict(tickangle=0))
+
+
+def concurrency_figure(rows: Sequence, level: int | None = None, names: dict[str, str] | None = None) -> dict:
+    """Each feature's worth at each concurrency (AblationRows of ablate_concurrency): the full engine's tokens/s
+    over the engine's without it (1 / ratio), drawn up from 1x for a gain and down for a loss, on a log axis so
+    a 10x and a 1.1x both read. level: only that concurrency. names: switch -> the feature's name."""
+    names = names or {}
+    label = {r.switch: names.get(r.switch, r.feature) for r in rows if r.switch}
+    levels = sorted({r.concurrency for r in rows if r.concurrency is not None})
+    shown = [lv for lv in levels if level is None or lv == level]
+    by = {(r.switch, r.concurrency): r for r in rows}
+    data, worths = [], []
+    for lv in shown:
+        worth = [1 / r.ratio if (r := by.get((s, lv))) and r.ratio else None for s in label]
+        worths += [w for w in worth if w]
+        data.append({"type": "bar", "name": f"concurrency {lv}", "x": [_two_lines(n) for n in label.values()],
+                     "base": 1, "y": [None if w is None else w - 1 for w in worth],
+                     "text": [_times_x(w) if w else "" for w in worth], "textposition": "outside",
+                     "cliponaxis": False, "customdata": worth,
+                     "marker": {"color": LEVEL_COLOURS[levels.index(lv) % len(LEVEL_COLOURS)]},
+                     "hovertemplate": f"%{{x}} at concurrency {lv}: %{{customdata:.2f}}x<extra></extra>"})
+    lo, hi = min(worths + [1.0]) / 1.6, max(worths + [1.0]) * 1.8  # room for the labels above and below
+    return figure(data, height=440, barmode="group", margin=dict(l=60, r=20, t=90, b=60),
+                  title="What each feature is worth at each concurrency (full engine ÷ engine without it)",
+                  shapes=[dict(type="line", xref="paper", x0=0, x1=1, y0=1, y1=1, line=dict(color="#555", dash="dot"))],
+                  annotations=[] if worths else [note("no feature ran at this concurrency")],
+                  yaxis=dict(type="log", range=[math.log10(lo), math.log10(hi)], title={"text": "x tokens/s (log)"}),
+                  xaxis=dict(tickangle=0))
+
+
+MEMORY_PANELS = (("peak_running", "requests running at once (peak)"), ("preemptions", "preemptions"),
+                 ("throughput_tok_s", "tokens/s"))
+
+
+def memory_sweep_figure(rows: Sequence) -> dict:
+    """The memory sweep (MemoryRows): for each KV pool, paged vs contiguous (and each KV dtype when rows carry
+    kv_cache_dtype), how many requests ran at once, how often one was preempted, tokens/s. x is the pool's
+    size in MB, so pools of different dtypes line up by the memory they take. A layout that could not run in
+    a pool is drawn as 0 requests, with an x."""
+    mb = {}  # a pool that could not be built has no size of its own: take its sibling's
+    for r in rows:
+        key = (r.num_kv_blocks, getattr(r, "kv_cache_dtype", None))
+        mb[key] = max(mb.get(key, 0.0), r.kv_cache_mb or 0.0)
+    series: dict[tuple[bool, str | None], list] = {}
+    for r in rows:
+        series.setdefault((r.paged, getattr(r, "kv_cache_dtype", None)), []).append(r)
+    dtypes = list(dict.fromkeys(dtype for _, dtype in series))
+    data = []
+    for (paged, dtype), members in series.items():
+        members = sorted((r for r in members if mb[(r.num_kv_blocks, dtype)] > 0), key=lambda r: r.num_kv_blocks)
+        name = ("paged" if paged else "contiguous") + (f", KV {dtype}" if dtype else "")
+        x = [mb[(r.num_kv_blocks, dtype)] for r in members]
+        style = dict(color=GAIN if paged else PALETTE[0], dash=["solid", "dash", "dot"][dtypes.index(dtype) % 3])
+        for i, (attr, _) in enumerate(MEMORY_PANELS):
+            axis = "" if i == 0 else str(i + 1)
+            y = [getattr(r, attr) if not r.error else (0 if i == 0 else None) for r in members]
+            labelled = i == 0  # the number of requests that fit, written by each point
+            data.append(scatter(
+                x=x, y=y, name=name, legendgroup=name, showlegend=i == 0,
+                mode="lines+markers+text" if labelled else "lines+markers", xaxis=f"x{axis}", yaxis=f"y{axis}",
+                line=style, textposition="top center", cliponaxis=False,
+                text=[str(v) if v is not None else "" for v in y] if labelled else None,
+                marker=dict(color=style["color"], size=8, symbol=["x" if r.error else "circle" for r in members]),
+                customdata=[f"{r.num_kv_blocks} blocks" + (f": {r.error}" if r.error else "") for r in members],
+                hovertemplate=f"{name}, %{{x:.3~g}} MB, %{{customdata}}: %{{y}}<extra></extra>"))
+    ticks = sorted(set(v for v in mb.values() if v > 0))
+    layout = {"grid": {"rows": 1, "columns": len(MEMORY_PANELS), "pattern": "independent", "xgap": 0.12},
+              "annotations": [{"text": label, "showarrow": False, "xref": f"x{'' if i == 0 else i + 1} domain",
+                               "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.0, "yanchor": "bottom"}
+                              for i, (_, label) in enumerate(MEMORY_PANELS)],
+              "legend": dict(orientation="v", x=1.01, xanchor="left", y=1.0, yanchor="top")}
+    if not ticks:
+        layout["annotations"] = [note("no pool size ran")]
+    x_axis = dict(AXIS, type="log", tickvals=ticks, ticktext=[f"{_amount(t)} MB" for t in ticks],
+                  title={"text": "KV pool"})
+    for i in range(len(MEMORY_PANELS)):
+        axis = "" if i == 0 else str(i + 1)
+        layout[f"xaxis{axis}"] = x_axis
+        layout[f"yaxis{axis}"] = dict(AXIS, rangemode="tozero")
+    return figure(data, height=380, title="Memory is still the constraint: what fits in each KV pool (measured)",
+                  margin=dict(l=50, r=20, t=80, b=60), **layout)
