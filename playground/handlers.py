@@ -242,7 +242,7 @@ class Playground:
                progress: ProgressFn | None = None) -> list[bench.AblationRow]:
         """Raises bench.Cancelled if cancelled, ValueError if another measurement is running."""
         workload = load_workload(workload_name, quick)
-        with self._measuring("ablation", len(bench.ABLATIONS) + 1, progress) as m:
+        with self.measuring("ablation", len(bench.ABLATIONS) + 1, progress) as m:
             rows = bench.ablate(self.llm, workload, progress=m.report, should_stop=m.cancel.is_set)
         self.store.parent.mkdir(parents=True, exist_ok=True)
         self.store.write_text(json.dumps(bench.to_jsonable({"workload": workload.name, "quick": quick, "rows": rows})))
@@ -258,7 +258,7 @@ class Playground:
                 progress: ProgressFn | None = None) -> bench.CompareResult:
         """Raises bench.Cancelled if cancelled, ValueError for a bad spec or if another measurement is running."""
         workload = load_workload(workload_name, quick)
-        with self._measuring("comparison", 2, progress) as m:
+        with self.measuring("comparison", 2, progress) as m:
             return bench.compare(self.llm, workload, spec_a, spec_b, progress=m.report, should_stop=m.cancel.is_set)
 
     def cancel_measurement(self) -> str:
@@ -268,7 +268,7 @@ class Playground:
         return f"Cancelling the {measuring.name}: the live engine resumes within a step."
 
     @contextlib.contextmanager
-    def _measuring(self, name: str, total: int, progress: ProgressFn | None) -> Iterator[Measurement]:
+    def measuring(self, name: str, total: int, progress: ProgressFn | None) -> Iterator[Measurement]:
         """Hold the live engine still while a measurement runs (so its numbers are clean), say so to every tab,
         then restore the engine's state. One at a time: a second is refused rather than left waiting silently."""
         if not self._exclusive.acquire(blocking=False):

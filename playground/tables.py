@@ -12,7 +12,11 @@ from engine.bench.report import COMPARE_HEADERS, format_cell
 
 ABLATION_HEADERS = ["configuration", "tok/s", "x full engine", "mean TTFT (s)", "mean TPOT (s)", "peak KV blocks",
                     "preemptions", "draft acceptance", "same greedy output", "note"]
-__all__ = ["ABLATION_HEADERS", "COMPARE_HEADERS", "ablation_table", "cell", "compare_table"]
+CUMULATIVE_HEADERS = ["configuration", "tok/s", "x previous (this feature)", "x naive loop", "mean TTFT (s)",
+                      "mean TPOT (s)", "peak KV blocks", "preemptions", "prefix hits (tokens)", "draft acceptance",
+                      "same greedy output", "note"]
+__all__ = ["ABLATION_HEADERS", "COMPARE_HEADERS", "CUMULATIVE_HEADERS", "ablation_table", "cell", "compare_table",
+           "concurrency_table", "cumulative_table", "memory_table"]
 
 
 def cell(value: Any) -> str:
@@ -32,6 +36,42 @@ def ablation_table(rows: list) -> dict:
     return {"headers": ABLATION_HEADERS, "data": data}
 
 
+def cumulative_table(rows: list) -> dict:
+    """One line per AblationRow of a cumulative ablation: what each feature added, and the total."""
+    data = [[r.feature, cell(r.throughput_tok_s), _ratio(r.step_ratio), _ratio(r.ratio), cell(r.mean_ttft_s),
+             cell(r.mean_tpot_s), cell(r.peak_kv_blocks), cell(r.preemptions), cell(r.prefix_hits),
+             cell(r.acceptance_rate), cell(r.same_output_as_full), r.error or ""] for r in rows]
+    return {"headers": CUMULATIVE_HEADERS, "data": data}
+
+
+def concurrency_table(rows: list) -> dict:
+    """One line per configuration, two columns per concurrency: tokens/s, and what the feature switched off in
+    that line is worth there (the full engine's tokens/s over this line's, as the chart draws it)."""
+    levels = sorted({r.concurrency for r in rows if r.concurrency is not None})
+    lines: dict[str, list[str]] = {}
+    for r in rows:
+        line = lines.setdefault(r.feature, [r.feature] + ["-"] * 2 * len(levels))
+        i = 1 + 2 * levels.index(r.concurrency)
+        line[i] = cell(r.throughput_tok_s) if r.error is None else f"did not run: {r.error}"
+        line[i + 1] = "reference" if r.switch is None else _ratio(1 / r.ratio if r.ratio else None)
+    headers = ["configuration"] + [h for lv in levels for h in (f"tok/s @ {lv}", f"feature worth @ {lv}")]
+    return {"headers": headers, "data": list(lines.values())}
+
+
+def memory_table(rows: list) -> dict:
+    """One line per MemoryRow; a "KV dtype" column only when rows carry one (a quantized KV cache's sweep)."""
+    dtype = any(getattr(r, "kv_cache_dtype", None) for r in rows)
+    headers = ["KV blocks", "KV MB", "layout", *(["KV dtype"] if dtype else []), "requests at once (peak)",
+               "preemptions", "tok/s", "mean TTFT (s)", "memory efficiency", "note"]
+    data = [[cell(r.num_kv_blocks), cell(r.kv_cache_mb) if r.kv_cache_mb else "-",
+             "paged" if r.paged else "contiguous",
+             *([getattr(r, "kv_cache_dtype", None) or "model's dtype"] if dtype else []),
+             cell(r.peak_running), cell(r.preemptions), cell(r.throughput_tok_s), cell(r.mean_ttft_s),
+             _percent(r.memory_efficiency), r.error or ""]
+            for r in rows]
+    return {"headers": headers, "data": data}
+
+
 def compare_table(report: Report) -> dict:
     """A comparison report's (bench.compare_report) "configurations" rows, their keys as headers."""
     rows = report.tables["configurations"]
@@ -40,3 +80,7 @@ def compare_table(report: Report) -> dict:
 
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
