@@ -18,6 +18,7 @@ from gradio.components.plot import PlotData
 from engine import LLM
 from engine.bench import Cancelled, compare_report, load_feature_preset
 from engine.config import BUILT_SWITCHES, NOT_YET_BUILT
+from playground.features_tab import build_features_tab
 from playground.handlers import Playground, feature_presets, workloads
 from playground.tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
 from viz.figures import ablation_figure, compare_figure, placeholder_figure, to_json
@@ -142,6 +143,7 @@ def build_app(pg: Playground) -> gr.Blocks:
                 ablate_note = gr.Markdown()
                 ablate_plot = chart("tokens/s per configuration", NO_ABLATION)
                 ablate_table = gr.Dataframe(ablation_table([]), headers=ABLATION_HEADERS, label="results")
+            build_features_tab(pg, serialised)
             with gr.Tab("Compare two configurations"):
                 with gr.Row():
                     cmp_workload = gr.Dropdown(workloads(), value="mixed-lengths", label="workload")

@@ -159,3 +159,29 @@ def test_every_tab_readable_at_1600x1200(served, page, shots):
     page.wait_for_function("() => Array.from(document.querySelectorAll('.js-plotly-plot'))"
                            ".some(p => p.textContent.includes('prefix caching is off'))", timeout=30_000)
     visit(page, "Dashboard", shots, min_charts=5, name="dashboard-prefix-caching-off")
+
+
+VISIBLE_TRACES = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))" \
+                 ".filter(p => p.getBoundingClientRect().width > 0).map(p => (p.data || []).length)"
+
+
+def test_the_engine_feature_by_feature_tab(served, page, shots):
+    """Nothing shipped and nothing measured: each chart says so. Then each Run button measures its experiment on
+    the tiny model (quick presets), and the three charts stay readable; the concurrency selector redraws."""
+    url, pg = served
+    tab = "The engine, feature by feature"
+    page.goto(url)
+    page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
+    visit(page, tab, shots, min_charts=3, name="features-before")
+    assert page.get_by_text("No shipped results yet").is_visible()
+    for button, cell in (("Run cumulative ablation", "+ KV cache"), ("Run concurrency sweep", "reference"),
+                         ("Run memory sweep", "contiguous")):
+        page.get_by_role("button", name=button).click()
+        page.wait_for_function(f"() => ({TABLE_CELLS})().includes('{cell}')", timeout=300_000)
+    assert not pg.service.paused and pg.measurement is None
+    visit(page, tab, shots, min_charts=3, name="features")
+    assert page.evaluate(VISIBLE_TRACES) == [1, 3, 6]  # cumulative bars; 3 concurrencies; 2 layouts x 3 panels
+    assert page.get_by_text("measured on this machine").count() == 3
+    page.get_by_label("1", exact=True).check()
+    page.wait_for_function(f"() => ({VISIBLE_TRACES})()[1] === 1", timeout=30_000)
+    visit(page, tab, shots, min_charts=3, name="features-concurrency-1")

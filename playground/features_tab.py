@@ -1,0 +1,98 @@
+"""The "engine, feature by feature" tab: layout and wiring only. Running, storing, loading and what each section
+shows live in playground/features.py (FeatureExperiments); figures in viz/figures.py."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradio as gr
+from gradio.components.plot import PlotData
+
+from engine.bench import Cancelled
+
+from .features import CONCURRENCY_LEVELS, DEFAULT_WORKLOADS, EXPERIMENTS, NAMES, FeatureExperiments
+from .handlers import Playground, workloads
+
+TAB = "The engine, feature by feature"
+INTRO = """The course draws these with illustrative numbers; here every bar is **measured on the real engine**.
+What to look for: the KV cache is the big step and each later feature multiplies on top of it (or does not, on
+this workload); a feature's worth depends on load (speculation pays with one request at a time and fades when the
+batch is full); and memory decides how many requests fit at once. The live engine pauses while a run measures
+(every tab says so, with time left); Cancel stops it."""
+SECTIONS = {
+    "cumulative": ("1. The engine, feature by feature",
+                   "Everything off (the naive loop), then each feature added back in the course's order: KV cache, "
+                   "paged KV, continuous batching, prefix caching, chunked prefill, speculative decoding."),
+    "concurrency": ("2. What each feature is worth under load",
+                    "The full engine, then each feature off in turn, at 1, 8 and 32 requests at a time. A bar is "
+                    "the full engine's tokens/s over the engine's without that feature: above 1x it helps."),
+    "memory": ("3. Memory is still the constraint",
+               "Each KV pool size, paged and contiguous: how many requests fit at once, how often one is preempted "
+               "(its blocks taken back, recomputed later), and what that does to tokens/s."),
+}
+ALL_LEVELS = "all"
+LEVEL_CHOICES = [ALL_LEVELS, *map(str, CONCURRENCY_LEVELS)]
+
+
+def _level(choice: str | None) -> int | None:
+    return None if choice in (None, ALL_LEVELS) else int(choice)
+
+
+def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotData | None]) -> gr.Tab:
+    """serialised: app.py's shared figure serialiser (spec -> PlotData, each spec serialised once)."""
+    experiments = FeatureExperiments(pg)
+    outputs: dict[str, tuple] = {}
+    inputs: dict[str, list] = {}
+    with gr.Tab(TAB) as tab:
+        gr.Markdown(INTRO)
+        shipped_note = gr.Markdown(experiments.shipped()[1])
+        for kind in EXPERIMENTS:
+            heading, text = SECTIONS[kind]
+            gr.Markdown(f"### {heading}\n{text}")
+            with gr.Row():
+                workload = gr.Dropdown(workloads(), value=DEFAULT_WORKLOADS[kind], label="workload")
+                quick = gr.Checkbox(value=True, label="quick (a quarter of the requests)")
+                go = gr.Button(f"Run {NAMES[kind]}", variant="primary")
+                cancel = gr.Button("Cancel")
+            inputs[kind] = [workload, quick]
+            if kind == "concurrency":
+                level = gr.Radio(LEVEL_CHOICES, value=ALL_LEVELS, label="concurrency (requests at a time)")
+                inputs[kind].append(level)
+            view = experiments.view(kind)
+            status = gr.Markdown()
+            plot = gr.Plot(serialised(view.figure), show_label=False)
+            source = gr.Markdown(view.source)
+            table = gr.Dataframe(view.table, headers=view.table["headers"], label=f"the numbers: {NAMES[kind]}")
+            outputs[kind] = (plot, table, source, status)
+            go.click(_runner(experiments, serialised, kind), inputs[kind], list(outputs[kind]))
+            cancel.click(pg.cancel_measurement, None, status)
+
+    def show(kind: str, choice: str | None = None) -> tuple:
+        view = experiments.view(kind, _level(choice))
+        return serialised(view.figure), view.table, view.source
+
+    # another session (or a restart) may have measured since this page was built: read the store again
+    def refresh(choice: str) -> tuple:
+        return (experiments.shipped()[1], *show("cumulative"), *show("concurrency", choice), *show("memory"))
+    tab.select(refresh, [level], [shipped_note, *(o for kind in EXPERIMENTS for o in outputs[kind][:3])])
+    level.change(lambda choice: show("concurrency", choice)[0], level, outputs["concurrency"][0])
+    return tab
+
+
+def _runner(experiments: FeatureExperiments, serialised: Callable, kind: str) -> Callable:
+    """The Run button's handler for one experiment (gradio finds gr.Progress by its default, so one per shape)."""
+    def run(workload: str, quick: bool, choice: str | None, progress: gr.Progress) -> tuple:
+        try:
+            experiments.run(kind, workload, bool(quick), lambda f, d: progress(f, desc=d))
+        except (ValueError, Cancelled) as exc:
+            return gr.skip(), gr.skip(), gr.skip(), f"⚠️ {exc}"
+        view = experiments.view(kind, _level(choice))
+        return serialised(view.figure), view.table, view.source, ""
+
+    if kind == "concurrency":
+        def run_at(workload: str, quick: bool, choice: str, progress=gr.Progress()) -> tuple:
+            return run(workload, quick, choice, progress)
+        return run_at
+
+    def run_one(workload: str, quick: bool, progress=gr.Progress()) -> tuple:
+        return run(workload, quick, None, progress)
+    return run_one
