@@ -138,7 +138,7 @@ class FeatureExperiments:
         workload = load_workload(workload_name)
         mean = (workload.num_prompt_tokens + workload.num_output_tokens) / max(1, len(workload.requests))
         reserve = workload.config.get("max_model_len") or self.pg.llm.config.max_model_len
-        return (f"**KV cache per token: {per_token / 1024:.1f} KB** for this model (K and V × {s.num_layers} layers "
+        return (f"**KV cache per token:** {per_token / 1024:.1f} KB for this model (K and V × {s.num_layers} layers "
                 f"× {s.num_kv_heads} KV heads × {s.head_dim} dims × {element} bytes). A mean '{workload.name}' "
                 f"request ({mean:.0f} tokens) holds {_mb(per_token * mean)} when paged; contiguous KV reserves "
                 f"max_model_len = {reserve} tokens ({_mb(per_token * reserve)}) for every request however short. "

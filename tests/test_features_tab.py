@@ -102,7 +102,7 @@ def test_each_section_shows_where_its_numbers_come_from(measured):
     assert [t.name for t in one.data] == ["concurrency 2"]
     note = experiments.kv_note()
     per_token = experiments.pg.llm.engine.model.kv_bytes_per_token()
-    assert f"KV cache per token: {per_token / 1024:.1f} KB" in note and "× 4 bytes" in note
+    assert f"KV cache per token:** {per_token / 1024:.1f} KB" in note and "× 4 bytes" in note
 
 
 def test_a_measurement_from_the_tab_can_be_cancelled_and_keeps_nothing(pg, workload, tmp_path):

@@ -232,6 +232,7 @@ def test_concurrency_figure_draws_each_features_worth_up_from_one():
     assert 10 ** low < 1 < 10.0 * 1.5 < 10 ** high
     only = figures.to_figure(figures.concurrency_figure(rows, level=32, names=names))
     assert [t.name for t in only.data] == ["concurrency 32"]
+    assert only.layout.title.text.startswith("What each feature is worth at concurrency 32")
     missing = figures.concurrency_figure(rows, level=4)
     assert [a["text"] for a in missing["layout"]["annotations"]] == ["no feature ran at this concurrency"]
 

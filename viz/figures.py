@@ -398,9 +398,10 @@ def concurrency_figure(rows: Sequence, level: int | None = None, names: dict[str
                      "cliponaxis": False, "customdata": worth,
                      "marker": {"color": LEVEL_COLOURS[levels.index(lv) % len(LEVEL_COLOURS)]},
                      "hovertemplate": f"%{{x}} at concurrency {lv}: %{{customdata:.2f}}x<extra></extra>"})
+    where = "at each concurrency" if level is None else f"at concurrency {level}"
     lo, hi = min(worths + [1.0]) / 1.6, max(worths + [1.0]) * 1.8  # room for the labels above and below
     return figure(data, height=440, barmode="group", margin=dict(l=60, r=20, t=90, b=60),
-                  title="What each feature is worth at each concurrency (full engine ÷ engine without it)",
+                  title=f"What each feature is worth {where} (full engine ÷ engine without it)",
                   shapes=[dict(type="line", xref="paper", x0=0, x1=1, y0=1, y1=1, line=dict(color="#555", dash="dot"))],
                   annotations=[] if worths else [note("no feature ran at this concurrency")],
                   yaxis=dict(type="log", range=[math.log10(lo), math.log10(hi)], title={"text": "x tokens/s (log)"}),
