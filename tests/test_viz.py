@@ -252,6 +252,7 @@ def test_memory_sweep_figure_paged_vs_contiguous_and_a_series_per_kv_dtype():
     assert list(contiguous.x) == [7.5, 15.0] and list(contiguous.y) == [0, 1]
     assert list(contiguous.marker.symbol) == ["x", "circle"] and list(fig.data[5].y) == [None, 12.0]
     assert list(fig.layout.xaxis.ticktext) == ["7.5 MB", "15 MB"]
+    assert (fig.layout.yaxis.dtick, fig.layout.yaxis2.dtick) == (2, 2)  # counts tick at whole numbers
     # the fp32 vs int8 hook: rows that carry a KV dtype get a series each, told apart by their dash
     quantized = rows + [MemoryRow(32, True, 1.9, peak_running=9, preemptions=0, throughput_tok_s=44.0,
                                   kv_cache_dtype="int8")]

@@ -453,9 +453,11 @@ def memory_sweep_figure(rows: Sequence) -> dict:
         layout["annotations"] = [note("no pool size ran")]
     x_axis = dict(AXIS, type="log", tickvals=ticks, ticktext=[f"{_amount(t)} MB" for t in ticks],
                   title={"text": "KV pool"})
-    for i in range(len(MEMORY_PANELS)):
+    for i, (attr, _) in enumerate(MEMORY_PANELS):
         axis = "" if i == 0 else str(i + 1)
         layout[f"xaxis{axis}"] = x_axis
         layout[f"yaxis{axis}"] = dict(AXIS, rangemode="tozero")
+        if attr != "throughput_tok_s":  # counts: no half a request, no 1.5 preemptions
+            layout[f"yaxis{axis}"].update(_whole_ticks(max((getattr(r, attr) or 0 for r in rows), default=0)))
     return figure(data, height=380, title="Memory is still the constraint: what fits in each KV pool (measured)",
                   margin=dict(l=50, r=20, t=80, b=60), **layout)
