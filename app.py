@@ -83,21 +83,23 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                 reply_info = gr.Markdown()
             with gr.Column(scale=2, elem_id="chat-live"):
                 live_blocks = chart("your request in the KV pool", NO_CHAT_VIEW)
-                live_summary = gr.Markdown(HELP["live"])
+                live_summary = gr.Markdown()
+                gr.Markdown(HELP["live"])
         live = gr.Timer(1.0, active=False)  # polls only while this tab's reply is on its way or streaming
 
+    def start_view(s: ChatSession):
+        pg.chat_sent(s)
+        return gr.Timer(active=True)
+    # Registered before the chat itself: the page applies a trigger's updates in order, and a timer activated
+    # after the streaming chat on the same trigger only started once the reply had ended.
+    gr.on([msg.submit, send.click], start_view, session, live, queue=False, show_progress="hidden",
+          api_visibility="private")
     chat_inputs = [msg, chatbot, temperature, max_tokens, session]
     chat_event = msg.submit(pg.chat, chat_inputs, [chatbot, reply_info], concurrency_limit=16, api_name="chat")
     send_event = send.click(pg.chat, chat_inputs, [chatbot, reply_info], concurrency_limit=16,
                             api_visibility="undocumented", api_name="send")
     for ev in (chat_event, send_event):
         ev.then(lambda: "", None, msg)
-
-    def start_view(s: ChatSession):
-        pg.chat_sent(s)
-        return gr.Timer(active=True)
-    gr.on([msg.submit, send.click], start_view, session, live, queue=False, show_progress="hidden",
-          api_visibility="private")
 
     def refresh_view(s: ChatSession):
         view, polling = pg.chat_view(s)
@@ -109,8 +111,8 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures) -> None:
     clear.click(lambda: ([], ""), None, [chatbot, reply_info], cancels=[chat_event, send_event])
 
 
-def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures, status: gr.Markdown) -> None:
-    """The live charts, refreshed every second (with the page's status line), and the traffic generator."""
+def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures) -> list[gr.Plot]:
+    """The live charts (returned, for the page's clock to refresh) and the traffic generator."""
     with gr.Tab("Dashboard"):
         gr.Markdown("Live view of the engine, refreshed every second (figures are shared by all tabs). "
                     + HELP["markers"])
@@ -133,23 +135,17 @@ def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures, status: g
                 halt = gr.Button("Stop users")
             traffic_out = gr.Markdown()
 
-    def refresh():
-        f = pg.dashboard()
-        return pg.status(), *map(serialised, (f.blocks, f.queues, f.prefix, f.throughput, f.memory))
-    timer = gr.Timer(1.0)
-    outputs = [status, *(plots[k] for k in ("blocks", "queues", "prefix", "throughput", "memory"))]
-    timer.tick(refresh, None, outputs, concurrency_limit=4, show_progress="hidden", api_name="dashboard")
-
-    def launch(workload_name, num_users, duration_s, progress=gr.Progress()):
+    def launch(workload_name, num_users, duration_s):
         note = pg.start_traffic(workload_name, num_users, duration_s)
         if note and not pg.traffic.running:
             yield note
             return
-        for s in pg.watch_traffic():
-            progress(s.fraction, desc=f"traffic: {s.num_users} users, {s.requests_done} replies")
+        for s in pg.watch_traffic():  # the status carries its own progress bar: gradio's would grey it out
             yield (note + "\n\n" if note else "") + s.describe()
-    go.click(launch, [workload, users, duration], traffic_out, concurrency_limit=4, api_name="traffic")
+    go.click(launch, [workload, users, duration], traffic_out, concurrency_limit=4, show_progress="hidden",
+             api_name="traffic")
     halt.click(pg.stop_traffic, None, traffic_out)
+    return [plots[k] for k in ("blocks", "queues", "prefix", "throughput", "memory")]
 
 
 def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
@@ -267,18 +263,27 @@ def build_step_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 
 
 def build_app(pg: Playground) -> gr.Blocks:
+    """Each tab is one builder, `build_x_tab(pg, serialised)`, that puts every component it makes (states too)
+    inside its own gr.Tab: one placed among the tabs themselves shifts their labels. A timer inside a tab ticks
+    only once that tab has been opened, so the page's clock (status line and dashboard) lives out here."""
     serialised = SerialisedFigures()  # every figure turned into JSON once, for every tab
     with gr.Blocks(title="watch-llm playground") as demo:
         gr.Markdown(INTRO)
         status = gr.Markdown(pg.status())
+        clock = gr.Timer(1.0)
         with gr.Tabs() as tabs:
             build_chat_tab(pg, serialised)
-            build_dashboard_tab(pg, serialised, status)
+            plots = build_dashboard_tab(pg, serialised)
             build_settings_tab(pg, serialised)
             build_ablation_tab(pg, serialised)
             build_compare_tab(pg, serialised)
             build_step_tab(pg, serialised)
         tabs.select(None, None, None, js=RESIZE_CHARTS)
+
+        def refresh():
+            f = pg.dashboard()
+            return pg.status(), *map(serialised, (f.blocks, f.queues, f.prefix, f.throughput, f.memory))
+        clock.tick(refresh, None, [status, *plots], concurrency_limit=4, show_progress="hidden", api_name="dashboard")
     return demo
 
 

@@ -274,7 +274,7 @@ class Playground:
         if not self.traffic.stop():
             return "No traffic is running."
         status = self.traffic.wait(timeout=10)
-        return "Stopped. " + (status.describe() if status else "")
+        return status.describe() if status else ""
 
     def watch_traffic(self, every_s: float = 1.0) -> Iterator[TrafficStatus]:
         """The run's status now, then every `every_s` until it ends (the last one says "done")."""

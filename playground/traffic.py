@@ -39,6 +39,7 @@ class TrafficStatus:
     elapsed_s: float
     running: bool  # some user still has a request in flight or more to send
     stopping: bool  # Stop was pressed, or the duration is over and the last replies are finishing
+    stopped: bool  # Stop was pressed
     users_waiting: int  # users with a request in flight (the others are thinking)
     requests_sent: int
     requests_done: int  # replies that finished normally
@@ -51,8 +52,9 @@ class TrafficStatus:
 
     @property
     def fraction(self) -> float:
-        """How far the run is: by time for a timed run, by replies for a one-shot run."""
-        if not self.running:
+        """How far the run is: by time for a timed run, by replies for a one-shot run; a run stopped early shows
+        where it stopped."""
+        if not self.running and not self.stopped:
             return 1.0
         if self.duration_s > 0:
             return min(1.0, self.elapsed_s / self.duration_s)
@@ -60,12 +62,15 @@ class TrafficStatus:
         return min(1.0, ended / max(1, self.num_users))
 
     def describe(self) -> str:
+        """Markdown: a progress bar (text, so it reads the same in any tab and under any load), then the counts."""
         if self.duration_s > 0:
             span = f"{self.elapsed_s:.0f} of {self.duration_s:.0f} s"
         else:
             span = f"each user once, {self.elapsed_s:.0f} s"
-        state = ("running" if not self.stopping else "finishing the last replies") if self.running else "done"
-        lines = [f"**{state}** · {self.num_users} users from '{self.workload}' · {span} · "
+        state = ("stopping" if self.stopped else "finishing the last replies" if self.stopping else "running"
+                 ) if self.running else "stopped" if self.stopped else "done"
+        lines = [f"`{progress_bar(self.fraction)}` {self.fraction:.0%}",
+                 f"**{state}** · {self.num_users} users from '{self.workload}' · {span} · "
                  f"**{self.users_waiting}** waiting for a reply, {self.num_users - self.users_waiting} thinking",
                  f"requests sent {self.requests_sent} · done **{self.requests_done}** · "
                  f"refused {self.requests_refused} · failed {self.requests_failed} · {self.tokens} tokens · "
@@ -76,6 +81,11 @@ class TrafficStatus:
         return "\n\n".join(lines)
 
 
+def progress_bar(fraction: float, cells: int = 30) -> str:
+    full = round(max(0.0, min(1.0, fraction)) * cells)
+    return "█" * full + "░" * (cells - full)
+
+
 @dataclass
 class _Run:
     workload: str
@@ -83,6 +93,8 @@ class _Run:
     num_users: int
     duration_s: float
     started: float = field(default_factory=time.monotonic)
+    ended: float | None = None  # when the last user finished: the run's clock stops there
+    users_left: int = 0
     stop: threading.Event = field(default_factory=threading.Event)  # Stop pressed: abort what is in flight
     threads: list[threading.Thread] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -138,7 +150,7 @@ class TrafficGenerator:
         with self._lock:
             if self.running:
                 raise ValueError("traffic is already running: press Stop first")
-            run = _Run(workload, list(requests), num_users, duration_s)
+            run = _Run(workload, list(requests), num_users, duration_s, users_left=num_users)
             run.threads = [threading.Thread(target=self._user, args=(run, i), name=f"traffic-user-{i}", daemon=True)
                            for i in range(num_users)]
             self._run = run
@@ -172,20 +184,31 @@ class TrafficGenerator:
         run = self._run
         if run is None:
             return None
-        now = time.monotonic()
         running = self.running
         with run.lock:
+            now = run.ended if run.ended is not None and not running else time.monotonic()
             while run.recent and run.recent[0][0] < now - RATE_WINDOW_S:
                 run.recent.popleft()
             window = min(RATE_WINDOW_S, max(now - run.started, 1e-3))
             return TrafficStatus(
-                run.workload, run.num_users, run.duration_s, now - run.started, running,
-                running and (run.stop.is_set() or run.time_up()), run.waiting, run.sent, run.done, run.refused,
-                run.failed, run.stopped, run.tokens, sum(n for _, n in run.recent) / window if running else 0.0,
-                run.last_problem)
+                workload=run.workload, num_users=run.num_users, duration_s=run.duration_s,
+                elapsed_s=now - run.started, running=running, stopping=running and (run.stop.is_set() or run.time_up()),
+                stopped=run.stop.is_set(), users_waiting=run.waiting, requests_sent=run.sent, requests_done=run.done,
+                requests_refused=run.refused, requests_failed=run.failed, requests_stopped=run.stopped,
+                tokens=run.tokens, tokens_per_s=sum(n for _, n in run.recent) / window if running else 0.0,
+                last_problem=run.last_problem)
 
     # ---- one simulated user, in its own thread ----------------------------------------------------------
     def _user(self, run: _Run, index: int) -> None:
+        try:
+            self._send_until_done(run, index)
+        finally:
+            with run.lock:
+                run.users_left -= 1
+                if run.users_left == 0:
+                    run.ended = time.monotonic()
+
+    def _send_until_done(self, run: _Run, index: int) -> None:
         rng = random.Random(self.seed * 1_000_003 + index)
         turn = 0
         while not run.stop.is_set() and not run.time_up():

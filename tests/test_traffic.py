@@ -13,7 +13,7 @@ from engine.request import RequestMetrics, RequestOutput
 from engine.sampler import SamplingParams
 from engine.workloads import WorkloadRequest
 from playground import Playground
-from playground.traffic import TrafficGenerator
+from playground.traffic import TrafficGenerator, progress_bar
 from tests.conftest import assert_all_blocks_free
 
 FAST = (0.01, 0.03)  # think time in the tests: short, but long enough that users interleave
@@ -75,12 +75,15 @@ def test_users_keep_sending_until_the_duration_ends():
     mid = gen.status()
     assert mid.running and not mid.stopping and 0 < mid.fraction < 1 and mid.requests_done > 0
     end = gen.wait(timeout=10)
-    assert not end.running and end.fraction == 1.0 and end.users_waiting == 0
+    assert not end.running and not end.stopped and end.fraction == 1.0 and end.users_waiting == 0
     assert end.requests_done >= 3 * 3  # each of 3 users went round several times (each turn ~0.04 s)
     assert end.requests_sent == end.requests_done == len(service.submitted)
     assert end.requests_refused == end.requests_failed == end.requests_stopped == 0
     assert end.tokens == sum(service.max_tokens) and {3, 5} <= set(service.max_tokens)
-    assert "done" in end.describe() and f"done **{end.requests_done}**" in end.describe()
+    bar, state, counts = end.describe().split("\n\n")
+    assert bar == f"`{'█' * 30}` 100%" and state.startswith("**done** · 3 users from 'w' · ")
+    assert f"done **{end.requests_done}**" in counts
+    assert mid.describe().startswith(f"`{progress_bar(mid.fraction)}`") and progress_bar(0.5, 4) == "██░░"
 
 
 def test_user_i_walks_the_workload_from_request_i():
@@ -115,7 +118,9 @@ def test_stop_aborts_the_replies_in_flight_on_their_own_engine():
         gen.start("w", [request([1])], num_users=1, duration_s=1)
     assert gen.stop()
     status = gen.wait(timeout=5)
-    assert not status.running and status.requests_stopped == 4 and status.requests_failed == 0
+    assert not status.running and status.stopped and status.requests_stopped == 4 and status.requests_failed == 0
+    assert "\n\n**stopped** · 4 users" in status.describe() and "4 cut short by Stop" in status.describe()
+    assert status.fraction < 0.2 and gen.status().elapsed_s == status.elapsed_s  # the clock stopped with the run
     assert sorted(held.aborted) == sorted(held.submitted)
     assert not gen.stop()  # nothing left to stop
 
@@ -189,7 +194,7 @@ def test_a_run_survives_an_engine_restart_and_stop_frees_everything(pg):
     while pg.traffic.status().requests_done < done + 2:  # replies from the new engine
         assert time.monotonic() < deadline, pg.traffic.status()
         time.sleep(0.05)
-    assert pg.stop_traffic().startswith("Stopped.")
+    assert "\n\n**stopped** · 6 users from 'mixed-lengths'" in pg.stop_traffic()
     status = pg.traffic.status()
     assert not status.running and status.requests_failed >= 1 and "shut down" in status.last_problem
     assert "🚦" not in pg.status() and pg.stop_traffic() == "No traffic is running."

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from engine.bench import AblationRow
 from engine.service import ConfigChange
 from viz import figures
@@ -288,3 +290,19 @@ def test_chat_views_come_from_the_shared_cache():
     throttled = FigureCache(min_interval_s=60.0)
     first = throttled.chat_view(snap, hist, "a", True)
     assert throttled.chat_view(later, hist, "a", True) is first and throttled.builds == 1  # at most once a minute
+
+
+def test_the_time_series_cover_minutes_whatever_the_step_rate():
+    """300 steps of a fast engine were 3 s: a configuration change left the charts before its effect showed."""
+    fast = [sample(i * 0.01, generation_tokens_total=i) for i in range(30_000)]  # 300 s at 100 steps/s
+    recent = figures.recent_samples(fast, span_s=120.0, max_points=300)
+    assert 295 <= len(recent) <= 301 and recent[-1] is fast[-1]
+    assert 119.0 <= recent[-1].time - recent[0].time <= 120.0
+    gaps = [b.time - a.time for a, b in zip(recent, recent[1:])]
+    assert max(gaps) < figures.IDLE_GAP_S  # thinning never looks like an idle engine
+    assert figures.throughput_figure(recent, window=1)["data"][0]["y"][-1] == pytest.approx(100.0)
+    slow = [sample(float(i)) for i in range(50)]  # one step a second: every sample kept
+    assert figures.recent_samples(slow, 120.0, 300) == slow and figures.recent_samples([], 120.0, 300) == []
+    short = fast[:1000]  # 10 s of history: thinned over those 10 s, not over the whole span
+    kept = figures.recent_samples(short, 120.0, 300)
+    assert 295 <= len(kept) <= 301 and kept[0].time < 0.05

@@ -32,9 +32,9 @@ class ChatView:
     summary: str  # markdown: running / waiting / tokens/s, as of the same snapshot
 
 
-def chat_summary(snapshot, history) -> str:
+def chat_summary(snapshot, tokens_per_s: float) -> str:
     return (f"step **{snapshot.step}** · running **{snapshot.num_running}** · waiting **{snapshot.num_waiting}** · "
-            f"**{figures.recent_tokens_per_s(history):.1f}** tokens/s over the last 10 steps (all requests) · "
+            f"**{tokens_per_s:.1f}** tokens/s over the last 10 steps (all requests) · "
             f"KV {snapshot.kv_blocks_used}/{snapshot.kv_blocks_total} blocks")
 
 
@@ -61,14 +61,15 @@ def system_memory() -> dict:
 
 
 class FigureCache:
-    def __init__(self, history_points: int = 300, min_interval_s: float = 0.9) -> None:
+    def __init__(self, history_s: float = 180.0, history_points: int = 300, min_interval_s: float = 0.9) -> None:
         self._lock = threading.Lock()
         self._cached: DashboardFigures | None = None
         self._source = None  # the snapshot the cached figures show
-        self._recent: list = []  # and the history samples they show
+        self._tokens_per_s = 0.0  # and the generation rate then
         self._views: dict[tuple[str | None, bool], ChatView] = {}  # chat views of the cached snapshot
         self._built_at = 0.0
-        self.history_points = history_points
+        self.history_s = history_s  # the time series show this much time (a change and minutes after it)
+        self.history_points = history_points  # in at most this many points
         self.min_interval_s = min_interval_s
         self.builds = 0
         self.view_builds = 0
@@ -86,7 +87,8 @@ class FigureCache:
         stale = self._cached is None or snapshot is not self._source
         if stale and (self._cached is None or now - self._built_at >= self.min_interval_s):
             self._built_at = now
-            recent = list(history)[-self.history_points:]
+            samples = list(history)
+            recent = figures.recent_samples(samples, self.history_s, self.history_points)
             marks = list(changes)
             self._cached = DashboardFigures(
                 snapshot.step, figures.block_table_figure(snapshot), figures.queues_figure(recent, changes=marks),
@@ -94,7 +96,8 @@ class FigureCache:
                                             changes=marks),
                 figures.throughput_figure(recent, changes=marks),
                 figures.memory_figure(snapshot, system_memory()))
-            self._source, self._recent, self._views = snapshot, recent, {}
+            self._source, self._views = snapshot, {}
+            self._tokens_per_s = figures.recent_tokens_per_s(samples)
             self.builds += 1
         return self._cached
 
@@ -109,6 +112,6 @@ class FigureCache:
                 source = self._source
                 view = self._views[key] = ChatView(
                     request_id, live, figures.highlighted_block_figure(source, request_id, live),
-                    chat_summary(source, self._recent))
+                    chat_summary(source, self._tokens_per_s))
                 self.view_builds += 1
             return view

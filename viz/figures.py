@@ -219,6 +219,23 @@ def _cell_hover(c: dict) -> str:
     return "<br>".join(lines)
 
 
+def recent_samples(history: Sequence, span_s: float, max_points: int) -> list:
+    """The samples of the last span_s seconds, thinned to at most about max_points: the last sample of each equal
+    slice of time. A chart then covers the same minutes at any step rate (a fast engine takes hundreds of steps a
+    second), so a configuration change stays on screen beside what came before it. Counters are cumulative, so
+    rates over thinned samples stay right."""
+    if not history:
+        return []
+    end = history[-1].time
+    start = max(end - span_s, history[0].time)  # a short history keeps its full resolution
+    width = max(end - start, 1e-9) / max(1, max_points)
+    kept: dict[int, object] = {}
+    for h in history:
+        if h.time >= start:
+            kept[int((h.time - start) / width)] = h  # a later sample in the same slice replaces the earlier
+    return list(kept.values())
+
+
 def _times(history: Sequence) -> list[float]:
     t0 = history[0].time if history else 0.0
     return [h.time - t0 for h in history]
