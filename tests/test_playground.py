@@ -400,3 +400,20 @@ def test_step_mode_explains_chunks_and_drafts(tiny_models, monkeypatch):
     naive.step()
     naive.step()
     assert "no KV cache: every request recomputes its whole sequence" in describe_step(naive.snapshot())
+
+
+def test_loadtest_sessions_poll_chat_and_count_errors(server):
+    """The workshop load in small: open sessions polling the page, some chatting; errors are counted, not lost."""
+    from playground import loadtest
+    url, _ = server
+    sessions = loadtest.open_sessions(url, 3)
+    result = loadtest.run_phase(sessions, "smoke", 2, True, 16)
+    row = result.row()
+    assert row["chats"] == 2 and row["sessions"] == 3 and row["errors"] == 0, result.tally.errors
+    assert row["dashboard polls/s"] > 0 and row["view polls/s"] > 0 and row["p95 gap (s)"] is not None
+    assert all(c.ttft_s is not None and c.updates >= 2 for c in result.chats)
+    tally, stop = loadtest.Tally(), threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    loadtest.poll(sessions[0], "/no_such_endpoint", "dashboard_polls", stop, tally)
+    assert sum(tally.errors.values()) >= 1 and all(k.startswith("/no_such_endpoint: ") for k in tally.errors)
+    assert loadtest.percentile([1.0, 2.0, 3.0, 4.0], 0.95) == 3.0 and loadtest.percentile([], 0.95) is None
