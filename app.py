@@ -44,7 +44,8 @@ HELP = {
     "markers": "A dotted line marks each configuration change (Engine settings) on the time-series charts: "
                "before and after side by side. Hover a label for the step and what the change did.",
     "live": "Your reply's request, bright and outlined, among everyone else's (dimmed): watch it take blocks as it "
-            "prefills and grows, share blocks a second turn reuses (ref count), and give them back when it ends.",
+            "prefills and grows, and give them back when it ends (light blue: cached-free, kept for reuse). A second "
+            "turn takes its first blocks back from the first turn's instead of computing them again.",
 }
 
 
@@ -74,9 +75,10 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                 chatbot = gr.Chatbot(label="Chat with the engine", height=420)
                 with gr.Row():
                     msg = gr.Textbox(placeholder="Type a message and press Enter", scale=5, show_label=False)
-                    send = gr.Button("Send", variant="primary", scale=1)
-                    stop = gr.Button("Stop", scale=1)
-                    clear = gr.Button("Clear", scale=1, elem_id="clear-chat")
+                    # narrow buttons: the chat shares its row with the live view, and the box needs the room
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=70)
+                    stop = gr.Button("Stop", scale=1, min_width=70)
+                    clear = gr.Button("Clear", scale=1, elem_id="clear-chat", min_width=70)
                 with gr.Row():
                     temperature = gr.Slider(0, 1.5, value=0.7, step=0.05, label="temperature")
                     max_tokens = gr.Slider(8, 512, value=200, step=8, label="max tokens")

@@ -25,6 +25,7 @@ LAYOUT = dict(margin=dict(l=50, r=20, t=75, b=40), height=300, plot_bgcolor="whi
 IDLE_GAP_S = 2.0  # an engine idle longer than this between two steps breaks the time series' lines
 LEGEND_OWNERS = 6  # the block table's legend names the requests holding most blocks, then "N other requests"
 CELL_PX = 22  # a block table row at 32 columns, in pixels: the grid's height depends on the pool size only
+CHAT_CELL_PX = 15  # the same in a chat's live view, which shares its row with the conversation (~450-600 px wide)
 PREFILLING_OPACITY = 0.45  # a request whose prompt is still being prefilled in chunks: its blocks drawn faint
 DIMMED_OPACITY = 0.25  # a chat's own view of the pool: everyone else's blocks drawn faint beside its own
 # A configuration change's label is drawn upright beside its marker, from the top of the plot area down: longer
@@ -155,7 +156,7 @@ def highlighted_block_figure(snap, request_id: str | None, live: bool = False) -
     """The block table as one chat sees it: its own request's blocks (shared ones too) in full colour and outlined,
     every other request's dimmed. `live`: the request is still streaming, though perhaps not in this snapshot yet."""
     cols = grid_columns(len(snap.block_ref_counts))
-    pitch = CELL_PX * min(1.0, 32 / cols)
+    pitch = CHAT_CELL_PX * min(1.0, 32 / cols)
     cells = block_cells(snap, cols)
     mine = [c for c in cells if request_id is not None and any(rid == request_id for rid, _ in c["owners"])]
     mine_ids = {c["block"] for c in mine}
@@ -170,7 +171,7 @@ def highlighted_block_figure(snap, request_id: str | None, live: bool = False) -
         data.append(_cells_trace([c for c in cells if c["state"] == state], state, colour, pitch))
     if request_id is not None:  # drawn last: on top of the others, with a thick outline
         trace = _cells_trace(mine, f"your request {request_id}", owner_colour(request_id), pitch)
-        trace["marker"]["line"] = dict(width=3 if pitch >= 16 else 1.5, color="black")
+        trace["marker"]["line"] = dict(width=2.5 if pitch >= 12 else 1.5, color="black")
         data.append(trace)
     rows = max(1, -(-len(cells) // cols))
     top, bottom = 50, 70
