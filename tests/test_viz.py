@@ -206,6 +206,7 @@ def test_a_chats_view_brightens_its_own_request_and_dims_the_others():
     assert mine.marker.line.width > 0 and set(mine.marker.opacity) == {1.0}
     others = by_name["other requests"]
     assert list(others.x) == [2] and list(others.marker.opacity) == [figures.DIMMED_OPACITY]
+    assert mine.marker.size > others.marker.size  # it stands out in a big pool's small cells too
     assert fig.layout.title.text == "Your request b: 4 of 8 blocks, decoding, 5 tokens out"
     # no request of this tab's in the pool: nothing is dimmed, the title says why
     plain = {t.name: t for t in figures.to_figure(figures.highlighted_block_figure(snapshot(), None)).data}

@@ -172,9 +172,10 @@ def highlighted_block_figure(snap, request_id: str | None, live: bool = False) -
     if request_id is not None:  # drawn last: on top of the others, with a thick outline
         trace = _cells_trace(mine, f"your request {request_id}", owner_colour(request_id), pitch)
         trace["marker"]["line"] = dict(width=2.5 if pitch >= 12 else 1.5, color="black")
+        trace["marker"]["size"] = max(5, round(pitch * 0.9))  # a little larger than the others: it stands out
         data.append(trace)
     rows = max(1, -(-len(cells) // cols))
-    top, bottom = 50, 70
+    top, bottom = 50, 60  # the title; two rows of legend
     return figure(data, height=round(pitch * rows) + top + bottom, margin=dict(l=10, r=10, t=top, b=bottom),
                   legend=dict(orientation="h", x=0, y=0, yanchor="top", entrywidth=140, itemsizing="constant"),
                   title=_highlight_title(snap, request_id, live, len(mine)),
