@@ -38,6 +38,17 @@ class HistorySample:
 
 
 @dataclass(frozen=True)
+class ConfigChange:
+    """A configuration change as the engine applied it (or refused to build it), with the wall time it took effect:
+    the time-series charts draw one marker per change, so "before" and "after" sit side by side."""
+    time: float  # time.time() when the step that applied it began, or when an idle engine applied it
+    step: int
+    changes: dict
+    action: str
+    error: str | None = None  # set when the new configuration could not be built and the old one kept serving
+
+
+@dataclass(frozen=True)
 class ConfigView:
     """The configuration the engine runs once its pending changes apply: what a settings form should show, so
     that sending the form back never undoes a change still waiting for a step boundary."""
@@ -59,6 +70,8 @@ class EngineService:
         self._snapshot: EngineSnapshot = engine.snapshot()
         self._config_view = self._view_config()
         self.history: deque[HistorySample] = deque(maxlen=history_len)
+        self.config_changes: deque[ConfigChange] = deque(maxlen=256)
+        self._seen_reconfig = engine.last_reconfig  # the engine keeps only its last record: note each new one
         self.paused = False
         self._step_waiters: deque[Future] = deque()  # step_once callers, one step each
         self.error: str | None = None
@@ -76,6 +89,11 @@ class EngineService:
                timeout: float = 600.0) -> Iterator[RequestOutput]:
         """Yield the request's outputs as they come; the last one has finished=True."""
         rid, q = self.submit(prompt, params)
+        yield from self.follow(rid, q, timeout)
+
+    def follow(self, rid: str, q: queue.Queue, timeout: float = 600.0) -> Iterator[RequestOutput]:
+        """The outputs of a request already submitted (its id and stream from `submit`), as `stream` yields them:
+        a caller that needs the id first (a chat showing its own request) submits, then follows."""
         try:
             while True:
                 out = q.get(timeout=timeout)
@@ -85,6 +103,10 @@ class EngineService:
         finally:  # the consumer went away (stop button, closed tab): free the request's blocks
             if rid in self._streams:
                 self.abort(rid)
+
+    def is_streaming(self, request_id: str) -> bool:
+        """Whether the request's final output has yet to be published (it is waiting, running or just aborted)."""
+        return request_id in self._streams
 
     def abort(self, request_id: str) -> None:
         self._commands.put((lambda: self.engine.abort(request_id), None))
@@ -143,6 +165,7 @@ class EngineService:
         self.engine.update_config(**changes)
         # Idle, no step would come to apply it: the form would show the old values and send them back.
         record = None if self.engine.has_unfinished() else self.engine.apply_pending()
+        self._note_reconfig(time.time())
         self._snapshot = self.engine.snapshot()
         self._config_view = self._view_config()
         return record
@@ -208,6 +231,7 @@ class EngineService:
                 q.put(out)
                 if out.finished:
                     del self._streams[out.request_id]
+        self._note_reconfig(time.time() - step_ms / 1e3)  # a change applies at the start of a step
         snap = self.engine.snapshot()
         self._snapshot = snap
         self._config_view = self._view_config()
@@ -215,6 +239,13 @@ class EngineService:
             time.time(), snap.step, snap.num_running, snap.num_waiting, snap.num_preemptions, snap.kv_blocks_used,
             snap.prefix_cache_queries, snap.prefix_cache_hits, snap.generation_tokens_total, step_ms,
             sum(ttfts) / len(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None))
+
+    def _note_reconfig(self, when: float) -> None:
+        record = self.engine.last_reconfig
+        if record is not None and record is not self._seen_reconfig:
+            self._seen_reconfig = record
+            self.config_changes.append(ConfigChange(when, record["step"], dict(record["changes"]), record["action"],
+                                                    record.get("error")))
 
     def _fail_all(self, reason: str) -> None:
         """The engine thread ended: end every open stream with an error instead of leaving it hanging."""

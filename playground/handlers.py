@@ -19,16 +19,31 @@ from engine.config import BUILT_SWITCHES
 from engine.models.loader import cache_dir
 from engine.service import EngineService
 from engine.workloads import list_workloads, load_workload
-from viz.dashboard import DashboardFigures, FigureCache
+from viz.dashboard import ChatView, DashboardFigures, FigureCache
 
 from . import conversation
 from .conversation import QUEUED, WARNING
 from .stepmode import describe_step, plural
+from .traffic import TrafficGenerator, TrafficStatus
 
 SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"]
 AUTOMATIC_FIELDS = {"num_kv_blocks": "blocks", "max_num_batched_tokens": "tokens", "max_model_len": "tokens"}
 ProgressFn = Callable[[float, str], None]
 QUEUED_NOTE = f"{QUEUED} queued: the engine is paused (step mode). Press Step or Resume on the Step mode tab to run it."
+PENDING_S = 120.0  # a message sent this long ago whose chat never started (cancelled in gradio's queue) is given up
+
+
+@dataclass
+class ChatSession:
+    """One browser tab's chat, kept in its gr.State and changed in place: the tab's live view (another event of the
+    same session, polling) sees at once which request is this tab's, and whether one is on its way."""
+    request_id: str | None = None  # the engine's id of the tab's latest reply
+    sent: int = 0  # messages sent (counted as the live view starts polling)
+    handled: int = 0  # chats that ended (replied, refused, stopped): while fewer than sent, a reply is on its way
+    sent_at: float = 0.0
+
+    def expecting(self) -> bool:
+        return self.handled < self.sent and time.monotonic() - self.sent_at < PENDING_S
 
 
 @dataclass
@@ -67,13 +82,29 @@ class Playground:
         self._exclusive = threading.Lock()  # one ablation / comparison at a time
         self.measurement: Measurement | None = None  # the one running now, for every tab's status line
         self.replies: deque[str] = deque(maxlen=32)  # final texts of recent chat replies
+        self.traffic = TrafficGenerator(lambda: self.service)  # the live service, even after a restart
 
     # ---- chat --------------------------------------------------------------------------------------------
     def chat(self, message: str, history: list[dict], temperature: float = 0.7,
-             max_tokens: int = 256) -> Iterator[tuple[list[dict], str]]:
+             max_tokens: int = 256, session: ChatSession | None = None) -> Iterator[tuple[list[dict], str]]:
         """Stream the assistant's reply into the history; the second value is the reply's stats line.
         The model sees the conversation without the playground's notes (warnings, "queued"), and without its
-        oldest turns when it no longer fits max_model_len (the stats line says so)."""
+        oldest turns when it no longer fits max_model_len (the stats line says so).
+        `session`: the tab's ChatSession; its request_id becomes the engine's id for this reply as soon as the
+        request is submitted (the tab's live view highlights that request)."""
+        try:
+            yield from self._chat(message, history, temperature, max_tokens, session)
+        finally:
+            if session is not None:
+                session.handled += 1
+
+    def chat_sent(self, session: ChatSession) -> None:
+        """A tab sent a message: its live view keeps polling until the chat for it has ended."""
+        session.sent += 1
+        session.sent_at = time.monotonic()
+
+    def _chat(self, message: str, history: list[dict], temperature: float, max_tokens: int,
+              session: ChatSession | None) -> Iterator[tuple[list[dict], str]]:
         history = list(history or [])
         if not message or not message.strip():
             yield history, ""
@@ -86,13 +117,18 @@ class Playground:
                                                conversation.prompt_budget(config, int(max_tokens)))
             oldest = "the oldest turn" if dropped == 1 else f"the {dropped} oldest turns"
             trimmed = f"too long for max_model_len {config['max_model_len']}: left out {oldest} · " if dropped else ""
-            stream = self.service.stream(prompt, SamplingParams(temperature=float(temperature),
-                                                                max_tokens=int(max_tokens), seed=None))
-            if note := self.queued_note():  # say so now rather than show an empty reply until the engine runs
-                yield history + [{"role": "assistant", "content": note}], trimmed + "queued"
-            history = history + [{"role": "assistant", "content": ""}]
+            service = self.service
+            rid, q = service.submit(prompt, SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
+                                                           seed=None))
+            if session is not None:
+                session.request_id = rid
             try:
-                for out in stream:
+                if note := self.queued_note():  # say so now rather than show an empty reply until the engine runs
+                    yield history + [{"role": "assistant", "content": note}], trimmed + "queued"
+                else:  # the message shows at once, before the first token
+                    yield history, trimmed + "sent, waiting for the first token"
+                history = history + [{"role": "assistant", "content": ""}]
+                for out in service.follow(rid, q):
                     if out.error:
                         history[-1]["content"] += f"\n\n[engine error: {out.error}]"
                         yield history, "the engine stopped; restart it from the Engine settings tab"
@@ -101,8 +137,9 @@ class Playground:
                     if out.finished:
                         self.replies.append(out.text)
                     yield history, trimmed + reply_stats(out)
-            finally:  # Stop pressed or tab closed: abort the request now, freeing its blocks
-                stream.close()
+            finally:  # Stop pressed or tab closed, even while queued: abort the request now, freeing its blocks
+                if service.is_streaming(rid):
+                    service.abort(rid)
         except (ValueError, RuntimeError) as exc:  # too long, bad settings, engine down: say so in the chat
             history = [m for m in history if m.get("content") != ""]
             history.append({"role": "assistant", "content": f"{WARNING} {exc}"})
@@ -110,7 +147,15 @@ class Playground:
 
     # ---- dashboard -------------------------------------------------------------------------------------
     def dashboard(self) -> DashboardFigures:
-        return self.figures.get(self.service.snapshot(), self.service.history)
+        return self.figures.get(self.service.snapshot(), self.service.history, self.service.config_changes)
+
+    def chat_view(self, session: ChatSession | None) -> tuple[ChatView, bool]:
+        """A chat tab's live view (the block table with its request highlighted, from the shared figure cache), and
+        whether to keep polling: its reply still streams, or one is on its way."""
+        service, rid = self.service, session.request_id if session else None
+        streaming = rid is not None and service.is_streaming(rid)
+        view = self.figures.chat_view(service.snapshot(), service.history, rid, streaming, service.config_changes)
+        return view, streaming or bool(session and session.expecting())
 
     def status(self) -> str:
         snap = self.service.snapshot()
@@ -118,10 +163,14 @@ class Playground:
         state = ("⛔ engine thread stopped: " + self.service.error if self.service.error else
                  f"⏸ paused for a measurement ({measuring.describe()})" if measuring else
                  "⏸ paused (step mode)" if self.service.paused else "▶ running")
+        traffic = self.traffic.status()
+        users = (f" · 🚦 traffic: {traffic.num_users} users, " + (f"{traffic.elapsed_s:.0f}/{traffic.duration_s:.0f} s"
+                 if traffic.duration_s else "each once") + f", {traffic.requests_done} done"
+                 if traffic is not None and traffic.running else "")
         return (f"**{state}** · steps done: {snap.step} · running {snap.num_running} · waiting {snap.num_waiting} · "
                 f"preemptions {snap.num_preemptions} · KV {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks · "
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "
-                f"generated {plural(snap.generation_tokens_total, 'token')}")
+                f"generated {plural(snap.generation_tokens_total, 'token')}{users}")
 
     def queued_note(self) -> str:
         """Why a request just sent will wait before its first token ("" when it will not)."""
@@ -211,31 +260,32 @@ class Playground:
         return f"⛔ The engine could not be restarted: {'; '.join(failures)}"
 
     # ---- traffic generator -----------------------------------------------------------------------------
-    def traffic(self, workload_name: str, num_users: int, progress: ProgressFn | None = None) -> str:
-        """Send N synthetic users' requests from a workload to the live engine; returns when all are done."""
-        workload = load_workload(workload_name)
-        requests = (workload.requests * (1 + int(num_users) // max(1, len(workload.requests))))[: int(num_users)]
-        streams, refused = [], []
-        for r in requests:
-            try:
-                streams.append(self.service.submit(list(r.prompt_token_ids), r.params)[1])
-            except ValueError as exc:  # e.g. a prompt longer than max_model_len: the others still run
-                refused.append(str(exc))
-        start, tokens = time.perf_counter(), 0
-        for i, q in enumerate(streams):
-            while True:
-                out = q.get(timeout=600)
-                if out.finished:
-                    tokens += len(out.token_ids)
-                    break
-            if progress:
-                progress((i + 1) / len(streams), f"{i + 1}/{len(streams)} users done")
-        wall = max(time.perf_counter() - start, 1e-9)
-        msg = (f"{len(streams)} users from '{workload_name}': {tokens} tokens in {wall:.1f} s "
-               f"({tokens / wall:.1f} tok/s).")
-        if refused:
-            msg += f" ⚠️ {len(refused)} request(s) refused by the engine: {refused[0]}"
-        return msg
+    def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0) -> str:
+        """N simulated users sending the workload's requests for duration_s (0: each once), in the background.
+        Returns "" when started, or why not."""
+        try:
+            workload = load_workload(workload_name).tokenized(self.llm.tokenizer)
+            self.traffic.start(workload.name, workload.requests, int(num_users), float(duration_s or 0))
+        except ValueError as exc:
+            return f"⚠️ {exc}"
+        return ""
+
+    def stop_traffic(self) -> str:
+        if not self.traffic.stop():
+            return "No traffic is running."
+        status = self.traffic.wait(timeout=10)
+        return status.describe() if status else ""
+
+    def watch_traffic(self, every_s: float = 1.0) -> Iterator[TrafficStatus]:
+        """The run's status now, then every `every_s` until it ends (the last one says "done")."""
+        while True:
+            status = self.traffic.status()
+            if status is None:
+                return
+            yield status
+            if not status.running:
+                return
+            time.sleep(every_s)
 
     # ---- ablation and comparison ---------------------------------------------------------------------------
     def ablate(self, workload_name: str, quick: bool = True,

@@ -1,10 +1,13 @@
-"""Does the page stay responsive? Concurrent chats with and without refreshing dashboards, over HTTP.
+"""Does the page stay responsive? Open sessions polling the page while some of them chat, over HTTP.
 
-    python -m playground.loadtest [--chats 4] [--dashboards 8] [--max-tokens 64] [--model PATH]
+    python -m playground.loadtest [--sessions 30] [--chats 8] [--max-tokens 64] [--model PATH]
+    python -m playground.loadtest --chats 4 --dashboards 8     # 4 chatting sessions + 8 that only watch
 
-Starts the app on a free local port, then runs the same chats twice: alone, and while N simulated
-dashboard tabs each poll the dashboard endpoint once a second (what every open tab's gr.Timer does).
-Prints TTFT and inter-token gaps as the clients saw them. A benchmark, not a test: nothing is asserted.
+Starts the app on a free local port, then runs the same chats twice: alone, and while every open session polls
+the page as a browser tab does: the page's clock asks for the status line and dashboard once a second, and a
+chatting tab's live view asks for its own view once a second while its reply streams. Each session is its own
+gradio client (its own session). Prints TTFT, the gaps between streamed tokens as the clients saw them (p95 is
+the workshop's number), how long polls took, and every error a session met. A benchmark, not a test.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +29,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 PROMPTS = ["Tell me about the moon.", "Write a short poem about rain.", "How do bees make honey?",
            "Explain what a compiler does.", "Give me three tips for sleeping well.", "What is a black hole?",
            "Describe a walk in the forest.", "Why is the sky blue?"]
+POLL_S = 1.0  # what every tab's timer does
 
 
 @dataclass
@@ -35,68 +40,129 @@ class ChatTiming:
 
 
 @dataclass
+class Tally:
+    """What one phase's sessions saw, shared by their threads."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dashboard_polls: int = 0
+    view_polls: int = 0
+    poll_s: list[float] = field(default_factory=list)  # how long each poll took
+    errors: Counter = field(default_factory=Counter)  # "where: what" -> count
+
+    def polled(self, kind: str, seconds: float) -> None:
+        with self.lock:
+            setattr(self, kind, getattr(self, kind) + 1)
+            self.poll_s.append(seconds)
+
+    def error(self, where: str, what: str) -> None:
+        with self.lock:
+            self.errors[f"{where}: {what[:200]}"] += 1
+
+
+@dataclass
 class PhaseResult:
     phase: str
+    sessions: int
     chats: list[ChatTiming]
-    dashboard_refreshes: int
-    wall_s: float
+    tally: Tally
+    wall_s: float  # from the first chat sent to the last reply ended
+    polling_s: float  # how long the sessions polled the dashboard (from before the chats to after them)
 
     def row(self) -> dict:
         ttfts = [c.ttft_s for c in self.chats if c.ttft_s is not None]
         gaps = sorted(g for c in self.chats for g in c.gaps_s)
-        p95 = gaps[int(0.95 * (len(gaps) - 1))] if gaps else None
-        return {"phase": self.phase, "chats": len(self.chats), "mean TTFT (s)": _mean(ttfts),
-                "max TTFT (s)": max(ttfts, default=None), "mean gap (s)": _mean(gaps), "p95 gap (s)": p95,
+        return {"phase": self.phase, "sessions": self.sessions, "chats": len(self.chats),
+                "mean TTFT (s)": _mean(ttfts), "max TTFT (s)": max(ttfts, default=None),
+                "mean gap (s)": _mean(gaps), "p95 gap (s)": percentile(gaps, 0.95),
                 "max gap (s)": max(gaps, default=None),
-                "dashboard refreshes/s": self.dashboard_refreshes / self.wall_s if self.wall_s else 0.0}
+                "dashboard polls/s": self.tally.dashboard_polls / self.polling_s if self.polling_s else 0.0,
+                "view polls/s": self.tally.view_polls / self.wall_s if self.wall_s else 0.0,
+                "p95 poll (s)": percentile(sorted(self.tally.poll_s), 0.95),
+                "errors": sum(self.tally.errors.values())}
+
+
+def percentile(ordered: list[float], q: float) -> float | None:
+    return ordered[int(q * (len(ordered) - 1))] if ordered else None
 
 
 def _mean(values):
     return statistics.fmean(values) if values else None
 
 
-def chat_once(url: str, prompt: str, max_tokens: int) -> ChatTiming:
+def client(url: str):
     from gradio_client import Client
-    client = Client(url, verbose=False)
+    return Client(url, verbose=False)
+
+
+def chat_once(session, prompt: str, max_tokens: int, tally: Tally | None = None,
+              view_stop: threading.Event | None = None) -> ChatTiming:
+    """One chat through the /chat endpoint. With `view_stop`, the session's live view is polled meanwhile."""
     timing = ChatTiming()
     start = last = time.perf_counter()
-    job = client.submit(prompt, [], 0.0, max_tokens, api_name="/chat")
+    job = session.submit(prompt, [], 0.0, max_tokens, api_name="/chat")
+    reply = ""
     for history, _stats in job:
         now = time.perf_counter()
         if len(history) < 2 or not history[-1].get("content"):
             continue
+        reply = _text(history[-1]["content"])
         if timing.ttft_s is None:
             timing.ttft_s = now - start
         else:
             timing.gaps_s.append(now - last)
         last = now
         timing.updates += 1
+    job.result()  # raises what the server raised
+    if tally is not None and (not reply or reply.startswith("⚠️") or "[engine error" in reply):
+        tally.error("chat", f"the reply was {reply[:80]!r}")
     return timing
 
 
-def poll_dashboard(url: str, stop: threading.Event, counter: list[int]) -> None:
-    from gradio_client import Client
-    client = Client(url, verbose=False)
+def _text(content) -> str:
+    """An assistant message's content comes back as [{"type": "text", "text": ...}] from gradio_client."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def poll(session, api_name: str, kind: str, stop: threading.Event, tally: Tally) -> None:
     while not stop.is_set():
         t = time.perf_counter()
-        client.predict(api_name="/dashboard")
-        counter[0] += 1
-        stop.wait(max(0.0, 1.0 - (time.perf_counter() - t)))
+        try:
+            session.predict(api_name=api_name)
+            tally.polled(kind, time.perf_counter() - t)
+        except Exception as exc:  # a session that errors keeps going, and the error is counted
+            tally.error(api_name, f"{type(exc).__name__}: {exc}")
+        stop.wait(max(0.0, POLL_S - (time.perf_counter() - t)))
 
 
-def run_phase(url: str, phase: str, num_chats: int, num_dashboards: int, max_tokens: int) -> PhaseResult:
-    stop, counter = threading.Event(), [0]
-    pollers = [threading.Thread(target=poll_dashboard, args=(url, stop, counter), daemon=True)
-               for _ in range(num_dashboards)]
+def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_tokens: int) -> PhaseResult:
+    """The first num_chats sessions chat at once. With `watch`, every session polls the dashboard meanwhile, and
+    each chatting one its live view while its reply streams."""
+    tally, stop = Tally(), threading.Event()
+    pollers = [threading.Thread(target=poll, args=(s, "/dashboard", "dashboard_polls", stop, tally), daemon=True)
+               for s in (sessions if watch else [])]
+    polling_from = time.perf_counter()
     for p in pollers:
         p.start()
     if pollers:
-        time.sleep(2.0)  # let the dashboards settle into their rhythm first
+        time.sleep(2.0)  # let the sessions settle into their rhythm first
     results: list[ChatTiming | None] = [None] * num_chats
     start = time.perf_counter()
 
     def run(i: int) -> None:
-        results[i] = chat_once(url, PROMPTS[i % len(PROMPTS)], max_tokens)
+        view_stop = threading.Event()
+        viewer = threading.Thread(target=poll, args=(sessions[i], "/chat_view", "view_polls", view_stop, tally),
+                                  daemon=True) if watch else None
+        if viewer:
+            viewer.start()
+        try:
+            results[i] = chat_once(sessions[i], PROMPTS[i % len(PROMPTS)], max_tokens, tally)
+        except Exception as exc:
+            tally.error("chat", f"{type(exc).__name__}: {exc}")
+        finally:
+            view_stop.set()
+            if viewer:
+                viewer.join(timeout=10)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(num_chats)]
     for t in threads:
         t.start()
@@ -104,9 +170,11 @@ def run_phase(url: str, phase: str, num_chats: int, num_dashboards: int, max_tok
         t.join()
     wall = time.perf_counter() - start
     stop.set()
+    polling = time.perf_counter() - polling_from if pollers else 0.0
     for p in pollers:
-        p.join(timeout=5)
-    return PhaseResult(phase, [r for r in results if r is not None], counter[0], wall)
+        p.join(timeout=10)
+    return PhaseResult(phase, len(sessions) if watch else num_chats, [r for r in results if r is not None], tally,
+                       wall, polling)
 
 
 def free_port() -> int:
@@ -137,13 +205,30 @@ def launch(model: str | None, timeout_s: float = 180.0) -> tuple[subprocess.Pope
     raise RuntimeError(f"app.py did not serve {url} within {timeout_s:.0f} s")
 
 
-def loadtest(num_chats: int = 4, num_dashboards: int = 8, max_tokens: int = 64,
-             model: str | None = None) -> list[dict]:
+def open_sessions(url: str, n: int) -> list:
+    """n gradio clients, each its own session (as n browser tabs), opened in parallel."""
+    sessions: list = [None] * n
+
+    def open_one(i: int) -> None:
+        sessions[i] = client(url)
+    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sessions
+
+
+def loadtest(num_sessions: int = 12, num_chats: int = 4, max_tokens: int = 64,
+             model: str | None = None) -> list[PhaseResult]:
+    num_sessions = max(num_sessions, num_chats)
     proc, url = launch(model)
     try:
-        chat_once(url, "Hi", 8)  # warm-up
-        return [run_phase(url, "chats only", num_chats, 0, max_tokens).row(),
-                run_phase(url, f"chats + {num_dashboards} dashboards", num_chats, num_dashboards, max_tokens).row()]
+        sessions = open_sessions(url, num_sessions)
+        chat_once(sessions[0], "Hi", 8)  # warm-up
+        return [run_phase(sessions, "chats only", num_chats, False, max_tokens),
+                run_phase(sessions, f"{num_chats} chats + {num_sessions} open sessions", num_chats, True,
+                          max_tokens)]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -151,13 +236,24 @@ def loadtest(num_chats: int = 4, num_dashboards: int = 8, max_tokens: int = 64,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--chats", type=int, default=4)
-    parser.add_argument("--dashboards", type=int, default=8)
+    parser.add_argument("--sessions", type=int, default=None,
+                        help="open sessions polling the page, the chatting ones included (default: chats + dashboards)")
+    parser.add_argument("--chats", type=int, default=4, help="sessions chatting at once")
+    parser.add_argument("--dashboards", type=int, default=8,
+                        help="sessions that only watch (when --sessions is not given)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
+    sessions = args.sessions if args.sessions is not None else args.chats + args.dashboards
     from engine.bench import markdown_table
-    print(markdown_table(loadtest(args.chats, args.dashboards, args.max_tokens, args.model)))
+    phases = loadtest(sessions, args.chats, args.max_tokens, args.model)
+    print(markdown_table([p.row() for p in phases]))
+    errors = Counter()
+    for p in phases:
+        errors.update({f"[{p.phase}] {what}": n for what, n in p.tally.errors.items()})
+    print(f"\nsession errors: {sum(errors.values())}")
+    for what, n in errors.most_common():
+        print(f"  {n} x {what}")
 
 
 if __name__ == "__main__":

@@ -46,10 +46,11 @@ def shot(page, name: str, tmp_path_factory) -> None:
     page.screenshot(path=str(target / name), full_page=True)
 
 
-def chart_title(page, index: int) -> str:
-    # plotly redraws its SVG each tick: read with JavaScript instead of holding element handles
-    return page.evaluate(f"() => {{ const t = document.querySelectorAll('.js-plotly-plot')[{index}]"
-                         f"?.querySelector('.gtitle'); return t ? t.textContent : ''; }}")
+# plotly redraws its SVG each tick: read with JavaScript instead of holding element handles. The dashboard's block
+# table is the visible chart whose title starts "KV pool:" (the chat tab's live view comes first in the page).
+POOL_TITLE = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))" \
+             ".filter(p => p.getBoundingClientRect().width > 0)" \
+             ".map(p => p.querySelector('.gtitle')?.textContent || '').find(t => t.startsWith('KV pool:')) || ''"
 
 
 def test_chat_dashboard_and_toggle_in_a_real_browser(app_url, page, tmp_path_factory):
@@ -68,19 +69,20 @@ def test_chat_dashboard_and_toggle_in_a_real_browser(app_url, page, tmp_path_fac
     # what the page streamed ends exactly as the engine's final reply (no duplicated or echoed text)
     assert " ".join(shown.split()) == " ".join(pg.replies[-1].split())
     assert "What is the capital" not in shown
+    # beside it, the live view followed this tab's request to its end
+    page.wait_for_function("() => (document.querySelector('#chat-live .gtitle')?.textContent || '')"
+                           ".endsWith('finished, blocks freed')", timeout=60_000)
     shot(page, "chat.png", tmp_path_factory)
 
     page.get_by_role("tab", name="Dashboard").click()
     page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 5", timeout=60_000)
-    before = chart_title(page, 0)
-    assert "KV pool" in before
+    page.wait_for_function(f"() => ({POOL_TITLE})() !== ''", timeout=60_000)
+    before = page.evaluate(POOL_TITLE)
     page.get_by_role("tab", name="Chat").click()
     box.fill("Name three colours.")
     box.press("Enter")
     page.get_by_role("tab", name="Dashboard").click()
-    page.wait_for_function(
-        "(before) => { const t = document.querySelector('.js-plotly-plot .gtitle');"
-        " return t && t.textContent !== before; }", arg=before, timeout=60_000)
+    page.wait_for_function(f"(before) => ({POOL_TITLE})() !== before", arg=before, timeout=60_000)
     shot(page, "dashboard.png", tmp_path_factory)
 
     page.get_by_role("tab", name="Engine settings").click()

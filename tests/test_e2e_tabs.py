@@ -51,6 +51,19 @@ TABLE_CELLS = "() => Array.from(document.querySelectorAll('[data-testid^=\"cell-
               ".filter(c => c.getBoundingClientRect().width > 0).map(c => c.innerText.trim())"
 VISIBLE_CHARTS = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))" \
                  ".filter(p => p.getBoundingClientRect().width > 0).length"
+LIVE_TITLE = "() => document.querySelector('#chat-live .js-plotly-plot .gtitle')?.textContent || ''"
+LIVE_LEGEND = "() => Array.from(document.querySelectorAll('#chat-live .js-plotly-plot .legendtext'))" \
+              ".map(t => t.textContent)"
+# the configuration changes' labels on each visible chart, and whether each lies inside its plot area
+MARKER_LABELS = """(label) => Array.from(document.querySelectorAll('.js-plotly-plot'))
+  .filter(p => p.getBoundingClientRect().width > 0).flatMap(plot => {
+    const area = plot.querySelector('.nsewdrag').getBoundingClientRect();
+    return Array.from(plot.querySelectorAll('.annotation-text')).filter(t => t.textContent === label).map(t => {
+      const r = t.getBoundingClientRect();
+      return r.left >= area.left - 1 && r.right <= area.right + 1 && r.top >= area.top - 1
+             && r.bottom <= area.bottom + 1;
+    });
+  })"""
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +118,32 @@ def test_every_tab_readable_at_1600x1200(served, page, shots):
     box.fill("Hello")
     box.press("Enter")
     page.get_by_text("finished:").wait_for(timeout=60_000)
-    visit(page, "Chat", shots)
+    # the live view beside the chat followed this tab's request to its end
+    page.wait_for_function(f"() => ({LIVE_TITLE})().endsWith('finished, blocks freed')", timeout=30_000)
+    first = re.search(r"Your request (\S+):", page.evaluate(LIVE_TITLE)).group(1)
+    # the status line above the tabs keeps time on every tab, the Dashboard never opened
+    page.wait_for_function("() => /steps done: [1-9]/.test(document.body.innerText)", timeout=30_000)
+    page.locator("#clear-chat").click()
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"bot\"]')", timeout=30_000)
+
+    # mid-reply, held in step mode: the view shows this tab's request, bright among the others, while it streams
+    pg.service.pause()
+    box.fill("Tell me about the sea")
+    box.press("Enter")
+    page.get_by_text("queued: the engine is paused").wait_for(timeout=30_000)
+    for _ in range(3):
+        pg.service.step_once()
+    page.wait_for_function(f"() => /^Your request \\S+: \\d+ of \\d+ blocks, decoding/.test(({LIVE_TITLE})())",
+                           timeout=30_000)
+    rid = re.search(r"Your request (\S+):", page.evaluate(LIVE_TITLE)).group(1)
+    assert rid != first and f"your request {rid}" in page.evaluate(LIVE_LEGEND)
+    assert "running **1**" not in page.inner_text("#chat-live")  # markdown rendered, not shown raw
+    assert re.search(r"running 1 · waiting 0 · [\d.]+ tokens/s", page.inner_text("#chat-live"))
+    visit(page, "Chat", shots, min_charts=1, name="chat-live-view")
+    pg.service.resume()
+    page.get_by_text("finished:").wait_for(timeout=60_000)
+    page.wait_for_function(f"() => ({LIVE_TITLE})() === 'Your request {rid}: finished, blocks freed'",
+                           timeout=30_000)
     page.locator("#clear-chat").click()
     page.wait_for_function("() => !document.querySelector('[data-testid=\"bot\"]')", timeout=30_000)
 
@@ -115,8 +153,10 @@ def test_every_tab_readable_at_1600x1200(served, page, shots):
     page.get_by_text("Paused: the engine waits").wait_for(timeout=30_000)
     page.get_by_role("tab", name="Dashboard").click()
     page.get_by_text("Traffic generator").click()
-    page.get_by_role("button", name="Launch users").click()
+    page.get_by_role("button", name="Launch users").click()  # 16 users for 120 s
     wait_until(lambda: len(pg.service.engine.requests) >= 16)
+    page.get_by_text("16 users from 'shared-system-prompt'").wait_for(timeout=30_000)
+    assert re.search(r"[█░]{30} \d+%", page.inner_text("body"))  # the run's progress bar
     page.get_by_role("tab", name="Step mode").click()
     page.get_by_role("button", name="Step", exact=True).click()
     page.get_by_text("After the step:").wait_for(timeout=30_000)
@@ -125,14 +165,21 @@ def test_every_tab_readable_at_1600x1200(served, page, shots):
     step = int(re.search(r"Step (\d+)", heading).group(1))
     # the heading and the status line count steps the same way
     page.wait_for_function(f"() => document.body.innerText.includes('steps done: {step}')", timeout=30_000)
+    assert "🚦 traffic: 16 users" in page.inner_text("body")  # every tab's status line says the load is on
     visit(page, "Step mode", shots, min_charts=1)
     visit(page, "Dashboard", shots, min_charts=5)
-    legend = page.evaluate("() => Array.from(document.querySelectorAll('.js-plotly-plot')[0]"
-                           ".querySelectorAll('.legendtext')).map(t => t.textContent)")
+    legend = page.evaluate("() => Array.from(Array.from(document.querySelectorAll('.js-plotly-plot'))"
+                           ".find(p => p.querySelector('.gtitle')?.textContent.startsWith('KV pool:')"
+                           " && p.getBoundingClientRect().width > 0).querySelectorAll('.legendtext'))"
+                           ".map(t => t.textContent)")
     assert any("other requests" in t for t in legend) and "free" in legend, legend
     page.get_by_role("tab", name="Step mode").click()
     page.get_by_role("button", name="Resume").click()
-    page.get_by_text("16 users from").wait_for(state="attached", timeout=120_000)
+    page.get_by_role("tab", name="Dashboard").click()
+    page.wait_for_function("() => /requests sent \\d+ · done [1-9]/.test(document.body.innerText)", timeout=120_000)
+    page.get_by_role("button", name="Stop users").click()
+    page.wait_for_function("() => document.body.innerText.includes('stopped · 16 users from')", timeout=30_000)
+    assert not pg.traffic.running
 
     visit(page, "Engine settings", shots)
 
@@ -152,13 +199,19 @@ def test_every_tab_readable_at_1600x1200(served, page, shots):
     assert "naive" in cells and "full" in cells, cells
     assert not [c for c in cells if re.fullmatch(r"-?\d+\.\d{5,}", c)], cells  # no raw floats
 
-    # with prefix caching off the prefix chart says so instead of staying empty
-    pg.service.update_config(prefix_caching=False)
-    list(pg.service.stream("hi", __import__("engine").SamplingParams(max_tokens=2)))
+    # a switch flipped in Engine settings: a labelled marker on every time-series chart, inside its plot area,
+    # and the prefix chart says caching is off instead of staying empty
+    page.get_by_role("tab", name="Engine settings").click()
+    page.get_by_label("prefix_caching").uncheck()
+    page.get_by_role("button", name="Apply").click()
+    page.get_by_text("Applied: prefix_caching=False").wait_for(timeout=30_000)
+    list(pg.service.stream("hi", __import__("engine").SamplingParams(max_tokens=8)))
     page.get_by_role("tab", name="Dashboard").click()
     page.wait_for_function("() => Array.from(document.querySelectorAll('.js-plotly-plot'))"
                            ".some(p => p.textContent.includes('prefix caching is off'))", timeout=30_000)
+    page.wait_for_function(f"() => ({MARKER_LABELS})('prefix_caching=False').length === 3", timeout=30_000)
     visit(page, "Dashboard", shots, min_charts=5, name="dashboard-prefix-caching-off")
+    assert page.evaluate(MARKER_LABELS, "prefix_caching=False") == [True, True, True]
 
 
 VISIBLE_TRACES = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))" \

@@ -1,6 +1,7 @@
 """The playground's handlers called directly, and the app driven through gradio_client on a real port."""
 from __future__ import annotations
 
+import json
 import re
 import threading
 
@@ -8,7 +9,8 @@ import pytest
 
 from engine import LLM, SamplingParams, bench
 from playground import Playground, conversation
-from playground.handlers import Measurement, describe_step
+from playground.handlers import ChatSession, Measurement, describe_step
+from playground.serialised import SerialisedFigures
 from playground.stepmode import plural
 from playground.tables import COMPARE_HEADERS, ablation_table, compare_table
 from tests.conftest import serve_app
@@ -104,6 +106,78 @@ def test_settings_show_the_engine_and_bad_values_keep_it(pg):
     assert "Applied" in pg.apply_settings(prefix_caching=True, max_num_seqs=64)
 
 
+def test_a_chat_tells_its_tab_which_request_is_its_own(pg):
+    session = ChatSession()
+    pg.chat_sent(session)  # the tab starts polling before the chat has a request id
+    assert session.expecting() and pg.chat_view(session)[1]
+    chat = pg.chat("Hello there", [], 0.0, 8, session)
+    history, stats = next(chat)  # the message shows at once; the engine's id is known from here on
+    assert history == [{"role": "user", "content": "Hello there"}] and stats == "sent, waiting for the first token"
+    rid = session.request_id
+    assert rid is not None and pg.service.is_streaming(rid)
+    outputs = list(chat)
+    assert outputs[-1][0][-1]["content"] == pg.replies[-1] and "finished" in outputs[-1][1]
+    assert session.handled == 1 and not session.expecting()
+    view, polling = pg.chat_view(session)
+    assert not polling and view.request_id == rid  # the reply is done: the tab stops polling
+    # a refused message ends its chat too, and leaves the last request highlighted
+    pg.chat_sent(session)
+    history, _ = list(pg.chat("x" * 20_000, [], 0.0, 8, session))[-1]
+    assert history[-1]["content"].startswith("⚠️") and session.request_id == rid and not pg.chat_view(session)[1]
+
+
+def test_a_chat_stopped_while_queued_frees_its_request(pg):
+    pg.pause()
+    try:
+        session = ChatSession()
+        chat = pg.chat("Hello", [], 0.0, 8, session)
+        assert next(chat)[1] == "queued"
+        assert pg.service.is_streaming(session.request_id)
+        chat.close()  # Stop pressed, or the tab closed, before the engine ran it
+        pg.step()
+        assert not pg.service.is_streaming(session.request_id) and not pg.service.engine.has_unfinished()
+        assert session.handled == 1
+    finally:
+        pg.resume()
+
+
+def test_chat_views_are_shared_and_highlight_each_tabs_own_request(pg):
+    pg.pause()
+    try:
+        sessions = [ChatSession() for _ in range(3)]
+        chats = [pg.chat(f"Hello {i}", [], 0.0, 8, s) for i, s in enumerate(sessions)]
+        for c in chats:
+            next(c)
+        pg.step()
+        threading.Event().wait(pg.figures.min_interval_s)  # figures are rebuilt at most this often
+        builds, view_builds = pg.figures.builds, pg.figures.view_builds
+        for _ in range(30):  # thirty ticks of three tabs: the snapshot does not change while paused
+            views = [pg.chat_view(s) for s in sessions]
+        assert pg.figures.builds - builds <= 1 and pg.figures.view_builds - view_builds <= 3
+        for session, (view, polling) in zip(sessions, views):
+            assert polling and view.request_id == session.request_id
+            mine = [t for t in view.blocks["data"] if t["name"] == f"your request {session.request_id}"]
+            assert mine and mine[0]["x"] and "running **3**" in view.summary
+        for c in chats:
+            c.close()
+    finally:
+        pg.resume()
+
+
+def test_serialised_figures_turn_each_spec_into_json_once():
+    serialised = SerialisedFigures(keep=2)
+    a, b, c = ({"data": [], "layout": {"title": {"text": t}}} for t in "abc")
+    first = serialised(a)
+    assert serialised(a) is first and serialised.serialised == 1  # thirty tabs, one serialisation
+    assert json.loads(first.plot) == a and first.type == "plotly"
+    assert serialised(None) is None
+    equal_but_new = {"data": [], "layout": {"title": {"text": "a"}}}
+    assert serialised(equal_but_new) is not first and serialised.serialised == 2  # a rebuilt figure is new
+    serialised(b)
+    serialised(c)
+    assert serialised.serialised == 4 and len(serialised._by_id) == 2  # bounded: the oldest go first
+
+
 def test_dashboard_figures_are_shared_between_tabs(pg):
     first, second = pg.dashboard(), pg.dashboard()
     assert first is second  # no step in between: built once, served to every tab
@@ -135,12 +209,7 @@ def test_step_mode_describes_each_decision(pg):
     assert (plural(1, "token"), plural(2, "token"), plural(0, "request")) == ("1 token", "2 tokens", "0 requests")
 
 
-def test_traffic_generator_and_ablation_and_compare(pg):
-    fractions = []
-    msg = pg.traffic("mixed-lengths", 5, lambda f, d: fractions.append(f))
-    assert msg.startswith("5 users") and fractions[-1] == 1.0
-    msg = pg.traffic("long-document", 13)  # its 1,500-token document exceeds max_model_len=512
-    assert msg.startswith("12 users") and "1 request(s) refused" in msg and "max_model_len" in msg
+def test_ablation_and_compare(pg):
     rows = pg.ablate("fixed-16", quick=True)
     assert rows[0].switch is None and rows[0].ratio == 1.0
     assert all(r.same_output_as_full for r in rows if r.throughput_tok_s)
@@ -293,10 +362,20 @@ def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
     assert "Applied" in client.predict(True, True, True, False, True, False, 16, 64, 32, 2048, 512,
                                        api_name="/apply_settings")
     threading.Event().wait(0.2)
-    client.predict("x", [], 0.0, 8, api_name="/chat")
+    submitted, submit = [], playground.service.submit
+    playground.service.submit = lambda *args: (out := submit(*args), submitted.append(out[0]))[0]
+    try:
+        client.predict("x", [], 0.0, 8, api_name="/chat")
+    finally:
+        del playground.service.submit
     assert playground.settings()["prefix_caching"] is False and playground.settings()["max_num_seqs"] == 32
     status, *plots = client.predict(api_name="/dashboard")
     assert "step" in status and len(plots) == 5 and all(p for p in plots)
+    # the chat's live view reads this client's session: its last request is the one highlighted
+    plot, summary, _timer = client.predict(api_name="/chat_view")
+    spec = json.loads(plot["plot"])
+    assert spec["layout"]["title"]["text"] == f"Your request {submitted[0]}: finished, blocks freed"
+    assert "running **" in summary and "tokens/s" in summary
     plot, table, note = client.predict("fixed-16", "naive", "full", True, api_name="/compare")
     assert plot and [row[0] for row in table["data"]] == ["naive", "full"] and "identical output" in note
 
@@ -321,3 +400,20 @@ def test_step_mode_explains_chunks_and_drafts(tiny_models, monkeypatch):
     naive.step()
     naive.step()
     assert "no KV cache: every request recomputes its whole sequence" in describe_step(naive.snapshot())
+
+
+def test_loadtest_sessions_poll_chat_and_count_errors(server):
+    """The workshop load in small: open sessions polling the page, some chatting; errors are counted, not lost."""
+    from playground import loadtest
+    url, _ = server
+    sessions = loadtest.open_sessions(url, 3)
+    result = loadtest.run_phase(sessions, "smoke", 2, True, 16)
+    row = result.row()
+    assert row["chats"] == 2 and row["sessions"] == 3 and row["errors"] == 0, result.tally.errors
+    assert row["dashboard polls/s"] > 0 and row["view polls/s"] > 0 and row["p95 gap (s)"] is not None
+    assert all(c.ttft_s is not None and c.updates >= 2 for c in result.chats)
+    tally, stop = loadtest.Tally(), threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    loadtest.poll(sessions[0], "/no_such_endpoint", "dashboard_polls", stop, tally)
+    assert sum(tally.errors.values()) >= 1 and all(k.startswith("/no_such_endpoint: ") for k in tally.errors)
+    assert loadtest.percentile([1.0, 2.0, 3.0, 4.0], 0.95) == 3.0 and loadtest.percentile([], 0.95) is None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -142,3 +143,47 @@ def test_a_pool_that_cannot_be_built_leaves_the_service_serving(service, monkeyp
     monkeypatch.undo()
     assert "error" not in service.update_config(num_kv_blocks=32)
     assert service.snapshot().kv_blocks_total == 32
+
+
+def test_every_configuration_change_is_recorded_with_the_time_it_applied(service, monkeypatch):
+    """The engine keeps only its last reconfiguration; the service keeps each one, for the charts' markers."""
+    before = time.time()
+    service.update_config(prefix_caching=False)  # idle: applied at once
+    idle = service.config_changes[-1]
+    assert idle.changes == {"prefix_caching": False} and idle.action == "applied in place" and idle.error is None
+    assert before <= idle.time <= time.time()
+    with pytest.raises(ValueError):
+        service.update_config(block_size=3)  # refused before it reaches the engine: no change to mark
+    assert len(service.config_changes) == 1
+
+    service.pause()
+    rid, q = service.submit(random_prompts(1, seed=47)[0], GREEDY)
+    service.step_once()
+    assert service.update_config(prefix_caching=True, num_kv_blocks=40) is None  # busy: the next step applies it
+    assert len(service.config_changes) == 1
+    asked = time.time()
+    snap = service.step_once()
+    busy = service.config_changes[-1]
+    assert busy.changes == {"prefix_caching": True, "num_kv_blocks": 40}
+    assert busy.action == "re-prefill running requests" and busy.step == snap.steps[-1].step
+    assert asked <= busy.time <= service.history[-1].time  # when its step began, before the step's sample
+    service.step_once()
+    assert len(service.config_changes) == 2  # recorded once, not again at every step
+
+    monkeypatch.setattr("engine.engine.ModelRunner", lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room")))
+    assert service.update_config(num_kv_blocks=32) is None
+    service.step_once()
+    failed = service.config_changes[-1]
+    assert failed.changes == {"num_kv_blocks": 32} and "MemoryError" in failed.error
+    monkeypatch.undo()
+    service.resume()
+    assert len(drain(q)[-1].token_ids) == 12
+
+
+def test_follow_streams_a_request_submitted_first(service):
+    """A chat needs its request's id before the first token: it submits, then follows."""
+    rid, q = service.submit(random_prompts(1, seed=48)[0], GREEDY)
+    assert service.is_streaming(rid)
+    outs = list(service.follow(rid, q))
+    assert [o.request_id for o in outs] == [rid] * 12 and outs[-1].finished
+    assert not service.is_streaming(rid)

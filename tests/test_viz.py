@@ -3,16 +3,23 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from engine.bench import AblationRow, MemoryRow
+from engine.service import ConfigChange
 from viz import figures
+from viz.dashboard import FigureCache
 
 
 def snapshot(**kw):
     base = dict(step=3, block_size=4, kv_blocks_total=8, kv_blocks_used=5, kv_blocks_cached_free=1,
                 block_tables={"a": [0, 1, 2], "b": [0, 1, 3, 4]},
                 block_ref_counts=[2, 2, 1, 1, 1, 0, 0, 0], block_hashes=[11, 22, None, None, None, 33, None, None],
-                requests={"a": {"status": "running", "num_computed_tokens": 11, "num_prompt_tokens": 9},
-                          "b": {"status": "running", "num_computed_tokens": 14, "num_prompt_tokens": 14}})
+                requests={"a": {"status": "running", "num_computed_tokens": 11, "num_prompt_tokens": 9,
+                                "num_output_tokens": 2},
+                          "b": {"status": "running", "num_computed_tokens": 14, "num_prompt_tokens": 14,
+                                "num_output_tokens": 5}},
+                config={"prefix_caching": True, "kv_cache": True, "paged_kv": True}, num_running=2, num_waiting=0)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -262,3 +269,118 @@ def test_memory_sweep_figure_paged_vs_contiguous_and_a_series_per_kv_dtype():
     # rows from before the field existed still draw
     old = [SimpleNamespace(**{k: v for k, v in vars(r).items() if k != "kv_cache_dtype"}) for r in rows]
     assert [t.name for t in figures.to_figure(figures.memory_sweep_figure(old)).data][::3] == ["paged", "contiguous"]
+
+
+def test_a_chats_view_brightens_its_own_request_and_dims_the_others():
+    spec = figures.highlighted_block_figure(snapshot(), "b", live=True)
+    fig = figures.to_figure(spec)
+    by_name = {t.name: t for t in fig.data}
+    assert set(by_name) == {"your request b", "other requests", "free", "cached-free"}
+    mine = by_name["your request b"]
+    # every block it holds, the two it shares with a as well, in its own colour, outlined, drawn on top
+    assert sorted(zip(mine.x, mine.y)) == [(0, 0), (1, 0), (3, 0), (4, 0)] and fig.data[-1] is mine
+    assert mine.marker.color == figures.owner_colour("b") and mine.marker.line.color == "black"
+    assert mine.marker.line.width > 0 and set(mine.marker.opacity) == {1.0}
+    others = by_name["other requests"]
+    assert list(others.x) == [2] and list(others.marker.opacity) == [figures.DIMMED_OPACITY]
+    assert mine.marker.size > others.marker.size  # it stands out in a big pool's small cells too
+    assert fig.layout.title.text == "Your request b: 4 of 8 blocks, decoding, 5 tokens out"
+    # no request of this tab's in the pool: nothing is dimmed, the title says why
+    plain = {t.name: t for t in figures.to_figure(figures.highlighted_block_figure(snapshot(), None)).data}
+    assert "your request b" not in plain and set(plain["other requests"].marker.opacity) == {1.0}
+    titles = {figures.highlighted_block_figure(snapshot(), rid, live)["layout"]["title"]["text"]
+              for rid, live in (("z", True), ("z", False), (None, False))}
+    assert titles == {"Your request z: sent, not scheduled yet", "Your request z: finished, blocks freed",
+                      "KV pool: 5/8 blocks used"}
+    waiting = snapshot(requests={"c": {"status": "waiting", "num_computed_tokens": 0, "num_prompt_tokens": 9,
+                                       "num_output_tokens": 0}})
+    assert figures.highlighted_block_figure(waiting, "c")["layout"]["title"]["text"] == \
+        "Your request c waits for a seat or blocks"
+    prefilling = snapshot(requests={"b": {"status": "running", "num_computed_tokens": 8, "num_prompt_tokens": 40,
+                                          "num_output_tokens": 0}})
+    assert "prefill 8/40" in figures.highlighted_block_figure(prefilling, "b")["layout"]["title"]["text"]
+
+
+def change(t, step=1, error=None, **changes):
+    return ConfigChange(t, step, changes, "applied in place", error)
+
+
+def test_configuration_changes_are_marked_on_every_time_series():
+    hist = [sample(100.0 + i) for i in range(11)]
+    changes = [change(95.0, prefix_caching=True),  # before the first sample shown: left out
+               change(105.0, step=5, prefix_caching=False),
+               change(108.0, step=8, error="MemoryError: no room", num_kv_blocks=9999),
+               change(112.0, step=11, max_num_seqs=4)]  # applied by an idle engine after the last step
+    for build in (figures.queues_figure, figures.prefix_cache_figure, figures.throughput_figure):
+        spec = build(hist, changes=changes)
+        fig = figures.to_figure(spec)  # valid plotly
+        lines = [s for s in spec["layout"]["shapes"]]
+        assert [s["x0"] for s in lines] == [5.0, 8.0, 12.0] and all(s["yref"] == "paper" for s in lines)
+        labels = [a for a in spec["layout"]["annotations"] if a.get("textangle") == -90]
+        assert [a["text"] for a in labels] == ["prefix_caching=False", "✗ num_kv_blocks=9999", "max_num_seqs=4"]
+        assert all(a["y"] == 1 and a["yref"] == "paper" and a["yanchor"] == "top" for a in labels)  # inside the plot
+        assert "step 5: prefix_caching=False (applied in place)" in labels[0]["hovertext"]
+        assert "not applied: MemoryError" in labels[1]["hovertext"]
+        assert lines[1]["line"]["color"] != lines[0]["line"]["color"]  # a change that did not apply is drawn grey
+        assert len(fig.layout.shapes) == 3
+    assert figures.queues_figure(hist)["layout"]["shapes"] == []
+    assert figures.queues_figure([], changes=changes)["layout"]["shapes"] == []  # no time axis yet
+
+
+def test_changes_close_in_time_share_one_marker_and_long_labels_are_shortened():
+    hist = [sample(0.0), sample(100.0)]
+    close = [change(50.0, prefix_caching=False), change(51.0, continuous_batching=False, max_num_seqs=4)]
+    shapes, annotations = figures.change_markers(hist, close)
+    assert len(shapes) == len(annotations) == 1
+    text = annotations[0]["text"]
+    assert len(text) == figures.MARKER_LABEL_CHARS and text.endswith("…") and text.startswith("prefix_caching=False")
+    assert "prefix_caching=False" in annotations[0]["hovertext"] and "max_num_seqs=4" in annotations[0]["hovertext"]
+    far = [change(10.0, prefix_caching=False), change(60.0, prefix_caching=True)]
+    assert len(figures.change_markers(hist, far)[0]) == 2
+
+
+def test_recent_tokens_per_second():
+    hist = [sample(t, generation_tokens_total=10 * t) for t in range(20)]
+    assert figures.recent_tokens_per_s(hist) == 10.0
+    assert figures.recent_tokens_per_s(hist[:1]) == 0.0 and figures.recent_tokens_per_s([]) == 0.0
+    idle_then_one = hist + [sample(60.0, generation_tokens_total=500)]  # first step after an idle minute
+    assert figures.recent_tokens_per_s(idle_then_one) == 0.0
+
+
+def test_chat_views_come_from_the_shared_cache():
+    """30 tabs polling each second must not rebuild figures: once per snapshot, plus once per highlighted request."""
+    cache = FigureCache(min_interval_s=0.0)
+    snap, hist = snapshot(), [sample(0), sample(1, generation_tokens_total=8)]
+    views = [cache.chat_view(snap, hist, rid, True) for _ in range(30) for rid in ("a", "b", None)]
+    assert cache.builds == 1 and cache.view_builds == 3
+    assert views[0] is views[3] and views[0].blocks is views[3].blocks  # the same spec: serialised once
+    assert cache.get(snap, hist) is cache.get(snap, hist) and cache.builds == 1
+    assert "running **2**" in views[0].summary and "**8.0** tokens/s" in views[0].summary
+    assert cache.chat_view(snap, hist, "a", False) is not views[0] and cache.view_builds == 4  # a finished view
+    # a new snapshot (a step, or a change an idle engine applied) rebuilds everything once
+    later = snapshot(step=4)
+    cache.chat_view(later, hist, "a", True, changes=[change(0.5, prefix_caching=False)])
+    assert cache.builds == 2 and cache.view_builds == 5
+    assert cache.get(later, hist).queues["layout"]["shapes"]  # the marker is drawn
+    idle_change = snapshot(step=4)  # same step, new snapshot object: the service published a reconfiguration
+    cache.get(idle_change, hist)
+    assert cache.builds == 3
+    throttled = FigureCache(min_interval_s=60.0)
+    first = throttled.chat_view(snap, hist, "a", True)
+    assert throttled.chat_view(later, hist, "a", True) is first and throttled.builds == 1  # at most once a minute
+
+
+def test_the_time_series_cover_minutes_whatever_the_step_rate():
+    """300 steps of a fast engine were 3 s: a configuration change left the charts before its effect showed."""
+    fast = [sample(i * 0.01, generation_tokens_total=i) for i in range(30_000)]  # 300 s at 100 steps/s
+    recent = figures.recent_samples(fast, span_s=120.0, max_points=300)
+    assert 295 <= len(recent) <= 301 and recent[-1] is fast[-1]
+    assert 119.0 <= recent[-1].time - recent[0].time <= 120.0
+    gaps = [b.time - a.time for a, b in zip(recent, recent[1:])]
+    assert max(gaps) < figures.IDLE_GAP_S  # thinning never looks like an idle engine
+    assert figures.throughput_figure(recent, window=1)["data"][0]["y"][-1] == pytest.approx(100.0)
+    slow = [sample(float(i)) for i in range(50)]  # one step a second: every sample kept
+    assert figures.recent_samples(slow, 120.0, 300) == slow and figures.recent_samples([], 120.0, 300) == []
+    short = fast[:1000]  # 10 s of history: thinned over those 10 s, not over the whole span
+    kept = figures.recent_samples(short, 120.0, 300)
+    assert 295 <= len(kept) <= 301 and kept[0].time < 0.05

@@ -1,6 +1,7 @@
 """The dashboard's figures, built once per engine step and shared by every open tab.
 
-Each browser tab runs its own timer; without this cache, N tabs would build N copies of every figure.
+Each browser tab runs its own timer; without this cache, N tabs would build N copies of every figure. A chat's
+live view (the block table with its own request highlighted) is cached beside them, one per request per build.
 """
 from __future__ import annotations
 
@@ -20,6 +21,21 @@ class DashboardFigures:
     prefix: dict  # plotly figure spec
     throughput: dict  # plotly figure spec
     memory: dict  # plotly figure spec
+
+
+@dataclass
+class ChatView:
+    """What a chat tab shows beside its conversation while its reply streams."""
+    request_id: str | None
+    live: bool  # the request still streams (it may not be in the snapshot yet)
+    blocks: dict  # plotly figure spec: the block table with this request highlighted
+    summary: str  # markdown: running / waiting / tokens/s, as of the same snapshot
+
+
+def chat_summary(snapshot, tokens_per_s: float) -> str:
+    return (f"step **{snapshot.step}** · running **{snapshot.num_running}** · waiting **{snapshot.num_waiting}** · "
+            f"**{tokens_per_s:.1f}** tokens/s over the last 10 steps (all requests) · "
+            f"KV {snapshot.kv_blocks_used}/{snapshot.kv_blocks_total} blocks")
 
 
 def system_memory() -> dict:
@@ -45,27 +61,57 @@ def system_memory() -> dict:
 
 
 class FigureCache:
-    def __init__(self, history_points: int = 300, min_interval_s: float = 0.9) -> None:
+    def __init__(self, history_s: float = 180.0, history_points: int = 300, min_interval_s: float = 0.9) -> None:
         self._lock = threading.Lock()
         self._cached: DashboardFigures | None = None
+        self._source = None  # the snapshot the cached figures show
+        self._tokens_per_s = 0.0  # and the generation rate then
+        self._views: dict[tuple[str | None, bool], ChatView] = {}  # chat views of the cached snapshot
         self._built_at = 0.0
-        self.history_points = history_points
+        self.history_s = history_s  # the time series show this much time (a change and minutes after it)
+        self.history_points = history_points  # in at most this many points
         self.min_interval_s = min_interval_s
         self.builds = 0
+        self.view_builds = 0
 
-    def get(self, snapshot, history) -> DashboardFigures:
-        """Figures for this snapshot, rebuilt only when the engine has stepped since the last build, and at
-        most once per min_interval_s: building holds the GIL, and the engine thread needs it to keep streaming."""
+    def get(self, snapshot, history, changes=()) -> DashboardFigures:
+        """Figures for this snapshot, rebuilt only when the service published a new one since the last build (after
+        a step, or a configuration change applied by an idle engine), and at most once per min_interval_s: building
+        holds the GIL, and the engine thread needs it to keep streaming. `changes`: ConfigChange records, drawn
+        as markers on the time series."""
         with self._lock:
-            now = time.monotonic()
-            stale = self._cached is None or self._cached.step != snapshot.step
-            if stale and (self._cached is None or now - self._built_at >= self.min_interval_s):
-                self._built_at = now
-                recent = list(history)[-self.history_points:]
-                self._cached = DashboardFigures(
-                    snapshot.step, figures.block_table_figure(snapshot), figures.queues_figure(recent),
-                    figures.prefix_cache_figure(recent, active=figures.prefix_caching_active(snapshot.config)),
-                    figures.throughput_figure(recent),
-                    figures.memory_figure(snapshot, system_memory()))
-                self.builds += 1
-            return self._cached
+            return self._get(snapshot, history, changes)
+
+    def _get(self, snapshot, history, changes) -> DashboardFigures:
+        now = time.monotonic()
+        stale = self._cached is None or snapshot is not self._source
+        if stale and (self._cached is None or now - self._built_at >= self.min_interval_s):
+            self._built_at = now
+            samples = list(history)
+            recent = figures.recent_samples(samples, self.history_s, self.history_points)
+            marks = list(changes)
+            self._cached = DashboardFigures(
+                snapshot.step, figures.block_table_figure(snapshot), figures.queues_figure(recent, changes=marks),
+                figures.prefix_cache_figure(recent, active=figures.prefix_caching_active(snapshot.config),
+                                            changes=marks),
+                figures.throughput_figure(recent, changes=marks),
+                figures.memory_figure(snapshot, system_memory()))
+            self._source, self._views = snapshot, {}
+            self._tokens_per_s = figures.recent_tokens_per_s(samples)
+            self.builds += 1
+        return self._cached
+
+    def chat_view(self, snapshot, history, request_id: str | None, live: bool, changes=()) -> ChatView:
+        """The block table with one chat's request highlighted, of the same snapshot as the dashboard's figures:
+        built once per (snapshot, request) however many times that chat's tab asks."""
+        with self._lock:
+            self._get(snapshot, history, changes)
+            key = (request_id, live)
+            view = self._views.get(key)
+            if view is None:
+                source = self._source
+                view = self._views[key] = ChatView(
+                    request_id, live, figures.highlighted_block_figure(source, request_id, live),
+                    chat_summary(source, self._tokens_per_s))
+                self.view_builds += 1
+            return view

@@ -26,7 +26,14 @@ LAYOUT = dict(margin=dict(l=50, r=20, t=75, b=40), height=300, plot_bgcolor="whi
 IDLE_GAP_S = 2.0  # an engine idle longer than this between two steps breaks the time series' lines
 LEGEND_OWNERS = 6  # the block table's legend names the requests holding most blocks, then "N other requests"
 CELL_PX = 22  # a block table row at 32 columns, in pixels: the grid's height depends on the pool size only
+CHAT_CELL_PX = 15  # the same in a chat's live view, which shares its row with the conversation (~450-600 px wide)
 PREFILLING_OPACITY = 0.45  # a request whose prompt is still being prefilled in chunks: its blocks drawn faint
+DIMMED_OPACITY = 0.25  # a chat's own view of the pool: everyone else's blocks drawn faint beside its own
+# A configuration change's label is drawn upright beside its marker, from the top of the plot area down: longer
+# labels would run past the plot's bottom (hover shows the whole change). Markers closer than MARKER_MERGE of the
+# time span share one line, so their labels never pile on each other.
+MARKER_LABEL_CHARS = 24
+MARKER_MERGE = 0.04
 
 
 def to_figure(spec: dict) -> go.Figure:
@@ -146,6 +153,50 @@ def block_table_figure(snap, cols: int | None = None) -> dict:
                   yaxis=dict(visible=False, range=[rows - 0.5, -0.5], fixedrange=True))
 
 
+def highlighted_block_figure(snap, request_id: str | None, live: bool = False) -> dict:
+    """The block table as one chat sees it: its own request's blocks (shared ones too) in full colour and outlined,
+    every other request's dimmed. `live`: the request is still streaming, though perhaps not in this snapshot yet."""
+    cols = grid_columns(len(snap.block_ref_counts))
+    pitch = CHAT_CELL_PX * min(1.0, 32 / cols)
+    cells = block_cells(snap, cols)
+    mine = [c for c in cells if request_id is not None and any(rid == request_id for rid, _ in c["owners"])]
+    mine_ids = {c["block"] for c in mine}
+    others = [c for c in cells if c["owners"] and c["block"] not in mine_ids]
+    data = []
+    if others:
+        trace = _cells_trace(others, "other requests", [owner_colour(c["owners"][0][0]) for c in others], pitch)
+        dim = DIMMED_OPACITY if mine else 1.0
+        trace["marker"]["opacity"] = [o * dim for o in trace["marker"]["opacity"]]
+        data.append(trace)
+    for state, colour in (("free", FREE), ("cached-free", CACHED_FREE)):
+        data.append(_cells_trace([c for c in cells if c["state"] == state], state, colour, pitch))
+    if request_id is not None:  # drawn last: on top of the others, with a thick outline
+        trace = _cells_trace(mine, f"your request {request_id}", owner_colour(request_id), pitch)
+        trace["marker"]["line"] = dict(width=2.5 if pitch >= 12 else 1.5, color="black")
+        trace["marker"]["size"] = max(5, round(pitch * 0.9))  # a little larger than the others: it stands out
+        data.append(trace)
+    rows = max(1, -(-len(cells) // cols))
+    top, bottom = 50, 60  # the title; two rows of legend
+    return figure(data, height=round(pitch * rows) + top + bottom, margin=dict(l=10, r=10, t=top, b=bottom),
+                  legend=dict(orientation="h", x=0, y=0, yanchor="top", entrywidth=140, itemsizing="constant"),
+                  title=_highlight_title(snap, request_id, live, len(mine)),
+                  xaxis=dict(visible=False, range=[-0.6, cols - 0.4], fixedrange=True),
+                  yaxis=dict(visible=False, range=[rows - 0.5, -0.5], fixedrange=True))
+
+
+def _highlight_title(snap, request_id: str | None, live: bool, num_blocks: int) -> str:
+    if request_id is None:
+        return f"KV pool: {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks used"
+    req = snap.requests.get(request_id)
+    if req is None:
+        return f"Your request {request_id}: " + ("sent, not scheduled yet" if live else "finished, blocks freed")
+    if req["status"] != "running":
+        return f"Your request {request_id} waits for a seat or blocks"
+    done, prompt = req["num_computed_tokens"], req["num_prompt_tokens"]
+    doing = f"prefill {done}/{prompt}" if done < prompt else f"decoding, {req['num_output_tokens']} tokens out"
+    return f"Your request {request_id}: {num_blocks} of {snap.kv_blocks_total} blocks, {doing}"
+
+
 def _cells_trace(cells: list[dict], name: str, colour: str | list[str], pitch: float = CELL_PX) -> dict:
     text = text_colour(colour) if isinstance(colour, str) else [text_colour(c) for c in colour]
     roomy = pitch >= 16  # small cells: no room for a number (hover shows the ref count), a thinner outline
@@ -169,6 +220,23 @@ def _cell_hover(c: dict) -> str:
     if c["hash"] is not None:
         lines.append(f"prefix hash {c['hash'] & 0xFFFFFFFF:08x}")
     return "<br>".join(lines)
+
+
+def recent_samples(history: Sequence, span_s: float, max_points: int) -> list:
+    """The samples of the last span_s seconds, thinned to at most about max_points: the last sample of each equal
+    slice of time. A chart then covers the same minutes at any step rate (a fast engine takes hundreds of steps a
+    second), so a configuration change stays on screen beside what came before it. Counters are cumulative, so
+    rates over thinned samples stay right."""
+    if not history:
+        return []
+    end = history[-1].time
+    start = max(end - span_s, history[0].time)  # a short history keeps its full resolution
+    width = max(end - start, 1e-9) / max(1, max_points)
+    kept: dict[int, object] = {}
+    for h in history:
+        if h.time >= start:
+            kept[int((h.time - start) / width)] = h  # a later sample in the same slice replaces the earlier
+    return list(kept.values())
 
 
 def _times(history: Sequence) -> list[float]:
@@ -219,7 +287,54 @@ def _line(t: Sequence[float], y: Sequence, starts: Sequence[bool], drop_missing:
     return scatter(x=xs, y=ys, mode="lines+markers", marker=dict(size=[6 if a else 0 for a in lone]), **kw)
 
 
-def queues_figure(history: Sequence, idle_gap_s: float = IDLE_GAP_S) -> dict:
+def change_label(change) -> str:
+    """'prefix_caching=False', or '✗ num_kv_blocks=9999' for a change the engine could not build (drawn grey; its
+    hover says "not applied" and why)."""
+    text = ", ".join(f"{k}={v}" for k, v in change.changes.items())
+    return f"✗ {text}" if change.error else text
+
+
+def change_markers(history: Sequence, changes: Sequence) -> tuple[list[dict], list[dict]]:
+    """(shapes, annotations): a dotted vertical line and an upright label for each configuration change (the
+    service's ConfigChange records) since the first sample, on the same time axis as the samples."""
+    if not history or not changes:
+        return [], []
+    t0 = history[0].time
+    points = sorted(((c.time - t0, c) for c in changes if c.time >= t0), key=lambda p: p[0])
+    if not points:
+        return [], []
+    span = max(history[-1].time - t0, points[-1][0], 1.0)
+    groups: list[tuple[float, list]] = []
+    for x, change in points:
+        if groups and x - groups[-1][0] < MARKER_MERGE * span:
+            groups[-1][1].append(change)
+        else:
+            groups.append((x, [change]))
+    shapes, annotations = [], []
+    for x, group in groups:
+        label = " · ".join(change_label(c) for c in group)
+        colour = "#999" if all(c.error for c in group) else "#333"
+        hover = "<br>".join(f"step {c.step}: {change_label(c)} "
+                            + (f"(not applied: {c.error})" if c.error else f"({c.action})") for c in group)
+        shapes.append(dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1,
+                           line=dict(color=colour, width=1.5, dash="dot")))
+        annotations.append(dict(x=x, xref="x", y=1, yref="paper", xanchor="right", yanchor="top", textangle=-90,
+                                text=_shorten(label, MARKER_LABEL_CHARS), hovertext=hover, showarrow=False,
+                                font=dict(size=11, color=colour), bgcolor="rgba(255,255,255,0.75)"))
+    return shapes, annotations
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _marked(layout_annotations: list[dict], history: Sequence, changes: Sequence) -> dict:
+    """Layout keys for a time-series chart: its own notes plus the configuration changes' markers."""
+    shapes, annotations = change_markers(history, changes)
+    return dict(shapes=shapes, annotations=layout_annotations + annotations)
+
+
+def queues_figure(history: Sequence, idle_gap_s: float = IDLE_GAP_S, changes: Sequence = ()) -> dict:
     t, starts = _times(history), _busy_starts(history, idle_gap_s)
     pre = [(x, h.num_running) for x, h, prev in zip(t[1:], history[1:], history)
            if h.num_preemptions > prev.num_preemptions]
@@ -228,7 +343,8 @@ def queues_figure(history: Sequence, idle_gap_s: float = IDLE_GAP_S) -> dict:
         _line(t, [h.num_waiting for h in history], starts, name="waiting"),
         scatter(x=[p[0] for p in pre], y=[p[1] for p in pre], name="preemption", mode="markers",
                 marker=dict(symbol="x", size=10, color="red")),
-    ], title="Scheduler queues", xaxis=dict(title={"text": "seconds"}), annotations=_empty_note(history),
+    ], title="Scheduler queues", xaxis=dict(title={"text": "seconds"}),
+        **_marked(_empty_note(history), history, changes),
         yaxis=dict(title={"text": "requests"}, rangemode="tozero", **_whole_ticks(
             max((max(h.num_running, h.num_waiting) for h in history), default=0))))
 
@@ -244,7 +360,7 @@ def prefix_caching_active(config: dict) -> bool:
 
 
 def prefix_cache_figure(history: Sequence, window: int = 20, active: bool = True,
-                        idle_gap_s: float = IDLE_GAP_S) -> dict:
+                        idle_gap_s: float = IDLE_GAP_S, changes: Sequence = ()) -> dict:
     """`active`: whether prefix caching is on now (see prefix_caching_active); when off, the chart says so."""
     t, starts = _times(history), _busy_starts(history, idle_gap_s)
     # counters only move at steps, so this window may span an idle period: it is the last `window` steps' rate
@@ -255,10 +371,11 @@ def prefix_cache_figure(history: Sequence, window: int = 20, active: bool = True
     ], title="Prefix cache", xaxis=dict(title={"text": "seconds"}),
         yaxis=dict(title={"text": "hit rate %"}, range=[0, 105]),
         yaxis2=dict(title={"text": "tokens"}, overlaying="y", side="right", rangemode="tozero", showgrid=False),
-        annotations=_empty_note(history) if active else [note("prefix caching is off")])
+        **_marked(_empty_note(history) if active else [note("prefix caching is off")], history, changes))
 
 
-def throughput_figure(history: Sequence, window: int = 10, idle_gap_s: float = IDLE_GAP_S) -> dict:
+def throughput_figure(history: Sequence, window: int = 10, idle_gap_s: float = IDLE_GAP_S,
+                      changes: Sequence = ()) -> dict:
     t, starts = _times(history), _busy_starts(history, idle_gap_s)
     tps = _windowed_ratio(history, window, lambda h: h.generation_tokens_total, lambda h: h.time, starts=starts)
     return figure([
@@ -267,9 +384,19 @@ def throughput_figure(history: Sequence, window: int = 10, idle_gap_s: float = I
                 yaxis="y2"),
         scatter(x=t, y=[h.tpot_s * 1e3 if h.tpot_s else None for h in history], name="TPOT (ms)", mode="markers",
                 yaxis="y2"),
-    ], title="Throughput and latency", xaxis=dict(title={"text": "seconds"}), annotations=_empty_note(history),
+    ], title="Throughput and latency", xaxis=dict(title={"text": "seconds"}),
+        **_marked(_empty_note(history), history, changes),
         yaxis=dict(title={"text": "tokens/s"}, rangemode="tozero"),
         yaxis2=dict(title={"text": "ms"}, overlaying="y", side="right", rangemode="tozero", showgrid=False))
+
+
+def recent_tokens_per_s(history: Sequence, window: int = 10, idle_gap_s: float = IDLE_GAP_S) -> float:
+    """Tokens generated per second over the last `window` steps (as the throughput chart's last point), 0 when
+    the engine has not stepped twice since it was last idle."""
+    recent = list(history)[-(window + 1):]
+    rates = _windowed_ratio(recent, window, lambda h: h.generation_tokens_total, lambda h: h.time,
+                            starts=_busy_starts(recent, idle_gap_s))
+    return (rates[-1] or 0.0) if rates else 0.0
 
 
 def memory_figure(snap, system: dict) -> dict:

@@ -1,0 +1,31 @@
+"""Figure specs serialised to JSON once, however many tabs show them.
+
+Every open tab's timer asks for the same cached specs each second; gradio would otherwise turn each into JSON
+again per tab. This is the one playground module that knows gradio's plot payload.
+"""
+from __future__ import annotations
+
+from gradio.components.plot import PlotData
+
+from viz.figures import to_json
+
+
+class SerialisedFigures:
+    """spec -> PlotData, keyed by the spec object itself (the caches hand out the same object until they rebuild).
+    `keep` bounds what is held: the dashboard's five charts, a view per chatting tab, step mode, ablation, compare."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._by_id: dict[int, tuple[object, PlotData]] = {}
+        self.keep = keep
+        self.serialised = 0  # how many specs were turned into JSON: the tests count it
+
+    def __call__(self, spec: dict | None) -> PlotData | None:
+        if spec is None:
+            return None
+        hit = self._by_id.get(id(spec))
+        if hit is None or hit[0] is not spec:  # the id of a spec since freed may be reused: check identity
+            if len(self._by_id) >= self.keep:
+                self._by_id.pop(next(iter(self._by_id)))
+            hit = self._by_id[id(spec)] = (spec, PlotData(type="plotly", plot=to_json(spec)))
+            self.serialised += 1
+        return hit[1]
