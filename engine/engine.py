@@ -144,7 +144,8 @@ class LLMEngine:
         # never more than every seat filled to max_model_len: beyond that the memory would sit idle
         num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
         return {"max_model_len": self.model.max_len,
-                "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len), "num_kv_blocks": num_blocks}
+                "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len, self.model.device.type),
+                "num_kv_blocks": num_blocks}
 
     def _resolve(self, config: EngineConfig) -> EngineConfig:
         """Fill the sizes left as None from the model and the memory budget, and check they fit together and

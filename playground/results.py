@@ -4,7 +4,7 @@ measured for the repository shipped in presets/results/, shown until this machin
 The shipped file is `bundle` of the row lists that `python -m engine.bench ... --json` writes:
 
     python -m playground.results --cumulative cumulative.json --concurrency concurrency.json \\
-        --memory memory.json --measured-on "2-core Xeon VM (AVX-512), no GPU, torch 2.13" [--date 2026-12-01]
+        --memory memory.json --measured-on "2-core AMD EPYC VM (AVX2), no GPU, torch 2.13" [--date 2026-12-01]
 """
 from __future__ import annotations
 
