@@ -219,14 +219,17 @@ VISIBLE_TRACES = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))
 
 
 def test_the_engine_feature_by_feature_tab(served, page, shots):
-    """Nothing shipped and nothing measured: each chart says so. Then each Run button measures its experiment on
-    the tiny model (quick presets), and the three charts stay readable; the concurrency selector redraws."""
+    """Before anything is measured here, the repository's shipped results are drawn, with where and when they
+    were measured. Then each Run button measures its experiment on the tiny model (quick presets), and the three
+    charts stay readable, now marked as this machine's; the concurrency selector redraws."""
     url, pg = served
     tab = "The engine, feature by feature"
     page.goto(url)
     page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
     visit(page, tab, shots, min_charts=3, name="features-before")
-    assert page.get_by_text("No shipped results yet").is_visible()
+    assert page.get_by_text("Shipped results: measured on").is_visible()
+    assert page.evaluate(VISIBLE_TRACES) == [1, 3, 6]  # the shipped rows, drawn before any run
+    assert page.get_by_text("shipped with the repository").count() == 3
     for button, cell in (("Run cumulative ablation", "+ KV cache"), ("Run concurrency sweep", "reference"),
                          ("Run memory sweep", "contiguous")):
         page.get_by_role("button", name=button).click()
