@@ -7,7 +7,8 @@ Starts the app on a free local port, then runs the same chats twice: alone, and 
 the page as a browser tab does: the page's clock asks for the status line and dashboard once a second, and a
 chatting tab's live view asks for its own view once a second while its reply streams. Each session is its own
 gradio client (its own session). Prints TTFT, the gaps between streamed tokens as the clients saw them (p95 is
-the workshop's number), how long polls took, and every error a session met. A benchmark, not a test.
+the workshop's number; tokens that arrive within one display frame count as one update of the text), how long
+polls took, the app process's CPU use (100% = one core), and every error a session met. A benchmark, not a test.
 """
 from __future__ import annotations
 
@@ -30,13 +31,32 @@ PROMPTS = ["Tell me about the moon.", "Write a short poem about rain.", "How do 
            "Explain what a compiler does.", "Give me three tips for sleeping well.", "What is a black hole?",
            "Describe a walk in the forest.", "Why is the sky blue?"]
 POLL_S = 1.0  # what every tab's timer does
+# Tokens that arrive within one display frame of each other show as one step of the reply: a stalled stream
+# that then delivers 30 tokens at once is one long gap, not one long gap and 29 of zero (which made a p95 of 0).
+FRAME_S = 1 / 60
 
 
 @dataclass
 class ChatTiming:
     ttft_s: float | None = None
-    gaps_s: list[float] = field(default_factory=list)
-    updates: int = 0
+    gaps_s: list[float] = field(default_factory=list)  # between steps of the reply's text on screen (FRAME_S)
+    updates: int = 0  # updates that brought new text (the first token's included)
+    reply: str = ""  # the reply so far
+    _last_s: float = 0.0  # when the text last grew, since the message was sent
+
+    def saw(self, elapsed_s: float, text: str) -> None:
+        """An update of the chat, `elapsed_s` after the message was sent, showing `text` as the reply so far. Only
+        an update that brings new text is a streamed token: the first update echoes the user's message (its reply
+        is ""), and one may carry the stats line alone (the last one does)."""
+        if not text or text == self.reply:
+            return
+        self.reply = text
+        self.updates += 1
+        if self.ttft_s is None:
+            self.ttft_s = elapsed_s
+        elif elapsed_s - self._last_s >= FRAME_S:  # within a frame: a burst, one step of the text on screen
+            self.gaps_s.append(elapsed_s - self._last_s)
+        self._last_s = elapsed_s
 
 
 @dataclass
@@ -66,17 +86,21 @@ class PhaseResult:
     tally: Tally
     wall_s: float  # from the first chat sent to the last reply ended
     polling_s: float  # how long the sessions polled the dashboard (from before the chats to after them)
+    server_cpu_s: float | None = None  # CPU time the app's process used from the first chat to the last reply
 
     def row(self) -> dict:
         ttfts = [c.ttft_s for c in self.chats if c.ttft_s is not None]
         gaps = sorted(g for c in self.chats for g in c.gaps_s)
         return {"phase": self.phase, "sessions": self.sessions, "chats": len(self.chats),
+                "updates": sum(c.updates for c in self.chats),
                 "mean TTFT (s)": _mean(ttfts), "max TTFT (s)": max(ttfts, default=None),
                 "mean gap (s)": _mean(gaps), "p95 gap (s)": percentile(gaps, 0.95),
                 "max gap (s)": max(gaps, default=None),
                 "dashboard polls/s": self.tally.dashboard_polls / self.polling_s if self.polling_s else 0.0,
                 "view polls/s": self.tally.view_polls / self.wall_s if self.wall_s else 0.0,
                 "p95 poll (s)": percentile(sorted(self.tally.poll_s), 0.95),
+                "app CPU (%)": 100 * self.server_cpu_s / self.wall_s if self.server_cpu_s is not None and self.wall_s
+                else None,
                 "errors": sum(self.tally.errors.values())}
 
 
@@ -97,31 +121,29 @@ def chat_once(session, prompt: str, max_tokens: int, tally: Tally | None = None,
               view_stop: threading.Event | None = None) -> ChatTiming:
     """One chat through the /chat endpoint. With `view_stop`, the session's live view is polled meanwhile."""
     timing = ChatTiming()
-    start = last = time.perf_counter()
+    start = time.perf_counter()
     job = session.submit(prompt, [], 0.0, max_tokens, api_name="/chat")
-    reply = ""
     for history, _stats in job:
-        now = time.perf_counter()
-        if len(history) < 2 or not history[-1].get("content"):
-            continue
-        reply = _text(history[-1]["content"])
-        if timing.ttft_s is None:
-            timing.ttft_s = now - start
-        else:
-            timing.gaps_s.append(now - last)
-        last = now
-        timing.updates += 1
+        timing.saw(time.perf_counter() - start, _reply(history))
     job.result()  # raises what the server raised
+    reply = timing.reply
     if tally is not None and (not reply or reply.startswith("⚠️") or "[engine error" in reply):
         tally.error("chat", f"the reply was {reply[:80]!r}")
     return timing
+
+
+def _reply(history: list[dict]) -> str:
+    """The assistant's reply so far: "" while the history ends with the user's message."""
+    if not history or history[-1].get("role") != "assistant":
+        return ""
+    return _text(history[-1].get("content"))
 
 
 def _text(content) -> str:
     """An assistant message's content comes back as [{"type": "text", "text": ...}] from gradio_client."""
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return str(content)
+    return "" if content is None else str(content)
 
 
 def poll(session, api_name: str, kind: str, stop: threading.Event, tally: Tally) -> None:
@@ -135,9 +157,21 @@ def poll(session, api_name: str, kind: str, stop: threading.Event, tally: Tally)
         stop.wait(max(0.0, POLL_S - (time.perf_counter() - t)))
 
 
-def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_tokens: int) -> PhaseResult:
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system) the process has used so far, from /proc (None where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
+def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_tokens: int,
+              server_pid: int | None = None) -> PhaseResult:
     """The first num_chats sessions chat at once. With `watch`, every session polls the dashboard meanwhile, and
-    each chatting one its live view while its reply streams."""
+    each chatting one its live view while its reply streams. `server_pid`: the app's process, whose CPU use the
+    phase reports (100% is one core)."""
     tally, stop = Tally(), threading.Event()
     pollers = [threading.Thread(target=poll, args=(s, "/dashboard", "dashboard_polls", stop, tally), daemon=True)
                for s in (sessions if watch else [])]
@@ -147,6 +181,7 @@ def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_token
     if pollers:
         time.sleep(2.0)  # let the sessions settle into their rhythm first
     results: list[ChatTiming | None] = [None] * num_chats
+    cpu_from = cpu_seconds(server_pid)
     start = time.perf_counter()
 
     def run(i: int) -> None:
@@ -169,12 +204,13 @@ def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_token
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    cpu_to = cpu_seconds(server_pid)
     stop.set()
     polling = time.perf_counter() - polling_from if pollers else 0.0
     for p in pollers:
         p.join(timeout=10)
     return PhaseResult(phase, len(sessions) if watch else num_chats, [r for r in results if r is not None], tally,
-                       wall, polling)
+                       wall, polling, cpu_to - cpu_from if cpu_from is not None and cpu_to is not None else None)
 
 
 def free_port() -> int:
@@ -226,9 +262,9 @@ def loadtest(num_sessions: int = 12, num_chats: int = 4, max_tokens: int = 64,
     try:
         sessions = open_sessions(url, num_sessions)
         chat_once(sessions[0], "Hi", 8)  # warm-up
-        return [run_phase(sessions, "chats only", num_chats, False, max_tokens),
+        return [run_phase(sessions, "chats only", num_chats, False, max_tokens, proc.pid),
                 run_phase(sessions, f"{num_chats} chats + {num_sessions} open sessions", num_chats, True,
-                          max_tokens)]
+                          max_tokens, proc.pid)]
     finally:
         proc.terminate()
         proc.wait(timeout=30)

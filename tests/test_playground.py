@@ -417,3 +417,20 @@ def test_loadtest_sessions_poll_chat_and_count_errors(server):
     loadtest.poll(sessions[0], "/no_such_endpoint", "dashboard_polls", stop, tally)
     assert sum(tally.errors.values()) >= 1 and all(k.startswith("/no_such_endpoint: ") for k in tally.errors)
     assert loadtest.percentile([1.0, 2.0, 3.0, 4.0], 0.95) == 3.0 and loadtest.percentile([], 0.95) is None
+
+
+def test_loadtest_counts_a_gap_per_step_of_the_reply_on_screen():
+    """The echo of the message is not the first token, a stats-only update is no token, and a burst of tokens
+    after a stall is one long gap (counted as many gaps of zero, it made the loaded phase's p95 read 0.0000)."""
+    from playground.loadtest import ChatTiming, _reply
+    user = {"role": "user", "content": "Hi"}
+
+    def said(text):
+        return [user, {"role": "assistant", "content": [{"type": "text", "text": text}]}]
+    timing = ChatTiming()
+    for t, history in [(0.2, [user]), (0.5, said("Hel")), (0.6, said("Hello")), (0.6, said("Hello")),
+                       (3.6, said("Hello,")), (3.6001, said("Hello, w")), (3.6002, said("Hello, wor")),
+                       (3.7, said("Hello, world"))]:
+        timing.saw(t, _reply(history))
+    assert timing.ttft_s == 0.5 and timing.reply == "Hello, world" and timing.updates == 6
+    assert timing.gaps_s == pytest.approx([0.1, 3.0, 0.0998])
