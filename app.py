@@ -12,6 +12,10 @@ import argparse
 import os
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+# gradio's queue recomputes its monitoring summary (a pandas groupby over its last 10,000 events) after every event
+# by default: with 30 tabs polling, a quarter of the server's GIL time, growing with the events recorded. Nothing
+# reads it unless the monitoring page is on; it is then refreshed every 1,000 events.
+os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
 
 import gradio as gr
 from gradio.components.plot import PlotData

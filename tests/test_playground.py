@@ -434,3 +434,9 @@ def test_loadtest_counts_a_gap_per_step_of_the_reply_on_screen():
         timing.saw(t, _reply(history))
     assert timing.ttft_s == 0.5 and timing.reply == "Hello, world" and timing.updates == 6
     assert timing.gaps_s == pytest.approx([0.1, 3.0, 0.0998])
+
+
+def test_the_queue_does_not_recompute_its_monitoring_summary_per_event(pg):
+    import app
+    demo = app.build_app(pg).queue()
+    assert demo._queue.ANAYLTICS_CACHE_FREQUENCY == 1000  # not after every poll of every tab
