@@ -110,9 +110,9 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 
     def refresh_view(s: ChatSession):
         view, polling = pg.chat_view(s)
-        return serialised(view.blocks), view.summary, gr.skip() if polling else gr.Timer(active=False)
+        return serialised.payload(view.blocks), view.summary, gr.skip() if polling else gr.Timer(active=False)
     live.tick(refresh_view, session, [live_blocks, live_summary, live], concurrency_limit=4, show_progress="hidden",
-              api_name="chat_view")
+              api_name="chat_view", postprocess=False)
     stop.click(None, None, None, cancels=[chat_event, send_event])
     # a fresh conversation: nothing of the old one is sent again (a reply still streaming is stopped)
     clear.click(lambda: ([], ""), None, [chatbot, reply_info], cancels=[chat_event, send_event])
@@ -290,8 +290,9 @@ def build_app(pg: Playground) -> gr.Blocks:
 
         def refresh():
             f = pg.dashboard()
-            return pg.status(), *map(serialised, (f.blocks, f.queues, f.prefix, f.throughput, f.memory))
-        clock.tick(refresh, None, [status, *plots], concurrency_limit=4, show_progress="hidden", api_name="dashboard")
+            return pg.status(), *map(serialised.payload, (f.blocks, f.queues, f.prefix, f.throughput, f.memory))
+        clock.tick(refresh, None, [status, *plots], concurrency_limit=4, show_progress="hidden", api_name="dashboard",
+                   postprocess=False)
     return demo
 
 

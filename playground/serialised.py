@@ -15,17 +15,25 @@ class SerialisedFigures:
     `keep` bounds what is held: the dashboard's five charts, a view per chatting tab, step mode, ablation, compare."""
 
     def __init__(self, keep: int = 64) -> None:
-        self._by_id: dict[int, tuple[object, PlotData]] = {}
+        self._by_id: dict[int, tuple[dict, PlotData, dict]] = {}
         self.keep = keep
         self.serialised = 0  # how many specs were turned into JSON: the tests count it
 
     def __call__(self, spec: dict | None) -> PlotData | None:
-        if spec is None:
-            return None
+        """For an event gradio postprocesses (gr.Plot passes a PlotData through)."""
+        return None if spec is None else self._get(spec)[1]
+
+    def payload(self, spec: dict | None) -> dict | None:
+        """The same, as the dict gradio sends to the page: for a polling event registered with postprocess=False,
+        which then skips gradio's per-output work (a worker-thread hop, a model dump, a walk for files) per tab."""
+        return None if spec is None else self._get(spec)[2]
+
+    def _get(self, spec: dict) -> tuple[dict, PlotData, dict]:
         hit = self._by_id.get(id(spec))
         if hit is None or hit[0] is not spec:  # the id of a spec since freed may be reused: check identity
             if len(self._by_id) >= self.keep:
                 self._by_id.pop(next(iter(self._by_id)))
-            hit = self._by_id[id(spec)] = (spec, PlotData(type="plotly", plot=to_json(spec)))
+            data = PlotData(type="plotly", plot=to_json(spec))
+            hit = self._by_id[id(spec)] = (spec, data, data.model_dump())
             self.serialised += 1
-        return hit[1]
+        return hit

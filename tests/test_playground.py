@@ -176,6 +176,30 @@ def test_serialised_figures_turn_each_spec_into_json_once():
     serialised(b)
     serialised(c)
     assert serialised.serialised == 4 and len(serialised._by_id) == 2  # bounded: the oldest go first
+    payload = serialised.payload(c)  # for a polling event gradio does not postprocess: what it would have sent
+    assert payload == serialised(c).model_dump() and serialised.payload(c) is payload and serialised.serialised == 4
+    assert serialised.payload(None) is None
+
+
+def test_polls_send_the_shared_payloads_as_gradio_would_without_postprocessing_them(pg):
+    """The clock's and the live view's events skip gradio's postprocessing (a worker-thread hop, a model dump and
+    a walk for files per plot, per tab): the page gets what postprocessing the PlotData would have given it."""
+    import asyncio
+
+    from gradio.state_holder import SessionState
+
+    import app
+    demo = app.build_app(pg)
+    fns = {fn.api_name: fn for fn in demo.fns.values()}
+    assert not fns["dashboard"].postprocess and not fns["chat_view"].postprocess
+    figures = pg.dashboard()
+    serialised = SerialisedFigures()
+    plots = [figures.blocks, figures.queues, figures.prefix, figures.throughput, figures.memory]
+    state = SessionState(demo)
+    sent = asyncio.run(demo.postprocess_data(fns["dashboard"], ["status", *map(serialised.payload, plots)], state))
+    fns["dashboard"].postprocess = True  # the same event as gradio would postprocess it
+    expected = asyncio.run(demo.postprocess_data(fns["dashboard"], ["status", *map(serialised, plots)], state))
+    assert sent == expected and json.loads(sent[1]["plot"]) == figures.blocks
 
 
 def test_dashboard_figures_are_shared_between_tabs(pg):
