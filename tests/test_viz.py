@@ -354,6 +354,7 @@ def test_chat_views_come_from_the_shared_cache():
     views = [cache.chat_view(snap, hist, rid, True) for _ in range(30) for rid in ("a", "b", None)]
     assert cache.builds == 1 and cache.view_builds == 3
     assert views[0] is views[3] and views[0].blocks is views[3].blocks  # the same spec: serialised once
+    assert cache._cells and cache._cells[0]["hover"].startswith("block 0")  # cells (and hovers) built once for all
     assert cache.get(snap, hist) is cache.get(snap, hist) and cache.builds == 1
     assert "running **2**" in views[0].summary and "**8.0** tokens/s" in views[0].summary
     assert cache.chat_view(snap, hist, "a", False) is not views[0] and cache.view_builds == 4  # a finished view
@@ -384,3 +385,19 @@ def test_the_time_series_cover_minutes_whatever_the_step_rate():
     short = fast[:1000]  # 10 s of history: thinned over those 10 s, not over the whole span
     kept = figures.recent_samples(short, 120.0, 300)
     assert 295 <= len(kept) <= 301 and kept[0].time < 0.05
+
+
+def test_the_block_table_and_every_chat_view_share_one_snapshot_s_cells(monkeypatch):
+    """Each chatting tab's view is the block table again: the cells (owners, states, hover text) of a snapshot are
+    worked out once per build, not once per figure (they were most of the figures' GIL time with 8 chats)."""
+    calls = []
+    real = figures.block_cells
+    monkeypatch.setattr(figures, "block_cells", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cache = FigureCache(min_interval_s=0.0)
+    snap, hist = snapshot(), [sample(0), sample(1, generation_tokens_total=8)]
+    for rid in ("a", "b", None):
+        cache.chat_view(snap, hist, rid, True)
+    assert len(calls) == 1 and cache.view_builds == 3
+    alone = figures.highlighted_block_figure(snap, "b", True)
+    assert cache.chat_view(snap, hist, "b", True).blocks == alone  # the same figure as built on its own
+    assert cache.get(snap, hist).blocks == figures.block_table_figure(snap)

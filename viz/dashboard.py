@@ -67,6 +67,7 @@ class FigureCache:
         self._source = None  # the snapshot the cached figures show
         self._tokens_per_s = 0.0  # and the generation rate then
         self._views: dict[tuple[str | None, bool], ChatView] = {}  # chat views of the cached snapshot
+        self._cells: list[dict] = []  # its block cells, shared by the block table and every chat's view
         self._built_at = 0.0
         self.history_s = history_s  # the time series show this much time (a change and minutes after it)
         self.history_points = history_points  # in at most this many points
@@ -90,13 +91,15 @@ class FigureCache:
             samples = list(history)
             recent = figures.recent_samples(samples, self.history_s, self.history_points)
             marks = list(changes)
+            cells = figures.block_cells(snapshot, figures.grid_columns(len(snapshot.block_ref_counts)))
             self._cached = DashboardFigures(
-                snapshot.step, figures.block_table_figure(snapshot), figures.queues_figure(recent, changes=marks),
+                snapshot.step, figures.block_table_figure(snapshot, cells=cells),
+                figures.queues_figure(recent, changes=marks),
                 figures.prefix_cache_figure(recent, active=figures.prefix_caching_active(snapshot.config),
                                             changes=marks),
                 figures.throughput_figure(recent, changes=marks),
                 figures.memory_figure(snapshot, system_memory()))
-            self._source, self._views = snapshot, {}
+            self._source, self._views, self._cells = snapshot, {}, cells
             self._tokens_per_s = figures.recent_tokens_per_s(samples)
             self.builds += 1
         return self._cached
@@ -111,7 +114,7 @@ class FigureCache:
             if view is None:
                 source = self._source
                 view = self._views[key] = ChatView(
-                    request_id, live, figures.highlighted_block_figure(source, request_id, live),
+                    request_id, live, figures.highlighted_block_figure(source, request_id, live, self._cells),
                     chat_summary(source, self._tokens_per_s))
                 self.view_builds += 1
             return view

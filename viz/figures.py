@@ -98,9 +98,10 @@ def block_cells(snap, cols: int = 32) -> list[dict]:
         h = snap.block_hashes[block]
         owners = where.get(block, [])
         state = "used" if ref > 0 else ("cached-free" if h is not None else "free")
-        cells.append({"block": block, "row": block // cols, "col": block % cols, "state": state, "ref_count": ref,
-                      "owners": owners, "hash": h, "shared": ref > 1,
-                      "prefilling": bool(owners) and owners[0][0] in progress})
+        cell = {"block": block, "row": block // cols, "col": block % cols, "state": state, "ref_count": ref,
+                "owners": owners, "hash": h, "shared": ref > 1, "prefilling": bool(owners) and owners[0][0] in progress}
+        cell["hover"] = _cell_hover(cell)
+        cells.append(cell)
     return cells
 
 
@@ -119,12 +120,13 @@ def grid_columns(num_blocks: int) -> int:
     return cols
 
 
-def block_table_figure(snap, cols: int | None = None) -> dict:
+def block_table_figure(snap, cols: int | None = None, cells: list[dict] | None = None) -> dict:
     """Every block a square. The grid's shape depends only on the pool size, and the legend has at most
-    LEGEND_OWNERS + 4 entries however many requests run, so neither jumps as requests come and go."""
+    LEGEND_OWNERS + 4 entries however many requests run, so neither jumps as requests come and go.
+    `cells`: the snapshot's block_cells at `cols` columns (default grid_columns), when the caller has them."""
     cols = cols or grid_columns(len(snap.block_ref_counts))
     pitch = CELL_PX * min(1.0, 32 / cols)  # pixels per row (and, at the usual chart width, per column)
-    cells = block_cells(snap, cols)
+    cells = block_cells(snap, cols) if cells is None else cells
     by_owner: dict[str, list[dict]] = {}
     for c in cells:
         if c["owners"]:  # a shared block is drawn in its first owner's colour
@@ -153,12 +155,13 @@ def block_table_figure(snap, cols: int | None = None) -> dict:
                   yaxis=dict(visible=False, range=[rows - 0.5, -0.5], fixedrange=True))
 
 
-def highlighted_block_figure(snap, request_id: str | None, live: bool = False) -> dict:
+def highlighted_block_figure(snap, request_id: str | None, live: bool = False, cells: list[dict] | None = None) -> dict:
     """The block table as one chat sees it: its own request's blocks (shared ones too) in full colour and outlined,
-    every other request's dimmed. `live`: the request is still streaming, though perhaps not in this snapshot yet."""
+    every other request's dimmed. `live`: the request is still streaming, though perhaps not in this snapshot yet.
+    `cells`: the snapshot's block_cells at grid_columns, when the caller has them (one list for every chat's view)."""
     cols = grid_columns(len(snap.block_ref_counts))
     pitch = CHAT_CELL_PX * min(1.0, 32 / cols)
-    cells = block_cells(snap, cols)
+    cells = block_cells(snap, cols) if cells is None else cells
     mine = [c for c in cells if request_id is not None and any(rid == request_id for rid, _ in c["owners"])]
     mine_ids = {c["block"] for c in mine}
     others = [c for c in cells if c["owners"] and c["block"] not in mine_ids]
@@ -210,7 +213,7 @@ def _cells_trace(cells: list[dict], name: str, colour: str | list[str], pitch: f
                                line=dict(width=[(2 if roomy else 1) if c["shared"] else 0 for c in cells],
                                          color="black")),
         text=[str(c["ref_count"]) if c["shared"] else "" for c in cells], textfont=dict(size=9, color=text),
-        hovertext=[_cell_hover(c) for c in cells], hoverinfo="text")
+        hovertext=[c["hover"] for c in cells], hoverinfo="text")
 
 
 def _cell_hover(c: dict) -> str:
