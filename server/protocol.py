@@ -65,8 +65,9 @@ class GenerationRequest:
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         fields = dict(self.sampling)
-        if "max_tokens" not in fields:  # as vLLM: the rest of the context (at least 1: a too-long prompt is
-            fields["max_tokens"] = max(1, max_model_len - num_prompt_tokens)  # refused by the engine, by name)
+        if "max_tokens" not in fields:
+            # as vLLM: the rest of the context (at least 1, so that a prompt too long is refused by the engine)
+            fields["max_tokens"] = max(1, max_model_len - num_prompt_tokens)
         try:
             return SamplingParams(**fields, logprobs=self.logprobs)
         except InvalidSamplingParam as exc:
