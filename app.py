@@ -29,7 +29,7 @@ from server import OpenAIApi, served_model_name
 from viz.figures import ablation_figure, compare_figure, placeholder_figure, to_json
 
 INTRO = """# Watch an LLM inference engine work
-A real engine (paged KV cache, continuous batching, prefix caching) runs **SmolLM2-135M** on this machine.
+A real engine (paged KV cache, continuous batching, prefix caching, chunked prefill, speculative decoding) runs **SmolLM2-135M** on this machine.
 Chat with it, put it under load, switch features off, and watch what changes."""
 
 HELP = {

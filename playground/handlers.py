@@ -156,11 +156,11 @@ class Playground:
 
     def chat_view(self, session: ChatSession | None) -> tuple[ChatView, bool]:
         """A chat tab's live view (the block table with its request highlighted, from the shared figure cache), and
-        whether to keep polling: its reply still streams, or one is on its way."""
+        whether to keep polling: its reply still streams, one is on its way, or the view drawn still shows it."""
         service, rid = self.service, session.request_id if session else None
         streaming = rid is not None and service.is_streaming(rid)
         view = self.figures.chat_view(service.snapshot(), service.history, rid, streaming, service.config_changes)
-        return view, streaming or bool(session and session.expecting())
+        return view, streaming or view.in_snapshot or bool(session and session.expecting())
 
     def status(self) -> str:
         snap = self.service.snapshot()
