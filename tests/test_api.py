@@ -312,6 +312,7 @@ def test_beyond_the_waiting_bound_the_api_says_429_and_the_chat_says_busy(server
 def finished_reasons(server):
     """The finish reason of every request that ends while the test runs (from the service's stat listeners)."""
     _, pg = server
+    wait_until_idle_and_free(pg, timeout_s=60)  # an earlier test's requests end before this one listens
     reasons: list[tuple[str, int]] = []
 
     def listen(stats):
