@@ -147,12 +147,20 @@ class EngineService:
         rid, q = self.submit(prompt, params)
         yield from self.follow(rid, q, timeout)
 
-    def follow(self, rid: str, q: queue.Queue, timeout: float = 600.0) -> Iterator[RequestOutput]:
+    def follow(self, rid: str, q: queue.Queue, timeout: float = 600.0,
+               latest: bool = False) -> Iterator[RequestOutput]:
         """The outputs of a request already submitted (its id and stream from `submit`), as `stream` yields them:
-        a caller that needs the id first (a chat showing its own request) submits, then follows."""
+        a caller that needs the id first (a chat showing its own request) submits, then follows.
+        `latest`: skip to the newest output already waiting (each holds the whole text so far, not a delta), so a
+        consumer slower than the engine (a busy web server) shows the newest text instead of falling behind."""
         try:
             while True:
                 out = q.get(timeout=timeout)
+                while latest and not (out.finished or out.error):
+                    try:
+                        out = q.get_nowait()
+                    except queue.Empty:
+                        break
                 yield out
                 if out.finished:
                     return

@@ -133,7 +133,7 @@ class Playground:
                 else:  # the message shows at once, before the first token
                     yield history, trimmed + "sent, waiting for the first token"
                 history = history + [{"role": "assistant", "content": ""}]
-                for out in service.follow(rid, q):
+                for out in service.follow(rid, q, latest=True):
                     if out.error:
                         history[-1]["content"] += f"\n\n[engine error: {out.error}]"
                         yield history, "the engine stopped; restart it from the Engine settings tab"

@@ -189,6 +189,23 @@ def test_follow_streams_a_request_submitted_first(service):
     assert not service.is_streaming(rid)
 
 
+def test_follow_latest_skips_to_the_newest_output_a_slow_consumer_has_missed(service):
+    """A chat behind a busy web server shows the newest text, not every step it missed; the last output (finished)
+    always comes through, and the text is the same as when every output is read."""
+    prompt = random_prompts(1, seed=49)[0]
+    service.pause()
+    rid, q = service.submit(prompt, GREEDY)
+    for _ in range(5):  # five steps run before the consumer looks
+        service.step_once()
+    outputs = service.follow(rid, q, latest=True)
+    assert len(next(outputs).token_ids) == 5  # the four earlier outputs were skipped
+    service.resume()
+    rest = list(outputs)
+    assert rest[-1].finished and len(rest[-1].token_ids) == 12
+    everything = list(service.stream(prompt, GREEDY))
+    assert rest[-1].token_ids == everything[-1].token_ids and len(everything) == 12
+
+
 def test_waiting_bound_refuses_with_busy_and_the_engine_keeps_serving(tiny_models):
     from engine.service import ServiceBusy
     svc = EngineService(LLM(tiny_models["llama"][0], max_model_len=256).engine, max_waiting_requests=2)
