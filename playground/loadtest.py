@@ -94,7 +94,7 @@ class PhaseResult:
         ttfts = [c.ttft_s for c in self.chats if c.ttft_s is not None]
         gaps = sorted(g for c in self.chats for g in c.gaps_s)
         return {"phase": self.phase, "sessions": self.sessions, "chats": len(self.chats),
-                "updates": sum(c.updates for c in self.chats),
+                "updates": sum(c.updates for c in self.chats), "wall (s)": self.wall_s,
                 "mean TTFT (s)": _mean(ttfts), "max TTFT (s)": max(ttfts, default=None),
                 "mean gap (s)": _mean(gaps), "p95 gap (s)": percentile(gaps, 0.95),
                 "max gap (s)": max(gaps, default=None),
