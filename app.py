@@ -1,6 +1,6 @@
 """The playground: chat with the real engine while live charts show its insides.
 
-    python app.py [--model PATH_OR_ID] [--preset NAME] [--share]
+    python app.py [--model PATH_OR_ID] [--preset NAME] [--set KEY=VALUE] [--share]
 
 Layout and wiring only, one small builder per tab: what each control does lives in playground/, the charts in
 viz/. Adding a tab is one line in build_app. The same server answers OpenAI's API (/v1/models, /v1/completions,
@@ -22,7 +22,7 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from engine import LLM
-from engine.bench import Cancelled, compare_report, load_feature_preset
+from engine.bench import Cancelled, compare_report, load_feature_preset, parse_assignments
 from engine.config import BUILT_SWITCHES, NOT_YET_BUILT
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.features_tab import build_features_tab
@@ -320,8 +320,13 @@ def main() -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="requests allowed to wait for the engine; beyond, new ones are refused as busy "
                              "(the API answers 429)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="any EngineConfig field, e.g. --set max_num_seqs=8 (repeatable, or comma-separated)")
     args = parser.parse_args()
-    fields = load_feature_preset(args.preset) if args.preset else {}
+    try:
+        fields = {**(load_feature_preset(args.preset) if args.preset else {}), **parse_assignments(args.settings)}
+    except ValueError as exc:
+        parser.error(str(exc))
     pg = Playground(LLM(args.model, **{"device": args.device, **fields}),
                     max_waiting_requests=args.max_waiting_requests)
     launch(pg, args.served_model_name or served_model_name(args.model),
