@@ -1,6 +1,6 @@
 """The playground: chat with the real engine while live charts show its insides.
 
-    python app.py [--model PATH_OR_ID] [--preset NAME] [--share]
+    python app.py [--model PATH_OR_ID] [--preset NAME] [--set KEY=VALUE] [--attach URL] [--share]
 
 Layout and wiring only, one small builder per tab: what each control does lives in playground/, the charts in
 viz/. Adding a tab is one line in build_app. The same server answers OpenAI's API (/v1/models, /v1/completions,
@@ -22,11 +22,12 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from engine import LLM
-from engine.bench import Cancelled, compare_report, load_feature_preset
+from engine.bench import Cancelled, compare_report, load_feature_preset, parse_assignments
 from engine.config import BUILT_SWITCHES, NOT_YET_BUILT
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.features_tab import build_features_tab
 from playground.handlers import ChatSession, Playground, feature_presets, workloads
+from playground.remote_tab import build_remote_tab
 from playground.serialised import SerialisedFigures
 from playground.tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
 from server import OpenAIApi, served_model_name
@@ -289,6 +290,7 @@ def build_app(pg: Playground) -> gr.Blocks:
             build_features_tab(pg, serialised)
             build_compare_tab(pg, serialised)
             build_step_tab(pg, serialised)
+            build_remote_tab(pg, serialised)
         tabs.select(None, None, None, js=RESIZE_CHARTS)
 
         def refresh():
@@ -305,8 +307,23 @@ def launch(pg: Playground, model_name: str, **launch_kwargs) -> gr.Blocks:
     demo = build_app(pg)
     api = OpenAIApi(lambda: pg.service, pg.llm.tokenizer, model_name)  # the live service, even after a restart
     pg.stat_listeners.append(api.metrics.record)
-    demo.queue(default_concurrency_limit=8).launch(app_kwargs={"routes": api.routes()}, **launch_kwargs)
+    calm_queue(demo.queue(default_concurrency_limit=8))
+    demo.launch(app_kwargs={"routes": api.routes()}, **launch_kwargs)
     return demo
+
+
+QUEUE_POLL_S = 0.02  # gradio's queue checks for work every 1 ms (progress every 10 ms) when idle
+
+
+def calm_queue(demo: gr.Blocks) -> None:
+    """Let gradio's queue poll every 20 ms instead of every 1 ms. Each wake-up takes the GIL from the engine
+    thread and a core from its matmul threads: on 2 cores the HTTP API streamed ~13-45% fewer tokens/s than
+    LLM.generate with the same engine (`python -m engine.bench serve-overhead`). A page event starts <= 20 ms
+    later; gradio itself polls every 50 ms on Windows."""
+    queue = getattr(demo, "_queue", None)
+    if queue is not None and hasattr(queue, "sleep_when_free"):
+        queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
+        queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, 5 * QUEUE_POLL_S)
 
 
 def main() -> None:
@@ -320,10 +337,20 @@ def main() -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="requests allowed to wait for the engine; beyond, new ones are refused as busy "
                              "(the API answers 429)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="any EngineConfig field, e.g. --set max_num_seqs=8 (repeatable, or comma-separated)")
+    parser.add_argument("--attach", default=None, metavar="URL",
+                        help="watch another server (OpenAI API + vLLM's /metrics, e.g. vllm serve) instead of this "
+                             "engine: the dashboard's charts and the chat (NOTES-remote.md)")
     args = parser.parse_args()
-    fields = load_feature_preset(args.preset) if args.preset else {}
+    try:
+        fields = {**(load_feature_preset(args.preset) if args.preset else {}), **parse_assignments(args.settings)}
+    except ValueError as exc:
+        parser.error(str(exc))
     pg = Playground(LLM(args.model, **{"device": args.device, **fields}),
                     max_waiting_requests=args.max_waiting_requests)
+    if args.attach:  # a wrong address is said on the page and here; the page still starts
+        print(pg.attach(args.attach), flush=True)
     launch(pg, args.served_model_name or served_model_name(args.model),
            server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
            server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share)

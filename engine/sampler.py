@@ -76,6 +76,8 @@ class SamplingParams:
         if any(not _integer(t) for t in self.stop_token_ids):
             raise InvalidSamplingParam("stop_token_ids", f"stop_token_ids must be integers, "
                                                          f"got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidSamplingParam("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidSamplingParam("logprobs", f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                                                    f"got {self.logprobs!r}")

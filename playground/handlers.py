@@ -23,6 +23,7 @@ from viz.dashboard import ChatView, DashboardFigures, FigureCache
 
 from . import conversation
 from .conversation import QUEUED, WARNING
+from .remote import NOT_REMOTE, RemoteServer
 from .stepmode import describe_step, plural
 from .traffic import TrafficGenerator, TrafficStatus
 
@@ -88,6 +89,37 @@ class Playground:
         self.measurement: Measurement | None = None  # the one running now, for every tab's status line
         self.replies: deque[str] = deque(maxlen=32)  # final texts of recent chat replies
         self.traffic = TrafficGenerator(lambda: self.service)  # the live service, even after a restart
+        self.remote: RemoteServer | None = None  # attached: the dashboard and the chat show that server instead
+        self.attach_error = ""  # why the last attach failed, for the status line
+
+    # ---- another server ------------------------------------------------------------------------------------
+    def attach(self, url: str) -> str:
+        """Point the dashboard and the chat at another server (OpenAI API + vLLM's /metrics). A server that is
+        not there, or has no vLLM metrics, is refused with the reason, and the page keeps showing what it did."""
+        try:
+            remote = RemoteServer(url)
+            remote.connect()
+        except ValueError as exc:
+            self.attach_error = f"could not attach to {url!r}: {exc}"
+            return f"{WARNING} {self.attach_error}"
+        self.detach()
+        remote.start()
+        self.remote, self.attach_error = remote, ""
+        return (f"Attached to {remote.url}" + (f" (model {remote.model})" if remote.model else "") + ": the "
+                "dashboard's queue, KV, prefix and throughput charts and the chat now show that server.")
+
+    def detach(self) -> str:
+        remote, self.remote = self.remote, None
+        if remote is None:
+            return "Not attached: the page shows the engine in this process."
+        remote.stop()
+        return f"Detached from {remote.url}: the page shows the engine in this process again."
+
+    def local_only(self, what: str) -> str | None:
+        """Why `what` cannot run now (it needs this process's engine and a remote server is attached), or None."""
+        if self.remote is None:
+            return None
+        return f"{WARNING} {what}: {NOT_REMOTE} ({self.remote.url}); detach on the Remote server tab first."
 
     # ---- chat --------------------------------------------------------------------------------------------
     def chat(self, message: str, history: list[dict], temperature: float = 0.7,
@@ -98,7 +130,10 @@ class Playground:
         `session`: the tab's ChatSession; its request_id becomes the engine's id for this reply as soon as the
         request is submitted (the tab's live view highlights that request)."""
         try:
-            yield from self._chat(message, history, temperature, max_tokens, session)
+            if (remote := self.remote) is not None:
+                yield from remote.chat(message, history, temperature, max_tokens)
+            else:
+                yield from self._chat(message, history, temperature, max_tokens, session)
         finally:
             if session is not None:
                 session.handled += 1
@@ -152,17 +187,23 @@ class Playground:
 
     # ---- dashboard -------------------------------------------------------------------------------------
     def dashboard(self) -> DashboardFigures:
+        if (remote := self.remote) is not None:
+            return remote.figures()
         return self.figures.get(self.service.snapshot(), self.service.history, self.service.config_changes)
 
     def chat_view(self, session: ChatSession | None) -> tuple[ChatView, bool]:
         """A chat tab's live view (the block table with its request highlighted, from the shared figure cache), and
         whether to keep polling: its reply still streams, one is on its way, or the view drawn still shows it."""
+        if (remote := self.remote) is not None:
+            return remote.chat_view(), False
         service, rid = self.service, session.request_id if session else None
         streaming = rid is not None and service.is_streaming(rid)
         view = self.figures.chat_view(service.snapshot(), service.history, rid, streaming, service.config_changes)
         return view, streaming or view.in_snapshot or bool(session and session.expecting())
 
     def status(self) -> str:
+        if (remote := self.remote) is not None:
+            return remote.status()
         snap = self.service.snapshot()
         measuring = self.measurement
         state = ("⛔ engine thread stopped: " + self.service.error if self.service.error else
@@ -175,7 +216,8 @@ class Playground:
         return (f"**{state}** · steps done: {snap.step} · running {snap.num_running} · waiting {snap.num_waiting} · "
                 f"preemptions {snap.num_preemptions} · KV {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks · "
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "
-                f"generated {plural(snap.generation_tokens_total, 'token')}{users}")
+                f"generated {plural(snap.generation_tokens_total, 'token')}{users}"
+                + (f" · {WARNING} {self.attach_error}" if self.attach_error else ""))
 
     def queued_note(self) -> str:
         """Why a request just sent will wait before its first token ("" when it will not)."""
@@ -219,12 +261,14 @@ class Playground:
         changes = {k: v for k, v in wanted.items() if v != base[k] and v != current[k]}
         if not changes:
             return "Nothing changed."
-        return self._update(changes)
+        return self.local_only("Engine settings") or self._update(changes)
 
     def reset_settings(self) -> str:
         """Every switch and size back to EngineConfig's defaults (sizes automatic)."""
         defaults, current = EngineConfig(), self.settings()
         changes = {k: getattr(defaults, k) for k, v in current.items() if getattr(defaults, k) != v}
+        if note := self.local_only("Engine settings"):
+            return note
         return self._update(changes) if changes else "Already at the defaults."
 
     def _update(self, changes: dict) -> str:
@@ -247,6 +291,8 @@ class Playground:
         """A new engine thread over the same weights (after a crash, or to start clean). It comes back with the
         last configuration that ran (plus `changes`, for a change applied to a stopped engine); if that cannot
         be built, with the defaults. Never raises: the page must always get an engine back."""
+        if note := self.local_only("Restarting the engine"):
+            return note
         old = self.service
         old.shutdown()
         last = old.engine.requested_config.to_dict()
@@ -272,6 +318,8 @@ class Playground:
     def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0) -> str:
         """N simulated users sending the workload's requests for duration_s (0: each once), in the background.
         Returns "" when started, or why not."""
+        if note := self.local_only("The traffic generator (it loads this process's engine)"):
+            return note
         try:
             workload = load_workload(workload_name).tokenized(self.llm.tokenizer)
             self.traffic.start(workload.name, workload.requests, int(num_users), float(duration_s or 0))
@@ -330,6 +378,8 @@ class Playground:
     def measuring(self, name: str, total: int, progress: ProgressFn | None) -> Iterator[Measurement]:
         """Hold the live engine still while a measurement runs (so its numbers are clean), say so to every tab,
         then restore the engine's state. One at a time: a second is refused rather than left waiting silently."""
+        if note := self.local_only(f"The {name} (it measures this process's engine)"):
+            raise ValueError(note.removeprefix(f"{WARNING} "))
         if not self._exclusive.acquire(blocking=False):
             running = self.measurement
             raise ValueError(f"another measurement is running ({running.describe() if running else 'starting'}); "
@@ -349,14 +399,20 @@ class Playground:
 
     # ---- step mode ---------------------------------------------------------------------------------------
     def pause(self) -> str:
+        if note := self.local_only("Step mode"):
+            return note
         self.service.pause()
         return "Paused: the engine waits. Press Step to run exactly one step."
 
     def resume(self) -> str:
+        if note := self.local_only("Step mode"):
+            return note
         self.service.resume()
         return "Running."
 
     def step(self) -> str:
+        if note := self.local_only("Step mode"):
+            return note
         if not self.service.paused:
             self.service.pause()
         snap = self.service.step_once()

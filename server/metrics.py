@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from engine.engine import EngineSnapshot
 from engine.service import IterationStats
@@ -66,6 +67,8 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
                                                        "Number of accepted tokens.")
 
+        r.register(CacheConfigInfo(self._labels, snapshot))
+
     def record(self, stats: IterationStats) -> None:
         """One engine step (called on the engine thread; prometheus_client's metrics are thread-safe)."""
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
@@ -87,3 +90,22 @@ class EngineMetrics:
     def exposition(self) -> tuple[bytes, str]:
         """The text a scrape gets, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class CacheConfigInfo:
+    """vllm:cache_config_info: the KV pool's shape as labels (value 1), as vLLM publishes it, so a dashboard
+    attached from elsewhere can draw usage in blocks. Read at each scrape: the pool may be rebuilt at runtime."""
+
+    def __init__(self, labels: tuple[str, str], snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.labels, self.snapshot = labels, snapshot
+
+    def describe(self) -> list:
+        return []  # no fixed description: the registry then never calls collect() at registration
+
+    def collect(self):
+        snap = self.snapshot()
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=[*LABELS, "block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        family.add_metric([*self.labels, str(snap.block_size), str(snap.kv_blocks_total),
+                           str(bool(snap.config.get("prefix_caching")))], 1.0)
+        yield family

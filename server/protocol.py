@@ -21,8 +21,9 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's
 # refused when set otherwise, never silently ignored.
 UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
                "tools": None, "functions": None, "tool_choice": None, "response_format": None, "echo": False,
-               "suffix": None, "best_of": 1, "prompt_logprobs": None}
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop")  # as SamplingParams names them
+               "suffix": None, "best_of": 1, "prompt_logprobs": None, "min_tokens": 0}
+# as SamplingParams names them; ignore_eos is vLLM's extra field (fixed-length benchmarks: `vllm bench serve`)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a token a filter removed reports this, as vLLM's server does
 
 

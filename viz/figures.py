@@ -423,9 +423,10 @@ def recent_tokens_per_s(history: Sequence, window: int = 10, idle_gap_s: float =
     return (rates[-1] or 0.0) if rates else 0.0
 
 
-def memory_figure(snap, system: dict) -> dict:
-    """KV pool use, and the device's memory: GPU (via pynvml) when present, else this process's RSS."""
-    names = ["KV pool (blocks)"]
+def memory_figure(snap, system: dict, kv_label: str = "KV pool (blocks)") -> dict:
+    """KV pool use, and the device's memory: GPU (via pynvml) when present, else this process's RSS.
+    `kv_label`: what the pool's numbers count (a remote server may report only a percentage)."""
+    names = [kv_label]
     used, total = [snap.kv_blocks_used], [max(snap.kv_blocks_total, 1)]
     for key, label in (("gpu_used_gb", "GPU memory (GB)"), ("rss_gb", "process RSS (GB)")):
         if system.get(key) is not None:

@@ -5,6 +5,8 @@
     hf.py           transformers' generate over the same weights
     experiments.py  table, compare, hf-static, sched-cost, ablate (--cumulative, --concurrency), memory
     report.py       captioned tables rendered as markdown, JSON rows
+    serve.py        `serve`: an HTTP load generator for any OpenAI-compatible server (httpx; no engine)
+    overhead.py     `serve-overhead`: python app.py + serve vs LLM.generate in fresh processes, side by side
     cli.py          `python -m engine.bench ...`: the only module that prints
 
 The playground imports the experiments from here; only `python -m engine.bench` uses cli.py.

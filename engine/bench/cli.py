@@ -8,6 +8,8 @@
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
     python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting
+    python -m engine.bench serve --url http://127.0.0.1:7860 --concurrency 8 --requests 32   # any OpenAI server
+    python -m engine.bench serve-overhead --rounds 3            # the HTTP path vs LLM.generate, side by side
 
 A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such as "prefix_caching=false".
 """
@@ -26,7 +28,7 @@ from . import report as rp
 from .runs import load_llm
 from .specs import parse_assignments
 
-COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory")
+COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "serve", "serve-overhead")
 
 
 def _int_list(text: str) -> list[int]:
@@ -80,11 +82,54 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--workload", default="memory-pressure", help="preset name or TOML path")
     mem.add_argument("--blocks", type=_int_list, default=[32, 64, 128, 256], help="pool sizes, in blocks")
     mem.add_argument("--quick", action="store_true", help="a quarter of each workload group")
+    _serve_parsers(sub)
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
     sc.add_argument("--decode-steps", type=int, default=32)
     return parser
+
+
+def _serve_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=_positive, default=8, help="requests in flight at once (default 8)")
+    p.add_argument("--requests", type=_positive, default=32, help="requests in all (the workload's, cycled)")
+    p.add_argument("--workload", default="mixed-lengths", help="preset name or TOML path (presets/workloads/)")
+    p.add_argument("--max-tokens", type=_positive, default=None, help="every request's max_tokens (default: the "
+                                                                      "workload's own)")
+    p.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="stream /v1/chat/completions (default) or /v1/completions")
+    p.add_argument("--tokenizer", default=None, help="turns random-token prompts into text (default: the "
+                                                     "embedded model's)")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+
+
+def _serve_parsers(sub) -> None:
+    serve = sub.add_parser("serve", help="load an OpenAI-compatible server (this app, vLLM, ...) over HTTP")
+    serve.add_argument("--url", required=True, help="the server's root, e.g. http://127.0.0.1:7860")
+    _serve_load_args(serve)
+    serve.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
+    serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                       help="send vLLM's ignore_eos (default: as the workload says: random-token prompts do)")
+    serve.add_argument("--temperature", type=float, default=0.0)
+    serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    over = sub.add_parser("serve-overhead", help="rounds of (python app.py + bench serve) and (LLM.generate in a "
+                                                 "fresh process): the HTTP path's cost")
+    _serve_load_args(over)
+    over.set_defaults(workload="fixed-16", max_tokens=64)
+    over.add_argument("--rounds", type=_positive, default=3)
+    over.add_argument("--model", default=None, help="model folder, GGUF file or hub id (default: embedded)")
+    over.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                      help="EngineConfig fields for both sides (max_num_seqs defaults to --concurrency)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -133,8 +178,41 @@ def run_command(args: argparse.Namespace) -> rp.Report:
     return rp.sched_cost_report(ex.sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
 
 
+def run_serve_command(args: argparse.Namespace) -> int:
+    """`serve` and `serve-overhead`: they talk HTTP, so they load no weights here (a tokenizer at most)."""
+    from . import serve as sv
+    try:
+        workload = load_workload(args.workload)
+        if args.command == "serve":
+            tokenizer = _tokenizer(args.tokenizer) if any(r.text is None for r in workload.requests) else None
+            requests = sv.workload_requests(workload, tokenizer, args.requests, args.max_tokens, args.ignore_eos)
+            result = sv.run_serve(args.url, requests, args.concurrency, api=args.api, model=args.model,
+                                  temperature=args.temperature, timeout_s=args.timeout, workload=workload.name,
+                                  progress=sv.ProgressBar())
+            text, data = sv.render(result), result.to_json()
+        else:
+            from . import overhead
+            result = overhead.serve_overhead(workload, args, _bar)
+            text, data = overhead.render(result), result.to_json()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"\nresults written to {args.json}")
+    return 0 if args.command != "serve" or not result.failures else 1
+
+
+def _tokenizer(name: str | None):
+    from ..models.loader import load_tokenizer, resolve_model
+    return load_tokenizer(resolve_model(name))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command in ("serve", "serve-overhead"):
+        return run_serve_command(args)
     try:
         report = run_command(args)
     except ValueError as exc:

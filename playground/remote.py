@@ -1,0 +1,308 @@
+"""Watching another server: any server with the OpenAI API and vLLM's /metrics (a vLLM deployment, or another
+instance of this app) instead of the engine in this process.
+
+A thread scrapes URL/metrics every second and parses it with prometheus_client's own parser; counters stay
+cumulative and histograms become the mean TTFT / inter-token latency of each interval, in the same HistorySample
+series the local engine publishes, so the dashboard's own figure functions draw it. The chat streams from
+URL/v1/chat/completions. What needs the engine's insides (the block table, step mode, settings, measurements)
+is not available remotely, and says so.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.service import HistorySample
+from viz import figures
+from viz.dashboard import ChatView, DashboardFigures
+
+from . import conversation
+from .conversation import WARNING
+
+NOT_REMOTE = "not available when attached to a remote server"
+POLL_S = 1.0
+# vLLM v1's names first, then v0's (older deployments), for each number the dashboard draws
+GAUGES = {"num_running": ("vllm:num_requests_running",), "num_waiting": ("vllm:num_requests_waiting",),
+          "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")}
+COUNTERS = {"prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+            "prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+            "num_preemptions": ("vllm:num_preemptions",), "generation_tokens": ("vllm:generation_tokens",),
+            "prompt_tokens": ("vllm:prompt_tokens",), "requests_finished": ("vllm:request_success",)}
+HISTOGRAMS = {"ttft": ("vllm:time_to_first_token_seconds",),
+              "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")}
+
+
+@dataclass
+class MetricsReading:
+    """One scrape, summed over the server's engines (data-parallel vLLM has one label set per engine)."""
+    time: float
+    num_running: float = 0.0
+    num_waiting: float = 0.0
+    kv_usage: float | None = None  # 0..1, the mean over engines; None when the server does not say
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    num_preemptions: float = 0.0
+    generation_tokens: float = 0.0
+    prompt_tokens: float = 0.0
+    requests_finished: float = 0.0
+    ttft_sum: float = 0.0
+    ttft_count: float = 0.0
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
+    num_gpu_blocks: int | None = None  # vllm:cache_config_info's label, when the server publishes it
+
+
+def parse_metrics(text: str, now: float | None = None) -> MetricsReading:
+    """Prometheus text -> the numbers the dashboard draws. ValueError when it is not Prometheus text or has none
+    of vLLM's metrics."""
+    samples: dict[str, list] = {}  # by sample name: the parser groups a family's samples only when it can
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples.setdefault(sample.name, []).append(sample)
+    except Exception as exc:  # the parser raises ValueError, and others on some malformed input
+        raise ValueError(f"not Prometheus text format ({type(exc).__name__}: {exc})") from exc
+    if not any(name.startswith("vllm:") for name in samples):
+        raise ValueError("no vLLM metrics in it (vllm:num_requests_running, vllm:generation_tokens, ...)")
+    reading = MetricsReading(time.time() if now is None else now)
+
+    def values(names: tuple[str, ...], suffixes: tuple[str, ...]) -> list[float] | None:
+        for name in names:
+            for suffix in suffixes:
+                if name + suffix in samples:
+                    return [s.value for s in samples[name + suffix]]
+        return None
+
+    for key, names in GAUGES.items():
+        found = values(names, ("",))
+        if found:
+            setattr(reading, key, sum(found) / len(found) if key == "kv_usage" else sum(found))
+    for key, names in COUNTERS.items():
+        found = values(names, ("_total", ""))
+        if found:
+            setattr(reading, key, sum(found))
+    for key, names in HISTOGRAMS.items():
+        for part in ("sum", "count"):
+            found = values(names, (f"_{part}",))
+            if found:
+                setattr(reading, f"{key}_{part}", sum(found))
+    blocks = [s.labels.get("num_gpu_blocks") for s in samples.get("vllm:cache_config_info", [])]
+    if blocks and all(b is not None and str(b).isdigit() for b in blocks):
+        reading.num_gpu_blocks = sum(int(b) for b in blocks)
+    return reading
+
+
+def history_sample(step: int, cur: MetricsReading, prev: MetricsReading | None) -> HistorySample:
+    """A reading as one point of the dashboard's series: cumulative counters as they are, the interval's mean
+    TTFT and inter-token latency (the remote TPOT) from the histograms' sums and counts."""
+    def mean(part: str) -> float | None:
+        if prev is None:
+            return None
+        count = getattr(cur, f"{part}_count") - getattr(prev, f"{part}_count")
+        return (getattr(cur, f"{part}_sum") - getattr(prev, f"{part}_sum")) / count if count > 0 else None
+    total = cur.num_gpu_blocks or 100  # without the pool's size, usage is drawn in percent
+    return HistorySample(cur.time, step, int(cur.num_running), int(cur.num_waiting), int(cur.num_preemptions),
+                         round((cur.kv_usage or 0.0) * total), int(cur.prefix_cache_queries),
+                         int(cur.prefix_cache_hits), int(cur.generation_tokens), 0.0, mean("ttft"), mean("itl"))
+
+
+def counters_went_back(cur: MetricsReading, prev: MetricsReading) -> bool:
+    """A counter that fell: the server restarted, and its series starts again."""
+    return any(getattr(cur, k) < getattr(prev, k) for k in (*COUNTERS, "ttft_count", "itl_count"))
+
+
+def base_url(url: str) -> str:
+    url = (url or "").strip().rstrip("/")
+    if not url:
+        raise ValueError("no URL given: type the server's address, e.g. http://127.0.0.1:8000")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{url!r} is not an http:// or https:// address")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def error_text(response: httpx.Response) -> str:
+    try:
+        error = response.json().get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+    except (ValueError, AttributeError):
+        message = None
+    return f"{response.status_code}: {message or response.text[:200] or response.reason_phrase}"
+
+
+class RemoteServer:
+    """A server being watched: its metrics polled in the background, its chat API streamed from."""
+
+    def __init__(self, url: str, poll_s: float = POLL_S, history_len: int = 3600, timeout_s: float = 5.0) -> None:
+        self.url = base_url(url)
+        self.poll_s = poll_s
+        self.timeout_s = timeout_s
+        self.history: deque[HistorySample] = deque(maxlen=history_len)
+        self.latest: MetricsReading | None = None
+        self.model: str | None = None
+        self.error: str | None = None  # the last scrape's problem, until one succeeds
+        self.polls = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._cached: tuple[int, DashboardFigures] | None = None
+
+    # ---- metrics -------------------------------------------------------------------------------------------
+    def scrape(self) -> MetricsReading:
+        """One GET /metrics, parsed; ValueError naming what went wrong."""
+        try:
+            response = httpx.get(self.url + "/metrics", timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            raise ValueError(f"cannot reach {self.url}/metrics: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise ValueError(f"{self.url}/metrics answered {error_text(response)}")
+        try:
+            return parse_metrics(response.text)
+        except ValueError as exc:
+            raise ValueError(f"{self.url}/metrics is {exc}") from exc
+
+    def connect(self) -> None:
+        """The first scrape, and the served model's name: refuses (ValueError) a server that is not there or has
+        no vLLM metrics, so attaching to a wrong address says so at once."""
+        self._record(self.scrape())
+        try:
+            response = httpx.get(self.url + "/v1/models", timeout=self.timeout_s)
+            self.model = response.json()["data"][0]["id"] if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            self.model = None  # the chat then sends no model name, and the server picks its own
+
+    def _record(self, reading: MetricsReading) -> None:
+        with self._lock:
+            prev = self.latest
+            if prev is not None and counters_went_back(reading, prev):
+                self.history.clear()
+                prev = None
+            self.polls += 1
+            self.history.append(history_sample(self.polls, reading, prev))
+            self.latest, self.error = reading, None
+
+    def poll_once(self) -> None:
+        try:
+            self._record(self.scrape())
+        except ValueError as exc:
+            self.error = str(exc)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="remote-metrics", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll_once()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- what the page shows -------------------------------------------------------------------------------
+    def status(self) -> str:
+        r = self.latest
+        where = f"**🔭 attached to {self.url}**" + (f" ({self.model})" if self.model else "")
+        if self.error:
+            return f"{where} · ⚠️ {self.error} (retrying every {self.poll_s:.0f} s)"
+        if r is None:
+            return f"{where} · waiting for the first scrape"
+        kv = "n/a" if r.kv_usage is None else f"{100 * r.kv_usage:.1f}%"
+        return (f"{where} · running {r.num_running:.0f} · waiting {r.num_waiting:.0f} · preemptions "
+                f"{r.num_preemptions:.0f} · KV cache {kv} · prefix hits {r.prefix_cache_hits:.0f}/"
+                f"{r.prefix_cache_queries:.0f} tokens · generated {r.generation_tokens:.0f} tokens · finished "
+                f"{r.requests_finished:.0f} requests")
+
+    def figures(self, history_s: float = 180.0, points: int = 300) -> DashboardFigures:
+        """The dashboard's figures from the remote series, built once per scrape; the block table says it needs
+        the engine's insides."""
+        with self._lock:
+            samples, polls, latest = list(self.history), self.polls, self.latest
+            if self._cached is not None and self._cached[0] == polls:
+                return self._cached[1]
+        recent = figures.recent_samples(samples, history_s, points)
+        blocks = latest.num_gpu_blocks if latest else None
+        kv = SimpleNamespace(kv_blocks_used=recent[-1].kv_blocks_used if recent else 0,
+                             kv_blocks_total=blocks or 100)
+        built = DashboardFigures(
+            polls, figures.placeholder_figure(f"KV block table: {NOT_REMOTE}"), figures.queues_figure(recent),
+            figures.prefix_cache_figure(recent), figures.throughput_figure(recent),
+            figures.memory_figure(kv, {}, kv_label="KV cache (blocks)" if blocks else "KV cache (%)"))
+        with self._lock:
+            self._cached = (polls, built)
+        return built
+
+    def chat_view(self) -> ChatView:
+        return ChatView(None, False, figures.placeholder_figure(f"Your request in the KV pool: {NOT_REMOTE}"),
+                        f"The chat goes to {self.url}/v1/chat/completions.")
+
+    # ---- chat ----------------------------------------------------------------------------------------------
+    def chat(self, message: str, history: list[dict], temperature: float = 0.7,
+             max_tokens: int = 256) -> Iterator[tuple[list[dict], str]]:
+        """Stream the reply from the remote server's /v1/chat/completions into the history (a refusal, a busy
+        server or an unreachable one shows as a warning in the chat, as the local engine's do)."""
+        history = list(history or [])
+        if not message or not message.strip():
+            yield history, ""
+            return
+        messages = conversation.for_model(history) + [{"role": "user", "content": message}]
+        history = history + [{"role": "user", "content": message}]
+        body = {"messages": messages, "temperature": float(temperature), "max_tokens": int(max_tokens),
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.model:
+            body["model"] = self.model
+        yield history, f"sent to {self.url}, waiting for the first token"
+        start, first, usage, reply = time.perf_counter(), None, None, ""
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body,
+                              timeout=httpx.Timeout(600.0, connect=self.timeout_s)) as response:
+                if response.status_code != 200:
+                    response.read()
+                    busy = response.status_code == 429
+                    note = "the server is busy, retry in a moment" if busy else "the remote server refused it"
+                    yield history + [{"role": "assistant", "content": f"{WARNING} {note}: {error_text(response)}"}], ""
+                    return
+                history = history + [{"role": "assistant", "content": ""}]
+                for line in response.iter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        err = chunk["error"]
+                        history[-1]["content"] = (reply + f"\n\n{WARNING} remote error: "
+                                                  f"{err.get('message') if isinstance(err, dict) else err}")
+                        yield history, ""
+                        return
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or []:
+                        piece = (choice.get("delta") or {}).get("content")
+                        if piece:
+                            first = first or time.perf_counter()
+                            reply += piece
+                            history[-1]["content"] = reply
+                            yield history, f"streaming from {self.url}"
+        except (httpx.HTTPError, ValueError) as exc:
+            history = [m for m in history if m.get("content") != ""]
+            yield history + [{"role": "assistant", "content": f"{WARNING} cannot talk to {self.url}: "
+                                                              f"{type(exc).__name__}: {exc}"}], ""
+            return
+        yield history, self._reply_stats(start, first, usage)
+
+    def _reply_stats(self, start: float, first: float | None, usage: dict | None) -> str:
+        parts = [f"from {self.url}"]
+        if first is not None:
+            parts.append(f"TTFT {(first - start) * 1e3:.0f} ms")
+        if usage:
+            tokens = usage.get("completion_tokens", 0)
+            parts.append(f"{tokens} tokens")
+            if first is not None and tokens > 1:
+                parts.append(f"{(tokens - 1) / max(time.perf_counter() - first, 1e-9):.1f} tokens/s")
+        return " · ".join(parts)

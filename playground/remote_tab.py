@@ -1,0 +1,40 @@
+"""The "Remote server" tab: attach the dashboard and the chat to another server, or detach. Layout and wiring
+only: what attaching does lives in Playground.attach and playground/remote.py."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradio as gr
+from gradio.components.plot import PlotData
+
+from .handlers import Playground
+
+INTRO = """Point the Dashboard's queue, KV-cache, prefix-cache and throughput charts, and the Chat, at **another
+server** that speaks the OpenAI API and publishes vLLM's Prometheus metrics: a vLLM deployment on many GPUs
+(`vllm serve MODEL --tensor-parallel-size N`, then attach `http://host:8000`) or another `python app.py`.
+While attached, what needs this process's engine (the block table, step mode, settings, the measurements) says it
+is not available. Detach to watch the local engine again."""
+
+
+def attached_note(pg: Playground) -> str:
+    if pg.remote is not None:
+        return f"🔭 Attached to **{pg.remote.url}**." + (f" ⚠️ {pg.remote.error}" if pg.remote.error else "")
+    note = "Not attached: the page shows the engine in this process."
+    return note + (f"\n\n⚠️ {pg.attach_error}" if pg.attach_error else "")
+
+
+def build_remote_tab(pg: Playground, serialised: Callable[[dict | None], PlotData | None]) -> None:
+    with gr.Tab("Remote server"):
+        gr.Markdown(INTRO)
+        with gr.Row():
+            url = gr.Textbox(label="server URL", placeholder="http://127.0.0.1:8000", scale=4,
+                             elem_id="remote-url")
+            attach = gr.Button("Attach", variant="primary", scale=1, min_width=80)
+            detach = gr.Button("Detach", scale=1, min_width=80)
+        note = gr.Markdown()
+
+    attach.click(lambda u: pg.attach(u), url, note, api_name="attach")
+    url.submit(lambda u: pg.attach(u), url, note, api_visibility="private")
+    detach.click(pg.detach, None, note, api_name="detach")
+    gr.on(None, lambda: (pg.remote.url if pg.remote else "", attached_note(pg)), None, [url, note],
+          api_visibility="private")  # on page load

@@ -1,0 +1,347 @@
+"""Watching another server, and loading one: the playground attached to a second app launched here (its
+/metrics parsed, its chat streamed), and `bench serve` against that app.
+
+The watched app runs a tiny random model as `python app.py` launches it; the watcher is a Playground over another
+tiny engine, so every number it draws must have come over HTTP. Expected replies come from a third LLM over the
+same weights (LLM.generate), never from the API itself.
+"""
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.llm import chat_token_ids
+
+httpx = pytest.importorskip("httpx")
+parser = pytest.importorskip("prometheus_client.parser")
+pytest.importorskip("gradio")
+
+MODEL = "tiny-remote"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def watched(tiny_models, tmp_path_factory):
+    """(url, Playground) of the app being watched, launched as main() launches it."""
+    import app
+    from playground import Playground
+    from playground.loadtest import free_port
+    pg = Playground(LLM(tiny_models["llama"][0], max_model_len=MAX_MODEL_LEN, max_num_seqs=8),
+                    store=tmp_path_factory.mktemp("watched") / "ablation.json")
+    port = free_port()
+    demo = app.launch(pg, MODEL, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}", pg
+    finally:
+        demo.close()
+        pg.service.shutdown()
+
+
+@pytest.fixture()
+def watcher(tiny_models, tmp_path):
+    """A playground of its own (another tiny engine), to attach to the watched app."""
+    from playground import Playground
+    pg = Playground(LLM(tiny_models["llama"][0], max_model_len=MAX_MODEL_LEN), store=tmp_path / "ablation.json")
+    try:
+        yield pg
+    finally:
+        pg.detach()
+        pg.service.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    return LLM(tiny_models["llama"][0], max_model_len=MAX_MODEL_LEN)
+
+
+def scraped(url: str) -> dict[str, float]:
+    """The watched app's own counters (summed over label sets), by prometheus_client's parser."""
+    out: dict[str, float] = {}
+    for family in parser.text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def wait_for(predicate, timeout_s: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def wait_idle(pg, timeout_s: float = 60.0) -> None:
+    wait_for(lambda: not pg.service.snapshot().num_running and not pg.service.snapshot().num_waiting, timeout_s,
+             "the watched engine to go idle")
+
+
+def trace(fig: dict, name: str) -> dict:
+    return next(t for t in fig["data"] if t.get("name") == name)
+
+
+def numbers(values) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+# ---- parsing vLLM's metrics ------------------------------------------------------------------------------------
+
+VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 700.0
+vllm:generation_tokens_total{engine="1",model_name="m"} 300.0
+# TYPE vllm:request_success counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 5.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 6.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.7
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="4000"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="4000"} 1.0
+"""
+
+
+def test_vllm_metrics_are_summed_over_engines_and_counters_read_by_their_total():
+    from playground.remote import history_sample, parse_metrics
+    r = parse_metrics(VLLM_TEXT, now=10.0)
+    assert (r.num_running, r.num_waiting, r.kv_usage) == (5, 4, pytest.approx(0.375))
+    assert (r.prefix_cache_queries, r.prefix_cache_hits, r.generation_tokens) == (1000, 250, 1000)
+    assert r.requests_finished == 7 and r.num_gpu_blocks == 8000 and r.ttft_count == 7
+    ttft = 'seconds_{}{{engine="0",model_name="m"}} {}'
+    later = parse_metrics(VLLM_TEXT.replace(ttft.format("count", 7.0), ttft.format("count", 9.0))
+                          .replace(ttft.format("sum", 0.7), ttft.format("sum", 1.3)), now=11.0)
+    h = history_sample(2, later, r)
+    assert h.ttft_s == pytest.approx(0.3) and h.tpot_s is None  # (1.3 - 0.7) / (9 - 7); no ITL histogram here
+    assert h.kv_blocks_used == 3000 and h.generation_tokens_total == 1000
+
+
+@pytest.mark.parametrize("text,problem", [("this is not { prometheus", "not Prometheus text"),
+                                          ("# TYPE process_cpu_seconds counter\nprocess_cpu_seconds_total 1.0\n",
+                                           "no vLLM metrics")])
+def test_text_that_is_not_vllm_metrics_is_refused_by_name(text, problem):
+    from playground.remote import parse_metrics
+    with pytest.raises(ValueError, match=problem):
+        parse_metrics(text)
+
+
+# ---- attaching to what is not a vLLM-style server --------------------------------------------------------------
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # /metrics without vLLM's names; everything else 404
+        body = b"# TYPE up gauge\nup 1.0\n" if self.path == "/metrics" else b"nothing here"
+        self.send_response(200 if self.path == "/metrics" else 404)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def plain_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_attaching_to_nothing_or_to_a_server_without_vllm_metrics_says_why_and_the_page_keeps_the_local_engine(
+        watcher, plain_server):
+    from playground.loadtest import free_port
+    for url, problem in [(f"http://127.0.0.1:{free_port()}", "cannot reach"), (plain_server, "no vLLM metrics"),
+                         ("", "no URL given"), ("ftp://example", "not an http")]:
+        note = watcher.attach(url)
+        assert note.startswith("⚠️") and problem in note, note
+        assert watcher.remote is None and problem in watcher.status()
+        assert watcher.dashboard().blocks["layout"]["title"]  # still the local engine's block table
+    history, _ = list(watcher.chat("Hello", [], 0.0, 4))[-1]
+    assert history[-1]["role"] == "assistant" and not history[-1]["content"].startswith("⚠️")  # local chat works
+
+
+# ---- attached to a second app ----------------------------------------------------------------------------------
+
+def test_the_dashboard_attached_to_a_second_app_draws_its_metrics_and_they_move(watched, watcher):
+    url, remote_pg = watched
+    wait_idle(remote_pg)
+    note = watcher.attach(url + "/v1")  # the API's address works as well as the server's root
+    assert note.startswith("Attached to " + url) and MODEL in note
+    before = scraped(url)["vllm:generation_tokens_total"]
+    local_before = watcher.service.snapshot().generation_tokens_total
+    watcher.remote.poll_s = 0.2
+    body = {"model": MODEL, "prompt": "Watch me from afar", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    remote_pg.service.pause()  # held in step mode, the request is seen running by the scrapes
+    try:
+        reply = []
+        sender = threading.Thread(target=lambda: reply.append(httpx.post(url + "/v1/completions", json=body,
+                                                                         timeout=120)))
+        sender.start()
+        wait_for(lambda: remote_pg.service.engine.has_unfinished(), what="the request to arrive")
+        remote_pg.service.step_once()  # its prefill: now it runs and holds blocks, until the engine resumes
+        wait_for(lambda: watcher.remote.latest.num_running == 1, what="a scrape that sees it running")
+        assert watcher.remote.latest.kv_usage > 0
+    finally:
+        remote_pg.service.resume()
+    sender.join(120)
+    assert reply[0].json()["usage"]["completion_tokens"] == 40
+    wait_idle(remote_pg)
+    polls = watcher.remote.polls
+    wait_for(lambda: watcher.remote.polls >= polls + 2, what="two scrapes after the request")
+    latest = watcher.remote.history[-1]
+    assert latest.generation_tokens_total - before == 40  # the watched app's count, over HTTP
+    assert latest.generation_tokens_total == remote_pg.service.snapshot().generation_tokens_total
+    assert watcher.service.snapshot().generation_tokens_total == local_before  # nothing ran here
+
+    figs = watcher.dashboard()
+    assert max(numbers(trace(figs.throughput, "tokens/s")["y"])) > 0
+    assert max(numbers(trace(figs.queues, "running")["y"])) == 1
+    assert max(numbers(trace(figs.throughput, "TTFT (ms)")["y"])) > 0
+    assert "not available when attached to a remote server" in json.dumps(figs.blocks)
+    total = remote_pg.service.snapshot().kv_blocks_total  # vllm:cache_config_info carried the pool's size
+    assert figs.memory["data"][0]["y"][0] == "KV cache (blocks)" and f"/ {total}" in figs.memory["data"][0]["text"][0]
+    status = watcher.status()
+    assert url in status and f"generated {latest.generation_tokens_total} tokens" in status
+
+
+def test_the_chat_through_an_attached_app_streams_its_reply(watched, watcher, reference):
+    url, remote_pg = watched
+    watcher.attach(url)
+    finished = scraped(url).get("vllm:request_success_total", 0)
+    # each update as the page gets it (the chat changes its last message in place, as the local chat does)
+    updates = [(h[-1]["role"], h[-1]["content"], info)
+               for h, info in watcher.chat("Tell me about paged attention.", [], 0.0, 12)]
+    replies = [content for role, content, _ in updates if role == "assistant"]
+    expected = reference.generate([chat_token_ids(reference.tokenizer, [{"role": "user", "content":
+                                   "Tell me about paged attention."}])], SamplingParams(temperature=0, max_tokens=12))
+    assert replies[-1] == expected[0].text  # the watched app's greedy reply, over HTTP
+    assert len(set(replies)) > 2  # it arrived piece by piece
+    assert all(a == b[:len(a)] for a, b in zip(replies, replies[1:]))  # each update extends the last
+    assert url in updates[-1][2] and "12 tokens" in updates[-1][2]
+    wait_for(lambda: scraped(url).get("vllm:request_success_total", 0) == finished + 1, what="the remote's count")
+    view, polling = watcher.chat_view(None)
+    assert "not available when attached" in json.dumps(view.blocks) and not polling
+
+
+def test_what_needs_this_engine_says_so_while_attached_and_works_again_after_detaching(watched, watcher):
+    url, _ = watched
+    watcher.attach(url)
+    for note in (watcher.pause(), watcher.step(), watcher.resume(), watcher.restart(),
+                 watcher.apply_settings(max_num_seqs=3), watcher.start_traffic("fixed-16", 2)):
+        assert "not available when attached to a remote server" in note, note
+    with pytest.raises(ValueError, match="not available when attached"):
+        watcher.ablate("ablation", quick=True)
+    assert watcher.settings()["max_num_seqs"] != 3 and not watcher.service.paused
+    assert watcher.detach().startswith("Detached")
+    assert "not available" not in json.dumps(watcher.dashboard().blocks) and url not in watcher.status()
+    assert watcher.pause().startswith("Paused") and watcher.resume() == "Running."
+
+
+def test_a_watched_server_that_goes_away_is_reported_and_the_page_keeps_running(tiny_models, watcher, tmp_path):
+    import app
+    from playground import Playground
+    from playground.loadtest import free_port
+    pg = Playground(LLM(tiny_models["llama"][0], max_model_len=MAX_MODEL_LEN), store=tmp_path / "a.json")
+    port = free_port()
+    demo = app.launch(pg, MODEL, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        assert watcher.attach(f"http://127.0.0.1:{port}").startswith("Attached")
+    finally:
+        demo.close()
+        pg.service.shutdown()
+    wait_for(lambda: watcher.remote.error is not None, what="a failed scrape")
+    assert "cannot reach" in watcher.status()
+    assert watcher.dashboard().queues  # the charts still draw what was scraped
+    history, _ = list(watcher.chat("still there?", [], 0.0, 4))[-1]
+    assert history[-1]["content"].startswith("⚠️ cannot talk to")
+
+
+# ---- bench serve against the launched app ----------------------------------------------------------------------
+
+def test_bench_serve_prints_a_table_with_sane_numbers(watched, tiny_models, capsys, tmp_path):
+    from engine.bench.cli import main
+    url, remote_pg = watched
+    wait_idle(remote_pg)
+    before = scraped(url)
+    out_json = tmp_path / "serve.json"
+    rc = main(["serve", "--url", url, "--concurrency", "4", "--requests", "8", "--workload", "fixed-16",
+               "--max-tokens", "9", "--tokenizer", tiny_models["llama"][0], "--json", str(out_json)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured
+    table = captured.out
+    assert "Serving Benchmark Result" in table and "8/8" in captured.err  # the progress bar, on stderr
+    rows = dict(line.rsplit(":", 1) for line in table.splitlines() if ":" in line and "http" not in line)
+    assert int(rows["Successful requests"]) == 8 and int(rows["Failed requests"]) == 0
+    assert int(rows["Maximum request concurrency"]) == 4
+    assert int(rows["Total generated tokens"]) == 8 * 9  # ignore_eos: exactly max_tokens each
+    data = json.loads(out_json.read_text())
+    after = scraped(url)
+    # the bench's token counts are the server's own
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 72
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == data["total_input_tokens"]
+    for r in data["requests"]:
+        assert r["ok"] and r["output_tokens"] == 9 and r["finish_reason"] == "length"
+        assert 0 < r["ttft_s"] <= r["latency_s"] and len(r["itl_s"]) == r["num_chunks"] - 1
+    assert 0 < data["ttft_ms"]["median"] <= data["ttft_ms"]["p99"] <= data["e2el_ms"]["p99"]
+    assert data["ttft_ms"]["mean"] > 0 and data["tpot_ms"]["mean"] > 0 and data["itl_ms"]["p90"] > 0
+    assert data["output_throughput"] == pytest.approx(72 / data["duration_s"])
+    assert float(rows["Request throughput (req/s)"]) == pytest.approx(8 / data["duration_s"], abs=0.01)
+
+
+def test_bench_serve_counts_failures_by_message(watched, tiny_models, capsys):
+    from engine.bench.cli import main
+    url, _ = watched
+    rc = main(["serve", "--url", url + "/", "--concurrency", "2", "--requests", "3", "--workload", "fixed-16",
+               "--max-tokens", "2", "--model", "no-such-model", "--api", "completions",
+               "--tokenizer", tiny_models["llama"][0]])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "Failed requests:                         3" in out and "3 x 404 The model `no-such-model`" in out
+
+
+def test_bench_serve_against_nothing_says_so():
+    from engine.bench.cli import main
+    from engine.bench.serve import ServeRequest, run_serve
+    from playground.loadtest import free_port
+    with pytest.raises(ValueError, match="cannot reach"):
+        run_serve(f"http://127.0.0.1:{free_port()}", [ServeRequest("hi", 2)], 1)
+    assert main(["serve", "--url", "localhost:1", "--workload", "copy-edit"]) == 2  # no scheme: refused
+
+
+def test_ignore_eos_reaches_the_engine_from_the_api():
+    from server.protocol import parse_chat, parse_completion
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert parse_chat({**body, "ignore_eos": True}, "m").sampling_params(3, 256).ignore_eos is True
+    assert parse_chat(body, "m").sampling_params(3, 256).ignore_eos is False
+    assert parse_completion({"prompt": "hi", "ignore_eos": True}, "m").sampling_params(3, 256).ignore_eos is True
+
+
+def test_the_offline_side_of_serve_overhead_generates_every_token(tiny_models, tmp_path):
+    from engine.bench.overhead import offline_main
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"model": tiny_models["llama"][0], "api": "chat", "settings": {"max_num_seqs": 2},
+                                   "requests": [["one prompt", 5], ["another, longer prompt", 7], ["third", 3]]}))
+    offline_main(str(prompts), str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["tokens"] == 15 and out["seconds"] > 0
