@@ -488,3 +488,13 @@ def test_the_queue_does_not_recompute_its_monitoring_summary_per_event(pg):
     import app
     demo = app.build_app(pg).queue()
     assert demo._queue.ANAYLTICS_CACHE_FREQUENCY == 1000  # not after every poll of every tab
+
+
+def test_the_queue_polls_calmly_and_gradio_still_has_the_knobs(pg):
+    """calm_queue tolerates a gradio without these attributes; this test is what notices when one renames them."""
+    import app
+    demo = app.build_app(pg).queue()
+    assert demo._queue.sleep_when_free < app.QUEUE_POLL_S  # gradio's own 1 ms
+    app.calm_queue(demo)
+    assert demo._queue.sleep_when_free == app.QUEUE_POLL_S
+    assert demo._queue.progress_update_sleep_when_free >= 5 * app.QUEUE_POLL_S
