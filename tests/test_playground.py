@@ -212,7 +212,7 @@ def test_step_mode_describes_each_decision(pg):
 def test_ablation_and_compare(pg):
     rows = pg.ablate("fixed-16", quick=True)
     assert rows[0].switch is None and rows[0].ratio == 1.0
-    assert all(r.same_output_as_full for r in rows if r.throughput_tok_s)
+    assert all(r.same_output_as_full for r in rows if r.throughput_tok_s and r.precision == rows[0].precision)
     assert pg.last_ablation() == rows
     table = ablation_table(rows)  # real headers, not "1 2 3 4 5"; numbers rounded for reading
     assert table["headers"][:3] == ["configuration", "tok/s", "x full engine"]

@@ -3,7 +3,7 @@
     specs.py        feature presets and "key=value" flags -> EngineConfig fields
     runs.py         weights loaded once, an engine per configuration, a workload run -> RunResult
     hf.py           transformers' generate over the same weights
-    experiments.py  table, compare, hf-static, sched-cost, ablate (--cumulative, --concurrency), memory
+    experiments.py  table, compare, hf-static, sched-cost, ablate (--cumulative, --concurrency), memory, kernels
     report.py       captioned tables rendered as markdown, JSON rows
     cli.py          `python -m engine.bench ...`: the only module that prints
 
@@ -14,11 +14,13 @@ from .experiments import (
                           FEATURES,
                           FULL_ENGINE,
                           FULL_FIELDS,
+                          KV_CACHE_DTYPES_SWEPT,
                           NAIVE_LOOP,
                           AblationRow,
                           CompareResult,
                           Feature,
                           HFStaticResult,
+                          KernelRow,
                           MemoryRow,
                           SchedCostResult,
                           TableRow,
@@ -27,6 +29,7 @@ from .experiments import (
                           ablate_cumulative,
                           compare,
                           hf_static,
+                          kernel_timings,
                           memory_sweep,
                           run_table,
                           sched_cost,
@@ -36,6 +39,7 @@ from .report import (
                           ablate_report,
                           compare_report,
                           hf_static_report,
+                          kernels_report,
                           markdown_table,
                           memory_report,
                           render_report,
@@ -60,12 +64,12 @@ from .runs import (
 from .specs import list_feature_presets, load_feature_preset, parse_assignments, parse_value, resolve_spec
 
 __all__ = [
-    "ABLATIONS", "FEATURES", "FULL_ENGINE", "FULL_FIELDS", "GIB", "NAIVE_LOOP", "PHASES", "AblationRow",
-    "Cancelled", "CompareResult", "Feature", "HFStaticResult", "MemoryRow", "Report", "RunResult",
-    "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_concurrency", "ablate_cumulative",
+    "ABLATIONS", "FEATURES", "FULL_ENGINE", "FULL_FIELDS", "GIB", "KV_CACHE_DTYPES_SWEPT", "NAIVE_LOOP", "PHASES",
+    "AblationRow", "Cancelled", "CompareResult", "Feature", "HFStaticResult", "KernelRow", "MemoryRow", "Report",
+    "RunResult", "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_concurrency", "ablate_cumulative",
     "ablate_report", "build_engine", "compare", "compare_report", "config_fields", "engine_config", "hf_static",
-    "hf_static_report", "list_feature_presets", "load_feature_preset", "load_llm", "markdown_table",
-    "memory_report", "memory_sweep", "parse_assignments", "parse_value", "render_report", "resolve_spec",
-    "run_config", "run_table", "run_workload", "sched_cost", "sched_cost_report", "table_report", "to_jsonable",
-    "weight_bytes",
+    "hf_static_report", "kernel_timings", "kernels_report", "list_feature_presets", "load_feature_preset",
+    "load_llm", "markdown_table", "memory_report", "memory_sweep", "parse_assignments", "parse_value",
+    "render_report", "resolve_spec", "run_config", "run_table", "run_workload", "sched_cost", "sched_cost_report",
+    "table_report", "to_jsonable", "weight_bytes",
 ]

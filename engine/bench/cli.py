@@ -7,7 +7,8 @@
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
-    python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting
+    python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting (fp32 vs int8 KV)
+    python -m engine.bench kernels --rows 1,16,64               # one step's matmuls in each weight format
 
 A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such as "prefix_caching=false".
 """
@@ -26,7 +27,7 @@ from . import report as rp
 from .runs import load_llm
 from .specs import parse_assignments
 
-COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory")
+COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels")
 
 
 def _int_list(text: str) -> list[int]:
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--workload", default="memory-pressure", help="preset name or TOML path")
     mem.add_argument("--blocks", type=_int_list, default=[32, 64, 128, 256], help="pool sizes, in blocks")
     mem.add_argument("--quick", action="store_true", help="a quarter of each workload group")
+    mem.add_argument("--kv-dtypes", default=",".join(ex.KV_CACHE_DTYPES_SWEPT), metavar="auto,int8",
+                     help="KV cache dtypes, each at the same memory per pool (auto: the model's dtype)")
+    kn = sub.add_parser("kernels", parents=common, help="one decode step's matmuls in each weight format")
+    kn.add_argument("--rows", type=_int_list, default=[1, 16, 64], help="tokens in the step")
+    kn.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
+                    help=f"weights to time (repeatable; default: {' '.join(ex.KERNEL_SPECS)})")
+    kn.add_argument("--repeat", type=int, default=5)
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -128,8 +136,13 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         return rp.ablate_report(workload, ex.ablate(llm, workload, settings, _bar))
     if args.command == "memory":
         workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
-        rows = ex.memory_sweep(llm, workload, args.blocks, settings, _bar)
-        return rp.memory_report(workload, rows, llm.engine.model.kv_bytes_per_token())
+        kv_dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
+        rows = ex.memory_sweep(llm, workload, args.blocks, settings, _bar, kv_cache_dtypes=kv_dtypes)
+        model = llm.engine.model
+        return rp.memory_report(workload, rows, model.kv_bytes_per_token(), model.kv_bytes_per_token("int8"))
+    if args.command == "kernels":
+        rows = ex.kernel_timings(llm, args.specs or ex.KERNEL_SPECS, args.rows, args.repeat, _bar)
+        return rp.kernels_report(rows, args.repeat)
     return rp.sched_cost_report(ex.sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
 
 
