@@ -3,7 +3,8 @@
     python app.py [--model PATH_OR_ID] [--preset NAME] [--share]
 
 Layout and wiring only, one small builder per tab: what each control does lives in playground/, the charts in
-viz/. Adding a tab is one line in build_app.
+viz/. Adding a tab is one line in build_app. The same server answers OpenAI's API (/v1/models, /v1/completions,
+/v1/chat/completions) and Prometheus (/metrics) from server/, on the same engine (docs/api.md).
 Respects GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (Hugging Face Spaces binds 0.0.0.0:7860).
 """
 from __future__ import annotations
@@ -19,15 +20,17 @@ from gradio.components.plot import PlotData
 from engine import LLM
 from engine.bench import Cancelled, compare_report, load_feature_preset
 from engine.config import BUILT_SWITCHES, KV_CACHE_DTYPES, NOT_YET_BUILT
+from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.features_tab import build_features_tab
 from playground.handlers import ChatSession, Playground, feature_presets, workloads
 from playground.serialised import SerialisedFigures
 from playground.tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
+from server import OpenAIApi, served_model_name
 from viz.figures import ablation_figure, compare_figure, placeholder_figure, to_json
 
 INTRO = """# Watch an LLM inference engine work
-A real engine (paged KV cache, continuous batching, prefix caching) runs **SmolLM2-135M** on this machine.
-Chat with it, put it under load, switch features off, and watch what changes."""
+A real engine (paged KV cache, continuous batching, prefix caching, chunked prefill, speculative decoding) runs
+**SmolLM2-135M** on this machine. Chat with it, put it under load, switch features off, and watch what changes."""
 
 HELP = {
     "blocks": "Every square is one KV block (a fixed number of tokens' keys and values). Colour = the request "
@@ -293,19 +296,34 @@ def build_app(pg: Playground) -> gr.Blocks:
     return demo
 
 
+def launch(pg: Playground, model_name: str, **launch_kwargs) -> gr.Blocks:
+    """The page and the OpenAI-compatible API on one server: the API's routes go into gradio's own FastAPI app,
+    ahead of gradio's, so `share`, the queue and everything else of gradio's launch() keep working."""
+    demo = build_app(pg)
+    api = OpenAIApi(lambda: pg.service, pg.llm.tokenizer, model_name)  # the live service, even after a restart
+    pg.stat_listeners.append(api.metrics.record)
+    demo.queue(default_concurrency_limit=8).launch(app_kwargs={"routes": api.routes()}, **launch_kwargs)
+    return demo
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: embedded SmolLM2)")
     parser.add_argument("--preset", default=None, help="a feature preset from presets/features/ (e.g. naive)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     parser.add_argument("--share", action="store_true", help="a public gradio.live link (Colab)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name the API answers to (default: --model, or the embedded model's hub id)")
+    parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="requests allowed to wait for the engine; beyond, new ones are refused as busy "
+                             "(the API answers 429)")
     args = parser.parse_args()
     fields = load_feature_preset(args.preset) if args.preset else {}
-    pg = Playground(LLM(args.model, **{"device": args.device, **fields}))
-    demo = build_app(pg)
-    demo.queue(default_concurrency_limit=8).launch(
-        server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-        server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share)
+    pg = Playground(LLM(args.model, **{"device": args.device, **fields}),
+                    max_waiting_requests=args.max_waiting_requests)
+    launch(pg, args.served_model_name or served_model_name(args.model),
+           server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+           server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,14 @@ from .memory import check_kv_pool_fits
 from .models.linear import WeightFormat
 from .request import Request, RequestOutput, RequestStatus
 from .runner import Batch, ModelRunner
-from .sampler import SamplingParams, sample
+from .sampler import SamplingParams, TokenLogprobs, draw, processed_logits, token_logprobs
 from .scheduler import Phase, ScheduledRequest, Scheduler
 from .spec import SpecDecodeStats, verify
 from .utils import cdiv
+
+
+class ContextLengthError(ValueError):
+    """A request that can never fit: its prompt reaches max_model_len, or it needs more KV blocks than the pool has."""
 
 
 @dataclass
@@ -257,12 +261,13 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------------
     def _check_fits(self, num_prompt: int, params: SamplingParams, config: EngineConfig) -> None:
         if num_prompt >= config.max_model_len:
-            raise ValueError(f"prompt has {num_prompt} tokens but max_model_len is {config.max_model_len} "
-                             f"(room is needed for at least one generated token)")
+            raise ContextLengthError(f"prompt has {num_prompt} tokens but max_model_len is {config.max_model_len} "
+                                     f"(room is needed for at least one generated token)")
         if config.kv_cache and config.paged_kv:
             need = cdiv(min(num_prompt + params.max_tokens, config.max_model_len), config.block_size)
             if need > config.num_kv_blocks:
-                raise ValueError(f"this request needs {need} KV blocks but the pool has only {config.num_kv_blocks}")
+                raise ContextLengthError(f"this request needs {need} KV blocks but the pool has only "
+                                         f"{config.num_kv_blocks}")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
@@ -342,26 +347,34 @@ class LLMEngine:
         self.step_count += 1
         return outputs
 
-    def _sample(self, batch: Batch, logits) -> list[list[int]]:
-        """The tokens each scheduled request gains this step, in batch order: one for a prefill's end or a
-        decode, the accepted drafts plus one for a verify, none for a prefill chunk short of the prompt's end."""
+    def _sample(self, batch: Batch, logits) -> list[list[tuple[int, TokenLogprobs | None]]]:
+        """The tokens each scheduled request gains this step, in batch order, each with its logprobs (None unless
+        asked for): one for a prefill's end or a decode, the accepted drafts plus one for a verify, none for a
+        prefill chunk short of the prompt's end."""
         rows, row = [], 0
         for s in batch.scheduled:
             rows.append(row)
             row += s.num_logits
         single = [i for i, s in enumerate(batch.scheduled) if s.num_logits == 1]
-        reqs = [batch.scheduled[i].request for i in single]
-        sampled = sample(logits[[rows[i] for i in single]], [r.params for r in reqs], [r.generator for r in reqs])
-        out: list[list[int]] = [[] for _ in batch.scheduled]
-        for i, token in zip(single, sampled, strict=True):
-            out[i] = [token]
+        params = [batch.scheduled[i].request.params for i in single]
+        processed = processed_logits(logits[[rows[i] for i in single]], params)
+        sampled = draw(processed, params, [batch.scheduled[i].request.generator for i in single])
+        logprobs = token_logprobs(processed, sampled, [p.logprobs for p in params])
+        out: list[list[tuple[int, TokenLogprobs | None]]] = [[] for _ in batch.scheduled]
+        for i, token, lp in zip(single, sampled, logprobs, strict=True):
+            out[i] = [(token, lp)]
         for i, s in enumerate(batch.scheduled):
             if s.phase is Phase.VERIFY:
-                out[i] = verify(logits[rows[i]:rows[i] + s.num_logits], s.draft_token_ids, s.request.params,
-                                s.request.generator)
+                p, rows_i = s.request.params, logits[rows[i]:rows[i] + s.num_logits]
+                tokens = verify(rows_i, s.draft_token_ids, p, s.request.generator)
+                lps = [None] * len(tokens)
+                if p.logprobs is not None:  # row j predicted the token at j: its distribution is the one drawn from
+                    lps = token_logprobs(processed_logits(rows_i[:len(tokens)], [p] * len(tokens)), tokens,
+                                         [p.logprobs] * len(tokens))
+                out[i] = list(zip(tokens, lps))
         return out
 
-    def _retire(self, scheduled: list[ScheduledRequest], new_tokens: list[list[int]],
+    def _retire(self, scheduled: list[ScheduledRequest], new_tokens: list[list[tuple[int, TokenLogprobs | None]]],
                 rec: StepRecord) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
@@ -383,8 +396,10 @@ class LLMEngine:
             if m.first_token_time is None:
                 m.first_token_time = now
             reason = None
-            for token in tokens:  # one by one: a stop inside an accepted run ends it there
+            for token, logprobs in tokens:  # one by one: a stop inside an accepted run ends it there
                 req.token_ids.append(token)
+                if req.logprobs is not None:
+                    req.logprobs.append(logprobs)
                 entry.num_new_tokens += 1
                 self._detokenize(req)
                 reason = self._stop_reason(req, token)
@@ -483,4 +498,4 @@ def _eos_ids(tokenizer, hf_config) -> set[int]:
     return ids
 
 
-__all__ = ["LLMEngine", "EngineSnapshot", "StepEntry", "StepRecord", "RequestStatus"]
+__all__ = ["ContextLengthError", "LLMEngine", "EngineSnapshot", "StepEntry", "StepRecord", "RequestStatus"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampler import SamplingParams
+from .sampler import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +51,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     metrics: RequestMetrics
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when the params asked for them
 
 
 class Request:
@@ -71,6 +72,7 @@ class Request:
         self.generator = generator
         self.finish_reason: str | None = None
         self.text = ""
+        self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self.detok = _DetokState()
         self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                       num_prompt_tokens=self.num_prompt_tokens)
@@ -102,7 +104,8 @@ class Request:
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
-                             self.output_token_ids, self.finished, self.finish_reason, self.metrics)
+                             self.output_token_ids, self.finished, self.finish_reason, self.metrics,
+                             logprobs=None if self.logprobs is None else list(self.logprobs))
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

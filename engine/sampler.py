@@ -1,13 +1,34 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Each seeded request owns a torch.Generator that draws exactly one sample per step, so its
-output does not depend on what else is in the batch.
+output does not depend on what else is in the batch. Logprobs are those of the distribution the token
+was drawn from: the logits after temperature and the top-k / top-p / min-p filters.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+MAX_LOGPROBS = 20  # most likely tokens reported per generated token, at most (OpenAI's top_logprobs limit)
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy: dividing by them would overflow the logits
+
+
+class InvalidSamplingParam(ValueError):
+    """A field of SamplingParams out of range or of the wrong type; `param` names it, so an HTTP error can too."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log probability, and the most likely tokens at its position (most likely first)."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass
@@ -21,35 +42,56 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the N most likely tokens'
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise InvalidSamplingParam("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise InvalidSamplingParam("stop_token_ids", f"stop_token_ids must be a list of integers, "
+                                                         f"got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _real(self.temperature) or self.temperature < 0:
+            raise InvalidSamplingParam("temperature", f"temperature must be >= 0 (0 is greedy), a finite number, "
+                                                      f"got {self.temperature!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidSamplingParam("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _integer(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            raise InvalidSamplingParam("top_k", f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not _real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidSamplingParam("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _integer(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidSamplingParam("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        # a torch.Generator takes any 64-bit seed
+        if self.seed is not None and (not _integer(self.seed) or not -2**63 <= self.seed < 2**64):
+            raise InvalidSamplingParam("seed", f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+            raise InvalidSamplingParam("stop", f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if any(not _integer(t) for t in self.stop_token_ids):
+            raise InvalidSamplingParam("stop_token_ids", f"stop_token_ids must be integers, "
+                                                         f"got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidSamplingParam("logprobs", f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                                                   f"got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
+
+
+def _real(x) -> bool:
+    """A finite int or float, not a bool (True is an int to Python, but never a temperature)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -75,23 +117,56 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row. Greedy rows take the argmax; the rest draw from their filtered distribution."""
+def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The rows as the sampler draws from them (float32): greedy rows as they are, the others scaled by their
+    temperature and filtered. Both the draw and the logprobs read these, so a logprob is that of the draw."""
     logits = logits.float()
-    out = logits.argmax(dim=1).tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return out
+        return logits
     dev = logits.device
-    sub = filter_logits(
+    logits = logits.clone()  # the caller's tensor stays as it was
+    logits[rows] = filter_logits(
         logits[rows],
         torch.tensor([params[i].temperature for i in rows], device=dev, dtype=torch.float32),
         torch.tensor([params[i].top_k for i in rows], device=dev),
         torch.tensor([params[i].top_p for i in rows], device=dev, dtype=torch.float32),
         torch.tensor([params[i].min_p for i in rows], device=dev, dtype=torch.float32),
     )
-    probs = sub.softmax(dim=1)
+    return logits
+
+
+def draw(processed: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of processed logits. Greedy rows take the argmax; the rest draw from their distribution."""
+    out = processed.argmax(dim=1).tolist()
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    probs = processed[rows].softmax(dim=1)
     for j, i in enumerate(rows):
         out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row. Greedy rows take the argmax; the rest draw from their filtered distribution."""
+    return draw(processed_logits(logits, params), params, generators)
+
+
+def token_logprobs(processed: torch.Tensor, tokens: list[int], num_top: list[int | None]) -> list[TokenLogprobs | None]:
+    """Per row: the log probability of its token under the row's (processed) distribution and the num_top most
+    likely tokens; None where num_top is None. Tokens a filter removed have logprob -inf."""
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    rows = [i for i, n in enumerate(num_top) if n is not None]
+    if not rows:
+        return out
+    logprobs = processed[rows].log_softmax(dim=1)
+    chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logprobs.device)).flatten().tolist()
+    k = max(num_top[i] for i in rows)
+    top_values, top_ids = logprobs.topk(k, dim=1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = num_top[i]
+        out[i] = TokenLogprobs(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])))
     return out

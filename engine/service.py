@@ -1,11 +1,13 @@
 """EngineService: the engine in one background thread, with thread-safe submit / abort / stream / config.
 
 Only the service thread touches the engine. Callers send commands through a queue and get replies through
-futures; every request's outputs go to its own stream queue; after each step the thread stores a snapshot
-and a small history sample, so any number of viewers can read them without slowing the engine.
+futures; every request's outputs go to its own stream queue (or a sink the caller brings); after each step the
+thread stores a snapshot and a small history sample, so any number of viewers can read them without slowing
+the engine, and hands what the step did (IterationStats) to its listeners (the metrics endpoint).
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -13,11 +15,50 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from .engine import EngineSnapshot, LLMEngine
 from .request import RequestMetrics, RequestOutput
 from .sampler import SamplingParams
+
+# Requests allowed to wait for a seat before new ones are refused (ServiceBusy): a burst beyond it gets "retry
+# later" at once instead of growing the queue, and its memory, without limit.
+DEFAULT_MAX_WAITING_REQUESTS = 256
+
+
+class ServiceBusy(RuntimeError):
+    """Too many requests are waiting already: retry later (an HTTP server answers 429)."""
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go. put() is called on the engine thread: it must return at once."""
+    def put(self, item: RequestOutput) -> None: ...
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float  # seconds from arrival to the last output
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did, with the meanings of vLLM's IterationStats, for counters and histograms that
+    add steps up (the metrics endpoint). Deltas, never totals, so they survive an engine restart."""
+    num_prompt_tokens: int = 0  # prompt lengths of the requests that got their first token in this step
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)  # one per request that gained tokens, not first
+    finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
 @dataclass
@@ -63,10 +104,22 @@ class ConfigView:
 
 
 class EngineService:
-    def __init__(self, engine: LLMEngine, history_len: int = 3600) -> None:
+    def __init__(self, engine: LLMEngine, history_len: int = 3600,
+                 max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+                 stat_listeners: list[Callable[[IterationStats], None]] | None = None) -> None:
+        """`max_waiting_requests`: beyond it submit raises ServiceBusy (None: no bound). `stat_listeners`: called
+        on the engine thread after every step; the list is kept, not copied, so its owner can add to it later
+        (and hand the same list to the service that replaces this one after a restart)."""
+        if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool)
+                                                 or not isinstance(max_waiting_requests, int)
+                                                 or max_waiting_requests < 1):
+            raise ValueError(f"max_waiting_requests must be an integer >= 1 or None, got {max_waiting_requests!r}")
         self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.stat_listeners = stat_listeners if stat_listeners is not None else []
         self._commands: queue.Queue = queue.Queue()  # (thunk, Future or None), run on the engine thread
-        self._streams: dict[str, queue.Queue] = {}
+        self._streams: dict[str, OutputSink] = {}
+        self._progress: dict[str, tuple[float, int]] = {}  # request -> (time of its last new tokens, tokens so far)
         self._snapshot: EngineSnapshot = engine.snapshot()
         self._config_view = self._view_config()
         self.history: deque[HistorySample] = deque(maxlen=history_len)
@@ -80,9 +133,12 @@ class EngineService:
         self._thread.start()
 
     # ---- API for any thread --------------------------------------------------------------------------
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, queue.Queue]:
-        """Add a request; raises ValueError (bad input) in the caller's thread. Returns (id, its stream)."""
-        rid, stream = self._call(self._add, prompt, params)
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               sink: OutputSink | None = None) -> tuple[str, queue.Queue]:
+        """Add a request; raises ValueError (bad input) or ServiceBusy in the caller's thread. Returns (id, its
+        stream): a new queue.Queue, or `sink` if given (an asyncio server passes one that hands each output to
+        its event loop, so no thread waits on a queue per request)."""
+        rid, stream = self._call(self._add, prompt, params, sink)
         return rid, stream
 
     def stream(self, prompt: str | list[int], params: SamplingParams,
@@ -155,9 +211,13 @@ class EngineService:
         self._commands.put((lambda: fn(*args, **kwargs), future))
         return future.result(timeout=120)
 
-    def _add(self, prompt, params) -> tuple[str, queue.Queue]:
+    def _add(self, prompt, params, sink) -> tuple[str, OutputSink]:
+        waiting = len(self.engine.scheduler.waiting)
+        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+            raise ServiceBusy(f"busy: {waiting} requests are already waiting for the engine "
+                              f"(max_waiting_requests={self.max_waiting_requests}); retry in a moment")
         rid = self.engine.add_request(prompt, params)
-        q: queue.Queue = queue.Queue()
+        q = sink if sink is not None else queue.Queue()
         self._streams[rid] = q
         return rid, q
 
@@ -220,25 +280,73 @@ class EngineService:
             self._fail_all(self.error)
 
     def _publish(self, outputs: list[RequestOutput], step_ms: float) -> None:
-        ttfts, tpots = [], []
+        stats = self._iteration_stats(outputs)
+        tpots = [out.metrics.tpot for out in outputs if out.finished and out.metrics.tpot is not None]
         for out in outputs:
-            if out.metrics.num_generation_tokens == 1 and out.metrics.ttft is not None:
-                ttfts.append(out.metrics.ttft)
-            if out.finished and out.metrics.tpot is not None:
-                tpots.append(out.metrics.tpot)
             q = self._streams.get(out.request_id)
             if q is not None:
-                q.put(out)
+                try:
+                    q.put(out)
+                except Exception:  # the sink's consumer is gone (its event loop closed): nobody reads the request
+                    traceback.print_exc()
+                    self._streams.pop(out.request_id, None)
+                    self.engine.abort(out.request_id)
+                    continue
                 if out.finished:
                     del self._streams[out.request_id]
         self._note_reconfig(time.time() - step_ms / 1e3)  # a change applies at the start of a step
-        snap = self.engine.snapshot()
+        prev, snap = self._snapshot, self.engine.snapshot()
         self._snapshot = snap
         self._config_view = self._view_config()
+        self._add_counter_deltas(stats, prev, snap)
+        ttfts = stats.time_to_first_tokens
         self.history.append(HistorySample(
             time.time(), snap.step, snap.num_running, snap.num_waiting, snap.num_preemptions, snap.kv_blocks_used,
             snap.prefix_cache_queries, snap.prefix_cache_hits, snap.generation_tokens_total, step_ms,
             sum(ttfts) / len(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None))
+        for listener in list(self.stat_listeners):
+            try:
+                listener(stats)
+            except Exception:  # a broken listener (the metrics) must not stop the engine
+                traceback.print_exc()
+
+    def _iteration_stats(self, outputs: list[RequestOutput]) -> IterationStats:
+        """Token counts and latencies of this step's outputs. A request's first tokens give its time to first
+        token (and count its prompt); later ones an inter-token latency since its previous ones."""
+        now, stats = time.perf_counter(), IterationStats()
+        for out in outputs:
+            rid, num_tokens = out.request_id, len(out.token_ids)
+            last = self._progress.get(rid)
+            new = num_tokens - (last[1] if last else 0)
+            if new > 0:
+                if last is None:
+                    stats.num_prompt_tokens += len(out.prompt_token_ids)
+                    if out.metrics.ttft is not None:
+                        stats.time_to_first_tokens.append(out.metrics.ttft)
+                else:
+                    stats.inter_token_latencies.append(now - last[0])
+                stats.num_generation_tokens += new
+                self._progress[rid] = (now, num_tokens)
+            if out.finished:
+                self._progress.pop(rid, None)
+                m = out.metrics
+                stats.finished.append(FinishedRequestStats(out.finish_reason or "error",
+                                                           (m.finished_time or now) - m.arrival_time,
+                                                           len(out.prompt_token_ids), num_tokens))
+        return stats
+
+    @staticmethod
+    def _add_counter_deltas(stats: IterationStats, prev: EngineSnapshot, snap: EngineSnapshot) -> None:
+        """The engine's own counters (preemptions, prefix cache, drafts), as what this step added to them."""
+        def delta(new: int, old: int) -> int:
+            return max(0, new - old)
+        stats.num_preemptions = delta(snap.num_preemptions, prev.num_preemptions)
+        stats.prefix_cache_queries = delta(snap.prefix_cache_queries, prev.prefix_cache_queries)
+        stats.prefix_cache_hits = delta(snap.prefix_cache_hits, prev.prefix_cache_hits)
+        spec, old = snap.speculation, prev.speculation
+        stats.spec_num_drafts = delta(spec["num_drafts"], old["num_drafts"])
+        stats.spec_num_draft_tokens = delta(spec["num_draft_tokens"], old["num_draft_tokens"])
+        stats.spec_num_accepted_tokens = delta(spec["num_accepted_tokens"], old["num_accepted_tokens"])
 
     def _note_reconfig(self, when: float) -> None:
         record = self.engine.last_reconfig
@@ -250,9 +358,11 @@ class EngineService:
     def _fail_all(self, reason: str) -> None:
         """The engine thread ended: end every open stream with an error instead of leaving it hanging."""
         for rid, q in list(self._streams.items()):
-            q.put(RequestOutput(rid, None, [], "", [], True, "error", RequestMetrics(time.perf_counter()),
-                                error=reason))
+            with contextlib.suppress(Exception):  # one gone consumer must not keep the others waiting
+                q.put(RequestOutput(rid, None, [], "", [], True, "error", RequestMetrics(time.perf_counter()),
+                                    error=reason))
         self._streams.clear()
+        self._progress.clear()
         while True:
             try:
                 _, future = self._commands.get_nowait()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampler import SamplingParams, filter_logits
+from .sampler import SamplingParams, processed_logits
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -80,12 +80,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
             out.append(d)
         out.append(target[len(out)])
         return out
-    rows = logits.shape[0]
-    probs = filter_logits(
-        logits, torch.full((rows,), float(params.temperature), device=logits.device),
-        torch.full((rows,), params.top_k, device=logits.device),
-        torch.full((rows,), float(params.top_p), device=logits.device),
-        torch.full((rows,), float(params.min_p), device=logits.device)).softmax(dim=1)
+    probs = processed_logits(logits, [params] * logits.shape[0]).softmax(dim=1)
     out = []
     for i, d in enumerate(drafts):
         u = torch.rand((), device=logits.device, generator=generator)

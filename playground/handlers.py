@@ -17,7 +17,7 @@ from pathlib import Path
 from engine import LLM, EngineConfig, SamplingParams, bench
 from engine.config import BUILT_SWITCHES
 from engine.models.loader import cache_dir
-from engine.service import EngineService
+from engine.service import DEFAULT_MAX_WAITING_REQUESTS, EngineService, IterationStats
 from engine.workloads import list_workloads, load_workload
 from viz.dashboard import ChatView, DashboardFigures, FigureCache
 
@@ -75,9 +75,14 @@ def ablation_store() -> Path:
 
 
 class Playground:
-    def __init__(self, llm: LLM, store: Path | None = None) -> None:
+    def __init__(self, llm: LLM, store: Path | None = None,
+                 max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS) -> None:
+        """`max_waiting_requests`: beyond it a new request (chat, traffic, API) is refused as busy, to retry."""
         self.llm = llm
-        self.service = EngineService(llm.engine)
+        self.max_waiting_requests = max_waiting_requests
+        # after every step (the metrics endpoint adds them up); the same list goes to the engine after a restart
+        self.stat_listeners: list[Callable[[IterationStats], None]] = []
+        self.service = self._new_service(llm.engine)
         self.figures = FigureCache()
         self.store = store or ablation_store()
         self._exclusive = threading.Lock()  # one ablation / comparison at a time
@@ -152,11 +157,11 @@ class Playground:
 
     def chat_view(self, session: ChatSession | None) -> tuple[ChatView, bool]:
         """A chat tab's live view (the block table with its request highlighted, from the shared figure cache), and
-        whether to keep polling: its reply still streams, or one is on its way."""
+        whether to keep polling: its reply still streams, one is on its way, or the view drawn still shows it."""
         service, rid = self.service, session.request_id if session else None
         streaming = rid is not None and service.is_streaming(rid)
         view = self.figures.chat_view(service.snapshot(), service.history, rid, streaming, service.config_changes)
-        return view, streaming or bool(session and session.expecting())
+        return view, streaming or view.in_snapshot or bool(session and session.expecting())
 
     def status(self) -> str:
         snap = self.service.snapshot()
@@ -263,9 +268,13 @@ class Playground:
                 failures.append(f"{label}: {exc}")
                 continue
             self.llm.engine = engine
-            self.service = EngineService(engine)
+            self.service = self._new_service(engine)
             return f"Engine restarted {label}." + (f" ⚠️ Not possible {'; '.join(failures)}." if failures else "")
         return f"⛔ The engine could not be restarted: {'; '.join(failures)}"
+
+    def _new_service(self, engine) -> EngineService:
+        return EngineService(engine, max_waiting_requests=self.max_waiting_requests,
+                             stat_listeners=self.stat_listeners)
 
     # ---- traffic generator -----------------------------------------------------------------------------
     def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0) -> str:

@@ -126,7 +126,8 @@ def test_contiguous_kv_admits_fewer_requests_than_paged(tiny):
     prompts = random_prompts(16, seed=4)
     prompts = [p[:24] + [5] * (24 - len(p[:24])) for p in prompts]  # 24-token prompts
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    common = dict(block_size=16, num_kv_blocks=64, max_model_len=256, max_num_seqs=32)
+    # a token budget that holds every prompt: admission is limited by memory here, not by the step's budget
+    common = dict(block_size=16, num_kv_blocks=64, max_model_len=256, max_num_seqs=32, max_num_batched_tokens=512)
     concurrency = {}
     for paged in (True, False):
         engine = engine_like(tiny, paged_kv=paged, **common)

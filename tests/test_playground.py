@@ -126,6 +126,30 @@ def test_a_chat_tells_its_tab_which_request_is_its_own(pg):
     assert history[-1]["content"].startswith("⚠️") and session.request_id == rid and not pg.chat_view(session)[1]
 
 
+def test_the_live_view_polls_until_it_shows_the_reply_finished(pg):
+    """Figures are rebuilt at most once a second: the view drawn just after a reply ends can come from a snapshot in
+    which the request still decodes. The tab must poll on until a view shows it finished, not freeze on that one."""
+    from viz.dashboard import FigureCache
+    session, cache = ChatSession(), pg.figures
+    try:
+        pg.figures = FigureCache(min_interval_s=3600.0)  # frozen on the first snapshot it draws
+        pg.pause()
+        pg.chat_sent(session)
+        chat = pg.chat("Hello there", [], 0.0, 8, session)
+        next(chat)
+        pg.service.step_once()  # prefilled: the request is in the snapshot the view draws
+        assert pg.chat_view(session)[0].in_snapshot
+        pg.resume()
+        list(chat)
+        view, polling = pg.chat_view(session)  # reply over, but the view still shows it decoding
+        assert not pg.service.is_streaming(session.request_id) and view.in_snapshot and polling
+        pg.figures = FigureCache(min_interval_s=0.0)
+        view, polling = pg.chat_view(session)
+        assert not polling and view.blocks["layout"]["title"]["text"].endswith("finished, blocks freed")
+    finally:
+        pg.figures = cache
+
+
 def test_a_chat_stopped_while_queued_frees_its_request(pg):
     pg.pause()
     try:

@@ -286,3 +286,95 @@ def test_different_seeds_give_different_outputs(llm, alone):
     seqs = [tuple(o.token_ids) for o in outs]
     assert len(set(seqs[:3])) == 3 and alone not in [list(s) for s in seqs[:3]]
     assert list(seqs[3]) == alone
+
+
+# ---- logprobs ------------------------------------------------------------------------------------------
+
+def hf_logits_after(hf_model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """transformers' logits at each position that predicted a generated token: [len(generated), vocab]."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0].float()
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(generated)]
+
+
+def test_greedy_logprobs_equal_transformers_log_softmax(tiny_models, llm):
+    _, hf_model = tiny_models["llama"]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))[0]
+    assert len(out.logprobs) == len(out.token_ids) == 8
+    expected = hf_logits_after(hf_model, PROMPT, out.token_ids).log_softmax(dim=1)
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp.token_id == token and lp.logprob == pytest.approx(expected[i, token].item(), abs=1e-4)
+        values, ids = expected[i].topk(5)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert lp.top[0][0] == token  # greedy: the chosen token is the most likely one
+    assert out.logprobs[0].logprob != pytest.approx(out.logprobs[1].logprob, abs=1e-6)  # not one number repeated
+
+
+def test_sampled_logprobs_are_those_of_the_filtered_tempered_distribution(tiny_models, llm):
+    """temperature 0.8 and top_k 3: the reported distribution is log_softmax(logits / 0.8) over the three kept
+    tokens; the other two of the top 5 asked for were filtered out (-inf)."""
+    _, hf_model = tiny_models["llama"]
+    params = SamplingParams(temperature=0.8, top_k=3, max_tokens=6, seed=7, ignore_eos=True, logprobs=5)
+    out = llm.generate([PROMPT], params)[0]
+    logits = hf_logits_after(hf_model, PROMPT, out.token_ids) / 0.8
+    kept = logits.topk(3, dim=1).indices
+    masked = torch.full_like(logits, float("-inf")).scatter(1, kept, logits.gather(1, kept))
+    expected = masked.log_softmax(dim=1)
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert token in kept[i].tolist()
+        assert lp.logprob == pytest.approx(expected[i, token].item(), abs=1e-4)
+        assert [t for t, _ in lp.top[:3]] == kept[i].tolist()
+        assert [v for _, v in lp.top[3:]] == [NEG_INF, NEG_INF]
+    assert math.fsum(math.exp(v) for _, v in out.logprobs[0].top) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_logprobs_only_when_asked(llm):
+    none, zero = llm.generate([PROMPT, PROMPT], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                                 SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                                logprobs=0)])
+    assert none.logprobs is None
+    assert len(zero.logprobs) == 3 and all(lp.top == () and lp.logprob <= 0 for lp in zero.logprobs)
+
+
+def test_speculative_decoding_reports_the_same_logprobs(tiny_models, monkeypatch):
+    """Verified drafts get the logprobs of the rows that verified them: the same numbers as without drafts, for
+    accepted drafts and for the token that corrects a rejected one."""
+    import engine.scheduler as scheduler_module
+    folder, _ = tiny_models["llama"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    plain = LLM(folder, max_model_len=256).generate([PROMPT], params)[0]
+
+    def propose(token_ids, k, min_n, max_n):  # the true continuation, its third draft wrong
+        done = len(token_ids) - len(PROMPT)
+        drafts = plain.token_ids[done:done + k]
+        return drafts[:2] + [(t + 1) % 1000 for t in drafts[2:3]] + drafts[3:]
+    monkeypatch.setattr(scheduler_module, "propose_ngram", propose)
+    spec_llm = LLM(folder, max_model_len=256, speculative_decoding=True)
+    spec = spec_llm.generate([PROMPT], params)[0]
+    stats = spec_llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert spec.token_ids == plain.token_ids
+    for a, b in zip(spec.logprobs, plain.logprobs, strict=True):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", float("nan")), ("temperature", True), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("min_p", True), ("top_k", 2.0), ("max_tokens", 1.5), ("seed", 2**64), ("seed", "1"), ("logprobs", 21),
+    ("logprobs", -1), ("logprobs", True), ("stop", {"a": 1}), ("stop", [""]),
+])
+def test_bad_sampling_params_name_their_field(field, value):
+    from engine.sampler import InvalidSamplingParam
+    with pytest.raises(InvalidSamplingParam, match=field) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field
+
+
+def test_a_vanishing_temperature_is_greedy(llm):
+    """Dividing logits by 1e-40 would overflow to inf and NaN probabilities: such a temperature means greedy."""
+    tiny = llm.generate([PROMPT], SamplingParams(temperature=1e-40, max_tokens=5, ignore_eos=True))[0]
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert tiny.token_ids == greedy.token_ids

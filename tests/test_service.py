@@ -187,3 +187,58 @@ def test_follow_streams_a_request_submitted_first(service):
     outs = list(service.follow(rid, q))
     assert [o.request_id for o in outs] == [rid] * 12 and outs[-1].finished
     assert not service.is_streaming(rid)
+
+
+def test_waiting_bound_refuses_with_busy_and_the_engine_keeps_serving(tiny_models):
+    from engine.service import ServiceBusy
+    svc = EngineService(LLM(tiny_models["llama"][0], max_model_len=256).engine, max_waiting_requests=2)
+    try:
+        svc.pause()  # nothing runs: every request submitted waits
+        prompts = random_prompts(3, seed=44)
+        queued = [svc.submit(p, GREEDY) for p in prompts[:2]]
+        with pytest.raises(ServiceBusy, match="busy: 2 requests are already waiting.*retry"):
+            svc.submit(prompts[2], GREEDY)
+        svc.resume()
+        for rid, q in queued:
+            assert list(svc.follow(rid, q))[-1].finish_reason == "length"
+        assert list(svc.stream(prompts[2], GREEDY))[-1].finish_reason == "length"  # room again
+    finally:
+        svc.shutdown()
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        EngineService(svc.engine, max_waiting_requests=0)
+
+
+def test_listeners_get_each_steps_tokens_latencies_and_finished_requests(tiny_models):
+    """The numbers the metrics endpoint adds up: summed over the steps they equal what the requests did."""
+    got, calls = [], []
+
+    def broken(stats):
+        calls.append(stats)
+        raise RuntimeError("a listener with a bug")
+    svc = EngineService(LLM(tiny_models["llama"][0], max_model_len=256).engine, stat_listeners=[broken, got.append])
+    try:
+        prompts = random_prompts(3, seed=45)
+        sink_outputs: list = []
+
+        class ListSink:
+            def put(self, out):
+                sink_outputs.append(out)
+        rid, sink = svc.submit(prompts[0], GREEDY, sink=ListSink())
+        outs = [list(svc.stream(p, GREEDY)) for p in prompts[1:]]
+        deadline = time.monotonic() + 60
+        while not (sink_outputs and sink_outputs[-1].finished) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        service_alive = svc.alive
+    finally:
+        svc.shutdown()
+    assert service_alive and len(calls) == len(got) > 0  # the broken listener ran every step and stopped nothing
+    assert [o.request_id for o in sink_outputs] == [rid] * 12 and len(sink_outputs[-1].token_ids) == 12
+    assert all(o[-1].finish_reason == "length" for o in outs)
+    assert sum(s.num_generation_tokens for s in got) == 3 * 12
+    assert sum(s.num_prompt_tokens for s in got) == sum(len(p) for p in prompts)
+    ttfts = [t for s in got for t in s.time_to_first_tokens]
+    itls = [t for s in got for t in s.inter_token_latencies]
+    assert len(ttfts) == 3 and len(itls) == 3 * 11 and all(t > 0 for t in ttfts + itls)
+    finished = [f for s in got for f in s.finished]
+    assert sorted((f.finish_reason, f.num_generation_tokens) for f in finished) == [("length", 12)] * 3
+    assert all(f.e2e_latency >= 0 for f in finished)

@@ -169,9 +169,13 @@ def test_speculation_backs_off_as_the_batch_grows(tiny):
     engine = engine_like(tiny, **SPEC, max_num_seqs=32)
     for p in repetitive_prompts(12, seed=9):
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    engine.step()
-    engine.step()  # 12 decoding requests: above the budget's 8, no drafts
-    assert engine.snapshot().speculation["k"] == 0 and not engine.steps[-1].verifies
+    for _ in range(20):  # the prompts' chunks first (the step's token budget), then everyone decodes
+        engine.step()
+        if len(engine.steps[-1].decodes) == 12:
+            break
+    # 12 decoding requests: above the budget's 8, no drafts
+    assert len(engine.steps[-1].decodes) == 12 and not engine.steps[-1].verifies
+    assert engine.snapshot().speculation["k"] == 0
     assert "none above 8" in engine.snapshot().speculation["rule"]
     run(engine, [])
 

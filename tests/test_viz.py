@@ -156,6 +156,23 @@ def test_prefix_chart_says_when_prefix_caching_is_off():
     assert not any(figures.prefix_caching_active({**on, k: False}) for k in on)
 
 
+def test_hit_rate_stops_at_the_switch_instead_of_drawing_old_hits_on():
+    """Caching switched off at t=10: no prompt is looked up after it, so the recent hit rate has no value there.
+    The window used to reach back across the change, drawing 90% on for 20 steps, and the line then joined the
+    hits before the change to those after caching came back on, as if caching had never been off."""
+    hist = [sample(t, prefix_cache_queries=10 * min(t, 10) + 10 * max(0, t - 20),
+                   prefix_cache_hits=9 * min(t, 10) + 9 * max(0, t - 20)) for t in range(31)]
+    changes = [change(9.5, prefix_caching=False), change(19.5, prefix_caching=True)]
+    spec = figures.prefix_cache_figure(hist, changes=changes)
+    xs, ys = spec["data"][0]["x"], spec["data"][0]["y"]
+    drawn = [x for x, y in zip(xs, ys) if y is not None]
+    assert not [x for x in drawn if 10 <= x < 21], drawn  # nothing while it was off
+    assert [y for x, y in zip(xs, ys) if x >= 21 and y is not None] == [90.0] * 10  # its own window after
+    assert None in ys  # the line is broken across the off period, not joined through it
+    off = figures.prefix_cache_figure(hist, active=False, changes=changes)["layout"]["annotations"][0]
+    assert off["text"] == "prefix caching is off" and off["x"] > 0.9  # in a corner, clear of the lines
+
+
 def test_axes_make_room_for_their_labels():
     """Right-hand ticks ("4(") and the memory chart's labels ("SS (GB)") were cut by fixed margins."""
     hist = [sample(0), sample(1)]

@@ -30,6 +30,9 @@ class ChatView:
     live: bool  # the request still streams (it may not be in the snapshot yet)
     blocks: dict  # plotly figure spec: the block table with this request highlighted
     summary: str  # markdown: running / waiting / tokens/s, as of the same snapshot
+    # the request is still in the snapshot drawn (figures are rebuilt at most once a second, so the view drawn just
+    # after a reply ends may still show it decoding): the tab polls on until a view shows it gone
+    in_snapshot: bool = False
 
 
 def chat_summary(snapshot, tokens_per_s: float) -> str:
@@ -112,6 +115,6 @@ class FigureCache:
                 source = self._source
                 view = self._views[key] = ChatView(
                     request_id, live, figures.highlighted_block_figure(source, request_id, live),
-                    chat_summary(source, self._tokens_per_s))
+                    chat_summary(source, self._tokens_per_s), request_id in source.requests)
                 self.view_builds += 1
             return view

@@ -8,6 +8,7 @@ tests) check that every spec is a valid plotly figure.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import zlib
@@ -63,6 +64,11 @@ def note(text: str) -> dict:
     """A message in the middle of a chart, for when its lines would say nothing."""
     return dict(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False, font=dict(size=16, color="#555"),
                 bgcolor="rgba(255,255,255,0.85)")
+
+
+def corner_note(text: str) -> dict:
+    """A message in a chart's lower right corner, clear of the lines drawn before it applied."""
+    return {**note(text), "x": 0.98, "y": 0.04, "xanchor": "right", "yanchor": "bottom"}
 
 
 def placeholder_figure(text: str, height: int = 250) -> dict:
@@ -359,19 +365,34 @@ def prefix_caching_active(config: dict) -> bool:
     return all(config.get(k) for k in ("prefix_caching", "kv_cache", "paged_kv"))
 
 
+def _after_changes(history: Sequence, changes: Sequence, starts: Sequence[bool]) -> list[bool]:
+    """`starts`, plus the first sample after each configuration change the engine applied."""
+    times = [h.time for h in history]
+    out = list(starts)
+    for change in changes:
+        i = bisect.bisect_left(times, change.time)
+        if not change.error and 0 < i < len(out):
+            out[i] = True
+    return out
+
+
 def prefix_cache_figure(history: Sequence, window: int = 20, active: bool = True,
                         idle_gap_s: float = IDLE_GAP_S, changes: Sequence = ()) -> dict:
     """`active`: whether prefix caching is on now (see prefix_caching_active); when off, the chart says so."""
     t, starts = _times(history), _busy_starts(history, idle_gap_s)
-    # counters only move at steps, so this window may span an idle period: it is the last `window` steps' rate
-    rate = _windowed_ratio(history, window, lambda h: h.prefix_cache_hits, lambda h: h.prefix_cache_queries, 100)
+    # The recent rate is the last `window` steps' (counters only move at steps), never reaching back across a
+    # configuration change: with caching switched off no prompt is looked up, so the line stops at the change
+    # instead of being drawn on from the hits before it.
+    breaks = _after_changes(history, changes, starts)
+    rate = _windowed_ratio(history, window, lambda h: h.prefix_cache_hits, lambda h: h.prefix_cache_queries, 100,
+                           starts=breaks)
     return figure([
-        _line(t, rate, starts, drop_missing=True, name="hit rate, recent (%)"),
+        _line(t, rate, breaks, drop_missing=True, name="hit rate, recent (%)"),
         _line(t, [h.prefix_cache_hits for h in history], starts, name="cumulative hit tokens", yaxis="y2"),
     ], title="Prefix cache", xaxis=dict(title={"text": "seconds"}),
         yaxis=dict(title={"text": "hit rate %"}, range=[0, 105]),
         yaxis2=dict(title={"text": "tokens"}, overlaying="y", side="right", rangemode="tozero", showgrid=False),
-        **_marked(_empty_note(history) if active else [note("prefix caching is off")], history, changes))
+        **_marked(_empty_note(history) if active else [corner_note("prefix caching is off")], history, changes))
 
 
 def throughput_figure(history: Sequence, window: int = 10, idle_gap_s: float = IDLE_GAP_S,

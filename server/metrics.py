@@ -1,0 +1,89 @@
+"""GET /metrics: the engine in Prometheus' text format, under vLLM's metric names and meanings.
+
+So vLLM's own Grafana dashboards work unchanged. Gauges read the engine's latest snapshot when scraped; counters
+and histograms add up the IterationStats the engine service hands over after every step. Each app has its own
+CollectorRegistry (never prometheus_client's global one), so several apps can live in one process.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.engine import EngineSnapshot
+from engine.service import IterationStats
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles mean the same here
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values, present (at 0) from the start
+LABELS = ["model_name", "engine"]  # vLLM's labels; one engine here, index 0
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        """`snapshot`: the live engine's latest snapshot (a callable: the engine may be restarted)."""
+        self.registry = CollectorRegistry()
+        self._labels = (model_name, "0")
+        r = self.registry
+
+        def gauge(name: str, doc: str, read: Callable[[EngineSnapshot], float]) -> None:
+            Gauge(name, doc, LABELS, registry=r).labels(*self._labels).set_function(lambda: read(snapshot()))
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=r).labels(*self._labels)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*self._labels)
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_running)
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda s: s.num_waiting)
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+              lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                        [*LABELS, "finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self._request_success.labels(*self._labels, reason)
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
+                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
+                                             "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Number of accepted tokens.")
+
+    def record(self, stats: IterationStats) -> None:
+        """One engine step (called on the engine thread; prometheus_client's metrics are thread-safe)."""
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.spec_decode_num_drafts.inc(stats.spec_num_drafts)
+        self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for finished in stats.finished:
+            self._request_success.labels(*self._labels, finished.finish_reason).inc()
+            self.e2e_request_latency.observe(finished.e2e_latency)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text a scrape gets, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

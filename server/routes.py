@@ -1,0 +1,238 @@
+"""OpenAI-compatible routes (/v1/models, /v1/completions, /v1/chat/completions) and /metrics, over EngineService.
+
+The routes share the one engine service with the playground's chat tabs: their requests run in the same batches
+and show on the same dashboard. Outputs come from the engine thread through a sink that hands them to the event
+loop, so no thread waits per request. A client that goes away mid-request has its request aborted at once
+(its KV blocks freed): a stream notices through Starlette's disconnect watch, a plain request through its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from engine.engine import ContextLengthError
+from engine.llm import chat_token_ids
+from engine.request import RequestOutput
+from engine.sampler import SamplingParams
+from engine.service import EngineService, ServiceBusy
+
+from . import protocol
+from .metrics import EngineMetrics
+from .protocol import ApiError, Deltas, GenerationRequest, TokenText, sse
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+
+
+class LoopSink:
+    """Hands a request's outputs from the engine thread to the event loop that serves it. If that loop has closed,
+    put() raises, and the service aborts the request (nobody is left to read it)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def put(self, item: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class ClientGone(Exception):
+    pass
+
+
+class OpenAIApi:
+    def __init__(self, service: Callable[[], EngineService], tokenizer, model_name: str) -> None:
+        """`service`: the live engine service (a callable: the playground may restart the engine)."""
+        self.service = service
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.token_text = TokenText(tokenizer)
+        self.created = int(time.time())
+        self.metrics = EngineMetrics(model_name, lambda: self.service().snapshot())
+
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/{path:path}", self.not_found, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
+
+    # ---- small endpoints -------------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        max_len = self.service().snapshot().config["max_model_len"]
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "watch-llm",
+            "root": self.model_name, "max_model_len": max_len}]})
+
+    async def prometheus(self, request: Request) -> Response:
+        text, content_type = self.metrics.exposition()
+        return Response(text, media_type=content_type)
+
+    async def health(self, request: Request) -> Response:
+        service = self.service()
+        if service.alive:
+            return Response(status_code=200)
+        return error_response(ApiError(503, f"the engine thread has stopped: {service.error or 'shut down'}",
+                                       "service_unavailable", code="engine_stopped"))
+
+    async def not_found(self, request: Request) -> Response:
+        return error_response(ApiError(404, f"no such endpoint: {request.method} {request.url.path} (this server "
+                                             f"has GET /v1/models, POST /v1/completions, POST /v1/chat/completions)",
+                                        "invalid_request_error", code="unknown_url"))
+
+    # ---- generation ------------------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, protocol.parse_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, protocol.parse_completion)
+
+    async def _generate(self, request: Request, parse) -> Response:
+        try:
+            req = parse(protocol.parse_json(await request.body()), self.model_name)
+            service, sink = self.service(), LoopSink()
+            rid, params = await run_in_threadpool(self._submit, service, req, sink)
+        except ApiError as exc:
+            return error_response(exc)
+        abort = BackgroundTask(abort_if_open, service, rid)  # also when the stream never started
+        if req.stream:
+            return StreamingResponse(self._stream(service, rid, sink, req, params), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=abort)
+        try:
+            out = await self._final_output(request, sink)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        finally:
+            abort_if_open(service, rid)
+        if out.error:
+            return error_response(engine_stopped(out.error))
+        return JSONResponse(self._response(req, out))
+
+    def _submit(self, service: EngineService, req: GenerationRequest, sink: LoopSink) -> tuple[str, SamplingParams]:
+        """Tokenize (through the chat template for a chat) and submit, on a worker thread: the engine thread gets
+        token ids, so tokenizing never holds up its steps, and the default max_tokens needs the prompt's length."""
+        prompt = req.prompt
+        if req.chat:
+            try:
+                prompt = chat_token_ids(self.tokenizer, req.prompt)
+            except Exception as exc:  # the template is the model's code: whatever it raises, these messages did it
+                raise protocol.bad_request(f"the model's chat template refused these messages: {exc}",
+                                           "messages") from exc
+        elif isinstance(prompt, str):
+            prompt = self.tokenizer(prompt).input_ids  # as LLMEngine.add_request tokenizes text
+        params = req.sampling_params(len(prompt), service.snapshot().config["max_model_len"])
+        try:
+            rid, _ = service.submit(prompt, params, sink)
+        except ServiceBusy as exc:
+            raise ApiError(429, str(exc), "rate_limit_exceeded", None, "too_many_waiting_requests",
+                           {"Retry-After": str(RETRY_AFTER_S)}) from exc
+        except ContextLengthError as exc:
+            raise protocol.bad_request(str(exc), "messages" if req.chat else "prompt",
+                                       "context_length_exceeded") from exc
+        except ValueError as exc:
+            raise protocol.bad_request(str(exc), "messages" if req.chat else "prompt") from exc
+        except RuntimeError as exc:  # the engine thread has stopped
+            raise engine_stopped(str(exc)) from exc
+        return rid, params
+
+    async def _final_output(self, request: Request, sink: LoopSink) -> RequestOutput:
+        """The request's last output, unless its client disconnects first (ClientGone)."""
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            while True:
+                nxt = asyncio.ensure_future(sink.queue.get())
+                await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    raise ClientGone
+                out = nxt.result()
+                if out.finished:
+                    return out
+        finally:
+            gone.cancel()
+
+    async def _stream(self, service: EngineService, rid: str, sink: LoopSink, req: GenerationRequest,
+                      params: SamplingParams) -> AsyncIterator[str]:
+        deltas = Deltas(params)
+        try:
+            if req.chat:  # the role first, as OpenAI's streams do
+                yield sse(self._chunk(req, {"role": "assistant", "content": ""}, None, None))
+            while True:
+                out = await sink.queue.get()
+                if out.error:  # the engine stopped under the request: say so in the stream, then end it
+                    yield sse(engine_stopped(out.error).body())
+                    break
+                text, logprobs = deltas.advance(out)
+                if text or logprobs or out.finished:
+                    chunk_logprobs = self._logprobs(req, logprobs, deltas)
+                    yield sse(self._chunk(req, text, chunk_logprobs, protocol.finish_reason(out)))
+                if out.finished:
+                    if req.include_usage:
+                        yield sse({**self._envelope(req, chunk=True), "choices": [], "usage": protocol.usage(out)})
+                    break
+            yield sse("[DONE]")
+        finally:  # the client went away (Starlette cancels the stream) or the stream ended: free the blocks now
+            abort_if_open(service, rid)
+
+    # ---- response bodies -------------------------------------------------------------------------------------
+    def _envelope(self, req: GenerationRequest, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if req.chat else "text_completion"
+        return {"id": req.id, "object": kind, "created": req.created, "model": self.model_name}
+
+    def _chunk(self, req: GenerationRequest, delta: str | dict, logprobs: dict | None, finish: str | None) -> dict:
+        if req.chat:
+            choice = {"index": 0, "delta": delta if isinstance(delta, dict) else {"content": delta},
+                      "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+        body = {**self._envelope(req, chunk=True), "choices": [choice]}
+        if req.include_usage:
+            body["usage"] = None  # OpenAI: every chunk but the last has usage null when usage was asked for
+        return body
+
+    def _logprobs(self, req: GenerationRequest, logprobs, deltas: Deltas | None = None) -> dict | None:
+        if req.logprobs is None:
+            return None
+        if req.chat:
+            return self.token_text.chat_logprobs(logprobs)
+        offset = deltas.text_offset if deltas else 0
+        body = self.token_text.completion_logprobs(logprobs, offset)
+        if deltas:
+            deltas.text_offset += sum(len(t) for t in body["tokens"])
+        return body
+
+    def _response(self, req: GenerationRequest, out: RequestOutput) -> dict:
+        logprobs = self._logprobs(req, out.logprobs or [])
+        if req.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason}
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        return {**self._envelope(req, chunk=False), "choices": [choice], "usage": protocol.usage(out)}
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def engine_stopped(reason: str) -> ApiError:
+    return ApiError(503, f"the engine stopped: {reason}", "service_unavailable", code="engine_stopped")
+
+
+def abort_if_open(service: EngineService, rid: str) -> None:
+    if service.is_streaming(rid):
+        service.abort(rid)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
