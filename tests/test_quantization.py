@@ -293,26 +293,43 @@ def invariance_prompts() -> list[list[int]]:
     return random_prompts(6, seed=3) + shared_prefix_prompts(4, 40)
 
 
+# w8a8 quantizes each activation row on the fly: the naive loop (no KV cache) recomputes every position in a
+# causal prefill, whose attention differs from a decode's by ~1e-7 in fp32, and that can move one element across
+# a rounding boundary of its 8-bit step (measured: 1 of 10 prompts diverged, at a near-tie). Every other switch,
+# preemption and the prefix cache keep w8a8 identical token for token.
+CLOSE_ONLY = {"w8a8": {str({"kv_cache": False})}}
+
+
+def assert_logprob_close(llm: LLM, what: str, prompts, outputs, baseline) -> int:
+    """vLLM's check_logprobs_close for greedy runs: at the first divergence each side's token is in the top-5.
+    Returns how many prompts came out identical."""
+    identical = 0
+    for prompt, a, b in zip(prompts, outputs, baseline, strict=True):
+        j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is None:
+            identical += 1
+            continue
+        top5 = teacher_forced_logits(llm, prompt + a[:j])[-1].topk(5).indices.tolist()
+        assert a[j] in top5 and b[j] in top5, f"{llm.config.precision}: {what} diverged at {j} beyond the top-5"
+    return identical
+
+
 @pytest.mark.parametrize("precision", EXACT)
 def test_greedy_output_is_identical_within_one_precision(precision_llms, precision):
-    (_, baseline), *others = invariance_runs(precision_llms[precision], invariance_prompts())
+    llm, prompts = precision_llms[precision], invariance_prompts()
+    (_, baseline), *others = invariance_runs(llm, prompts)
     for what, outputs in others:
-        assert outputs == baseline, f"{precision}: {what} changed greedy output"
+        if what in CLOSE_ONLY.get(precision, ()):
+            assert assert_logprob_close(llm, what, prompts, outputs, baseline) >= 0.75 * len(prompts)
+        else:
+            assert outputs == baseline, f"{precision}: {what} changed greedy output"
 
 
 @pytest.mark.parametrize("precision", BF16)
 def test_bf16_greedy_output_is_logprob_close_within_one_precision(precision_llms, precision):
     llm, prompts = precision_llms[precision], invariance_prompts()
     (_, baseline), *others = invariance_runs(llm, prompts)
-    identical = 0
-    for what, outputs in others:
-        for prompt, a, b in zip(prompts, outputs, baseline, strict=True):
-            j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-            if j is None:
-                identical += 1
-                continue
-            top5 = teacher_forced_logits(llm, prompt + a[:j])[-1].topk(5).indices.tolist()
-            assert a[j] in top5 and b[j] in top5, f"{precision}: {what} diverged at {j} beyond the top-5"
+    identical = sum(assert_logprob_close(llm, what, prompts, outputs, baseline) for what, outputs in others)
     assert identical >= 0.75 * len(others) * len(prompts), "mostly divergent: the comparison would be weak"
 
 
