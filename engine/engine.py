@@ -351,10 +351,13 @@ class LLMEngine:
         """The tokens each scheduled request gains this step, in batch order, each with its logprobs (None unless
         asked for): one for a prefill's end or a decode, the accepted drafts plus one for a verify, none for a
         prefill chunk short of the prompt's end."""
-        rows, row = [], 0
+        rows, row = [], 0  # where each request's rows to sample from start (after its prompt-logprob rows)
         for s in batch.scheduled:
-            rows.append(row)
-            row += s.num_logits
+            positions = s.prompt_logprob_positions
+            if positions:
+                self._record_prompt_logprobs(s, logits[row:row + len(positions)], positions)
+            rows.append(row + len(positions))
+            row += len(positions) + s.num_logits
         single = [i for i, s in enumerate(batch.scheduled) if s.num_logits == 1]
         params = [batch.scheduled[i].request.params for i in single]
         processed = processed_logits(logits[[rows[i] for i in single]], params)
@@ -373,6 +376,15 @@ class LLMEngine:
                                          [p.logprobs] * len(tokens))
                 out[i] = list(zip(tokens, lps))
         return out
+
+    @staticmethod
+    def _record_prompt_logprobs(s: ScheduledRequest, logits: torch.Tensor, positions: range) -> None:
+        """Log probabilities of the prompt's tokens at positions, from the model's own logits (before temperature
+        or any filter), each row being the position before."""
+        req, k = s.request, s.request.params.prompt_logprobs
+        given = req.token_ids[positions.start:positions.stop]
+        lps = token_logprobs(logits.float(), given, [k] * len(given))
+        req.prompt_logprobs.extend(lp.as_dict() for lp in lps)
 
     def _retire(self, scheduled: list[ScheduledRequest], new_tokens: list[list[tuple[int, TokenLogprobs | None]]],
                 rec: StepRecord) -> list[RequestOutput]:

@@ -80,6 +80,8 @@ class ModelRunner:
                     allowed = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
                     seq.mask = self._additive(allowed)
                 meta.prefills.append(seq)
+            # rows for prompt logprobs (the position before each), then the rows to sample from
+            logits_rows.extend(row + p - 1 - start for p in s.prompt_logprob_positions)
             logits_rows.extend(range(row + n - s.num_logits, row + n))
         dev = self.device
         if use_cache:
