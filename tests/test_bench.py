@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -376,3 +377,39 @@ def test_text_workloads_and_group_arrivals(tiny_llm):
     result = bench.run_config(tiny_llm, wl, SMALL_POOL)
     assert result.num_requests == 4 and result.prompt_tokens == tokenized.num_prompt_tokens
     assert result.wall_s >= 0.2
+
+
+def test_quality_against_fp32_over_the_same_text(tiny_llm):
+    text = bench.QUALITY_TEXT.read_text()[:600]
+    rows = bench.quality(tiny_llm, ["dtype=float32", "quantization=int8"], text=text, window=48)
+    same, int8 = rows
+    windows = bench.text_windows(tiny_llm, text, 48)
+    assert same.positions == int8.positions == sum(len(w) - 1 for w in windows) > 100
+    # the fp32 engine against itself: every position agrees, nothing differs
+    assert (same.top1_agreement, same.max_abs_logprob_diff) == (1.0, 0.0)
+    assert same.perplexity == same.reference_perplexity == int8.reference_perplexity
+    assert int8.precision == "float32, int8 weights" and int8.max_abs_logprob_diff > 0
+    assert 0.9 <= int8.top1_agreement < 1 or int8.mean_abs_logprob_diff > 0
+    text = bench.render_report(bench.quality_report(rows, 48))
+    assert "| quantization=int8 | float32, int8 weights |" in text
+
+
+def test_quality_arithmetic():
+    windows = [[7, 1, 2]]
+    ref = [[None, {1: -0.5, 3: -0.4}, {2: -1.0}]]
+    got = [[None, {1: -0.3}, {2: -2.0, 5: -0.1}]]
+    m = bench.compare_logprobs(windows, ref, got)
+    assert m["positions"] == 2 and m["top1_agreement"] == 0.0  # 3 vs 1, then 2 vs 5
+    assert m["mean_abs_logprob_diff"] == pytest.approx(0.6) and m["max_abs_logprob_diff"] == pytest.approx(1.0)
+    assert m["perplexity"] == pytest.approx(math.exp(1.15)) and m["reference_perplexity"] == pytest.approx(
+        math.exp(0.75))
+
+
+def test_cli_quality_compares_the_set_precision(tiny_models):
+    from engine.bench.cli import parse_args, quality_specs, settings_from_args
+    args = parse_args(["quality", "--model", tiny_models["llama"][0], "--set", "quantization=int4",
+                       "--set", "quantization_group_size=32"])
+    assert quality_specs(args, settings_from_args(args)) == ["quantization=int4"]
+    args = parse_args(["quality", "--spec", "kv_cache_dtype=int8"])
+    assert quality_specs(args, settings_from_args(args)) == ["kv_cache_dtype=int8"]
+    assert quality_specs(parse_args(["quality"]), {}) == list(bench.QUALITY_SPECS)

@@ -9,6 +9,7 @@
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
     python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting (fp32 vs int8 KV)
     python -m engine.bench kernels --rows 1,16,64               # one step's matmuls in each weight format
+    python -m engine.bench quality --set quantization=int8      # top-1 agreement and perplexity vs fp32
 
 A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such as "prefix_caching=false".
 """
@@ -27,7 +28,7 @@ from . import report as rp
 from .runs import load_llm
 from .specs import parse_assignments
 
-COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels")
+COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "quality")
 
 
 def _int_list(text: str) -> list[int]:
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     kn.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
                     help=f"weights to time (repeatable; default: {' '.join(ex.KERNEL_SPECS)})")
     kn.add_argument("--repeat", type=int, default=5)
+    qu = sub.add_parser("quality", parents=common, help="a precision against fp32 over a fixed text")
+    qu.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
+                    help="precisions to compare (repeatable; default: the --set precision if one is given, else "
+                         f"{' '.join(ex.QUALITY_SPECS)})")
+    qu.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced prompt")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -107,6 +113,14 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.model is not None:
         settings["model"] = args.model
     return settings
+
+
+def quality_specs(args: argparse.Namespace, settings: dict[str, Any]) -> list[str]:
+    """--spec as given; else the precision fields of --set (`quality --set quantization=int8`); else every scheme."""
+    if args.specs:
+        return args.specs
+    given = [f"{k}={v}" for k, v in settings.items() if k in ex.REFERENCE_PRECISION]
+    return [",".join(given)] if given else list(ex.QUALITY_SPECS)
 
 
 def _bar(done: int, total: int, what: str) -> None:
@@ -143,6 +157,9 @@ def run_command(args: argparse.Namespace) -> rp.Report:
     if args.command == "kernels":
         rows = ex.kernel_timings(llm, args.specs or ex.KERNEL_SPECS, args.rows, args.repeat, _bar)
         return rp.kernels_report(rows, args.repeat)
+    if args.command == "quality":
+        return rp.quality_report(ex.quality(llm, quality_specs(args, settings), settings, window=args.window,
+                                            progress=_bar), args.window)
     return rp.sched_cost_report(ex.sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
 
 

@@ -5,6 +5,7 @@ table (the reference table, with HF generate), compare (one workload, two config
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from .runs import (
     warm_up,
     weight_bytes,
 )
-from .specs import resolve_spec
+from .specs import FEATURE_DIR, resolve_spec
 
 
 # ---- `table`: the reference table ----------------------------------------------------------------------
@@ -434,4 +435,86 @@ def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settin
         row.mean_ttft_s, row.memory_efficiency = r.mean_ttft_s, r.memory_efficiency
     if progress is not None:
         progress(len(plan), len(plan), "done")
+    return rows
+
+
+# ---- `quality`: a quantized (or bf16) engine against the fp32 one over a fixed text --------------------------
+QUALITY_TEXT = FEATURE_DIR.parent / "quality" / "text.txt"
+# The precision every row is compared with: the model as trained, unquantized, an fp32 KV cache
+REFERENCE_PRECISION = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto"}
+QUALITY_SPECS = ("quantization=int8", "quantization=int4", "quantization=w8a8", "kv_cache_dtype=int8",
+                 "quantization=int8,kv_cache_dtype=int8", "quantization=int4,kv_cache_dtype=int8")
+
+
+@dataclass
+class QualityRow:
+    spec: str
+    precision: str
+    positions: int  # tokens scored (each window's first has nothing before it)
+    top1_agreement: float  # positions where both sides' most likely next token is the same
+    mean_abs_logprob_diff: float  # |logprob of the text's token, this side - fp32|, mean over positions
+    max_abs_logprob_diff: float
+    perplexity: float  # exp(-mean logprob of the text's tokens)
+    reference_perplexity: float
+    seconds: float  # wall time of this side's teacher-forced pass
+
+    @property
+    def perplexity_change(self) -> float:
+        return self.perplexity / self.reference_perplexity - 1
+
+
+def text_windows(llm: LLM, text: str, window: int) -> list[list[int]]:
+    """The text's tokens in consecutive windows of at most `window` (each one prompt)."""
+    ids = llm.tokenizer(text).input_ids
+    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+
+
+def teacher_forced(engine: LLMEngine, windows: list[list[int]]) -> list[list[dict[int, float] | None]]:
+    """Each window's prompt logprobs (the text's token and the most likely one at every position after the first)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    ids = [engine.add_request(w, params) for w in windows]
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o.prompt_logprobs) for o in engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
+def compare_logprobs(windows: list[list[int]], ref: list[list], got: list[list]) -> dict[str, float]:
+    agree = n = 0
+    diffs, ref_lp, got_lp = [], [], []
+    for tokens, r_w, g_w in zip(windows, ref, got, strict=True):
+        for p in range(1, len(tokens)):
+            r, g, t = r_w[p], g_w[p], tokens[p]
+            agree += max(r, key=r.get) == max(g, key=g.get)
+            n += 1
+            diffs.append(abs(r[t] - g[t]))
+            ref_lp.append(r[t])
+            got_lp.append(g[t])
+    return {"positions": n, "top1_agreement": agree / n, "mean_abs_logprob_diff": statistics.fmean(diffs),
+            "max_abs_logprob_diff": max(diffs), "perplexity": math.exp(-statistics.fmean(got_lp)),
+            "reference_perplexity": math.exp(-statistics.fmean(ref_lp))}
+
+
+def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, Any] | None = None,
+            text: str | None = None, window: int = 1024, progress: Progress = None) -> list[QualityRow]:
+    """Teacher-forced over the same text (through prompt_logprobs): each spec's engine against the fp32 one,
+    position by position. settings apply to every side; each spec's precision fields replace the reference's."""
+    settings = {k: v for k, v in (settings or {}).items() if k not in (*REFERENCE_PRECISION, "model")}
+    windows = text_windows(llm, QUALITY_TEXT.read_text() if text is None else text, window)
+    total = len(specs) + 1
+    if progress is not None:
+        progress(0, total, "fp32 reference")
+    ref = teacher_forced(build_engine(llm, {**settings, **REFERENCE_PRECISION}), windows)
+    rows = []
+    for i, spec in enumerate(specs):
+        if progress is not None:
+            progress(i + 1, total, spec)
+        fields = {**settings, **REFERENCE_PRECISION, **resolve_spec(spec)}
+        engine = build_engine(llm, fields)
+        start = time.perf_counter()
+        got = teacher_forced(engine, windows)
+        rows.append(QualityRow(spec, engine.config.precision, **compare_logprobs(windows, ref, got),
+                               seconds=time.perf_counter() - start))
+    if progress is not None:
+        progress(total, total, "done")
     return rows

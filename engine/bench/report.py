@@ -13,6 +13,7 @@ from .experiments import (
     HFStaticResult,
     KernelRow,
     MemoryRow,
+    QualityRow,
     SchedCostResult,
     TableRow,
 )
@@ -210,3 +211,18 @@ def to_jsonable(value: Any) -> Any:
             return dataclasses.asdict(v)
         return str(v)
     return json.loads(json.dumps(value, default=plain))
+
+
+def quality_report(rows: list[QualityRow], window: int) -> Report:
+    n = rows[0].positions if rows else 0
+    report = Report(f"quality against fp32, teacher-forced over presets/quality/text.txt ({n} positions, windows "
+                    f"of {window} tokens)")
+    report.rows = rows
+    report.tables["each precision against the fp32 model"] = [
+        {"spec": r.spec, "precision": r.precision, "top-1 agreement": r.top1_agreement,
+         "mean abs logprob diff": r.mean_abs_logprob_diff, "max abs logprob diff": r.max_abs_logprob_diff,
+         "perplexity": r.perplexity, "fp32 perplexity": r.reference_perplexity,
+         "perplexity change": f"{r.perplexity_change:+.2%}", "seconds": r.seconds} for r in rows]
+    report.notes.append("top-1 agreement: positions where both sides' most likely next token is the same; logprob "
+                        "differences and perplexity are of the text's own tokens (prose, code and dialogue).")
+    return report
