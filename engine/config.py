@@ -60,7 +60,9 @@ class EngineConfig:
     cuda_graphs: bool = False
     # precision: weights quantized at load (None, "int8", "int4" or "w8a8"), and the KV cache's element type
     quantization: str | None = None
-    quantization_group_size: int = 64  # int4: input features per scale and zero
+    # int4: input features per scale and zero. 32 measured best on SmolLM2-135M (python -m engine.bench quality):
+    # top-1 agreement with fp32 0.85 vs 0.70 at 64 (whose perplexity rose 44%); 128 does not divide its 576
+    quantization_group_size: int = 32
     quantize_lm_head: bool = True
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (a scale per token and KV head)
 

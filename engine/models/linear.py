@@ -216,7 +216,7 @@ PROJECTION_TYPES = (Linear, Int8Linear, Int4Linear, W8A8Linear)
 class WeightFormat:
     """How a model's projections are stored: unquantized, or one of QUANTIZATION_SCHEMES."""
     quantization: str | None = None
-    group_size: int = 64  # int4 only
+    group_size: int = 32  # int4 only (EngineConfig.quantization_group_size's default)
     lm_head: bool = True  # quantize the LM head too
 
     @classmethod
