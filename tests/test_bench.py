@@ -353,11 +353,12 @@ def test_memory_sweep_paged_fits_more_than_contiguous(tiny_llm):
 
 def test_memory_sweep_int8_kv_fits_more_requests_in_the_same_memory(tiny_llm):
     wl = tiny_workload(config={"max_model_len": 64})
-    rows = bench.memory_sweep(tiny_llm, wl, [12], {"block_size": 4, "max_num_seqs": 8})
+    # 20 fp32 blocks: one contiguous reservation (max_model_len 64 = 16 blocks) fits, and a few paged requests
+    rows = bench.memory_sweep(tiny_llm, wl, [20], {"block_size": 4, "max_num_seqs": 8})
     assert [(r.kv_cache_dtype, r.paged) for r in rows] == [("float32", True), ("float32", False), ("int8", True),
                                                           ("int8", False)]
     fp32, int8 = rows[0], rows[2]
-    assert int8.num_kv_blocks == 12 * 4 * 16 // (16 + 4)  # 4 bytes per element become 1, plus a scale per head
+    assert int8.num_kv_blocks == 20 * 4 * 16 // (16 + 4)  # 4 bytes per element become 1, plus a scale per head
     assert int8.kv_cache_mb == pytest.approx(fp32.kv_cache_mb, rel=0.02)  # the same memory
     assert int8.peak_running > fp32.peak_running and int8.preemptions < fp32.preemptions
     assert rows[3].peak_running > rows[1].peak_running  # contiguous too: more reservations fit
