@@ -180,7 +180,7 @@ def test_the_bundle_command_writes_the_shipped_file(measured, tmp_path, capsys):
         args += [f"--{kind}", str(tmp_path / f"{kind}.json")]
     out = tmp_path / "results" / "feature-by-feature.json"
     assert main([*args, "--measured-on", "a laptop", "--date", "2026-12-03", "--out", str(out)]) == 0
-    assert "7 cumulative rows" in capsys.readouterr().out
+    assert "8 cumulative rows" in capsys.readouterr().out
     loaded = load_shipped(out)
     assert loaded["concurrency"].rows == rows["concurrency"] and loaded["memory"].date == "2026-12-03"
     assert main([*args[:2], "--memory", args[1], "--measured-on", "x", "--out", str(out)]) == 2  # wrong file
