@@ -23,7 +23,7 @@ from gradio.components.plot import PlotData
 
 from engine import LLM
 from engine.bench import Cancelled, compare_report, load_feature_preset, parse_assignments
-from engine.config import BUILT_SWITCHES, NOT_YET_BUILT
+from engine.config import BUILT_SWITCHES, KV_CACHE_DTYPES, NOT_YET_BUILT
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.features_tab import build_features_tab
 from playground.handlers import ChatSession, Playground, feature_presets, workloads
@@ -175,7 +175,9 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                      "num_kv_blocks": gr.Number(label="num_kv_blocks (pool size)", precision=0),
                      "max_num_seqs": gr.Number(label="max_num_seqs", precision=0),
                      "max_num_batched_tokens": gr.Number(label="max_num_batched_tokens", precision=0),
-                     "max_model_len": gr.Number(label="max_model_len (tokens per request)", precision=0)}
+                     "max_model_len": gr.Number(label="max_model_len (tokens per request)", precision=0),
+                     "kv_cache_dtype": gr.Dropdown(list(KV_CACHE_DTYPES), label="kv_cache_dtype")}
+        gr.Markdown(pg.weights_note())
         with gr.Row():
             apply = gr.Button("Apply", variant="primary")
             reset = gr.Button("Reset to defaults")

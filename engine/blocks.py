@@ -175,6 +175,8 @@ class KVCacheManager:
         middle of a chunked prefill, from its next block (chunks another request computed meanwhile are skipped).
         The last token is always recomputed (its logits are needed)."""
         first = len(request.block_table)
+        if request.prompt_logprobs is not None:  # every prompt position needs its logits: computed, not cached
+            return []
         if not self.prefix_caching or request.num_computed_tokens != first * self.block_size:
             return []  # off, or the request's last block is partly written: it must be continued, not replaced
         keys = self._hash_keys(request)

@@ -9,15 +9,20 @@ import dataclasses
 from dataclasses import dataclass
 
 # Switches declared now and built by later issues: asking for one is an error, never a silent no-op.
-NOT_YET_BUILT = ("cuda_graphs", "quantization")
+NOT_YET_BUILT = ("cuda_graphs",)
 FEATURE_SWITCHES = ("kv_cache", "paged_kv", "continuous_batching", "prefix_caching", "chunked_prefill",
                     "speculative_decoding") + NOT_YET_BUILT
 BUILT_SWITCHES = tuple(s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT)
 # Changing one of these rebuilds the KV pool: running requests are preempted and re-prefilled.
-STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv")
+STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv", "kv_cache_dtype")
+# How the weights are stored: a model is loaded (and quantized) with them, so they cannot change while serving.
+WEIGHT_FIELDS = ("dtype", "quantization", "quantization_group_size", "quantize_lm_head")
 # These need a new model load and cannot change while serving.
-LOAD_TIME_FIELDS = ("model", "dtype", "device")
+LOAD_TIME_FIELDS = ("model", "device", *WEIGHT_FIELDS)
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATION_SCHEMES = ("int8", "int4", "w8a8")  # see engine/models/linear.py
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernel accepts
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 # Tokens per step with chunked prefill, by device type. A step's budget bounds how long one step (and so every
 # stream's gap between tokens) can take. CPU: measured on a 2-core CPU (the README's chunked-prefill table: 256
 # keeps the chats' longest gap 4.6-8.2x shorter while a 1,500-token document arrives, at the same throughput;
@@ -53,7 +58,13 @@ class EngineConfig:
     # even at 8 and loses at 32 (0.84x; the README's speculative-decoding table)
     speculative_token_budget: int = 16
     cuda_graphs: bool = False
+    # precision: weights quantized at load (None, "int8", "int4" or "w8a8"), and the KV cache's element type
     quantization: str | None = None
+    # int4: input features per scale and zero. 32 measured best on SmolLM2-135M (python -m engine.bench quality):
+    # top-1 agreement with fp32 0.85 vs 0.70 at 64 (whose perplexity rose 44%); 128 does not divide its 576
+    quantization_group_size: int = 32
+    quantize_lm_head: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (a scale per token and KV head)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -81,7 +92,7 @@ class EngineConfig:
         return {name: getattr(self, name) for name in self.field_names()}
 
     def validate(self) -> None:
-        for name in FEATURE_SWITCHES[:-1]:
+        for name in (*FEATURE_SWITCHES, "quantize_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in NOT_YET_BUILT:
@@ -92,6 +103,14 @@ class EngineConfig:
                     f"(it is never silently ignored)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATION_SCHEMES}, got {self.quantization!r}")
+        g = self.quantization_group_size
+        if isinstance(g, bool) or not isinstance(g, int) or g not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} (what the int4 kernel "
+                             f"accepts), got {self.quantization_group_size!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not (self.device in ("cpu", "cuda", "auto") or str(self.device).startswith("cuda:")):
             raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
         bs = self.block_size
@@ -118,6 +137,18 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
                 f"({self.max_model_len}) and {why}: a full-length prompt could never be scheduled")
+
+    @property
+    def precision(self) -> str:
+        """What the engine computes with, in words. Greedy output is the same token for token only within one
+        precision: every feature switch keeps it, a change of precision does not."""
+        parts = [self.dtype]
+        if self.quantization is not None:
+            group = f" (groups of {self.quantization_group_size})" if self.quantization == "int4" else ""
+            parts.append(f"{self.quantization} weights{group}" + ("" if self.quantize_lm_head else " but the LM head"))
+        if self.kv_cache_dtype != "auto":
+            parts.append(f"{self.kv_cache_dtype} KV")
+        return ", ".join(parts)
 
     # What actually runs: prefix caching shares blocks, so it needs a paged KV cache.
     @property

@@ -17,6 +17,7 @@ import torch
 from .blocks import KVCacheManager, NoKVCache
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
 from .memory import check_kv_pool_fits
+from .models.linear import WeightFormat
 from .request import Request, RequestOutput, RequestStatus
 from .runner import Batch, ModelRunner
 from .sampler import SamplingParams, TokenLogprobs, draw, processed_logits, token_logprobs
@@ -101,6 +102,8 @@ class EngineSnapshot:
     steps: list[StepRecord]
     last_reconfig: dict | None
     speculation: dict  # active, k (drafts per request now), the adaptive rule, and SpecDecodeStats' counters
+    # one block's K and V in every layer (and an int8 cache's scales): the pool is kv_blocks_total of these
+    kv_bytes_per_block: int = 0
 
     @property
     def block_owners(self) -> dict[int, list[str]]:
@@ -117,6 +120,7 @@ class EngineSnapshot:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer, hf_config=None) -> None:
+        _check_weights(config, model)
         self.model = model
         self.tokenizer = tokenizer
         self.hf_config = hf_config
@@ -143,7 +147,7 @@ class LLMEngine:
     def automatic_sizes(self, config: EngineConfig) -> dict[str, int]:
         """What each size left empty (None) comes to, given config's other fields (the settings form says it)."""
         max_len = config.max_model_len or self.model.max_len
-        per_block = self.model.kv_bytes_per_token() * config.block_size
+        per_block = self.kv_bytes_per_block(config)
         num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
         # never more than every seat filled to max_model_len: beyond that the memory would sit idle
         num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
@@ -177,8 +181,10 @@ class LLMEngine:
             return
         what = (f"num_kv_blocks={requested.num_kv_blocks}" if requested.num_kv_blocks is not None else
                 f"kv_cache_memory_gb={requested.kv_cache_memory_gb} ({resolved.num_kv_blocks} blocks)")
-        check_kv_pool_fits(what, resolved.num_kv_blocks, self.model.kv_bytes_per_token() * resolved.block_size,
-                           self.model.device)
+        check_kv_pool_fits(what, resolved.num_kv_blocks, self.kv_bytes_per_block(resolved), self.model.device)
+
+    def kv_bytes_per_block(self, config: EngineConfig) -> int:
+        return self.model.kv_bytes_per_token(config.kv_cache_dtype) * config.block_size
 
     def _build_kv(self, c: EngineConfig) -> tuple[KVCacheManager | NoKVCache, ModelRunner]:
         """A pool and runner for config c. Changes nothing in the engine, so a failure here leaves it serving."""
@@ -186,7 +192,7 @@ class LLMEngine:
             kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.max_model_len, c.paged_kv, c.prefix_caching_active)
         else:
             kv = NoKVCache(c.block_size)
-        return kv, ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache)
+        return kv, ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache, c.kv_cache_dtype)
 
     def _use_kv(self, kv: KVCacheManager | NoKVCache, runner: ModelRunner) -> None:
         kv.adopt_counters(self.kv)
@@ -198,7 +204,8 @@ class LLMEngine:
     def update_config(self, **changes) -> None:
         """Validate now (ValueError leaves everything as it was); apply at the next step boundary."""
         if bad := [k for k in changes if k in LOAD_TIME_FIELDS]:
-            raise ValueError(f"{', '.join(bad)} cannot change while serving: create a new LLM")
+            raise ValueError(f"{', '.join(bad)} cannot change while serving (the weights are loaded with it): "
+                             f"create a new LLM")
         requested = self.requested_config.replace(**{**self._pending, **changes})
         resolved = self._resolve(requested)
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -344,10 +351,13 @@ class LLMEngine:
         """The tokens each scheduled request gains this step, in batch order, each with its logprobs (None unless
         asked for): one for a prefill's end or a decode, the accepted drafts plus one for a verify, none for a
         prefill chunk short of the prompt's end."""
-        rows, row = [], 0
+        rows, row = [], 0  # where each request's rows to sample from start (after its prompt-logprob rows)
         for s in batch.scheduled:
-            rows.append(row)
-            row += s.num_logits
+            positions = s.prompt_logprob_positions
+            if positions:
+                self._record_prompt_logprobs(s, logits[row:row + len(positions)], positions)
+            rows.append(row + len(positions))
+            row += len(positions) + s.num_logits
         single = [i for i, s in enumerate(batch.scheduled) if s.num_logits == 1]
         params = [batch.scheduled[i].request.params for i in single]
         processed = processed_logits(logits[[rows[i] for i in single]], params)
@@ -366,6 +376,15 @@ class LLMEngine:
                                          [p.logprobs] * len(tokens))
                 out[i] = list(zip(tokens, lps))
         return out
+
+    @staticmethod
+    def _record_prompt_logprobs(s: ScheduledRequest, logits: torch.Tensor, positions: range) -> None:
+        """Log probabilities of the prompt's tokens at positions, from the model's own logits (before temperature
+        or any filter), each row being the position before."""
+        req, k = s.request, s.request.params.prompt_logprobs
+        given = req.token_ids[positions.start:positions.stop]
+        lps = token_logprobs(logits.float(), given, [k] * len(given))
+        req.prompt_logprobs.extend(lp.as_dict() for lp in lps)
 
     def _retire(self, scheduled: list[ScheduledRequest], new_tokens: list[list[tuple[int, TokenLogprobs | None]]],
                 rec: StepRecord) -> list[RequestOutput]:
@@ -461,6 +480,7 @@ class LLMEngine:
                                      "recent_token_ids": r.token_ids[-8:]} for r in live},
             steps=list(itertools.islice(reversed(self.steps), num_steps))[::-1],
             last_reconfig=self.last_reconfig, speculation=self._speculation(),
+            kv_bytes_per_block=self.kv_bytes_per_block(self.config),
         )
 
     def _speculation(self) -> dict:
@@ -470,6 +490,14 @@ class LLMEngine:
                 "rule": f"k = min({k}, {budget} // decoding requests - 1): {k} drafts up to "
                         f"{budget // (k + 1)} decoding requests, none above {budget // 2}",
                 **dataclasses.asdict(stats), "acceptance_rate": stats.acceptance_rate}
+
+
+def _check_weights(config: EngineConfig, model) -> None:
+    """An engine runs the weights it is given: they must be stored as config says (dtype, quantization)."""
+    have, want = (str(model.dtype).removeprefix("torch."), model.weight_format), (config.dtype, WeightFormat.of(config))
+    if have != want:
+        raise ValueError(f"the model's weights are {have[0]}, {have[1].describe()}, but the config asks for "
+                         f"{want[0]}, {want[1].describe()}: load the model with them (LLM(..., dtype=, quantization=))")
 
 
 def _eos_ids(tokenizer, hf_config) -> set[int]:

@@ -5,7 +5,9 @@ import torch
 
 from .config import EngineConfig
 from .engine import LLMEngine
-from .models import load_model
+from .models import LlamaFamilyModel, load_model
+from .models.linear import WeightFormat
+from .models.loader import load_weights
 from .request import RequestOutput
 from .sampler import SamplingParams
 
@@ -31,10 +33,29 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **config_fields)
         device = resolve_device(self.config.device)
         net, tokenizer, hf_config, folder = load_model(model, DTYPES[self.config.dtype], device,
-                                                       self.config.max_model_len)
+                                                       self.config.max_model_len, WeightFormat.of(self.config))
         self.model_path = folder
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.config, net, tokenizer, hf_config)
+        self._variant: tuple[tuple, LlamaFamilyModel] | None = None
+
+    def weights_for(self, config: EngineConfig) -> LlamaFamilyModel:
+        """The model with config's dtype and quantization (WEIGHT_FIELDS), over the same checkpoint, device and
+        RoPE length: the loaded one when they agree, else loaded once from the same folder and kept (one variant
+        at a time, so comparing two precisions holds two models, not one per configuration tried)."""
+        key = (config.dtype, WeightFormat.of(config))
+        if key == (self.config.dtype, self.engine.model.weight_format):
+            return self.engine.model
+        if self._variant is None or self._variant[0] != key:
+            self._variant = None  # let the previous variant go before loading the next
+            self._variant = (key, self.load_weights(config))
+        return self._variant[1]
+
+    def load_weights(self, config: EngineConfig) -> LlamaFamilyModel:
+        """A fresh copy of the model with config's dtype and quantization (not kept: see weights_for)."""
+        loaded = self.engine.model
+        return load_weights(self.model_path, self.engine.hf_config, DTYPES[config.dtype], loaded.device,
+                            loaded.max_len, WeightFormat.of(config))
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -52,6 +52,9 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when the params asked for them
+    # one per prompt position, {token_id: logprob} (the given token and the most likely ones); None at the first
+    # position, which nothing predicts. Complete once the prompt is computed (from the first token's output on).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Request:
@@ -73,6 +76,8 @@ class Request:
         self.finish_reason: str | None = None
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        # indexed by prompt position, filled in order as the prompt is computed (a recompute never redoes them)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None if params.prompt_logprobs is None else [None]
         self.detok = _DetokState()
         self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                       num_prompt_tokens=self.num_prompt_tokens)
@@ -105,7 +110,8 @@ class Request:
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
                              self.output_token_ids, self.finished, self.finish_reason, self.metrics,
-                             logprobs=None if self.logprobs is None else list(self.logprobs))
+                             logprobs=None if self.logprobs is None else list(self.logprobs),
+                             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "

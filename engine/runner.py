@@ -1,7 +1,8 @@
 """Turns a scheduled batch into tensors and runs the model over the paged KV cache.
 
-The KV cache is one preallocated tensor [layers, 2, num_kv_blocks * block_size, kv_heads, head_dim];
-a token at position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size.
+The KV cache is one preallocated tensor [layers, 2, num_kv_blocks * block_size, kv_heads, head_dim] (an int8 one
+has its scales beside it, [layers, 2, slots, kv_heads]); a token at position p of a request lives in slot
+block_table[p // block_size] * block_size + p % block_size.
 """
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSeq
+from .attention import AttentionMetadata, LayerKV, PrefillSeq
 from .models import LlamaFamilyModel
+from .quant import SCALE_DTYPE
 from .scheduler import Phase, ScheduledRequest
 from .utils import cdiv
 
@@ -25,19 +27,29 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaFamilyModel, block_size: int, num_kv_blocks: int, use_kv_cache: bool) -> None:
+    def __init__(self, model: LlamaFamilyModel, block_size: int, num_kv_blocks: int, use_kv_cache: bool,
+                 kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.block_size = block_size
         self.device = model.device
+        self.kv_int8 = kv_cache_dtype == "int8"
         s = model.shape
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
+        self.kv_layers: list[LayerKV] | None = None
         if use_kv_cache:
-            self.kv_cache = torch.zeros(s.num_layers, 2, num_kv_blocks * block_size, s.num_kv_heads, s.head_dim,
-                                        dtype=model.dtype, device=model.device)
+            slots = num_kv_blocks * block_size
+            self.kv_cache = torch.zeros(s.num_layers, 2, slots, s.num_kv_heads, s.head_dim,
+                                        dtype=model.kv_dtype(kv_cache_dtype), device=model.device)
+            if self.kv_int8:
+                self.kv_scales = torch.zeros(s.num_layers, 2, slots, s.num_kv_heads, dtype=SCALE_DTYPE,
+                                             device=model.device)
+            self.kv_layers = [LayerKV(self.kv_cache[i, 0], self.kv_cache[i, 1],
+                                      *((self.kv_scales[i, 0], self.kv_scales[i, 1]) if self.kv_int8 else ()))
+                              for i in range(s.num_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:
-        return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales) if t is not None)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -53,7 +65,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
-        meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes))
+        meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), kv_int8=self.kv_int8)
         for s in ordered:
             req, start, n = s.request, s.start, s.num_tokens
             row = len(input_ids)
@@ -68,6 +80,8 @@ class ModelRunner:
                     allowed = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
                     seq.mask = self._additive(allowed)
                 meta.prefills.append(seq)
+            # rows for prompt logprobs (the position before each), then the rows to sample from
+            logits_rows.extend(row + p - 1 - start for p in s.prompt_logprob_positions)
             logits_rows.extend(range(row + n - s.num_logits, row + n))
         dev = self.device
         if use_cache:
@@ -93,4 +107,4 @@ class ModelRunner:
         return mask.masked_fill_(~allowed, float("-inf"))
 
     def execute(self, batch: Batch) -> torch.Tensor:
-        return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_cache, batch.logits_rows)
+        return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_layers, batch.logits_rows)

@@ -30,6 +30,10 @@ class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...]
 
+    def as_dict(self) -> dict[int, float]:
+        """vLLM's form: {token_id: logprob} for the token and the most likely ones (the token first)."""
+        return {self.token_id: self.logprob, **dict(self.top)}
+
 
 @dataclass
 class SamplingParams:
@@ -43,6 +47,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the N most likely tokens'
+    # None: none; N: at each prompt position after the first, the given token's and the N most likely tokens'
+    # log probabilities, from the model's own logits (vLLM's meaning). A request asking for them is not served
+    # from the prefix cache: every prompt position must be computed to have its logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,9 +86,11 @@ class SamplingParams:
                                                          f"got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidSamplingParam("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidSamplingParam("logprobs", f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
-                                                   f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _integer(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidSamplingParam(name, f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], "
+                                                 f"got {value!r}")
 
     @property
     def greedy(self) -> bool:

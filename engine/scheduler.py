@@ -45,6 +45,15 @@ class ScheduledRequest:
         return self.end - len(self.draft_token_ids)
 
     @property
+    def prompt_logprob_positions(self) -> range:
+        """Prompt positions whose log probabilities this step computes, each from the row of the position before
+        it: only while the prompt is prefilled, for a request asking for them, and never twice."""
+        req = self.request
+        if req.prompt_logprobs is None or self.phase is not Phase.PREFILL:
+            return range(0)
+        return range(max(self.start + 1, len(req.prompt_logprobs)), min(self.known_end, req.num_prompt_tokens - 1) + 1)
+
+    @property
     def num_logits(self) -> int:
         """Rows to sample from: none for a prefill chunk that stops short of the sequence's end."""
         if self.known_end < self.request.num_tokens:

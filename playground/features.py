@@ -69,7 +69,7 @@ class FeatureExperiments:
         workload = load_workload(name, quick).tokenized(llm.tokenizer)
         quick_flag = " --quick" if quick else ""
         if kind == "memory":
-            total = 2 * len(pool_sizes)
+            total = 2 * len(pool_sizes) * len(bench.KV_CACHE_DTYPES_SWEPT)
             command = f"python -m engine.bench memory --workload {name} --blocks {_csv(pool_sizes)}{quick_flag}"
         elif kind == "concurrency":
             total = len(levels) * (len(bench.FEATURES) + 1)
@@ -133,7 +133,7 @@ class FeatureExperiments:
         """Why memory is the constraint, in the loaded model's numbers: KV bytes per token, per request, and per
         contiguous reservation."""
         model = self.pg.llm.engine.model
-        per_token, s = model.kv_bytes_per_token(), model.shape
+        per_token, per_token_int8, s = model.kv_bytes_per_token(), model.kv_bytes_per_token("int8"), model.shape
         element = per_token // (2 * s.num_layers * s.num_kv_heads * s.head_dim)
         workload = load_workload(workload_name)
         mean = (workload.num_prompt_tokens + workload.num_output_tokens) / max(1, len(workload.requests))
@@ -142,8 +142,10 @@ class FeatureExperiments:
                 f"× {s.num_kv_heads} KV heads × {s.head_dim} dims × {element} bytes). A mean '{workload.name}' "
                 f"request ({mean:.0f} tokens) holds {_mb(per_token * mean)} when paged; contiguous KV reserves "
                 f"max_model_len = {reserve} tokens ({_mb(per_token * reserve)}) for every request however short. "
-                f"An int8 KV cache would hold about a quarter of fp32's bytes: when its rows arrive, the chart and "
-                f"the table show each KV dtype side by side.")
+                f"An int8 KV cache (`kv_cache_dtype=int8`) takes {per_token_int8 / 1024:.1f} KB per token (1 byte "
+                f"per element plus a 4-byte scale per token and KV head), {per_token / per_token_int8:.2f}x fewer: "
+                f"the sweep gives it the same memory per pool, and the chart and the table show each KV dtype side "
+                f"by side.")
 
 
 def source_line(measured: Measured | None) -> str:

@@ -28,6 +28,7 @@ from .stepmode import describe_step, plural
 from .traffic import TrafficGenerator, TrafficStatus
 
 SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"]
+KV_DTYPE_FIELD = "kv_cache_dtype"  # the KV pool's element type: a pool rebuild, like its size
 AUTOMATIC_FIELDS = {"num_kv_blocks": "blocks", "max_num_batched_tokens": "tokens", "max_model_len": "tokens"}
 ProgressFn = Callable[[float, str], None]
 QUEUED_NOTE = f"{QUEUED} queued: the engine is paused (step mode). Press Step or Resume on the Step mode tab to run it."
@@ -231,7 +232,14 @@ class Playground:
         """What the form shows: the configuration the engine runs once pending changes apply (so sending the form
         back never undoes one), with None for a size left automatic."""
         cfg = self.service.config_view().requested
-        return {k: cfg[k] for k in (*BUILT_SWITCHES, *SIZE_FIELDS)}
+        return {k: cfg[k] for k in (*BUILT_SWITCHES, *SIZE_FIELDS, KV_DTYPE_FIELD)}
+
+    def weights_note(self) -> str:
+        """What the weights are: loaded with the model, so the form cannot change them."""
+        config = self.service.engine.config
+        return (f"Weights: **{config.precision}**, loaded at start; another dtype or quantization needs a new model "
+                f"(`python app.py --preset int8` or `int4`, or `LLM(quantization=...)`). The KV cache's dtype "
+                f"changes here: int8 holds ~4x the blocks of fp32 in the same memory.")
 
     def settings_hints(self) -> dict[str, str]:
         """For each size that may be left empty: what empty means, with the number the engine would use."""

@@ -27,10 +27,19 @@ def cell(value: Any) -> str:
     return format_cell(value)
 
 
+def same_output(row: Any, rows: list) -> str:
+    """Whether greedy output equals the baseline's; a row in another precision (quantized) is not expected to,
+    and says so instead of reading as a broken invariant."""
+    base = getattr(rows[0], "precision", None)
+    precision = getattr(row, "precision", None)
+    other = precision and base and precision != base
+    return cell(row.same_output_as_full) + (f" ({precision}: not expected to match)" if other else "")
+
+
 def ablation_table(rows: list) -> dict:
     """One line per AblationRow; an empty table (with its headers) before any ablation ran."""
     data = [[r.feature, cell(r.throughput_tok_s), _ratio(r.ratio), cell(r.mean_ttft_s), cell(r.mean_tpot_s),
-             cell(r.peak_kv_blocks), cell(r.preemptions), cell(r.acceptance_rate), cell(r.same_output_as_full),
+             cell(r.peak_kv_blocks), cell(r.preemptions), cell(r.acceptance_rate), same_output(r, rows),
              r.error or ""]
             for r in rows]
     return {"headers": ABLATION_HEADERS, "data": data}
@@ -40,7 +49,7 @@ def cumulative_table(rows: list) -> dict:
     """One line per AblationRow of a cumulative ablation: what each feature added, and the total."""
     data = [[r.feature, cell(r.throughput_tok_s), _ratio(r.step_ratio), _ratio(r.ratio), cell(r.mean_ttft_s),
              cell(r.mean_tpot_s), cell(r.peak_kv_blocks), cell(r.preemptions), cell(r.prefix_hits),
-             cell(r.acceptance_rate), cell(r.same_output_as_full), r.error or ""] for r in rows]
+             cell(r.acceptance_rate), same_output(r, rows), r.error or ""] for r in rows]
     return {"headers": CUMULATIVE_HEADERS, "data": data}
 
 

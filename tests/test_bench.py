@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -68,9 +69,20 @@ def test_bad_preset_name_names_it():
         bench.resolve_spec("no-such-preset")
 
 
-def test_spec_cannot_change_load_time_fields(tiny_llm):
-    with pytest.raises(ValueError, match="dtype"):
-        bench.compare(tiny_llm, tiny_workload(), "full", "dtype=bfloat16", SMALL_POOL)
+def test_spec_cannot_change_the_checkpoint_or_device(tiny_llm):
+    with pytest.raises(ValueError, match="device='cuda' differs from the loaded model's"):
+        bench.compare(tiny_llm, tiny_workload(), "full", "device=cuda", SMALL_POOL)
+    with pytest.raises(ValueError, match="model='other' differs"):
+        bench.compare(tiny_llm, tiny_workload(), "full", "model=other", SMALL_POOL)
+
+
+def test_spec_can_change_the_weights_precision(tiny_llm):
+    """dtype and quantization are loaded once more from the same checkpoint (and kept for the next run)."""
+    result = bench.compare(tiny_llm, tiny_workload(), "full", "int8", SMALL_POOL)
+    int8 = result.results[1].config
+    assert (int8["quantization"], int8["kv_cache_dtype"]) == ("int8", "int8")
+    assert tiny_llm.weights_for(bench.engine_config(tiny_llm, {"quantization": "int8"})).lm_head.scheme == "int8"
+    assert tiny_llm.weights_for(bench.engine_config(tiny_llm, {})) is tiny_llm.engine.model
 
 
 def test_config_order_workload_then_settings_then_spec():
@@ -260,7 +272,7 @@ def test_cli_ablate_writes_rows_for_the_page(tiny_models, tmp_path, capsys):
     assert [r["feature"] for r in rows] == [bench.FULL_ENGINE] + [name for name, _ in bench.ABLATIONS]
     assert [r["switch"] for r in rows] == [None] + [switch for _, switch in bench.ABLATIONS]
     assert rows[0]["ratio"] == 1.0 and all(r["throughput_tok_s"] > 0 for r in rows)
-    assert all(r["same_output_as_full"] for r in rows)
+    assert all(r["same_output_as_full"] for r in rows if r["precision"] == rows[0]["precision"])
     assert "x full engine" in capsys.readouterr().out
 
 
@@ -293,16 +305,27 @@ def test_compare_repeats_side_by_side_and_reports_token_gaps(tiny_llm):
 def test_every_built_switch_has_an_ablation_row(tiny_llm):
     from engine.config import BUILT_SWITCHES
     rows = bench.ablate(tiny_llm, tiny_workload(), FEW_SEATS)
-    assert [r.switch for r in rows] == [None, *BUILT_SWITCHES]
-    assert all(r.error is None and r.same_output_as_full for r in rows)
+    assert [r.switch for r in rows] == [None, *[f.switch for f in bench.FEATURES]]
+    assert set(BUILT_SWITCHES) < {r.switch for r in rows}
+    # within the full engine's precision (int4 weights, int8 KV) no switch changes greedy output; the unquantized
+    # row computes in another precision and is reported as such, never claimed identical
+    full = rows[0].precision
+    assert full == "float32, int4 weights (groups of 32) but the LM head, int8 KV"
+    assert all(r.error is None and r.same_output_as_full for r in rows if r.precision == full)
+    assert [r.switch for r in rows if r.precision != full] == ["quantization"]
     assert rows[0].ratio == 1.0 and rows[0].feature == bench.FULL_ENGINE
+    notes = "\n".join(bench.ablate_report(tiny_workload(), rows).notes)
+    assert "rows in another precision (float32) are not expected to match it token for token" in notes
 
 
 def test_cumulative_ablation_adds_features_back_in_the_course_order(tiny_llm):
     rows = bench.ablate_cumulative(tiny_llm, tiny_workload(), FEW_SEATS)
     assert [r.feature for r in rows] == [bench.NAIVE_LOOP] + [f"+ {f.name}" for f in bench.FEATURES]
     assert rows[0].peak_kv_blocks == 0 and rows[0].step_ratio is None and rows[0].ratio == 1.0
-    assert all(r.same_output_as_full for r in rows)  # greedy output never changes as features come back
+    # greedy output never changes as features come back, until quantization changes the precision
+    quantized = [f.switch for f in bench.FEATURES].index("quantization") + 1
+    assert all(r.same_output_as_full for r in rows[:quantized])
+    assert {r.precision for r in rows[quantized:]} == {"float32, int4 weights (groups of 32) but the LM head, int8 KV"}
     assert rows[1].step_ratio == pytest.approx(rows[1].ratio)
     text = bench.render_report(bench.ablate_report(tiny_workload(), rows, cumulative=True))
     assert "x previous" in text and "+ speculative decoding" in text
@@ -317,14 +340,30 @@ def test_ablation_at_each_concurrency(tiny_llm):
 
 def test_memory_sweep_paged_fits_more_than_contiguous(tiny_llm):
     wl = tiny_workload(config={"max_model_len": 64})
-    rows = bench.memory_sweep(tiny_llm, wl, [16, 40], {"block_size": 4, "max_num_seqs": 8})
+    rows = bench.memory_sweep(tiny_llm, wl, [16, 40], {"block_size": 4, "max_num_seqs": 8}, kv_cache_dtypes=["auto"])
     assert [(r.num_kv_blocks, r.paged) for r in rows] == [(16, True), (16, False), (40, True), (40, False)]
+    assert all(r.kv_cache_dtype is None for r in rows)  # one dtype: nothing to tell apart
     by = {(r.num_kv_blocks, r.paged): r for r in rows}
     assert by[(40, True)].peak_running > by[(40, False)].peak_running  # contiguous reserves 16 blocks each
     assert by[(40, False)].peak_running == 40 // (64 // 4)
     assert 0 < by[(40, False)].memory_efficiency < by[(40, True)].memory_efficiency <= 1
     assert by[(16, True)].preemptions > 0 or by[(16, True)].error
     assert by[(40, True)].kv_cache_mb > by[(16, True)].kv_cache_mb > 0
+
+
+def test_memory_sweep_int8_kv_fits_more_requests_in_the_same_memory(tiny_llm):
+    wl = tiny_workload(config={"max_model_len": 64})
+    # 20 fp32 blocks: one contiguous reservation (max_model_len 64 = 16 blocks) fits, and a few paged requests
+    rows = bench.memory_sweep(tiny_llm, wl, [20], {"block_size": 4, "max_num_seqs": 8})
+    assert [(r.kv_cache_dtype, r.paged) for r in rows] == [("float32", True), ("float32", False), ("int8", True),
+                                                          ("int8", False)]
+    fp32, int8 = rows[0], rows[2]
+    assert int8.num_kv_blocks == 20 * 4 * 16 // (16 + 4)  # 4 bytes per element become 1, plus a scale per head
+    assert int8.kv_cache_mb == pytest.approx(fp32.kv_cache_mb, rel=0.02)  # the same memory
+    assert int8.peak_running > fp32.peak_running and int8.preemptions < fp32.preemptions
+    assert rows[3].peak_running > rows[1].peak_running  # contiguous too: more reservations fit
+    text = bench.render_report(bench.memory_report(wl, rows, 1, 1))
+    assert "| KV dtype |" in text and "| int8 |" in text
 
 
 def test_text_workloads_and_group_arrivals(tiny_llm):
@@ -339,3 +378,39 @@ def test_text_workloads_and_group_arrivals(tiny_llm):
     result = bench.run_config(tiny_llm, wl, SMALL_POOL)
     assert result.num_requests == 4 and result.prompt_tokens == tokenized.num_prompt_tokens
     assert result.wall_s >= 0.2
+
+
+def test_quality_against_fp32_over_the_same_text(tiny_llm):
+    text = bench.QUALITY_TEXT.read_text()[:600]
+    rows = bench.quality(tiny_llm, ["dtype=float32", "quantization=int8"], text=text, window=48)
+    same, int8 = rows
+    windows = bench.text_windows(tiny_llm, text, 48)
+    assert same.positions == int8.positions == sum(len(w) - 1 for w in windows) > 100
+    # the fp32 engine against itself: every position agrees, nothing differs
+    assert (same.top1_agreement, same.max_abs_logprob_diff) == (1.0, 0.0)
+    assert same.perplexity == same.reference_perplexity == int8.reference_perplexity
+    assert int8.precision == "float32, int8 weights" and int8.max_abs_logprob_diff > 0
+    assert 0.9 <= int8.top1_agreement < 1 or int8.mean_abs_logprob_diff > 0
+    text = bench.render_report(bench.quality_report(rows, 48))
+    assert "| quantization=int8 | float32, int8 weights |" in text
+
+
+def test_quality_arithmetic():
+    windows = [[7, 1, 2]]
+    ref = [[None, {1: -0.5, 3: -0.4}, {2: -1.0}]]
+    got = [[None, {1: -0.3}, {2: -2.0, 5: -0.1}]]
+    m = bench.compare_logprobs(windows, ref, got)
+    assert m["positions"] == 2 and m["top1_agreement"] == 0.0  # 3 vs 1, then 2 vs 5
+    assert m["mean_abs_logprob_diff"] == pytest.approx(0.6) and m["max_abs_logprob_diff"] == pytest.approx(1.0)
+    assert m["perplexity"] == pytest.approx(math.exp(1.15)) and m["reference_perplexity"] == pytest.approx(
+        math.exp(0.75))
+
+
+def test_cli_quality_compares_the_set_precision(tiny_models):
+    from engine.bench.cli import parse_args, quality_specs, settings_from_args
+    args = parse_args(["quality", "--model", tiny_models["llama"][0], "--set", "quantization=int4",
+                       "--set", "quantization_group_size=32"])
+    assert quality_specs(args, settings_from_args(args)) == ["quantization=int4"]
+    args = parse_args(["quality", "--spec", "kv_cache_dtype=int8"])
+    assert quality_specs(args, settings_from_args(args)) == ["kv_cache_dtype=int8"]
+    assert quality_specs(parse_args(["quality"]), {}) == list(bench.QUALITY_SPECS)

@@ -260,7 +260,7 @@ def test_step_mode_describes_each_decision(pg):
 def test_ablation_and_compare(pg):
     rows = pg.ablate("fixed-16", quick=True)
     assert rows[0].switch is None and rows[0].ratio == 1.0
-    assert all(r.same_output_as_full for r in rows if r.throughput_tok_s)
+    assert all(r.same_output_as_full for r in rows if r.throughput_tok_s and r.precision == rows[0].precision)
     assert pg.last_ablation() == rows
     table = ablation_table(rows)  # real headers, not "1 2 3 4 5"; numbers rounded for reading
     assert table["headers"][:3] == ["configuration", "tok/s", "x full engine"]
@@ -306,7 +306,7 @@ def test_the_settings_form_shows_what_the_engine_will_run_and_sends_only_edits(p
     assert pg.settings() == {"kv_cache": True, "paged_kv": True, "continuous_batching": True,
                              "prefix_caching": True, "chunked_prefill": True, "speculative_decoding": False,
                              "block_size": 16, "num_kv_blocks": None, "max_num_seqs": 64,
-                             "max_num_batched_tokens": None, "max_model_len": None}
+                             "max_num_batched_tokens": None, "max_model_len": None, "kv_cache_dtype": "auto"}
 
 
 def test_a_change_waiting_for_a_step_is_what_the_form_shows(pg):

@@ -4,13 +4,18 @@ Decode rows (one query each) are batched: their keys are gathered from the cache
 index and a mask hides the padding; GQA is handled by folding each KV head's query group into the query
 axis, so K/V are never repeated. Each prefill runs on its own: causally on its fresh K/V when nothing was
 cached before it, or against its gathered context (prefix-cache hits) with an offset causal mask.
+An int8 cache stores K and V with a scale per token and KV head: quantized as they are written, dequantized as
+they are read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from ..quant import dequantize_int8, quantize_int8
 
 
 @dataclass
@@ -28,10 +33,28 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [num_decode, max_context] gather index (padding -> slot 0)
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] additive (0 / -inf)
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # K/V at int8 precision: stored so when there is a cache, and rounded so even when there is none (the naive
+    # loop), so that turning a cache feature off never changes what attention sees
+    kv_int8: bool = False
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
-              v_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+class LayerKV(NamedTuple):
+    """One layer's slice of the pool: k, v [slots, kv_heads, head_dim]; an int8 pool's scales [slots, kv_heads]."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.k.index_select(0, slots), self.v.index_select(0, slots)
+        if self.k_scale is None:
+            return k, v
+        return (dequantize_int8(k, self.k_scale.index_select(0, slots), dtype),
+                dequantize_int8(v, self.v_scale.index_select(0, slots), dtype))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV | None,
+              meta: AttentionMetadata) -> torch.Tensor:
     """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for this step's tokens.
 
     Writes k, v into the cache (when there is one) and returns [T, num_heads * head_dim].
@@ -39,17 +62,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    if k_cache is not None:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.kv_int8:
+        (kq, k_scale), (vq, v_scale) = quantize_int8(k), quantize_int8(v)
+        if cache is not None:
+            for dst, src in ((cache.k, kq), (cache.v, vq), (cache.k_scale, k_scale), (cache.v_scale, v_scale)):
+                dst.index_copy_(0, meta.slot_mapping, src)
+        k, v = dequantize_int8(kq, k_scale, q.dtype), dequantize_int8(vq, v_scale, q.dtype)
+    elif cache is not None:
+        cache.k.index_copy_(0, meta.slot_mapping, k)
+        cache.v.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
 
     b = meta.num_decode
     if b:
         max_ctx = meta.decode_slots.shape[1]
-        flat = meta.decode_slots.view(-1)
-        kd = k_cache.index_select(0, flat).view(b, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache.index_select(0, flat).view(b, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+        kd, vd = cache.read(meta.decode_slots.view(-1), q.dtype)
+        kd = kd.view(b, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+        vd = vd.view(b, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
         qd = q[:b].view(b, num_kv_heads, group, head_dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
         out[:b] = od.reshape(b, num_heads * head_dim)
@@ -61,7 +90,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             kp, vp = k[rows], v[rows]
             causal, mask = True, None
         else:
-            kp, vp = k_cache.index_select(0, seq.context_slots), v_cache.index_select(0, seq.context_slots)
+            kp, vp = cache.read(seq.context_slots, q.dtype)
             causal, mask = False, seq.mask
         op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                                             attn_mask=mask, is_causal=causal, enable_gqa=group > 1)

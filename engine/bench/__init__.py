@@ -3,7 +3,8 @@
     specs.py        feature presets and "key=value" flags -> EngineConfig fields
     runs.py         weights loaded once, an engine per configuration, a workload run -> RunResult
     hf.py           transformers' generate over the same weights
-    experiments.py  table, compare, hf-static, sched-cost, ablate (--cumulative, --concurrency), memory
+    experiments.py  table, compare, hf-static, sched-cost, ablate (--cumulative, --concurrency), memory, kernels,
+                    quality
     report.py       captioned tables rendered as markdown, JSON rows
     serve.py        `serve`: an HTTP load generator for any OpenAI-compatible server (httpx; no engine)
     overhead.py     `serve-overhead`: python app.py + serve vs LLM.generate in fresh processes, side by side
@@ -16,30 +17,41 @@ from .experiments import (
                           FEATURES,
                           FULL_ENGINE,
                           FULL_FIELDS,
+                          KV_CACHE_DTYPES_SWEPT,
                           NAIVE_LOOP,
+                          QUALITY_SPECS,
+                          QUALITY_TEXT,
                           AblationRow,
                           CompareResult,
                           Feature,
                           HFStaticResult,
+                          KernelRow,
                           MemoryRow,
+                          QualityRow,
                           SchedCostResult,
                           TableRow,
                           ablate,
                           ablate_concurrency,
                           ablate_cumulative,
                           compare,
+                          compare_logprobs,
                           hf_static,
+                          kernel_timings,
                           memory_sweep,
+                          quality,
                           run_table,
                           sched_cost,
+                          text_windows,
 )
 from .report import (
                           Report,
                           ablate_report,
                           compare_report,
                           hf_static_report,
+                          kernels_report,
                           markdown_table,
                           memory_report,
+                          quality_report,
                           render_report,
                           sched_cost_report,
                           table_report,
@@ -62,12 +74,14 @@ from .runs import (
 from .specs import list_feature_presets, load_feature_preset, parse_assignments, parse_value, resolve_spec
 
 __all__ = [
-    "ABLATIONS", "FEATURES", "FULL_ENGINE", "FULL_FIELDS", "GIB", "NAIVE_LOOP", "PHASES", "AblationRow",
-    "Cancelled", "CompareResult", "Feature", "HFStaticResult", "MemoryRow", "Report", "RunResult",
-    "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_concurrency", "ablate_cumulative",
+    "ABLATIONS", "FEATURES", "FULL_ENGINE", "FULL_FIELDS", "GIB", "KV_CACHE_DTYPES_SWEPT", "NAIVE_LOOP", "PHASES",
+    "AblationRow", "Cancelled", "CompareResult", "Feature", "HFStaticResult", "KernelRow", "MemoryRow", "Report",
+    "RunResult", "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_concurrency", "ablate_cumulative",
     "ablate_report", "build_engine", "compare", "compare_report", "config_fields", "engine_config", "hf_static",
-    "hf_static_report", "list_feature_presets", "load_feature_preset", "load_llm", "markdown_table",
-    "memory_report", "memory_sweep", "parse_assignments", "parse_value", "render_report", "resolve_spec",
-    "run_config", "run_table", "run_workload", "sched_cost", "sched_cost_report", "table_report", "to_jsonable",
-    "weight_bytes",
+    "hf_static_report", "kernel_timings", "kernels_report", "list_feature_presets", "load_feature_preset",
+    "load_llm", "markdown_table", "memory_report", "memory_sweep", "quality", "quality_report",
+    "QUALITY_SPECS", "QUALITY_TEXT", "QualityRow", "compare_logprobs", "text_windows", "parse_assignments",
+    "parse_value",
+    "render_report", "resolve_spec", "run_config", "run_table", "run_workload", "sched_cost", "sched_cost_report",
+    "table_report", "to_jsonable", "weight_bytes",
 ]

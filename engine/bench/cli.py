@@ -7,7 +7,9 @@
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
-    python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting
+    python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting (fp32 vs int8 KV)
+    python -m engine.bench kernels --rows 1,16,64               # one step's matmuls in each weight format
+    python -m engine.bench quality --set quantization=int8      # top-1 agreement and perplexity vs fp32
     python -m engine.bench serve --url http://127.0.0.1:7860 --concurrency 8 --requests 32   # any OpenAI server
     python -m engine.bench serve-overhead --rounds 3            # the HTTP path vs LLM.generate, side by side
 
@@ -28,7 +30,8 @@ from . import report as rp
 from .runs import load_llm
 from .specs import parse_assignments
 
-COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "serve", "serve-overhead")
+COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "quality", "serve",
+            "serve-overhead")
 
 
 def _int_list(text: str) -> list[int]:
@@ -82,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--workload", default="memory-pressure", help="preset name or TOML path")
     mem.add_argument("--blocks", type=_int_list, default=[32, 64, 128, 256], help="pool sizes, in blocks")
     mem.add_argument("--quick", action="store_true", help="a quarter of each workload group")
+    mem.add_argument("--kv-dtypes", default=",".join(ex.KV_CACHE_DTYPES_SWEPT), metavar="auto,int8",
+                     help="KV cache dtypes, each at the same memory per pool (auto: the model's dtype)")
+    kn = sub.add_parser("kernels", parents=common, help="one decode step's matmuls in each weight format")
+    kn.add_argument("--rows", type=_int_list, default=[1, 16, 64], help="tokens in the step")
+    kn.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
+                    help=f"weights to time (repeatable; default: {' '.join(ex.KERNEL_SPECS)})")
+    kn.add_argument("--repeat", type=int, default=5)
+    qu = sub.add_parser("quality", parents=common, help="a precision against fp32 over a fixed text")
+    qu.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
+                    help="precisions to compare (repeatable; default: the --set precision if one is given, else "
+                         f"{' '.join(ex.QUALITY_SPECS)})")
+    qu.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced prompt")
     _serve_parsers(sub)
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
@@ -146,6 +161,14 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+def quality_specs(args: argparse.Namespace, settings: dict[str, Any]) -> list[str]:
+    """--spec as given; else the precision fields of --set (`quality --set quantization=int8`); else every scheme."""
+    if args.specs:
+        return args.specs
+    given = [f"{k}={v}" for k, v in settings.items() if k in ex.REFERENCE_PRECISION]
+    return [",".join(given)] if given else list(ex.QUALITY_SPECS)
+
+
 def _bar(done: int, total: int, what: str) -> None:
     """Progress on stderr, so stdout stays the report."""
     print(f"[{done}/{total}] {what}", file=sys.stderr, flush=True)
@@ -173,8 +196,16 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         return rp.ablate_report(workload, ex.ablate(llm, workload, settings, _bar))
     if args.command == "memory":
         workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
-        rows = ex.memory_sweep(llm, workload, args.blocks, settings, _bar)
-        return rp.memory_report(workload, rows, llm.engine.model.kv_bytes_per_token())
+        kv_dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
+        rows = ex.memory_sweep(llm, workload, args.blocks, settings, _bar, kv_cache_dtypes=kv_dtypes)
+        model = llm.engine.model
+        return rp.memory_report(workload, rows, model.kv_bytes_per_token(), model.kv_bytes_per_token("int8"))
+    if args.command == "kernels":
+        rows = ex.kernel_timings(llm, args.specs or ex.KERNEL_SPECS, args.rows, args.repeat, _bar)
+        return rp.kernels_report(rows, args.repeat)
+    if args.command == "quality":
+        return rp.quality_report(ex.quality(llm, quality_specs(args, settings), settings, window=args.window,
+                                            progress=_bar), args.window)
     return rp.sched_cost_report(ex.sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
 
 

@@ -5,6 +5,7 @@ table (the reference table, with HF generate), compare (one workload, two config
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ import torch
 from ..config import BUILT_SWITCHES, EngineConfig
 from ..engine import LLMEngine
 from ..llm import LLM
+from ..models.linear import WeightFormat
 from ..sampler import SamplingParams
 from ..workloads import Workload
 from .hf import hf_generate, hf_pad_id, hf_static_batches, hf_warm_up, load_hf_model
@@ -37,7 +39,7 @@ from .runs import (
     warm_up,
     weight_bytes,
 )
-from .specs import resolve_spec
+from .specs import FEATURE_DIR, load_feature_preset, resolve_spec
 
 
 # ---- `table`: the reference table ----------------------------------------------------------------------
@@ -193,28 +195,106 @@ def sched_cost(llm: LLM, running: int = 64, prompt_len: int = 16, decode_steps: 
                            summarize_steps(tracker.records), wall)
 
 
+# ---- `kernels`: one decode step's projections in each weight format --------------------------------------
+# What `kernels` compares by default: the model's dtype, bf16, and each quantization scheme
+KERNEL_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
+
+
+@dataclass
+class KernelRow:
+    spec: str  # the flags that made these weights
+    precision: str
+    kernel: str  # the function each projection calls
+    weight_mb: float  # the projections' bytes (every layer's and the LM head)
+    ms: dict[int, float]  # rows -> one step's projections, min over repeats (ms)
+    spread: dict[int, float] = field(default_factory=dict)  # rows -> max / min over repeats
+
+
+def step_projections(model: Any) -> list:
+    """The projections one forward step runs, in order: each layer's qkv, o, gate|up, down, then the LM head."""
+    return [p for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)] + [model.lm_head]
+
+
+def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence[int] = (1, 16, 64),
+                   repeat: int = 5, progress: Progress = None) -> list[KernelRow]:
+    """The matmuls alone of one decode step with `rows` tokens, in each weight format (the engine's own projection
+    classes over this checkpoint's weights). Every format is loaded first and the repeats go round all of them,
+    so a busy moment on a shared machine hits every format alike; the min is reported with its spread."""
+    configs = [engine_config(llm, resolve_spec(spec)) for spec in specs]
+    models = []
+    for i, (spec, config) in enumerate(zip(specs, configs, strict=True)):
+        if progress is not None:
+            progress(i, len(specs) + repeat, f"loading {spec}")
+        same = (config.dtype, WeightFormat.of(config)) == (llm.config.dtype, llm.engine.model.weight_format)
+        models.append(llm.engine.model if same else llm.load_weights(config))
+    times: dict[tuple[int, int], list[float]] = {}
+    with torch.inference_mode():
+        for r in range(repeat):
+            if progress is not None:
+                progress(len(specs) + r, len(specs) + repeat, f"round {r + 1} of {repeat}")
+            for i, model in enumerate(models):
+                projections = step_projections(model)
+                for m in rows:
+                    xs = {p.in_features: torch.randn(m, p.in_features, dtype=model.dtype, device=model.device)
+                          for p in projections}
+                    start = time.perf_counter()
+                    for p in projections:
+                        p(xs[p.in_features])
+                    if model.device.type == "cuda":
+                        torch.cuda.synchronize(model.device)
+                    times.setdefault((i, m), []).append((time.perf_counter() - start) * 1e3)
+    if progress is not None:
+        progress(len(specs) + repeat, len(specs) + repeat, "done")
+    out = []
+    for i, (spec, config, model) in enumerate(zip(specs, configs, models, strict=True)):
+        projections = step_projections(model)
+        out.append(KernelRow(spec, config.precision, projections[0].kernel,
+                             sum(p.nbytes for p in projections) / 2**20,
+                             {m: min(times[i, m]) for m in rows},
+                             {m: max(times[i, m]) / min(times[i, m]) for m in rows}))
+    return out
+
+
 # ---- `ablate`: the full engine, then each switch off in turn; --cumulative; --concurrency ---------------
 @dataclass(frozen=True)
 class Feature:
-    switch: str  # the EngineConfig field
+    switch: str  # the EngineConfig field: a True/False switch, or a setting such as quantization
     name: str  # "+ name" in the cumulative chart
     off_label: str  # the ablation row of the engine without it
+    on_fields: dict[str, Any] | None = None  # what turning it on sets, when more than switch=True
+    off_fields: dict[str, Any] | None = None
+
+    def fields(self, on: bool) -> dict[str, Any]:
+        given = self.on_fields if on else self.off_fields
+        return dict(given) if given is not None else {self.switch: on}
 
 
+# The course's fifth feature, "INT4 weights + INT8 KV": fewer bytes per weight and per KV slot. Its output is not
+# expected to equal the unquantized engine's token for token (AblationRow.precision says which rows compare).
+QUANTIZED = load_feature_preset("int4")  # one place: the preset says what the course's int4 + int8 KV is
 # In the course's order: the cumulative ablation adds them back one by one in this order.
 FEATURES = (
     Feature("kv_cache", "KV cache", "no KV cache (naive loop)"),
     Feature("paged_kv", "paged KV", "contiguous KV (no paging)"),
     Feature("continuous_batching", "continuous batching", "static batching"),
     Feature("prefix_caching", "prefix caching", "no prefix caching"),
+    Feature("quantization", "int4 weights + int8 KV", "no quantization", QUANTIZED,
+            {"quantization": None, "kv_cache_dtype": "auto", "quantize_lm_head": True}),
     Feature("chunked_prefill", "chunked prefill", "no chunked prefill"),
     Feature("speculative_decoding", "speculative decoding", "no speculative decoding"),
 )
-assert {f.switch for f in FEATURES} == set(BUILT_SWITCHES), "every built switch has its row"
+assert {f.switch for f in FEATURES} == {*BUILT_SWITCHES, "quantization"}, "every built switch has its row"
 FULL_ENGINE = "full engine"
 NAIVE_LOOP = "naive loop (everything off)"
 ABLATIONS: tuple[tuple[str, str], ...] = tuple((f.off_label, f.switch) for f in FEATURES)
-FULL_FIELDS = {f.switch: True for f in FEATURES}  # every built feature on (speculation is off by default)
+
+
+def features_fields(on: Callable[[Feature], bool]) -> dict[str, Any]:
+    """The config fields with each feature on or off as `on` says."""
+    return {k: v for f in FEATURES for k, v in f.fields(on(f)).items()}
+
+
+FULL_FIELDS = features_fields(lambda f: True)  # every built feature on (speculation is off by default)
 Progress = Callable[[int, int, str], None] | None
 
 
@@ -229,7 +309,8 @@ class AblationRow:
     peak_kv_blocks: int | None = None
     preemptions: int | None = None
     prefix_hits: int | None = None
-    same_output_as_full: bool | None = None  # greedy outputs equal the baseline's
+    same_output_as_full: bool | None = None  # greedy outputs equal the baseline's (expected only in its precision)
+    precision: str | None = None  # what the row computed with (EngineConfig.precision): rows compare within one
     error: str | None = None  # why this configuration could not run on the workload
     concurrency: int | None = None  # requests at a time (max_num_seqs), when swept
     step_ratio: float | None = None  # cumulative: throughput / the previous row's (what this feature added)
@@ -259,6 +340,7 @@ def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list
         row.mean_ttft_s, row.mean_tpot_s, row.peak_kv_blocks = r.mean_ttft_s, r.mean_tpot_s, r.peak_kv_blocks
         row.preemptions, row.prefix_hits, row.acceptance_rate = r.preemptions, r.prefix_hits, r.acceptance_rate
         row.same_output_as_full = r.output_token_ids == base.output_token_ids
+        row.precision = EngineConfig(**r.config).precision
         previous = r
     if progress is not None:
         progress(len(plan), len(plan), "done")
@@ -273,7 +355,7 @@ def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
     concurrency: requests at a time (max_num_seqs), instead of the workload's own."""
     settings = {**(settings or {}), **({"max_num_seqs": concurrency} if concurrency else {})}
     plan = [(FULL_ENGINE, None, FULL_FIELDS)]
-    plan += [(f.off_label, f.switch, {**FULL_FIELDS, f.switch: False}) for f in FEATURES]
+    plan += [(f.off_label, f.switch, {**FULL_FIELDS, **f.fields(False)}) for f in FEATURES]
     return _run_plan(llm, workload, settings, plan, progress, concurrency, should_stop)
 
 
@@ -281,10 +363,9 @@ def ablate_cumulative(llm: LLM, workload: Workload, settings: dict[str, Any] | N
                       progress: Progress = None, should_stop: StopCheck | None = None) -> list[AblationRow]:
     """The course's "engine, feature by feature", measured: everything off (the naive loop), then the features
     added back one at a time in the course's order. ratio: against the naive loop; step_ratio: what each added."""
-    plan = [(NAIVE_LOOP, None, dict.fromkeys(FULL_FIELDS, False))]
+    plan = [(NAIVE_LOOP, None, features_fields(lambda f: False))]
     for i, f in enumerate(FEATURES):
-        on = {g.switch: j <= i for j, g in enumerate(FEATURES)}
-        plan.append((f"+ {f.name}", f.switch, on))
+        plan.append((f"+ {f.name}", f.switch, features_fields(lambda g, i=i: FEATURES.index(g) <= i)))
     return _run_plan(llm, workload, settings or {}, plan, progress, should_stop=should_stop)
 
 
@@ -317,20 +398,34 @@ class MemoryRow:
     kv_cache_dtype: str | None = None  # the KV cache's element type when swept (e.g. "int8"); None: the model's
 
 
+# The memory sweep's KV dtypes: the model's own and int8, at the same memory per pool
+KV_CACHE_DTYPES_SWEPT = ("auto", "int8")
+
+
 def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settings: dict[str, Any] | None = None,
-                 progress: Progress = None, should_stop: StopCheck | None = None) -> list[MemoryRow]:
-    """Each pool size, paged and contiguous: how many requests fit at once, what it costs when they do not."""
-    plan = [(blocks, paged) for blocks in pool_sizes for paged in (True, False)]
+                 progress: Progress = None, should_stop: StopCheck | None = None,
+                 kv_cache_dtypes: Sequence[str] = KV_CACHE_DTYPES_SWEPT) -> list[MemoryRow]:
+    """Each pool size, paged and contiguous, for each KV dtype: how many requests fit at once, what it costs when
+    they do not. pool_sizes are in blocks of the model's own dtype; another KV dtype gets the blocks that fit in
+    the same bytes (an int8 pool of the same memory holds ~4x the blocks of fp32), so rows line up by memory."""
+    plan = [(blocks, paged, kv) for blocks in pool_sizes for kv in kv_cache_dtypes for paged in (True, False)]
     rows: list[MemoryRow] = []
-    for i, (blocks, paged) in enumerate(plan):
+    for i, (blocks, paged, kv) in enumerate(plan):
         if progress is not None:
-            progress(i, len(plan), f"{blocks} blocks, {'paged' if paged else 'contiguous'}")
-        fields = config_fields(workload, settings or {}, {"num_kv_blocks": blocks, "paged_kv": paged})
+            progress(i, len(plan), f"{blocks} blocks' memory, {'paged' if paged else 'contiguous'}"
+                                   + ("" if kv == "auto" else f", KV {kv}"))
+        fields = config_fields(workload, settings or {}, {"paged_kv": paged, "kv_cache_dtype": kv})
         row = MemoryRow(blocks, paged, 0.0)
         rows.append(row)
         try:
-            engine = build_engine(llm, fields)
-            row.kv_cache_mb = blocks * kv_bytes_per_block(engine) / 2**20
+            config = engine_config(llm, fields)
+            model = llm.weights_for(config)
+            if len(kv_cache_dtypes) > 1:  # name each dtype (the model's own too) when they sit side by side
+                row.kv_cache_dtype = str(model.kv_dtype(kv)).removeprefix("torch.")
+            pool_bytes = blocks * model.kv_bytes_per_token() * config.block_size
+            row.num_kv_blocks = pool_bytes // (model.kv_bytes_per_token(kv) * config.block_size)
+            engine = build_engine(llm, {**fields, "num_kv_blocks": row.num_kv_blocks})
+            row.kv_cache_mb = row.num_kv_blocks * kv_bytes_per_block(engine) / 2**20
             warm_up(engine)
             r = run_workload(engine, workload, should_stop, track_efficiency=True)
         except ValueError as exc:
@@ -340,4 +435,86 @@ def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settin
         row.mean_ttft_s, row.memory_efficiency = r.mean_ttft_s, r.memory_efficiency
     if progress is not None:
         progress(len(plan), len(plan), "done")
+    return rows
+
+
+# ---- `quality`: a quantized (or bf16) engine against the fp32 one over a fixed text --------------------------
+QUALITY_TEXT = FEATURE_DIR.parent / "quality" / "text.txt"
+# The precision every row is compared with: the model as trained, unquantized, an fp32 KV cache
+REFERENCE_PRECISION = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto"}
+QUALITY_SPECS = ("quantization=int8", "quantization=int4", "quantization=w8a8", "kv_cache_dtype=int8",
+                 "quantization=int8,kv_cache_dtype=int8", "quantization=int4,kv_cache_dtype=int8")
+
+
+@dataclass
+class QualityRow:
+    spec: str
+    precision: str
+    positions: int  # tokens scored (each window's first has nothing before it)
+    top1_agreement: float  # positions where both sides' most likely next token is the same
+    mean_abs_logprob_diff: float  # |logprob of the text's token, this side - fp32|, mean over positions
+    max_abs_logprob_diff: float
+    perplexity: float  # exp(-mean logprob of the text's tokens)
+    reference_perplexity: float
+    seconds: float  # wall time of this side's teacher-forced pass
+
+    @property
+    def perplexity_change(self) -> float:
+        return self.perplexity / self.reference_perplexity - 1
+
+
+def text_windows(llm: LLM, text: str, window: int) -> list[list[int]]:
+    """The text's tokens in consecutive windows of at most `window` (each one prompt)."""
+    ids = llm.tokenizer(text).input_ids
+    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+
+
+def teacher_forced(engine: LLMEngine, windows: list[list[int]]) -> list[list[dict[int, float] | None]]:
+    """Each window's prompt logprobs (the text's token and the most likely one at every position after the first)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    ids = [engine.add_request(w, params) for w in windows]
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o.prompt_logprobs) for o in engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
+def compare_logprobs(windows: list[list[int]], ref: list[list], got: list[list]) -> dict[str, float]:
+    agree = n = 0
+    diffs, ref_lp, got_lp = [], [], []
+    for tokens, r_w, g_w in zip(windows, ref, got, strict=True):
+        for p in range(1, len(tokens)):
+            r, g, t = r_w[p], g_w[p], tokens[p]
+            agree += max(r, key=r.get) == max(g, key=g.get)
+            n += 1
+            diffs.append(abs(r[t] - g[t]))
+            ref_lp.append(r[t])
+            got_lp.append(g[t])
+    return {"positions": n, "top1_agreement": agree / n, "mean_abs_logprob_diff": statistics.fmean(diffs),
+            "max_abs_logprob_diff": max(diffs), "perplexity": math.exp(-statistics.fmean(got_lp)),
+            "reference_perplexity": math.exp(-statistics.fmean(ref_lp))}
+
+
+def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, Any] | None = None,
+            text: str | None = None, window: int = 1024, progress: Progress = None) -> list[QualityRow]:
+    """Teacher-forced over the same text (through prompt_logprobs): each spec's engine against the fp32 one,
+    position by position. settings apply to every side; each spec's precision fields replace the reference's."""
+    settings = {k: v for k, v in (settings or {}).items() if k not in (*REFERENCE_PRECISION, "model")}
+    windows = text_windows(llm, QUALITY_TEXT.read_text() if text is None else text, window)
+    total = len(specs) + 1
+    if progress is not None:
+        progress(0, total, "fp32 reference")
+    ref = teacher_forced(build_engine(llm, {**settings, **REFERENCE_PRECISION}), windows)
+    rows = []
+    for i, spec in enumerate(specs):
+        if progress is not None:
+            progress(i + 1, total, spec)
+        fields = {**settings, **REFERENCE_PRECISION, **resolve_spec(spec)}
+        engine = build_engine(llm, fields)
+        start = time.perf_counter()
+        got = teacher_forced(engine, windows)
+        rows.append(QualityRow(spec, engine.config.precision, **compare_logprobs(windows, ref, got),
+                               seconds=time.perf_counter() - start))
+    if progress is not None:
+        progress(total, total, "done")
     return rows

@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..workloads import Workload
-from .experiments import AblationRow, CompareResult, HFStaticResult, MemoryRow, SchedCostResult, TableRow
+from .experiments import (
+    AblationRow,
+    CompareResult,
+    HFStaticResult,
+    KernelRow,
+    MemoryRow,
+    QualityRow,
+    SchedCostResult,
+    TableRow,
+)
 from .runs import RunResult, StepBreakdown
 
 
@@ -139,25 +148,33 @@ def ablate_report(workload: Workload, rows: list[AblationRow], cumulative: bool 
             line[f"tok/s @ {r.concurrency}"] = r.throughput_tok_s
         report.tables["each feature's multiplier at each concurrency"] = list(table.values())
         return report
+    precisions = list(dict.fromkeys(r.precision for r in rows if r.precision))
+    if len(precisions) > 1:
+        report.notes.append(f"'same output' compares greedy tokens with the first row ({precisions[0]}); rows in "
+                            f"another precision ({'; '.join(precisions[1:])}) are not expected to match it token "
+                            f"for token, only rows in the same one.")
     if cumulative:
         report.tables["features added back in the course's order"] = [
             {"configuration": r.feature, "tok/s": r.throughput_tok_s, "x naive": r.ratio, "x previous": r.step_ratio,
              "mean TTFT (s)": r.mean_ttft_s, "mean TPOT (s)": r.mean_tpot_s, "peak KV blocks": r.peak_kv_blocks,
-             "same output": r.same_output_as_full, "error": r.error or ""} for r in rows]
+             "precision": r.precision, "same output": r.same_output_as_full, "error": r.error or ""} for r in rows]
         return report
     report.tables["each feature off in turn"] = [
         {"configuration": r.feature, "switch off": r.switch or "", "tok/s": r.throughput_tok_s,
          "x full engine": r.ratio, "mean TTFT (s)": r.mean_ttft_s, "mean TPOT (s)": r.mean_tpot_s,
-         "peak KV blocks": r.peak_kv_blocks, "draft acceptance": r.acceptance_rate,
+         "peak KV blocks": r.peak_kv_blocks, "draft acceptance": r.acceptance_rate, "precision": r.precision,
          "same output": r.same_output_as_full, "error": r.error or ""} for r in rows]
     return report
 
 
-def memory_report(workload: Workload, rows: list[MemoryRow], kv_bytes_per_token: int) -> Report:
+def memory_report(workload: Workload, rows: list[MemoryRow], kv_bytes_per_token: int,
+                  int8_kv_bytes_per_token: int | None = None) -> Report:
     report = Report(f"memory sweep on workload {workload.name!r} ({len(workload.requests)} requests)")
     report.rows = rows
+    dtypes = any(r.kv_cache_dtype for r in rows)
     report.tables["KV pool size vs what fits"] = [
-        {"KV blocks": r.num_kv_blocks, "layout": "paged" if r.paged else "contiguous", "KV MB": r.kv_cache_mb,
+        {"KV blocks": r.num_kv_blocks, "layout": "paged" if r.paged else "contiguous",
+         **({"KV dtype": r.kv_cache_dtype} if dtypes else {}), "KV MB": r.kv_cache_mb,
          "peak running": r.peak_running, "preemptions": r.preemptions, "tok/s": r.throughput_tok_s,
          "mean TTFT (s)": r.mean_ttft_s, "memory efficiency": r.memory_efficiency, "error": r.error or ""}
         for r in rows]
@@ -165,6 +182,25 @@ def memory_report(workload: Workload, rows: list[MemoryRow], kv_bytes_per_token:
     report.notes.append(f"KV bytes per token: {kv_bytes_per_token:,}; a mean request ({mean_tokens:.0f} tokens) "
                         f"holds {kv_bytes_per_token * mean_tokens / 2**20:.1f} MB when paged; contiguous KV reserves "
                         f"max_model_len tokens for every request.")
+    if int8_kv_bytes_per_token and dtypes:
+        report.notes.append(f"int8 KV: {int8_kv_bytes_per_token:,} bytes per token (1 byte per element plus a 4-byte "
+                            f"scale per token and KV head), {kv_bytes_per_token / int8_kv_bytes_per_token:.2f}x "
+                            f"fewer: the same memory holds that many more blocks.")
+    return report
+
+
+def kernels_report(rows: list[KernelRow], repeat: int) -> Report:
+    report = Report("one decode step's projections (every layer's qkv, o, gate|up, down and the LM head), "
+                    f"min of {repeat} rounds")
+    report.rows = rows
+    base = rows[0]
+    report.tables["ms per step by rows (tokens in the step)"] = [
+        {"weights": r.spec, "precision": r.precision, "kernel": r.kernel, "weights MB": r.weight_mb,
+         **{f"{m} rows ms": ms for m, ms in r.ms.items()},
+         **{f"{m} rows x {base.spec}": base.ms[m] / ms for m, ms in r.ms.items()}} for r in rows]
+    worst = max((s for r in rows for s in r.spread.values()), default=1.0)
+    report.notes.append(f"the slowest round took up to {worst:.1f}x the fastest: on a shared machine compare within "
+                        f"one run")
     return report
 
 
@@ -175,3 +211,18 @@ def to_jsonable(value: Any) -> Any:
             return dataclasses.asdict(v)
         return str(v)
     return json.loads(json.dumps(value, default=plain))
+
+
+def quality_report(rows: list[QualityRow], window: int) -> Report:
+    n = rows[0].positions if rows else 0
+    report = Report(f"quality against fp32, teacher-forced over presets/quality/text.txt ({n} positions, windows "
+                    f"of {window} tokens)")
+    report.rows = rows
+    report.tables["each precision against the fp32 model"] = [
+        {"spec": r.spec, "precision": r.precision, "top-1 agreement": r.top1_agreement,
+         "mean abs logprob diff": r.mean_abs_logprob_diff, "max abs logprob diff": r.max_abs_logprob_diff,
+         "perplexity": r.perplexity, "fp32 perplexity": r.reference_perplexity,
+         "perplexity change": f"{r.perplexity_change:+.2%}", "seconds": r.seconds} for r in rows]
+    report.notes.append("top-1 agreement: positions where both sides' most likely next token is the same; logprob "
+                        "differences and perplexity are of the text's own tokens (prose, code and dialogue).")
+    return report

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..config import LOAD_TIME_FIELDS, EngineConfig
+from ..config import LOAD_TIME_FIELDS, WEIGHT_FIELDS, EngineConfig
 from ..engine import LLMEngine, StepRecord
 from ..llm import LLM
-from ..models.linear import Linear
+from ..models.linear import PROJECTION_TYPES, Projection
 from ..request import RequestOutput
 from ..sampler import SamplingParams
 from ..workloads import TOKEN_RANGE, Workload, WorkloadRequest
@@ -47,19 +47,24 @@ def load_llm(settings: dict[str, Any] | None = None) -> LLM:
 
 
 def engine_config(llm: LLM, fields: dict[str, Any]) -> EngineConfig:
-    """EngineConfig for an engine over llm's weights; load-time fields must agree with what was loaded."""
+    """EngineConfig for an engine over llm's checkpoint: the model and device must be the loaded ones; the weights'
+    dtype and quantization (WEIGHT_FIELDS) may differ (build_engine then loads that variant once)."""
     fields = dict(fields)
     for name in LOAD_TIME_FIELDS:
         loaded = getattr(llm.config, name)
-        if name in fields and fields[name] != loaded:
+        if name in WEIGHT_FIELDS:
+            fields.setdefault(name, loaded)
+        elif name in fields and fields[name] != loaded:
             raise ValueError(f"{name}={fields[name]!r} differs from the loaded model's {name}={loaded!r}: "
-                             f"weights are loaded once, so give it with --model / --set for the whole run")
-        fields[name] = loaded
+                             f"the checkpoint is loaded once, so give it with --model / --set for the whole run")
+        else:
+            fields[name] = loaded
     return EngineConfig.from_kwargs(**fields)
 
 
 def build_engine(llm: LLM, fields: dict[str, Any]) -> LLMEngine:
-    return LLMEngine(engine_config(llm, fields), llm.engine.model, llm.tokenizer, llm.engine.hf_config)
+    config = engine_config(llm, fields)
+    return LLMEngine(config, llm.weights_for(config), llm.tokenizer, llm.engine.hf_config)
 
 
 def warm_up(engine: LLMEngine) -> None:
@@ -88,13 +93,13 @@ def weight_bytes(model: Any) -> int:
     for name, value in vars(model).items():
         if name not in ROPE_TABLES:
             for w in _weights(value):
-                key = id(w) if isinstance(w, Linear) else w.data_ptr()
-                sizes[key] = w.nbytes if isinstance(w, Linear) else w.numel() * w.element_size()
+                key = id(w) if isinstance(w, PROJECTION_TYPES) else w.data_ptr()
+                sizes[key] = w.nbytes if isinstance(w, PROJECTION_TYPES) else w.numel() * w.element_size()
     return sum(sizes.values())
 
 
-def _weights(value: Any) -> Iterator[torch.Tensor | Linear]:
-    if isinstance(value, (torch.Tensor, Linear)):
+def _weights(value: Any) -> Iterator[torch.Tensor | Projection]:
+    if isinstance(value, (torch.Tensor, *PROJECTION_TYPES)):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
@@ -105,7 +110,7 @@ def _weights(value: Any) -> Iterator[torch.Tensor | Linear]:
 
 
 def kv_bytes_per_block(engine: LLMEngine) -> int:
-    return engine.model.kv_bytes_per_token() * engine.config.block_size
+    return engine.kv_bytes_per_block(engine.config)
 
 @dataclass
 class StepBreakdown:

@@ -6,18 +6,50 @@ same process: 2 rows 56 ms vs 79, 5 rows 69 vs 158, 9 rows 77 vs 127, 16 rows 85
 one row 55 vs 52), and each row's result does not depend on how many rows share the call (MKL's does for
 one or two rows), so a request's tokens are the same whoever it is batched with. Elsewhere (CUDA, other dtypes,
 a torch without oneDNN) it is `x @ W` over the weight stored transposed.
+
+Quantized siblings (`quantization=` in EngineConfig), each quantized once at load (engine/quant.py) and packed for
+the fastest kernel this torch ships for it on CPU, chosen by measurement (docs/quantization.md,
+`python -m engine.bench kernels`); each gives a row the same result whatever else shares the call:
+  int8  weight-only, symmetric per output channel            torch._weight_int8pack_mm
+  int4  weight-only, asymmetric per group of input features  torch._weight_int4pack_mm_for_cpu
+  w8a8  int8 weights per channel, activations per token      fbgemm (quantized::linear_..._output_fp32), int32 sums
+The two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path: 5-70x
+slower, measured on AVX2 and on AVX-512), so an fp32 model's activations enter them as bf16 and come back fp32.
+torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI: fbgemm was 10-100x faster here.
+A scheme with no kernel on the device is refused, never run unquantized.
 """
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import torch
 
+from ..config import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES, EngineConfig
+from ..quant import quantize_int4, quantize_int8
 
+INT4_PACK_ROWS = 16  # the int4 kernel packs output features in tiles of 16
+W8A8_OP = "linear_with_input_q_dq_qweight_dq_output_fp32"
+# scheme -> {device type: the kernel}; a device not listed has no kernel in this engine
+KERNELS = {"int8": {"cpu": "torch._weight_int8pack_mm"},
+           "int4": {"cpu": "torch._weight_int4pack_mm_for_cpu"},
+           "w8a8": {"cpu": f"torch.ops.quantized.{W8A8_OP}"}}
+WEIGHT_ONLY_ACTIVATIONS = {"cpu": torch.bfloat16}  # the dtype the weight-only kernels are fast with, by device
+# fbgemm multiplies uint8 activations by int8 weights and adds pairs in int16 on AVX2, which overflows when both use
+# 8 bits (measured: 52% error at full range; exact with either side at 7 bits). Weights get the 7 bits, [-63, 63]:
+# SmolLM2's top-1 agreement with fp32 (1,024 positions) was 0.80 so, 0.72 with 7-bit activations, 0.84 with both
+# at 8 bits (emulated exactly). Activations: per token in [-127, 127], stored as uint8 with a zero point of 128.
+W8A8_WEIGHT_MAX = 63
+W8A8_ZERO_POINT = 128
+FBGEMM_ENGINES = ("x86", "fbgemm")
 def onednn_available(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class Linear:
+    scheme = None
+
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: [out_features, in_features], as checkpoints store it."""
         self.out_features, self.in_features = weight.shape
@@ -36,6 +68,184 @@ class Linear:
             return x.new_empty(0, self.out_features)
         return x @ self.weight_t
 
+    @property
+    def kernel(self) -> str:
+        return "oneDNN" if self.packed is not None else "x @ W"
+
     def __repr__(self) -> str:
-        kernel = "oneDNN" if self.packed is not None else "x @ W"
-        return f"Linear({self.in_features} -> {self.out_features}, {self.dtype}, {kernel})"
+        return f"Linear({self.in_features} -> {self.out_features}, {self.dtype}, {self.kernel})"
+
+
+def _ships(path: str) -> bool:
+    """Whether this torch has the function at a dotted path such as 'torch.ops.quantized.linear_prepack'."""
+    obj = torch
+    for part in path.split(".")[1:]:
+        try:
+            obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            return False
+    return True
+
+
+def require_kernel(scheme: str, device: torch.device) -> str:
+    """The kernel scheme runs on device; ValueError if this engine has none there or this torch lacks it."""
+    if scheme not in KERNELS:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; one of {', '.join(QUANTIZATION_SCHEMES)}")
+    name = KERNELS[scheme].get(device.type)
+    if name is None:
+        raise ValueError(f"quantization={scheme!r} has no kernel on {device.type} in this engine (it runs on "
+                         f"{', '.join(KERNELS[scheme])}); it is refused rather than run unquantized")
+    if not _ships(name):
+        raise ValueError(f"quantization={scheme!r} needs {name}, which torch {torch.__version__} does not ship; "
+                         f"it is refused rather than run unquantized")
+    if scheme == "w8a8" and torch.backends.quantized.engine not in FBGEMM_ENGINES:
+        raise ValueError(f"quantization='w8a8' needs torch's fbgemm quantized engine (one of {FBGEMM_ENGINES}), but "
+                         f"torch.backends.quantized.engine is {torch.backends.quantized.engine!r}")
+    return name
+
+
+class _Quantized:
+    """What the quantized projections share: shapes, dtypes, an empty batch."""
+    scheme: str
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.kernel = require_kernel(self.scheme, weight.device).rsplit(".", 1)[-1]
+        self.out_features, self.in_features = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device  # the model's: what comes in and goes out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        return self._matmul(x)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.in_features} -> {self.out_features}, {self.scheme}, {self.kernel})"
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Int8Linear(_Quantized):
+    """Weight-only int8: q [N, K] int8 and one scale per output channel (in the activations' dtype, as the kernel
+    requires); the kernel computes x @ (q * scale).T, dequantizing as it goes."""
+    scheme = "int8"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
+        self.qweight, scale = quantize_int8(weight, scale_dtype=self.activation_dtype)
+        self.scales = scale.to(self.activation_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.qweight, self.scales)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.to(self.activation_dtype), self.qweight, self.scales).to(x.dtype)
+
+
+class Int4Linear(_Quantized):
+    """Weight-only int4 in groups of `group_size` input features, asymmetric: two values per byte, packed once by
+    torch for its kernel, with each group's scale and mid as the kernel wants them ([K / g, N, 2])."""
+    scheme = "int4"
+
+    def __init__(self, weight: torch.Tensor, group_size: int) -> None:
+        super().__init__(weight)
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} for int4, got {group_size}")
+        if self.in_features % group_size:
+            raise ValueError(f"quantization_group_size={group_size} does not divide its {self.in_features} "
+                             f"input features")
+        if self.out_features % INT4_PACK_ROWS:
+            raise ValueError(f"int4 needs output features in multiples of {INT4_PACK_ROWS}, "
+                             f"got {self.out_features}")
+        self.group_size = group_size
+        self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
+        q, scale, mid = quantize_int4(weight, group_size, self.activation_dtype)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # the kernel computes (q - 8) * scale + zero, its "zero" being our mid
+        self.scales_and_zeros = torch.stack([scale.t(), mid.t()], dim=-1).to(self.activation_dtype).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.packed, self.scales_and_zeros)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.to(self.activation_dtype), self.packed, self.group_size,
+                                                 self.scales_and_zeros).to(x.dtype)
+
+
+class W8A8Linear(_Quantized):
+    """int8 weights per output channel (7-bit values: see W8A8_WEIGHT_MAX) and int8 activations quantized per token
+    on the fly, multiplied in integers with int32 sums by fbgemm, then scaled back:
+    y = (x_q @ w_q.T) * w_scale * x_scale. Integer sums are exact, so a row's result is the same in any batch."""
+    scheme = "w8a8"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        q, scales = quantize_int8(weight, W8A8_WEIGHT_MAX)
+        zeros = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():  # torch deprecates its quantized tensors; fbgemm's kernels still ship
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch._make_per_channel_quantized_tensor(q, scales.double(), zeros, 0)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm's packed layout
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, K] int8, scales [N]) as packed: read back from fbgemm's layout."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return qweight.int_repr(), qweight.q_per_channel_scales().float()
+
+    @property
+    def nbytes(self) -> int:
+        # int8 weights, plus fbgemm's scale and column offset per output channel (its packing padding not counted)
+        return self.out_features * (self.in_features + 8)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        xq, x_scale = quantize_int8(x)
+        # the kernel quantizes its input with scale 1 and our zero point: integers in, so that step is exact
+        y = getattr(torch.ops.quantized, W8A8_OP)(xq.float(), 1.0, W8A8_ZERO_POINT, self.packed)
+        return (y * x_scale.unsqueeze(-1)).to(x.dtype)
+
+
+Projection = Linear | Int8Linear | Int4Linear | W8A8Linear
+PROJECTION_TYPES = (Linear, Int8Linear, Int4Linear, W8A8Linear)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a model's projections are stored: unquantized, or one of QUANTIZATION_SCHEMES."""
+    quantization: str | None = None
+    group_size: int = 32  # int4 only (EngineConfig.quantization_group_size's default)
+    lm_head: bool = True  # quantize the LM head too
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> WeightFormat:
+        """The format config asks for, with fields that do not apply at their defaults (so equal formats compare
+        equal: int8 with any group size is the same int8)."""
+        if config.quantization is None:
+            return cls()
+        group = config.quantization_group_size if config.quantization == "int4" else cls.group_size
+        return cls(config.quantization, group, config.quantize_lm_head)
+
+    def describe(self) -> str:
+        if self.quantization is None:
+            return "unquantized"
+        group = f", groups of {self.group_size}" if self.quantization == "int4" else ""
+        return f"{self.quantization}{group}" + ("" if self.lm_head else ", LM head unquantized")
+
+    def make(self, weight: torch.Tensor, name: str, is_lm_head: bool = False) -> Projection:
+        """The projection for weight [out, in]; name says which layer a refusal is about."""
+        scheme = self.quantization
+        if scheme is None or (is_lm_head and not self.lm_head):
+            return Linear(weight)
+        try:
+            if scheme == "int4":
+                return Int4Linear(weight, self.group_size)
+            require_kernel(scheme, weight.device)  # an unknown scheme is refused here
+            return {"int8": Int8Linear, "w8a8": W8A8Linear}[scheme](weight)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+
+UNQUANTIZED = WeightFormat()

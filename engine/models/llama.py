@@ -1,8 +1,8 @@
 """Our own Llama-family decoder (Llama / SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) over a ragged batch.
 
 All tokens of a step are one flat [num_tokens, hidden] tensor. Projections are fused (qkv, gate|up) and
-stored as `Linear`s, each one kernel call (see linear.py). The math follows transformers' reference
-implementation step by step (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match it token for token.
+stored as `Linear`s (or quantized siblings), each one kernel call (see linear.py). The math follows transformers'
+reference implementation step by step (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match it token for token.
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionMetadata, attention
-from .linear import Linear
+from ..attention import AttentionMetadata, LayerKV, attention
+from ..quant import SCALE_DTYPE
+from .linear import UNQUANTIZED, Projection, WeightFormat
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -20,15 +21,15 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    qkv: Projection  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim (Linear or a quantized sibling)
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm over head_dim
     k_norm: torch.Tensor | None
-    o: Linear  # num_heads * head_dim -> hidden
+    o: Projection  # num_heads * head_dim -> hidden
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear  # intermediate -> hidden
+    gate_up: Projection  # hidden -> 2 * intermediate
+    down: Projection  # intermediate -> hidden
 
 
 @dataclass
@@ -73,12 +74,14 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
 
 class LlamaFamilyModel:
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
-                 lm_head: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, max_len: int) -> None:
+                 lm_head: Projection, inv_freq: torch.Tensor, attention_scaling: float, max_len: int,
+                 weight_format: WeightFormat = UNQUANTIZED) -> None:
         self.shape = shape
         self.embed = embed
         self.layers = layers
         self.norm = norm
-        self.lm_head = Linear(lm_head)  # a tied head costs one copy of the embedding, stored for the kernel
+        self.lm_head = lm_head  # a tied head costs one copy of the embedding, stored for the kernel
+        self.weight_format = weight_format
         self.dtype = embed.dtype
         self.device = embed.device
         positions = torch.arange(max_len, dtype=torch.float32)
@@ -91,14 +94,22 @@ class LlamaFamilyModel:
     def max_len(self) -> int:
         return self.cos.shape[0]
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_dtype(self, kv_cache_dtype: str = "auto") -> torch.dtype:
+        """The KV pool's element type: the model's own ("auto"), or int8."""
+        return torch.int8 if kv_cache_dtype == "int8" else self.dtype
+
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
+        """K and V of one token in every layer and KV head; an int8 cache adds a scale per token and KV head."""
         s = self.shape
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.embed.element_size()
+        per_head = s.head_dim * self.kv_dtype(kv_cache_dtype).itemsize
+        if kv_cache_dtype == "int8":
+            per_head += SCALE_DTYPE.itemsize
+        return 2 * s.num_layers * s.num_kv_heads * per_head
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor | None, logits_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]. kv_cache: [layers, 2, slots, kv_heads, head_dim] or None.
+                kv_cache: list[LayerKV] | None, logits_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]. kv_cache: each layer's slice of the pool, or None.
 
         Returns float32 logits for the rows in logits_rows (the last token of each sequence that samples).
         """
@@ -120,10 +131,7 @@ class LlamaFamilyModel:
                 k = rms_norm(k, w.k_norm, s.rms_norm_eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            kc = vc = None
-            if kv_cache is not None:
-                kc, vc = kv_cache[i, 0], kv_cache[i, 1]
-            a = w.o(attention(q, k, v.contiguous(), kc, vc, meta))
+            a = w.o(attention(q, k, v.contiguous(), None if kv_cache is None else kv_cache[i], meta))
             if w.o_bias is not None:
                 a = a + w.o_bias
             x = x + a

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .linear import Linear
+from .linear import UNQUANTIZED, WeightFormat
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
 
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -146,8 +146,8 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                max_len: int) -> LlamaFamilyModel:
-    """Fuse, transpose and cast HF weights into our decoder's layout."""
+                max_len: int, weight_format: WeightFormat = UNQUANTIZED) -> LlamaFamilyModel:
+    """Fuse, transpose and cast HF weights into our decoder's layout, each projection quantized once if asked."""
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     shape = ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
@@ -165,34 +165,42 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
         parts = [opt(n) for n in names]
         return None if any(p is None for p in parts) else torch.cat(parts)
 
+    make = weight_format.make
     layers = []
     for i in range(shape.num_layers):
         p = f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         layers.append(LayerWeights(
             input_norm=get(p + "input_layernorm.weight"),
-            qkv=Linear(torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"])),
+            qkv=make(torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]), f"{a}qkv_proj"),
             qkv_bias=cat_opt([a + f"{n}_proj.bias" for n in "qkv"]),
             q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
-            o=Linear(get(a + "o_proj.weight")), o_bias=opt(a + "o_proj.bias"),
+            o=make(get(a + "o_proj.weight"), f"{a}o_proj"), o_bias=opt(a + "o_proj.bias"),
             post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])),
-            down=Linear(get(m + "down_proj.weight")),
+            gate_up=make(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]), f"{m}gate_up_proj"),
+            down=make(get(m + "down_proj.weight"), f"{m}down_proj"),
         ))
     embed = get("embed_tokens.weight")
     tied = getattr(c, "tie_word_embeddings", False) or "lm_head.weight" not in state
-    lm_head = embed if tied else get("lm_head.weight")
+    lm_head = make(embed if tied else get("lm_head.weight"), "lm_head", is_lm_head=True)
     inv_freq, scaling = rope_inv_freq(c)
-    return LlamaFamilyModel(shape, embed, layers, get("norm.weight"), lm_head, inv_freq, scaling, max_len)
+    return LlamaFamilyModel(shape, embed, layers, get("norm.weight"), lm_head, inv_freq, scaling, max_len,
+                            weight_format)
 
 
-def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_len: int | None):
-    """Returns (our model, tokenizer, hf_config, local folder)."""
-    folder = resolve_model(model)
-    hf_config = load_hf_config(folder)
+def load_weights(folder: Path, hf_config, dtype: torch.dtype, device: torch.device, max_len: int | None,
+                 weight_format: WeightFormat = UNQUANTIZED) -> LlamaFamilyModel:
+    """Our model from a resolved folder (resolve_model) and its config (load_hf_config)."""
     max_len = max_len or min(hf_config.max_position_embeddings, 2048)
     if max_len > hf_config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_len} exceeds the model's context ({hf_config.max_position_embeddings})")
-    tokenizer = load_tokenizer(folder)
-    net = build_model(hf_config, load_state_dict(folder), dtype, device, max_len)
-    return net, tokenizer, hf_config, folder
+    return build_model(hf_config, load_state_dict(folder), dtype, device, max_len, weight_format)
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_len: int | None,
+               weight_format: WeightFormat = UNQUANTIZED):
+    """Returns (our model, tokenizer, hf_config, local folder)."""
+    folder = resolve_model(model)
+    hf_config = load_hf_config(folder)
+    net = load_weights(folder, hf_config, dtype, device, max_len, weight_format)
+    return net, load_tokenizer(folder), hf_config, folder

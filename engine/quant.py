@@ -1,0 +1,63 @@
+"""Quantization arithmetic, in one place: int8 rows (weights per output channel, activations per token, K/V per
+token and head) and int4 groups. Pure functions over tensors; the kernels that use them live in models/linear.py
+and attention/sdpa.py.
+
+int8 is symmetric: x ~ q * scale, q in [-127, 127], scale = max|x| / 127 over the row, so the error of one element
+is at most scale / 2. int4 is asymmetric per group of g input features: w ~ (q - 8) * scale + mid, q in [0, 15],
+scale = (max - min) / 15, mid = min + 8 * scale, error at most scale / 2.
+"""
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127
+INT4_LEVELS = 15
+INT4_MID = 8
+SCALE_DTYPE = torch.float32  # scales are kept in fp32 (4 bytes per row), whatever the model's dtype
+_TINY = 1e-12  # an all-zero row gets this scale instead of dividing by zero (its q are 0 either way)
+
+
+def quantize_int8(x: torch.Tensor, qmax: int = INT8_MAX,
+                  scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric over the last dim into [-qmax, qmax] (127: int8; less for a kernel that needs headroom):
+    (q int8 like x, scale fp32 of shape x.shape[:-1]). scale_dtype: the dtype a kernel keeps the scales in; they
+    are rounded to it first and q is chosen against the rounded scale, so the error stays within half a step."""
+    xf = x.to(SCALE_DTYPE)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp_(min=_TINY)
+    if scale_dtype is not None:
+        scale = scale.to(scale_dtype).to(SCALE_DTYPE)
+    q = torch.round(xf / scale).clamp_(-qmax, qmax).to(torch.int8)
+    return q, scale.squeeze(-1)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.to(SCALE_DTYPE) * scale.unsqueeze(-1)).to(dtype)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int,
+                  param_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of group_size along the last dim of w [N, K]: w ~ (q - 8) * scale + mid, q in 0..15,
+    the group's range split in 15 steps, mid the weight q = 8 stands for (torch's int4 kernels take that form).
+    Returns (q uint8 [N, K], scale fp32 [N, K / group_size], mid fp32 [N, K / group_size]). param_dtype: the dtype a
+    kernel keeps scale and mid in; they are rounded to it first and q is chosen against them (a rounded mid would
+    otherwise shift every weight of its group the same way)."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"group size {group_size} does not divide {k} input features")
+    wg = w.to(SCALE_DTYPE).reshape(n, k // group_size, group_size)
+    low, high = wg.amin(dim=-1), wg.amax(dim=-1)
+    scale = ((high - low) / INT4_LEVELS).clamp_(min=_TINY)
+    if param_dtype is not None:
+        scale = scale.to(param_dtype).to(SCALE_DTYPE)
+    mid = low + INT4_MID * scale
+    if param_dtype is not None:
+        mid = mid.to(param_dtype).to(SCALE_DTYPE)
+    q = torch.round((wg - mid.unsqueeze(-1)) / scale.unsqueeze(-1) + INT4_MID).clamp_(0, INT4_LEVELS)
+    return q.to(torch.uint8).reshape(n, k), scale, mid
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = q.shape
+    groups = scale.shape[-1]
+    w = (q.reshape(n, groups, k // groups).to(SCALE_DTYPE) - INT4_MID) * scale.unsqueeze(-1) + mid.unsqueeze(-1)
+    return w.reshape(n, k).to(dtype)
