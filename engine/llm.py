@@ -5,6 +5,7 @@ import torch
 
 from .config import EngineConfig
 from .engine import LLMEngine
+from .gpu import resolve_dtype
 from .models import load_model
 from .request import RequestOutput
 from .sampler import SamplingParams
@@ -28,8 +29,9 @@ def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 class LLM:
     def __init__(self, model: str | None = None, **config_fields) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **config_fields)
-        device = resolve_device(self.config.device)
+        config = EngineConfig.from_kwargs(model=model, **config_fields)
+        device = resolve_device(config.device)
+        self.config = config.replace(dtype=resolve_dtype(config.dtype, device))
         net, tokenizer, hf_config, folder = load_model(model, DTYPES[self.config.dtype], device,
                                                        self.config.max_model_len)
         self.model_path = folder

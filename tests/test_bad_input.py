@@ -188,7 +188,7 @@ def test_batched_token_budget_smaller_than_max_model_len():
         EngineConfig.from_kwargs(max_num_batched_tokens=64, max_model_len=128, kv_cache=False)
 
 
-@pytest.mark.parametrize("switch,value", [("cuda_graphs", True), ("quantization", "int8")])
+@pytest.mark.parametrize("switch,value", [("quantization", "int8")])
 def test_not_yet_built_switches_are_refused(tiny_models, switch, value):
     folder, _ = tiny_models["llama"]
     with pytest.raises(ValueError, match=f"{switch}=.*not built yet"):

