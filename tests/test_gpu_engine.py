@@ -91,7 +91,8 @@ def test_padded_decode_rows_write_only_the_scratch_block_and_leave_real_rows_unc
     inputs = StaticDecodeInputs(max_rows=4, table_width=8, block_size=4, scratch_block=scratch,
                                 device=torch.device("cpu"))
     inputs.fill(batch.input_ids, batch.positions, batch.meta, bucket=4)
-    assert inputs.slot_mapping[3] == scratch * 4 and inputs.context_lens[3] == 1 and inputs.block_tables[3, 0] == scratch
+    assert inputs.slot_mapping[3] == scratch * 4 and inputs.context_lens[3] == 1
+    assert inputs.block_tables[3, 0] == scratch
     padded_cache = big.clone()
     padded = model.forward(inputs.input_ids, inputs.positions, inputs.meta(4), padded_cache, inputs.logits_rows)
     assert padded.shape[0] == 4
