@@ -124,3 +124,29 @@ def test_gpu_defaults_are_decided_by_the_device():
         EngineConfig.from_kwargs(attention_backend="flash")
     with pytest.raises(ValueError, match="gpu_memory_utilization must be a fraction"):
         EngineConfig.from_kwargs(gpu_memory_utilization=1.5)
+
+
+# ---- python -m engine.bench gpu-check -------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_check_refuses_without_cuda(tmp_path, capsys):
+    from engine.bench.cli import main
+    assert main(["gpu-check", "--out", str(tmp_path)]) == 2
+    assert "gpu-check needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_gpu_check_cpu_dry_run_runs_every_step_end_to_end(tmp_path, capsys):
+    import json
+
+    from engine.bench.cli import main
+    assert main(["gpu-check", "--out", str(tmp_path), "--cpu-dry-run"]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["dry_run"] and report["parity"]["fp32_tiny"]["identical"]
+    bf = report["parity"]["float32_random:qwen3-0.6b"]
+    assert bf["top5_containment"] and all(len(r["engine"]) == 6 for r in bf["rows"])
+    rows = {(r["batch"], r["attention_backend"], r["cuda_graphs"]) for r in report["sweep"]}
+    assert rows == {(1, "sdpa", False), (1, "triton", False), (2, "sdpa", False), (2, "triton", False)}
+    assert all(r["tps"] > 0 and r["tpot_ms"] > 0 for r in report["sweep"])
+    assert report["hf"]["ratio"] > 0 and report["hf"]["batch"] == 2
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "CPU dry run" in md and "| Batch | Attention | CUDA graphs |" in md

@@ -8,6 +8,7 @@
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
     python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting
+    python -m engine.bench gpu-check --out DIR                  # the GPU engine, checked on one GPU
 
 A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such as "prefix_caching=false".
 """
@@ -134,6 +135,10 @@ def run_command(args: argparse.Namespace) -> rp.Report:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu-check"]:  # its own options and report (gpu_check.py)
+        from .gpu_check import main as gpu_check_main
+        return gpu_check_main(argv[1:])
     args = parse_args(argv)
     try:
         report = run_command(args)
