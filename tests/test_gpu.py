@@ -77,14 +77,18 @@ def test_bf16_is_the_default_dtype_on_cuda():
 
 
 def test_kv_pool_is_sized_from_gpu_memory_utilization():
-    engine = _engine(dtype="bfloat16", num_kv_blocks=None, gpu_memory_utilization=0.3)
+    # the full Qwen3-0.6B shape, so the pool is bounded by memory, not by max_num_seqs * max_model_len
+    engine = _engine(dtype="bfloat16", overrides={}, num_kv_blocks=None, gpu_memory_utilization=0.3,
+                     max_num_seqs=256, max_model_len=2048)
     plan = engine.snapshot().gpu_memory
     assert plan is not None and plan["utilization"] == 0.3
     budget = int(plan["total_bytes"] * 0.3 - plan["used_before_bytes"] - plan["activation_peak_bytes"])
     assert plan["kv_budget_bytes"] == budget > 0 and plan["activation_peak_bytes"] > 0
     per_block = engine.model.kv_bytes_per_token() * engine.config.block_size
-    assert engine.config.num_kv_blocks == budget // per_block
+    assert engine.config.num_kv_blocks == budget // per_block < 256 * 2048 // engine.config.block_size
     assert engine.runner.kv_cache_bytes == engine.config.num_kv_blocks * per_block
+    free, total = torch.cuda.mem_get_info()
+    assert total - free <= 0.3 * total + 2**30  # the card holds what the plan allowed (a GB of slack)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
