@@ -241,7 +241,7 @@ def test_max_model_len_beyond_the_models_context(tiny_models):
 @pytest.mark.parametrize("kwargs,match", [
     ({"not_a_field": 1}, "unknown config field.*not_a_field"),
     ({"block_size": 12}, "block_size must be a power of two"),
-    ({"cuda_graphs": True}, "cuda_graphs=True is declared but not built yet"),
+    ({"cuda_graphs": True}, "cuda_graphs=True captures CUDA graphs: it needs a CUDA GPU"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min \\(5\\) must be <= prompt_lookup_max"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"model": "/no/such/model/dir"}, "model path does not exist"),
@@ -291,7 +291,8 @@ BAD_UPDATES = [
     ({"block_size": 3}, "block_size must be a power of two"),
     ({"not_a_field": 1}, "unknown config field"),
     ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
-    ({"cuda_graphs": True}, "cuda_graphs=True is declared but not built yet"),
+    ({"attention_backend": "flash"}, "attention_backend must be one of"),
+    ({"cuda_graphs": True}, "cuda_graphs=True captures CUDA graphs: it needs a CUDA GPU"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min \\(5\\) must be <= prompt_lookup_max"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"chunked_prefill": False, "max_num_batched_tokens": 16}, "chunked prefill is off"),
