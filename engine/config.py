@@ -9,20 +9,23 @@ import dataclasses
 from dataclasses import dataclass
 
 # Switches declared now and built by later issues: asking for one is an error, never a silent no-op.
-NOT_YET_BUILT = ("cuda_graphs",)
+NOT_YET_BUILT: tuple[str, ...] = ()
 FEATURE_SWITCHES = ("kv_cache", "paged_kv", "continuous_batching", "prefix_caching", "chunked_prefill",
                     "speculative_decoding") + NOT_YET_BUILT
 BUILT_SWITCHES = tuple(s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT)
 # Changing one of these rebuilds the KV pool: running requests are preempted and re-prefilled.
-STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv", "kv_cache_dtype")
+STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv", "kv_cache_dtype",
+                     "attention_backend", "cuda_graphs", "gpu_memory_utilization")
 # How the weights are stored: a model is loaded (and quantized) with them, so they cannot change while serving.
 WEIGHT_FIELDS = ("dtype", "quantization", "quantization_group_size", "quantize_lm_head")
 # These need a new model load and cannot change while serving.
 LOAD_TIME_FIELDS = ("model", "device", *WEIGHT_FIELDS)
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
 QUANTIZATION_SCHEMES = ("int8", "int4", "w8a8")  # see engine/models/linear.py
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernel accepts
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
+ATTENTION_BACKENDS = ("sdpa", "triton")  # None: triton on CUDA (with a KV cache), sdpa elsewhere
+DEFAULT_CPU_KV_CACHE_GB = 0.5
 # Tokens per step with chunked prefill, by device type. A step's budget bounds how long one step (and so every
 # stream's gap between tokens) can take. CPU: measured on a 2-core CPU (the README's chunked-prefill table: 256
 # keeps the chats' longest gap 4.6-8.2x shorter while a 1,500-token document arrives, at the same throughput;
@@ -34,11 +37,14 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 0.5
+    # None: 0.5 GB on CPU; on CUDA what gpu_memory_utilization leaves after weights and a profiled forward
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the card this engine may fill (weights + peak + KV)
+    attention_backend: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: see default_max_num_batched_tokens
     max_model_len: int | None = None  # None: min(model context, 2048)
@@ -57,7 +63,7 @@ class EngineConfig:
     # none above 8 decoding requests: measured on a 2-core CPU, k=4 on answers that do not copy the prompt breaks
     # even at 8 and loses at 32 (0.84x; the README's speculative-decoding table)
     speculative_token_budget: int = 16
-    cuda_graphs: bool = False
+    cuda_graphs: bool = False  # CUDA only: decode steps replayed from graphs captured per batch-size bucket
     # precision: weights quantized at load (None, "int8", "int4" or "w8a8"), and the KV cache's element type
     quantization: str | None = None
     # int4: input features per scale and zero. 32 measured best on SmolLM2-135M (python -m engine.bench quality):
@@ -101,6 +107,8 @@ class EngineConfig:
                 raise ValueError(
                     f"{name}={value!r} is declared but not built yet in this engine; leave it off "
                     f"(it is never silently ignored)")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
@@ -129,7 +137,15 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
-        if not isinstance(self.kv_cache_memory_gb, (int, float)) or self.kv_cache_memory_gb <= 0:
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (or None: triton on CUDA, sdpa "
+                             f"on CPU), got {self.attention_backend!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
+        if self.kv_cache_memory_gb is not None and (
+                isinstance(self.kv_cache_memory_gb, bool) or not isinstance(self.kv_cache_memory_gb, (int, float))
+                or self.kv_cache_memory_gb <= 0):
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len and not self.chunked_prefill_active):

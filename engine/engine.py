@@ -16,6 +16,8 @@ import torch
 
 from .blocks import KVCacheManager, NoKVCache
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
+from .cuda_graphs import DecodeGraphs, check_cuda_graphs
+from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory, resolve_attention_backend
 from .memory import check_kv_pool_fits
 from .models.linear import WeightFormat
 from .request import Request, RequestOutput, RequestStatus
@@ -104,6 +106,7 @@ class EngineSnapshot:
     speculation: dict  # active, k (drafts per request now), the adaptive rule, and SpecDecodeStats' counters
     # one block's K and V in every layer (and an int8 cache's scales): the pool is kv_blocks_total of these
     kv_bytes_per_block: int = 0
+    gpu_memory: dict | None = None  # CUDA: the KV pool's sizing (gpu.GpuMemoryPlan: formula and its numbers)
 
     @property
     def block_owners(self) -> dict[int, list[str]]:
@@ -124,6 +127,7 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.hf_config = hf_config
+        self.gpu_memory: GpuMemoryPlan | None = None  # CUDA: how the pool was sized (gpu.py)
         self.requested_config = config
         self.config = self._resolve(config)
         self.kv: KVCacheManager | NoKVCache = NoKVCache(self.config.block_size)
@@ -147,13 +151,25 @@ class LLMEngine:
     def automatic_sizes(self, config: EngineConfig) -> dict[str, int]:
         """What each size left empty (None) comes to, given config's other fields (the settings form says it)."""
         max_len = config.max_model_len or self.model.max_len
+        device = self.model.device
         per_block = self.kv_bytes_per_block(config)
-        num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+        budget_tokens = config.max_num_batched_tokens or config.default_max_num_batched_tokens(max_len, device.type)
+        if (device.type == "cuda" and config.kv_cache_memory_gb is None and config.num_kv_blocks is None
+                and config.kv_cache):
+            self._plan_gpu_memory(config, max_len, budget_tokens)
+        num_blocks = max(1, kv_budget_bytes(config, device, self.gpu_memory) // per_block)
         # never more than every seat filled to max_model_len: beyond that the memory would sit idle
         num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
         return {"max_model_len": self.model.max_len,
-                "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len, self.model.device.type),
-                "num_kv_blocks": num_blocks}
+                "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len, device.type),
+                "num_kv_blocks": num_blocks, "attention_backend": resolve_attention_backend(config, device)}
+
+    def _plan_gpu_memory(self, config: EngineConfig, max_len: int, budget_tokens: int) -> None:
+        """Profile once per (utilization, step size); a settings change that keeps both reuses the plan."""
+        plan = self.gpu_memory
+        if plan is None or (plan.utilization, plan.profile_tokens) != (config.gpu_memory_utilization, budget_tokens):
+            pool = self.runner.kv_cache_bytes if hasattr(self, "runner") else 0
+            self.gpu_memory = profile_gpu_memory(self.model, config, max_len, budget_tokens, pool)
 
     def _resolve(self, config: EngineConfig) -> EngineConfig:
         """Fill the sizes left as None from the model and the memory budget, and check they fit together and
@@ -164,7 +180,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_len} exceeds the loaded model's limit ({self.model.max_len})")
         budget = config.max_num_batched_tokens or auto["max_num_batched_tokens"]
         num_blocks = config.num_kv_blocks or auto["num_kv_blocks"]
-        resolved = config.replace(max_model_len=max_len, max_num_batched_tokens=budget, num_kv_blocks=num_blocks)
+        resolved = config.replace(max_model_len=max_len, max_num_batched_tokens=budget, num_kv_blocks=num_blocks,
+                                  attention_backend=auto["attention_backend"])
+        if resolved.cuda_graphs:
+            check_cuda_graphs(self.model.device, resolved.attention_backend, resolved.kv_cache)
         if resolved.kv_cache and not resolved.paged_kv and cdiv(max_len, config.block_size) > num_blocks:
             raise ValueError(
                 f"contiguous KV reserves max_model_len={max_len} tokens "
@@ -179,8 +198,10 @@ class LLMEngine:
         rebuild = current is None or any(getattr(current, f) != getattr(resolved, f) for f in STRUCTURAL_FIELDS)
         if not (resolved.kv_cache and rebuild):
             return
+        blocks = f"{resolved.num_kv_blocks} blocks"
         what = (f"num_kv_blocks={requested.num_kv_blocks}" if requested.num_kv_blocks is not None else
-                f"kv_cache_memory_gb={requested.kv_cache_memory_gb} ({resolved.num_kv_blocks} blocks)")
+                f"kv_cache_memory_gb={requested.kv_cache_memory_gb} ({blocks})"
+                if requested.kv_cache_memory_gb is not None else f"the automatic pool ({blocks})")
         check_kv_pool_fits(what, resolved.num_kv_blocks, self.kv_bytes_per_block(resolved), self.model.device)
 
     def kv_bytes_per_block(self, config: EngineConfig) -> int:
@@ -192,7 +213,12 @@ class LLMEngine:
             kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.max_model_len, c.paged_kv, c.prefix_caching_active)
         else:
             kv = NoKVCache(c.block_size)
-        return kv, ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache, c.kv_cache_dtype)
+        runner = ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache, c.kv_cache_dtype,
+                             c.attention_backend, scratch_block=c.cuda_graphs)
+        if c.cuda_graphs:
+            runner.graphs = DecodeGraphs(self.model, runner.kv_layers, c.block_size, runner.scratch_block,
+                                         c.max_num_seqs, c.max_model_len)
+        return kv, runner
 
     def _use_kv(self, kv: KVCacheManager | NoKVCache, runner: ModelRunner) -> None:
         kv.adopt_counters(self.kv)
@@ -481,6 +507,7 @@ class LLMEngine:
             steps=list(itertools.islice(reversed(self.steps), num_steps))[::-1],
             last_reconfig=self.last_reconfig, speculation=self._speculation(),
             kv_bytes_per_block=self.kv_bytes_per_block(self.config),
+            gpu_memory=None if self.gpu_memory is None else self.gpu_memory.to_dict(),
         )
 
     def _speculation(self) -> dict:

@@ -5,6 +5,7 @@ import torch
 
 from .config import EngineConfig
 from .engine import LLMEngine
+from .gpu import resolve_dtype
 from .models import LlamaFamilyModel, load_model
 from .models.linear import WeightFormat
 from .models.loader import load_weights
@@ -30,8 +31,9 @@ def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 class LLM:
     def __init__(self, model: str | None = None, **config_fields) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **config_fields)
-        device = resolve_device(self.config.device)
+        config = EngineConfig.from_kwargs(model=model, **config_fields)
+        device = resolve_device(config.device)
+        self.config = config.replace(dtype=resolve_dtype(config.dtype, device))
         net, tokenizer, hf_config, folder = load_model(model, DTYPES[self.config.dtype], device,
                                                        self.config.max_model_len, WeightFormat.of(self.config))
         self.model_path = folder
@@ -43,6 +45,7 @@ class LLM:
         """The model with config's dtype and quantization (WEIGHT_FIELDS), over the same checkpoint, device and
         RoPE length: the loaded one when they agree, else loaded once from the same folder and kept (one variant
         at a time, so comparing two precisions holds two models, not one per configuration tried)."""
+        config = config.replace(dtype=resolve_dtype(config.dtype, self.engine.model.device))
         key = (config.dtype, WeightFormat.of(config))
         if key == (self.config.dtype, self.engine.model.weight_format):
             return self.engine.model
@@ -54,7 +57,8 @@ class LLM:
     def load_weights(self, config: EngineConfig) -> LlamaFamilyModel:
         """A fresh copy of the model with config's dtype and quantization (not kept: see weights_for)."""
         loaded = self.engine.model
-        return load_weights(self.model_path, self.engine.hf_config, DTYPES[config.dtype], loaded.device,
+        dtype = DTYPES[resolve_dtype(config.dtype, loaded.device)]
+        return load_weights(self.model_path, self.engine.hf_config, dtype, loaded.device,
                             loaded.max_len, WeightFormat.of(config))
 
     def generate(self, prompts: str | list[str] | list[list[int]],

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata, LayerKV, PrefillSeq
+from .attention import AttentionMetadata, LayerKV, PagedMetadata, PrefillSeq
+from .attention.paged import build_paged_metadata, host_to_device
 from .models import LlamaFamilyModel
 from .quant import SCALE_DTYPE
 from .scheduler import Phase, ScheduledRequest
@@ -22,22 +23,27 @@ class Batch:
     scheduled: list[ScheduledRequest]  # in row order: decodes first, then prefills and verifies
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata | PagedMetadata
     logits_rows: torch.Tensor  # rows whose logits are sampled, request by request in `scheduled` order
 
 
 class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, block_size: int, num_kv_blocks: int, use_kv_cache: bool,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", attention_backend: str = "sdpa", scratch_block: bool = False) -> None:
+        """scratch_block: one block after the pool where CUDA graphs' padded rows write (cuda_graphs.py)."""
         self.model = model
         self.block_size = block_size
         self.device = model.device
         self.kv_int8 = kv_cache_dtype == "int8"
+        self.attention_backend = attention_backend
+        self._to_device = host_to_device(self.device)
+        self.scratch_block = num_kv_blocks if scratch_block else None
+        self.graphs = None  # DecodeGraphs, set by the engine when cuda_graphs=True
         s = model.shape
         self.kv_cache = self.kv_scales = None
         self.kv_layers: list[LayerKV] | None = None
         if use_kv_cache:
-            slots = num_kv_blocks * block_size
+            slots = (num_kv_blocks + scratch_block) * block_size
             self.kv_cache = torch.zeros(s.num_layers, 2, slots, s.num_kv_heads, s.head_dim,
                                         dtype=model.kv_dtype(kv_cache_dtype), device=model.device)
             if self.kv_int8:
@@ -65,7 +71,9 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
+        paged = self.attention_backend == "triton"
         meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), kv_int8=self.kv_int8)
+        paged_prefills: list[tuple[list[int], int, int, int]] = []
         for s in ordered:
             req, start, n = s.request, s.start, s.num_tokens
             row = len(input_ids)
@@ -73,7 +81,9 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             if use_cache:
                 slots.extend(self._slots(req.block_table, start, start + n))
-            if s.phase is not Phase.DECODE:
+            if s.phase is not Phase.DECODE and paged:
+                paged_prefills.append((req.block_table, row, n, start + n))
+            elif s.phase is not Phase.DECODE:
                 seq = PrefillSeq(row, n)
                 if start > 0:  # earlier tokens come from the cache: attend to all of them
                     seq.context_slots = torch.tensor(self._slots(req.block_table, 0, start + n), device=self.device)
@@ -83,9 +93,14 @@ class ModelRunner:
             # rows for prompt logprobs (the position before each), then the rows to sample from
             logits_rows.extend(row + p - 1 - start for p in s.prompt_logprob_positions)
             logits_rows.extend(range(row + n - s.num_logits, row + n))
-        dev = self.device
+        dev, to_device = self.device, self._to_device
+        if paged:
+            meta = build_paged_metadata([(s.request.block_table, s.end) for s in decodes], paged_prefills, slots,
+                                        self.block_size, to_device)
+            return Batch(ordered, to_device(input_ids, torch.long), to_device(positions, torch.long), meta,
+                         to_device(logits_rows, torch.long))
         if use_cache:
-            meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+            meta.slot_mapping = to_device(slots, torch.long)
         if decodes:
             bs = self.block_size
             ctx = torch.tensor([s.end for s in decodes], device=dev)
@@ -97,9 +112,8 @@ class ModelRunner:
             meta.decode_slots = tables[:, pos // bs] * bs + pos % bs
             allowed = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
             meta.decode_mask = self._additive(allowed)
-        return Batch(ordered, torch.tensor(input_ids, dtype=torch.long, device=dev),
-                     torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                     torch.tensor(logits_rows, dtype=torch.long, device=dev))
+        return Batch(ordered, to_device(input_ids, torch.long), to_device(positions, torch.long), meta,
+                     to_device(logits_rows, torch.long))
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A float mask (0 / -inf) built once per step; a bool mask would be converted again in every layer."""
@@ -107,4 +121,6 @@ class ModelRunner:
         return mask.masked_fill_(~allowed, float("-inf"))
 
     def execute(self, batch: Batch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(batch.meta):
+            return self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_layers, batch.logits_rows)

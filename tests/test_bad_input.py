@@ -188,15 +188,6 @@ def test_batched_token_budget_smaller_than_max_model_len():
         EngineConfig.from_kwargs(max_num_batched_tokens=64, max_model_len=128, kv_cache=False)
 
 
-@pytest.mark.parametrize("switch,value", [("cuda_graphs", True)])
-def test_not_yet_built_switches_are_refused(tiny_models, switch, value):
-    folder, _ = tiny_models["llama"]
-    with pytest.raises(ValueError, match=f"{switch}=.*not built yet"):
-        LLM(folder, **{switch: value})
-    with pytest.raises(ValueError, match=f"{switch}=.*not built yet"):
-        EngineConfig.from_kwargs(**{switch: value})
-
-
 # ---- models -------------------------------------------------------------------------------------------
 
 def test_model_path_that_does_not_exist(tmp_path, monkeypatch):
@@ -241,7 +232,7 @@ def test_max_model_len_beyond_the_models_context(tiny_models):
 @pytest.mark.parametrize("kwargs,match", [
     ({"not_a_field": 1}, "unknown config field.*not_a_field"),
     ({"block_size": 12}, "block_size must be a power of two"),
-    ({"cuda_graphs": True}, "cuda_graphs=True is declared but not built yet"),
+    ({"cuda_graphs": True}, "cuda_graphs=True captures CUDA graphs: it needs a CUDA GPU"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min \\(5\\) must be <= prompt_lookup_max"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"model": "/no/such/model/dir"}, "model path does not exist"),
@@ -291,7 +282,8 @@ BAD_UPDATES = [
     ({"block_size": 3}, "block_size must be a power of two"),
     ({"not_a_field": 1}, "unknown config field"),
     ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
-    ({"cuda_graphs": True}, "cuda_graphs=True is declared but not built yet"),
+    ({"attention_backend": "flash"}, "attention_backend must be one of"),
+    ({"cuda_graphs": True}, "cuda_graphs=True captures CUDA graphs: it needs a CUDA GPU"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min \\(5\\) must be <= prompt_lookup_max"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"chunked_prefill": False, "max_num_batched_tokens": 16}, "chunked prefill is off"),

@@ -12,6 +12,7 @@
     python -m engine.bench quality --set quantization=int8      # top-1 agreement and perplexity vs fp32
     python -m engine.bench serve --url http://127.0.0.1:7860 --concurrency 8 --requests 32   # any OpenAI server
     python -m engine.bench serve-overhead --rounds 3            # the HTTP path vs LLM.generate, side by side
+    python -m engine.bench gpu-check --out DIR                  # the GPU engine, checked on one GPU
 
 A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such as "prefix_caching=false".
 """
@@ -241,6 +242,10 @@ def _tokenizer(name: str | None):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu-check"]:  # its own options and report (gpu_check.py)
+        from .gpu_check import main as gpu_check_main
+        return gpu_check_main(argv[1:])
     args = parse_args(argv)
     if args.command in ("serve", "serve-overhead"):
         return run_serve_command(args)

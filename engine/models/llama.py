@@ -66,7 +66,8 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unsupported rope_type {rope_type!r}")
-        return ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.from_pretrained(hf_config.name_or_path), torch.device("cpu"))
+        config = hf_config if hasattr(hf_config, "to_dict") else AutoConfig.from_pretrained(hf_config.name_or_path)
+        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0

