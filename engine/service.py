@@ -227,6 +227,8 @@ class EngineService:
         rid = self.engine.add_request(prompt, params)
         q = sink if sink is not None else queue.Queue()
         self._streams[rid] = q
+        if self.paused:  # no step will refresh the snapshot: the queue chart and /metrics show the request now
+            self._snapshot = self.engine.snapshot()
         return rid, q
 
     def _update_config(self, changes: dict) -> dict | None:

@@ -206,6 +206,16 @@ def test_follow_latest_skips_to_the_newest_output_a_slow_consumer_has_missed(ser
     assert rest[-1].token_ids == everything[-1].token_ids and len(everything) == 12
 
 
+def test_a_request_submitted_while_paused_shows_as_waiting_at_once(service):
+    """Paused (step mode, a measurement), no step refreshes the snapshot: the queue chart and the API's
+    vllm:num_requests_waiting still see the request."""
+    service.pause()
+    rid, q = service.submit(random_prompts(1, seed=50)[0], GREEDY)
+    assert service.snapshot().num_waiting == 1 and rid in service.snapshot().requests
+    service.resume()
+    assert list(service.follow(rid, q))[-1].finished
+
+
 def test_waiting_bound_refuses_with_busy_and_the_engine_keeps_serving(tiny_models):
     from engine.service import ServiceBusy
     svc = EngineService(LLM(tiny_models["llama"][0], max_model_len=256).engine, max_waiting_requests=2)
