@@ -343,7 +343,7 @@ def main() -> None:
                         help="any EngineConfig field, e.g. --set max_num_seqs=8 (repeatable, or comma-separated)")
     parser.add_argument("--attach", default=None, metavar="URL",
                         help="watch another server (OpenAI API + vLLM's /metrics, e.g. vllm serve) instead of this "
-                             "engine: the dashboard's charts and the chat (NOTES-remote.md)")
+                             "engine: the dashboard's charts and the chat (README: Watch a vLLM deployment)")
     args = parser.parse_args()
     try:
         fields = {**(load_feature_preset(args.preset) if args.preset else {}), **parse_assignments(args.settings)}
