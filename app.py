@@ -34,8 +34,9 @@ from server import OpenAIApi, served_model_name
 from viz.figures import ablation_figure, compare_figure, placeholder_figure, to_json
 
 INTRO = """# Watch an LLM inference engine work
-A real engine (paged KV cache, continuous batching, prefix caching, chunked prefill, speculative decoding) runs
-**SmolLM2-135M** on this machine. Chat with it, put it under load, switch features off, and watch what changes."""
+A real engine (paged KV cache, continuous batching, prefix caching, chunked prefill, speculative decoding,
+int8 / int4 quantization) runs **SmolLM2-135M** on this machine. Chat with it, put it under load, switch
+features off, and watch what changes."""
 
 HELP = {
     "blocks": "Every square is one KV block (a fixed number of tokens' keys and values). Colour = the request "

@@ -17,7 +17,7 @@ import torch
 from .blocks import KVCacheManager, NoKVCache
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
 from .cuda_graphs import DecodeGraphs, check_cuda_graphs
-from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory, resolve_attention_backend
+from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory, resolve_attention_backend, resolve_dtype
 from .memory import check_kv_pool_fits
 from .models.linear import WeightFormat
 from .request import Request, RequestOutput, RequestStatus
@@ -123,6 +123,7 @@ class EngineSnapshot:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer, hf_config=None) -> None:
+        config = config.replace(dtype=resolve_dtype(config.dtype, model.device))  # "auto": the device decides
         _check_weights(config, model)
         self.model = model
         self.tokenizer = tokenizer

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import gradio as gr
 from gradio.components.plot import PlotData
 
-from engine.bench import Cancelled
+from engine.bench import FEATURES, Cancelled
 
 from .features import CONCURRENCY_LEVELS, DEFAULT_WORKLOADS, EXPERIMENTS, NAMES, FeatureExperiments
 from .handlers import Playground, workloads
@@ -20,8 +20,8 @@ batch is full); and memory decides how many requests fit at once. The live engin
 (every tab says so, with time left); Cancel stops it."""
 SECTIONS = {
     "cumulative": ("1. The engine, feature by feature",
-                   "Everything off (the naive loop), then each feature added back in the course's order: KV cache, "
-                   "paged KV, continuous batching, prefix caching, chunked prefill, speculative decoding."),
+                   "Everything off (the naive loop), then each feature added back in the course's order: "
+                   + ", ".join(f.name for f in FEATURES) + "."),
     "concurrency": ("2. What each feature is worth under load",
                     "The full engine, then each feature off in turn, at 1, 8 and 32 requests at a time. A bar is "
                     "the full engine's tokens/s over the engine's without that feature: above 1x it helps."),

@@ -244,8 +244,22 @@ def test_the_engine_feature_by_feature_tab(served, page, shots):
         assert cell in page.evaluate(TABLE_CELLS)
     assert not pg.service.paused and pg.measurement is None
     visit(page, tab, shots, min_charts=3, name="features")
-    assert page.evaluate(VISIBLE_TRACES) == [1, 3, 6]  # cumulative bars; 3 concurrencies; 2 layouts x 3 panels
+    # cumulative bars; 3 concurrencies; 2 layouts x 2 KV dtypes (fp32, int8) x 3 panels
+    assert page.evaluate(VISIBLE_TRACES) == [1, 3, 12]
     assert page.get_by_text("measured on this machine").count() == 3
     page.get_by_label("1", exact=True).check()
     page.wait_for_function(f"() => ({VISIBLE_TRACES})()[1] === 1", timeout=30_000)
     visit(page, tab, shots, min_charts=3, name="features-concurrency-1")
+
+
+def test_attaching_to_an_address_where_nothing_answers_is_refused_in_the_page(served, page, shots):
+    """The reason is shown, and the page keeps watching the local engine."""
+    url, pg = served
+    page.goto(url)
+    page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
+    page.get_by_role("tab", name="Remote server").click()
+    page.locator("#remote-url input, #remote-url textarea").first.fill("http://127.0.0.1:9")
+    page.get_by_role("button", name="Attach").click()
+    page.get_by_text("could not attach to 'http://127.0.0.1:9'").wait_for(timeout=30_000)
+    visit(page, "Remote server", shots)
+    assert pg.remote is None

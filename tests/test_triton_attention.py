@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from engine.attention import PagedMetadata, attention  # noqa: E402
+from engine.attention import LayerKV, PagedMetadata, attention  # noqa: E402
 from engine.attention import sdpa as sdpa_mod  # noqa: E402
 from engine.attention import triton_paged as tp  # noqa: E402
 from engine.attention.paged import build_paged_metadata, host_to_device  # noqa: E402
@@ -59,7 +59,7 @@ def _sdpa_over_cache(q, kc, vc, meta):
     """The SDPA path over K/V already in the cache: its write is made a no-op (slot 0 rewritten with itself)."""
     meta.slot_mapping = torch.zeros(q.shape[0], dtype=torch.long)
     k, v = kc[meta.slot_mapping].clone(), vc[meta.slot_mapping].clone()
-    return sdpa_mod.attention(q, k, v, kc, vc, meta).view_as(q)
+    return sdpa_mod.attention(q, k, v, LayerKV(kc, vc), meta).view_as(q)
 
 
 def _sdpa_decode_meta(tables, lens, bs):
@@ -152,8 +152,8 @@ def test_mixed_step_stores_new_kv_then_attends_like_sdpa():
     ref_meta.slot_mapping = meta.slot_mapping
     ref_meta.decode_slots, ref_meta.decode_mask = _sdpa_decode_meta(tables[:len(decodes)], decodes, block_size)
     kc2, vc2 = kc.clone(), vc.clone()
-    out = attention(q, k, v, kc, vc, meta)
-    ref = attention(q, k, v, kc2, vc2, ref_meta)
+    out = attention(q, k, v, LayerKV(kc, vc), meta)
+    ref = attention(q, k, v, LayerKV(kc2, vc2), ref_meta)
     assert isinstance(meta, PagedMetadata) and out.shape == ref.shape
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
