@@ -75,6 +75,24 @@ def test_prefix_and_throughput_series():
     assert list(tps.y) == [10.0, 20.0] and list(ttft.y) == [None, None, 200.0]
 
 
+def test_memory_figure_splits_the_gpu_as_the_engine_sized_its_pool():
+    """On CUDA the snapshot says how the pool was sized: the chart shows weights, activations, KV pool and free
+    as one stacked bar of the card (NVML's total); without that plan (CPU), no such bar."""
+    gib = 2 ** 30
+    plan = {"used_before_bytes": 2 * gib, "activation_peak_bytes": gib, "kv_budget_bytes": 4 * gib}
+    snap = snapshot(kv_blocks_total=1024, kv_bytes_per_block=4 * gib // 1024, gpu_memory=plan)
+    system = {"gpu_used_gb": 7.5, "gpu_total_gb": 10.0, "gpu_util": 40}
+    assert figures.gpu_memory_split(snap, system) == [("weights + context", 2.0), ("activations (peak)", 1.0),
+                                                      ("KV pool", 4.0), ("free", 3.0)]
+    fig = figures.to_figure(figures.memory_figure(snap, system))
+    bars = [t for t in fig.data if list(t.y) == [figures.GPU_SPLIT_ROW]]
+    assert [b.name for b in bars] == ["weights + context", "activations (peak)", "KV pool", "free"]
+    assert [b.x[0] for b in bars] == [20.0, 10.0, 40.0, 30.0] and fig.layout.barmode == "stack"
+    assert figures.gpu_memory_split(snapshot(), {"rss_gb": 1.0, "ram_total_gb": 4.0}) == []
+    cpu = figures.to_figure(figures.memory_figure(snapshot(), {"rss_gb": 1.0, "ram_total_gb": 4.0}))
+    assert len(cpu.data) == 1
+
+
 def test_memory_and_ablation_figures():
     system = {"rss_gb": 1.0, "ram_total_gb": 4.0, "gpu_used_gb": None}
     fig = figures.to_figure(figures.memory_figure(snapshot(), system))

@@ -439,11 +439,35 @@ def memory_figure(snap, system: dict, kv_label: str = "KV pool (blocks)") -> dic
         annotations.append(dict(text=f"GPU utilisation {system['gpu_util']}%", x=100, y=len(names) - 1,
                                 xanchor="right", showarrow=False))
     # labels beside their bars (an empty pool's bar has no inside), in a right margin wide enough for them
-    return figure([{"type": "bar", "x": pct, "y": names, "orientation": "h", "textposition": "outside",
-                    "cliponaxis": False, "text": [f"{_amount(u)} / {_amount(t)}" for u, t in zip(used, total)]}],
-                  height=200, title="Memory", margin=dict(l=50, r=110, t=50, b=40),
-                  xaxis=dict(range=[0, 100], title={"text": "% used"}),
-                  annotations=annotations)
+    data = [{"type": "bar", "x": pct, "y": names, "orientation": "h", "textposition": "outside", "showlegend": False,
+             "cliponaxis": False, "text": [f"{_amount(u)} / {_amount(t)}" for u, t in zip(used, total)]}]
+    split = gpu_memory_split(snap, system)
+    if split:  # one more bar: what holds the card's memory, as the engine sized its pool
+        data += [{"type": "bar", "x": [100 * gb / system["gpu_total_gb"]], "y": [GPU_SPLIT_ROW], "name": part,
+                  "orientation": "h", "marker": {"color": colour}, "text": [f"{part} {_amount(round(gb, 2))} GB"],
+                  "textposition": "inside", "insidetextanchor": "middle", "hoverinfo": "text"}
+                 for (part, gb), colour in zip(split, GPU_SPLIT_COLOURS)]
+    return figure(data, height=240 if split else 200, title="Memory", margin=dict(l=50, r=110, t=50, b=40),
+                  xaxis=dict(range=[0, 100], title={"text": "% used"}), barmode="stack", annotations=annotations,
+                  legend=dict(orientation="h", y=-0.35))
+
+
+GPU_SPLIT_ROW = "GPU: what holds it"
+GPU_SPLIT_COLOURS = ("#6baed6", "#fd8d3c", "#31a354", "#d9d9d9")
+
+
+def gpu_memory_split(snap, system: dict) -> list[tuple[str, float]]:
+    """The card's memory in GB as the engine sized its KV pool (snapshot.gpu_memory, on CUDA) and NVML sees it:
+    weights and everything in use before the pool, the activations' peak, the KV pool, the rest. Empty without
+    both (CPU, a pool given in GB or blocks, no NVML)."""
+    plan, total = getattr(snap, "gpu_memory", None), system.get("gpu_total_gb")
+    if not plan or not total:
+        return []
+    gib = 2 ** 30
+    pool = snap.kv_blocks_total * getattr(snap, "kv_bytes_per_block", 0) / gib
+    parts = [("weights + context", plan["used_before_bytes"] / gib),
+             ("activations (peak)", plan["activation_peak_bytes"] / gib), ("KV pool", pool)]
+    return parts + [("free", max(0.0, total - sum(gb for _, gb in parts)))]
 
 
 def _amount(x: float) -> str:
