@@ -6,15 +6,17 @@
 Starts the app on a free local port, then runs the same chats twice: alone, and while every open session polls
 the page as a browser tab does: the page's clock asks for the status line and dashboard once a second, and a
 chatting tab's live view asks for its own view once a second while its reply streams. Each session is its own
-gradio client (its own session). Prints TTFT, the gaps between streamed tokens as the clients saw them (p95 is
-the workshop's number; tokens that arrive within one display frame count as one update of the text), how long
-polls took, the CPU the app's process and the clients used (100% = one core), and every error a session met.
-A benchmark, not a test.
+tab (its own session hash and event stream, over plain HTTP as the page's script talks to gradio). Prints TTFT,
+the gaps between streamed tokens as the clients saw them (p95 is the workshop's number; tokens that arrive
+within one display frame count as one update of the text), how long polls took, the CPU the app's process and
+the clients used (100% = one core), and every error a session met. A benchmark, not a test.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import queue
 import socket
 import statistics
 import subprocess
@@ -22,7 +24,9 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,23 +122,88 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
-def client(url: str):
-    """A session. ssl_verify=False: the app is served over plain HTTP on this machine, and with verification on,
-    gradio_client's httpx loads the system's CA bundle for every request it makes (two per poll): ~65 ms of CPU
-    per poll on the cores the app runs on, which no browser costs it (measured: 83% of these clients' CPU)."""
-    from gradio_client import Client
-    return Client(url, verbose=False, ssl_verify=False)
+class Session:
+    """One browser tab, talking to gradio as the page's own script does: an event joins the queue (POST
+    queue/join with the tab's session hash, so gr.State is the tab's own) and its updates come back over the
+    session's one event stream (GET queue/data, server-sent events), which a reader thread routes to the event
+    by its id and reopens while events are pending. Plain HTTP rather than gradio_client: its jobs are read in a
+    1 ms sleep loop each, and with 8 chats and 30 polling sessions in one process that loop, not the server,
+    decided when the tokens were seen (the same 8 chats read over plain SSE: no gap above 0.44 s)."""
+
+    def __init__(self, url: str, fn_ids: dict[str, int]) -> None:
+        import httpx
+        self.api = url + "gradio_api/"
+        self.fn_ids = fn_ids
+        self.hash = uuid.uuid4().hex[:11]
+        self.http = httpx.Client(timeout=httpx.Timeout(120.0, read=None))
+        self._lock = threading.Lock()
+        self._events: dict[str, queue.Queue] = {}
+        self._reader: threading.Thread | None = None
+
+    def stream(self, api_name: str, data: list) -> Iterator[list]:
+        """The event's outputs as they come (a generator's diffs applied): one list of output values each."""
+        from gradio_client.utils import apply_diff
+        with self._lock:  # the reader cannot route this event's first messages before it is registered
+            r = self.http.post(self.api + "queue/join", json={
+                "data": data, "fn_index": self.fn_ids[api_name.strip("/")], "session_hash": self.hash,
+                "event_data": None, "trigger_id": None})
+            r.raise_for_status()
+            messages = self._events[r.json()["event_id"]] = queue.Queue()
+            if self._reader is None:
+                self._reader = threading.Thread(target=self._read, daemon=True)
+                self._reader.start()
+        outputs = None
+        while True:
+            m = messages.get(timeout=300)
+            if m.get("msg") == "process_generating":
+                data = m["output"]["data"]
+                outputs = list(data) if outputs is None else [apply_diff(o, d) for o, d in zip(outputs, data)]
+                yield outputs
+            elif m.get("msg") == "process_completed":
+                if not m.get("success", False):
+                    raise RuntimeError(f"{api_name} failed: {m.get('output') or m.get('title')}")
+                if outputs is None:  # not a generator: the outputs come whole, once
+                    yield m["output"]["data"]
+                return
+
+    def predict(self, api_name: str, data: list | None = None) -> list:
+        last: list = []
+        for outputs in self.stream(api_name, data or []):
+            last = outputs
+        return last
+
+    def _read(self) -> None:
+        while True:
+            with self._lock:
+                if not self._events:
+                    self._reader = None
+                    return
+            try:
+                with self.http.stream("GET", self.api + "queue/data", params={"session_hash": self.hash}) as s:
+                    for line in s.iter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        m = json.loads(line[5:])
+                        with self._lock:
+                            target = self._events.get(m.get("event_id"))
+                            if m.get("msg") == "process_completed":
+                                self._events.pop(m.get("event_id"), None)
+                        if target is not None:
+                            target.put(m)
+            except Exception as exc:  # the stream broke: every pending event ends with the reason
+                with self._lock:
+                    pending, self._events = list(self._events.values()), {}
+                for q in pending:
+                    q.put({"msg": "process_completed", "success": False, "output": f"{type(exc).__name__}: {exc}"})
 
 
-def chat_once(session, prompt: str, max_tokens: int, tally: Tally | None = None,
+def chat_once(session: Session, prompt: str, max_tokens: int, tally: Tally | None = None,
               view_stop: threading.Event | None = None) -> ChatTiming:
-    """One chat through the /chat endpoint. With `view_stop`, the session's live view is polled meanwhile."""
+    """One chat through the /chat endpoint, as a tab sends it (its session state is the server's)."""
     timing = ChatTiming()
     start = time.perf_counter()
-    job = session.submit(prompt, [], 0.0, max_tokens, api_name="/chat")
-    for history, _stats in job:
+    for history, _stats in session.stream("/chat", [prompt, [], 0.0, max_tokens, None]):
         timing.saw(time.perf_counter() - start, _reply(history))
-    job.result()  # raises what the server raised
     reply = timing.reply
     if tally is not None and (not reply or reply.startswith("⚠️") or "[engine error" in reply):
         tally.error("chat", f"the reply was {reply[:80]!r}")
@@ -149,7 +218,7 @@ def _reply(history: list[dict]) -> str:
 
 
 def _text(content) -> str:
-    """An assistant message's content comes back as [{"type": "text", "text": ...}] from gradio_client."""
+    """An assistant message's content comes back as [{"type": "text", "text": ...}]."""
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return "" if content is None else str(content)
@@ -159,7 +228,7 @@ def poll(session, api_name: str, kind: str, stop: threading.Event, tally: Tally)
     while not stop.is_set():
         t = time.perf_counter()
         try:
-            session.predict(api_name=api_name)
+            session.predict(api_name, [None] if api_name == "/chat_view" else [])
             tally.polled(kind, time.perf_counter() - t)
         except Exception as exc:  # a session that errors keeps going, and the error is counted
             tally.error(api_name, f"{type(exc).__name__}: {exc}")
@@ -251,18 +320,12 @@ def launch(model: str | None, timeout_s: float = 180.0) -> tuple[subprocess.Pope
     raise RuntimeError(f"app.py did not serve {url} within {timeout_s:.0f} s")
 
 
-def open_sessions(url: str, n: int) -> list:
-    """n gradio clients, each its own session (as n browser tabs), opened in parallel."""
-    sessions: list = [None] * n
-
-    def open_one(i: int) -> None:
-        sessions[i] = client(url)
-    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sessions
+def open_sessions(url: str, n: int) -> list[Session]:
+    """n sessions, each its own tab."""
+    with urllib.request.urlopen(url + "config", timeout=30) as r:
+        config = json.load(r)
+    fn_ids = {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")}
+    return [Session(url, fn_ids) for _ in range(n)]
 
 
 def loadtest(num_sessions: int = 12, num_chats: int = 4, max_tokens: int = 64,

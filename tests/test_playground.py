@@ -453,13 +453,16 @@ def test_step_mode_explains_chunks_and_drafts(tiny_models, monkeypatch):
 def test_loadtest_sessions_poll_chat_and_count_errors(server):
     """The workshop load in small: open sessions polling the page, some chatting; errors are counted, not lost."""
     from playground import loadtest
-    url, _ = server
+    url, pg = server
     sessions = loadtest.open_sessions(url, 3)
     result = loadtest.run_phase(sessions, "smoke", 2, True, 16)
     row = result.row()
     assert row["chats"] == 2 and row["sessions"] == 3 and row["errors"] == 0, result.tally.errors
     assert row["dashboard polls/s"] > 0 and row["view polls/s"] > 0 and row["p95 gap (s)"] is not None
     assert all(c.ttft_s is not None and c.updates >= 2 for c in result.chats)
+    # the streamed diffs, put back together over a session's one event stream (shared with its live view's
+    # polls), give the text the engine finished with
+    assert all(c.reply.strip() in {r.strip() for r in pg.replies} for c in result.chats)  # (the chatbot strips)
     tally, stop = loadtest.Tally(), threading.Event()
     threading.Timer(0.5, stop.set).start()
     loadtest.poll(sessions[0], "/no_such_endpoint", "dashboard_polls", stop, tally)
