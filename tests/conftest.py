@@ -70,18 +70,18 @@ def hf_default(default_llm):
 
 
 @contextlib.contextmanager
-def serve_app(llm, store=None):
-    """The playground app launched on a free local port; yields (url, Playground). `store`: where its ablation
-    results go (a test passes a temporary file so the user's own results stay untouched)."""
+def serve_app(llm, store=None, model_name: str = "test-model"):
+    """The playground app (page, OpenAI API and metrics on one port) launched on a free local port as main()
+    launches it; yields (url, Playground). `store`: where its ablation results go (a test passes a temporary file
+    so the user's own results stay untouched). `model_name`: the name the API answers to."""
     pytest.importorskip("gradio")
     import app
     from playground import Playground
     from playground.loadtest import free_port
     pg = Playground(llm, store=store)
-    demo = app.build_app(pg)
     port = free_port()
-    demo.queue(default_concurrency_limit=8).launch(server_name="127.0.0.1", server_port=port,
-                                                   prevent_thread_lock=True, quiet=True)
+    demo = app.launch(pg, model_name, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
+                      quiet=True)
     try:
         yield f"http://127.0.0.1:{port}/", pg
     finally:

@@ -15,6 +15,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.llm import chat_token_ids
+from tests.conftest import serve_app
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -29,19 +30,9 @@ PROMPT = "The engine batches requests because"
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     """(base url, Playground): the page, the API and the metrics on one local port, as main() launches them."""
-    pytest.importorskip("gradio")
-    import app
-    from playground import Playground
-    from playground.loadtest import free_port
-    pg = Playground(LLM(tiny_models["llama"][0], max_model_len=MAX_MODEL_LEN),
-                    store=tmp_path_factory.mktemp("api") / "ablation.json")
-    port = free_port()
-    demo = app.launch(pg, MODEL, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
-        yield f"http://127.0.0.1:{port}", pg
-    finally:
-        demo.close()
-        pg.service.shutdown()
+    with serve_app(LLM(tiny_models["llama"][0], max_model_len=MAX_MODEL_LEN),
+                   tmp_path_factory.mktemp("api") / "ablation.json", MODEL) as (url, pg):
+        yield url.rstrip("/"), pg
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.llm import chat_token_ids
+from tests.conftest import serve_app
 
 httpx = pytest.importorskip("httpx")
 parser = pytest.importorskip("prometheus_client.parser")
@@ -28,18 +29,9 @@ MAX_MODEL_LEN = 256
 @pytest.fixture(scope="module")
 def watched(tiny_models, tmp_path_factory):
     """(url, Playground) of the app being watched, launched as main() launches it."""
-    import app
-    from playground import Playground
-    from playground.loadtest import free_port
-    pg = Playground(LLM(tiny_models["llama"][0], max_model_len=MAX_MODEL_LEN, max_num_seqs=8),
-                    store=tmp_path_factory.mktemp("watched") / "ablation.json")
-    port = free_port()
-    demo = app.launch(pg, MODEL, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
-        yield f"http://127.0.0.1:{port}", pg
-    finally:
-        demo.close()
-        pg.service.shutdown()
+    with serve_app(LLM(tiny_models["llama"][0], max_model_len=MAX_MODEL_LEN, max_num_seqs=8),
+                   tmp_path_factory.mktemp("watched") / "ablation.json", MODEL) as (url, pg):
+        yield url.rstrip("/"), pg
 
 
 @pytest.fixture()
