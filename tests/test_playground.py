@@ -458,7 +458,8 @@ def test_loadtest_sessions_poll_chat_and_count_errors(server):
     result = loadtest.run_phase(sessions, "smoke", 2, True, 16)
     row = result.row()
     assert row["chats"] == 2 and row["sessions"] == 3 and row["errors"] == 0, result.tally.errors
-    assert row["dashboard polls/s"] > 0 and row["view polls/s"] > 0 and row["p95 gap (s)"] is not None
+    # (no gap may reach a display frame: the tiny model's 16 tokens can all land within 1/60 s of each other)
+    assert row["dashboard polls/s"] > 0 and row["view polls/s"] > 0 and row["updates"] >= 4
     assert all(c.ttft_s is not None and c.updates >= 2 for c in result.chats)
     # the streamed diffs, put back together over a session's one event stream (shared with its live view's
     # polls), give the text the engine finished with
