@@ -387,9 +387,9 @@ class LLMEngine:
             row += len(positions) + s.num_logits
         single = [i for i, s in enumerate(batch.scheduled) if s.num_logits == 1]
         params = [batch.scheduled[i].request.params for i in single]
-        processed = processed_logits(logits[[rows[i] for i in single]], params)
-        sampled = draw(processed, params, [batch.scheduled[i].request.generator for i in single])
-        logprobs = token_logprobs(processed, sampled, [p.logprobs for p in params])
+        raw = logits[[rows[i] for i in single]]
+        sampled = draw(processed_logits(raw, params), params, [batch.scheduled[i].request.generator for i in single])
+        logprobs = token_logprobs(raw, sampled, [p.logprobs for p in params])
         out: list[list[tuple[int, TokenLogprobs | None]]] = [[] for _ in batch.scheduled]
         for i, token, lp in zip(single, sampled, logprobs, strict=True):
             out[i] = [(token, lp)]
@@ -398,9 +398,8 @@ class LLMEngine:
                 p, rows_i = s.request.params, logits[rows[i]:rows[i] + s.num_logits]
                 tokens = verify(rows_i, s.draft_token_ids, p, s.request.generator)
                 lps = [None] * len(tokens)
-                if p.logprobs is not None:  # row j predicted the token at j: its distribution is the one drawn from
-                    lps = token_logprobs(processed_logits(rows_i[:len(tokens)], [p] * len(tokens)), tokens,
-                                         [p.logprobs] * len(tokens))
+                if p.logprobs is not None:  # row j predicted the token at j
+                    lps = token_logprobs(rows_i[:len(tokens)], tokens, [p.logprobs] * len(tokens))
                 out[i] = list(zip(tokens, lps))
         return out
 
@@ -410,8 +409,7 @@ class LLMEngine:
         or any filter), each row being the position before."""
         req, k = s.request, s.request.params.prompt_logprobs
         given = req.token_ids[positions.start:positions.stop]
-        lps = token_logprobs(logits.float(), given, [k] * len(given))
-        req.prompt_logprobs.extend(lp.as_dict() for lp in lps)
+        req.prompt_logprobs.extend(token_logprobs(logits, given, [k] * len(given)))
 
     def _retire(self, scheduled: list[ScheduledRequest], new_tokens: list[list[tuple[int, TokenLogprobs | None]]],
                 rec: StepRecord) -> list[RequestOutput]:

@@ -23,16 +23,17 @@ class InvalidSamplingParam(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One generated token's log probability, and the most likely tokens at its position (most likely first)."""
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
+class TokenLogprobs(dict):
+    """One position's log probabilities in vLLM's form, a dict {token_id: logprob} holding the chosen (or given)
+    token and the most likely ones; also .token_id, .logprob and .top (the most likely, most likely first), which
+    an OpenAI response lists in order. From the model's own logits, before temperature or any filter."""
+
+    def __init__(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> None:
+        super().__init__(((token_id, logprob), *top))
+        self.token_id, self.logprob, self.top = token_id, logprob, top
 
     def as_dict(self) -> dict[int, float]:
-        """vLLM's form: {token_id: logprob} for the token and the most likely ones (the token first)."""
-        return {self.token_id: self.logprob, **dict(self.top)}
+        return dict(self)
 
 
 @dataclass
@@ -46,7 +47,10 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: no logprobs; N: the chosen token's and the N most likely tokens'
+    # None: no logprobs; N: the chosen token's and the N most likely tokens' log probabilities, from the model's
+    # own logits before temperature or any filter (vLLM's raw logprobs): a sampled token a filter allowed keeps
+    # the probability the model gave it
+    logprobs: int | None = None
     # None: none; N: at each prompt position after the first, the given token's and the N most likely tokens'
     # log probabilities, from the model's own logits (vLLM's meaning). A request asking for them is not served
     # from the prefix cache: every prompt position must be computed to have its logits.
@@ -166,14 +170,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return draw(processed_logits(logits, params), params, generators)
 
 
-def token_logprobs(processed: torch.Tensor, tokens: list[int], num_top: list[int | None]) -> list[TokenLogprobs | None]:
-    """Per row: the log probability of its token under the row's (processed) distribution and the num_top most
-    likely tokens; None where num_top is None. Tokens a filter removed have logprob -inf."""
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | None]) -> list[TokenLogprobs | None]:
+    """Per row of the model's logits: the log probability of its token and the num_top most likely tokens; None
+    where num_top is None."""
     out: list[TokenLogprobs | None] = [None] * len(tokens)
     rows = [i for i, n in enumerate(num_top) if n is not None]
     if not rows:
         return out
-    logprobs = processed[rows].log_softmax(dim=1)
+    logprobs = logits[rows].float().log_softmax(dim=1)
     chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logprobs.device)).flatten().tolist()
     k = max(num_top[i] for i in rows)
     top_values, top_ids = logprobs.topk(k, dim=1) if k else (logprobs[:, :0], logprobs[:, :0].long())

@@ -24,7 +24,7 @@ UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalt
                "suffix": None, "best_of": 1, "prompt_logprobs": None, "min_tokens": 0}
 # as SamplingParams names them; ignore_eos is vLLM's extra field (fixed-length benchmarks: `vllm bench serve`)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
-MIN_LOGPROB = -9999.0  # JSON has no -inf: a token a filter removed reports this, as vLLM's server does
+MIN_LOGPROB = -9999.0  # JSON has no -inf: a logprob of -inf (a logit at -inf) reports this, as vLLM's server does
 
 
 @dataclass

@@ -312,22 +312,25 @@ def test_greedy_logprobs_equal_transformers_log_softmax(tiny_models, llm):
     assert out.logprobs[0].logprob != pytest.approx(out.logprobs[1].logprob, abs=1e-6)  # not one number repeated
 
 
-def test_sampled_logprobs_are_those_of_the_filtered_tempered_distribution(tiny_models, llm):
-    """temperature 0.8 and top_k 3: the reported distribution is log_softmax(logits / 0.8) over the three kept
-    tokens; the other two of the top 5 asked for were filtered out (-inf)."""
+def test_sampled_logprobs_are_the_models_own_before_temperature_and_filters(tiny_models, llm):
+    """temperature 0.8 and top_k 3: the token is drawn from the three kept tokens, but its reported log
+    probability, and the top 5's, are log_softmax of the model's own logits (vLLM's raw logprobs), in vLLM's
+    form: a dict {token_id: logprob} holding the chosen token and the top ones."""
     _, hf_model = tiny_models["llama"]
     params = SamplingParams(temperature=0.8, top_k=3, max_tokens=6, seed=7, ignore_eos=True, logprobs=5)
     out = llm.generate([PROMPT], params)[0]
-    logits = hf_logits_after(hf_model, PROMPT, out.token_ids) / 0.8
+    logits = hf_logits_after(hf_model, PROMPT, out.token_ids)
     kept = logits.topk(3, dim=1).indices
-    masked = torch.full_like(logits, float("-inf")).scatter(1, kept, logits.gather(1, kept))
-    expected = masked.log_softmax(dim=1)
+    expected = logits.log_softmax(dim=1)
+    values, ids = expected.topk(5, dim=1)
     for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert token in kept[i].tolist()
-        assert lp.logprob == pytest.approx(expected[i, token].item(), abs=1e-4)
-        assert [t for t, _ in lp.top[:3]] == kept[i].tolist()
-        assert [v for _, v in lp.top[3:]] == [NEG_INF, NEG_INF]
-    assert math.fsum(math.exp(v) for _, v in out.logprobs[0].top) == pytest.approx(1.0, abs=1e-5)
+        assert lp[token] == lp.logprob == pytest.approx(expected[i, token].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == ids[i].tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values[i].tolist(), abs=1e-4)
+        assert set(lp) == {token, *ids[i].tolist()} and lp.as_dict() == dict(lp)
+    assert NEG_INF not in [v for lp in out.logprobs for _, v in lp.top]  # no filter's -inf
+    assert math.fsum(math.exp(v) for _, v in out.logprobs[0].top) < 1.0  # five of the whole vocabulary
 
 
 def test_logprobs_only_when_asked(llm):
