@@ -17,7 +17,8 @@ BUILT_SWITCHES = tuple(s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT)
 STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv", "kv_cache_dtype",
                      "attention_backend", "cuda_graphs", "gpu_memory_utilization")
 # How the weights are stored: a model is loaded (and quantized) with them, so they cannot change while serving.
-WEIGHT_FIELDS = ("dtype", "quantization", "quantization_group_size", "quantize_lm_head")
+WEIGHT_FIELDS = ("dtype", "quantization", "quantization_group_size", "quantize_lm_head", "quantization_smoothing",
+                 "quantization_gptq")
 # These need a new model load and cannot change while serving.
 LOAD_TIME_FIELDS = ("model", "device", *WEIGHT_FIELDS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
@@ -70,6 +71,10 @@ class EngineConfig:
     # top-1 agreement with fp32 0.85 vs 0.70 at 64 (whose perplexity rose 44%); 128 does not divide its 576
     quantization_group_size: int = 32
     quantize_lm_head: bool = True
+    # calibrated at load over presets/quality/calibration.txt (engine/calibrate.py): each projection's input channels
+    # rescaled before rounding (SmoothQuant / AWQ), and the weights rounded by GPTQ instead of to the nearest level
+    quantization_smoothing: bool = False
+    quantization_gptq: bool = False
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (a scale per token and KV head)
 
     @classmethod
@@ -98,7 +103,8 @@ class EngineConfig:
         return {name: getattr(self, name) for name in self.field_names()}
 
     def validate(self) -> None:
-        for name in (*FEATURE_SWITCHES, "quantize_lm_head"):
+        for name in (*FEATURE_SWITCHES, "quantize_lm_head", "quantization_smoothing",
+                 "quantization_gptq"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in NOT_YET_BUILT:
@@ -161,7 +167,9 @@ class EngineConfig:
         parts = [self.dtype]
         if self.quantization is not None:
             group = f" (groups of {self.quantization_group_size})" if self.quantization == "int4" else ""
-            parts.append(f"{self.quantization} weights{group}" + ("" if self.quantize_lm_head else " but the LM head"))
+            parts.append(f"{self.quantization} weights{group}" + ("" if self.quantize_lm_head else " but the LM head")
+                         + (", smoothed" if self.quantization_smoothing else "")
+                         + (", GPTQ" if self.quantization_gptq else ""))
         if self.kv_cache_dtype != "auto":
             parts.append(f"{self.kv_cache_dtype} KV")
         return ", ".join(parts)

@@ -33,7 +33,8 @@ QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}
 # One precision each: the engine's invariants must hold inside every one of them.
 PRECISIONS = {"int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}, "w8a8": {"quantization": "w8a8"},
               "int8-kv": {"kv_cache_dtype": "int8"}, "bf16": {"dtype": "bfloat16"},
-              "int4+int8-kv+bf16": {"quantization": "int4", "kv_cache_dtype": "int8", "dtype": "bfloat16"}}
+              "int4+int8-kv+bf16": {"quantization": "int4", "kv_cache_dtype": "int8", "dtype": "bfloat16"},
+              "w8a8-calibrated": {"quantization": "w8a8", "quantization_smoothing": True, "quantization_gptq": True}}
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
@@ -297,7 +298,7 @@ def invariance_prompts() -> list[list[int]]:
 # causal prefill, whose attention differs from a decode's by ~1e-7 in fp32, and that can move one element across
 # a rounding boundary of its 8-bit step (measured: 1 of 10 prompts diverged, at a near-tie). Every other switch,
 # preemption and the prefix cache keep w8a8 identical token for token.
-CLOSE_ONLY = {"w8a8": {str({"kv_cache": False})}}
+CLOSE_ONLY = {"w8a8": {str({"kv_cache": False})}, "w8a8-calibrated": {str({"kv_cache": False})}}
 
 
 def assert_logprob_close(llm: LLM, what: str, prompts, outputs, baseline) -> int:

@@ -131,10 +131,10 @@ class Int8Linear(_Quantized):
     requires); the kernel computes x @ (q * scale).T, dequantizing as it goes."""
     scheme = "int8"
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
         super().__init__(weight)
         self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
-        self.qweight, scale = quantize_int8(weight, scale_dtype=self.activation_dtype)
+        self.qweight, scale = quantize_int8(weight, scale_dtype=self.activation_dtype, hessian=hessian)
         self.scales = scale.to(self.activation_dtype)
 
     @property
@@ -150,7 +150,7 @@ class Int4Linear(_Quantized):
     torch for its kernel, with each group's scale and mid as the kernel wants them ([K / g, N, 2])."""
     scheme = "int4"
 
-    def __init__(self, weight: torch.Tensor, group_size: int) -> None:
+    def __init__(self, weight: torch.Tensor, group_size: int, hessian: torch.Tensor | None = None) -> None:
         super().__init__(weight)
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} for int4, got {group_size}")
@@ -162,7 +162,7 @@ class Int4Linear(_Quantized):
                              f"got {self.out_features}")
         self.group_size = group_size
         self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
-        q, scale, mid = quantize_int4(weight, group_size, self.activation_dtype)
+        q, scale, mid = quantize_int4(weight, group_size, self.activation_dtype, hessian)
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # the kernel computes (q - 8) * scale + zero, its "zero" being our mid
         self.scales_and_zeros = torch.stack([scale.t(), mid.t()], dim=-1).to(self.activation_dtype).contiguous()
@@ -182,9 +182,9 @@ class W8A8Linear(_Quantized):
     y = (x_q @ w_q.T) * w_scale * x_scale. Integer sums are exact, so a row's result is the same in any batch."""
     scheme = "w8a8"
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
         super().__init__(weight)
-        q, scales = quantize_int8(weight, W8A8_WEIGHT_MAX)
+        q, scales = quantize_int8(weight, W8A8_WEIGHT_MAX, hessian=hessian)
         zeros = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # torch deprecates its quantized tensors; fbgemm's kernels still ship
             warnings.simplefilter("ignore", UserWarning)
@@ -218,6 +218,8 @@ class WeightFormat:
     quantization: str | None = None
     group_size: int = 32  # int4 only (EngineConfig.quantization_group_size's default)
     lm_head: bool = True  # quantize the LM head too
+    smooth: bool = False  # inputs rescaled per channel before rounding (engine/calibrate.py)
+    gptq: bool = False  # rounded by GPTQ over calibration inputs (engine/quant.py)
 
     @classmethod
     def of(cls, config: EngineConfig) -> WeightFormat:
@@ -226,24 +228,33 @@ class WeightFormat:
         if config.quantization is None:
             return cls()
         group = config.quantization_group_size if config.quantization == "int4" else cls.group_size
-        return cls(config.quantization, group, config.quantize_lm_head)
+        return cls(config.quantization, group, config.quantize_lm_head, config.quantization_smoothing,
+                   config.quantization_gptq)
 
     def describe(self) -> str:
         if self.quantization is None:
             return "unquantized"
         group = f", groups of {self.group_size}" if self.quantization == "int4" else ""
-        return f"{self.quantization}{group}" + ("" if self.lm_head else ", LM head unquantized")
+        return (f"{self.quantization}{group}" + ("" if self.lm_head else ", LM head unquantized")
+                + (", smoothed" if self.smooth else "") + (", GPTQ" if self.gptq else ""))
 
-    def make(self, weight: torch.Tensor, name: str, is_lm_head: bool = False) -> Projection:
-        """The projection for weight [out, in]; name says which layer a refusal is about."""
+    @property
+    def calibrated(self) -> bool:
+        """Whether quantizing needs calibration inputs (engine/calibrate.py)."""
+        return self.quantization is not None and (self.smooth or self.gptq)
+
+    def make(self, weight: torch.Tensor, name: str, is_lm_head: bool = False,
+             hessian: torch.Tensor | None = None) -> Projection:
+        """The projection for weight [out, in]; name says which layer a refusal is about; hessian: X.T @ X over
+        its calibration inputs, for GPTQ's rounding."""
         scheme = self.quantization
         if scheme is None or (is_lm_head and not self.lm_head):
             return Linear(weight)
         try:
             if scheme == "int4":
-                return Int4Linear(weight, self.group_size)
+                return Int4Linear(weight, self.group_size, hessian)
             require_kernel(scheme, weight.device)  # an unknown scheme is refused here
-            return {"int8": Int8Linear, "w8a8": W8A8Linear}[scheme](weight)
+            return {"int8": Int8Linear, "w8a8": W8A8Linear}[scheme](weight, hessian)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
 

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from .linear import UNQUANTIZED, WeightFormat
+from ..calibrate import CALIBRATION_TEXT, HEAD_KEY, MAX_TOKENS, Fake, calibrate
+from .linear import UNQUANTIZED, W8A8_WEIGHT_MAX, Projection, WeightFormat
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
 from .random_models import load_random_model, random_name
 
@@ -147,8 +148,10 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                max_len: int, weight_format: WeightFormat = UNQUANTIZED) -> LlamaFamilyModel:
-    """Fuse, transpose and cast HF weights into our decoder's layout, each projection quantized once if asked."""
+                max_len: int, weight_format: WeightFormat = UNQUANTIZED,
+                hessians: dict[str, torch.Tensor] | None = None) -> LlamaFamilyModel:
+    """Fuse, transpose and cast HF weights into our decoder's layout, each projection quantized once if asked
+    (with GPTQ's rounding for those `hessians` names: see engine/calibrate.py)."""
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     shape = ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
@@ -166,7 +169,10 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
         parts = [opt(n) for n in names]
         return None if any(p is None for p in parts) else torch.cat(parts)
 
-    make = weight_format.make
+    hessians = hessians or {}
+
+    def make(weight: torch.Tensor, name: str, is_lm_head: bool = False) -> Projection:
+        return weight_format.make(weight, name, is_lm_head, hessians.get(name))
     layers = []
     for i in range(shape.num_layers):
         p = f"layers.{i}."
@@ -182,8 +188,8 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
             down=make(get(m + "down_proj.weight"), f"{m}down_proj"),
         ))
     embed = get("embed_tokens.weight")
-    tied = getattr(c, "tie_word_embeddings", False) or "lm_head.weight" not in state
-    lm_head = make(embed if tied else get("lm_head.weight"), "lm_head", is_lm_head=True)
+    head = (get(HEAD_KEY) if HEAD_KEY in state else embed if ties_head(c, state) else get("lm_head.weight"))
+    lm_head = make(head, "lm_head", is_lm_head=True)
     inv_freq, scaling = rope_inv_freq(c)
     return LlamaFamilyModel(shape, embed, layers, get("norm.weight"), lm_head, inv_freq, scaling, max_len,
                             weight_format)
@@ -195,7 +201,30 @@ def load_weights(folder: Path, hf_config, dtype: torch.dtype, device: torch.devi
     max_len = max_len or min(hf_config.max_position_embeddings, 2048)
     if max_len > hf_config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_len} exceeds the model's context ({hf_config.max_position_embeddings})")
-    return build_model(hf_config, load_state_dict(folder), dtype, device, max_len, weight_format)
+    state, hessians = load_state_dict(folder), None
+    if weight_format.calibrated:
+        state, hessians = calibrated_state(state, hf_config, load_tokenizer(folder), device, weight_format)
+    return build_model(hf_config, state, dtype, device, max_len, weight_format, hessians)
+
+
+def calibrated_state(state: dict[str, torch.Tensor], hf_config, tokenizer, device: torch.device,
+                     weight_format: WeightFormat) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The checkpoint with each projection's input smoothed for weight_format's scheme, and the projections'
+    X.T @ X for GPTQ, as weight_format asks (engine/calibrate.py), found with the unquantized fp32 model over the
+    calibration text."""
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    ids = tokenizer(CALIBRATION_TEXT.read_text()).input_ids[:MAX_TOKENS]
+    model = build_model(hf_config, state, torch.float32, device, len(ids) + 1)
+    scheme = weight_format.quantization
+    fake = Fake(scheme, weight_format.group_size, W8A8_WEIGHT_MAX if scheme == "w8a8" else 127)
+    return calibrate(state, model, ids, fake, model.shape.num_kv_heads, model.shape.head_dim,
+                     tied=ties_head(hf_config, state), lm_head=weight_format.lm_head,
+                     smooth=weight_format.smooth, gptq=weight_format.gptq)
+
+
+def ties_head(hf_config, state: dict[str, torch.Tensor]) -> bool:
+    """Whether the LM head is the embedding (tied in the config, or no head of its own in the checkpoint)."""
+    return getattr(hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in state
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_len: int | None,

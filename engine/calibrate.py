@@ -1,0 +1,191 @@
+"""Activation-aware smoothing before quantization (the idea of SmoothQuant and AWQ), done once at load.
+
+A projection y = x @ W.T gives the same result with its input channels rescaled: y = (x / s) @ (W * s).T for any
+positive s per input channel. Quantization does not: W * s rounds differently, and so do the activations x / s.
+Channels whose activations are large (SmolLM2 has a few, 10-100x the rest) matter most, so multiplying their
+weights up before rounding (AWQ) or moving their range from the activations into the weights (SmoothQuant,
+for w8a8, whose activations are rounded too) cuts the error. The 1 / s is folded into what feeds the projection,
+so nothing is added to a step:
+
+  qkv      <- input RMSNorm's weight          gate|up  <- post-attention RMSNorm's weight
+  o        <- v's output rows (one s per KV head and dimension: every query head of a group reads that v)
+  down     <- up's output rows (silu(gate) * up / s)
+  LM head  <- the final RMSNorm's weight (a tied head gets its own smoothed copy: the embedding stays)
+
+s = act^alpha / w^(1 - alpha) per input channel (act: the mean |x| for weight-only schemes, the max |x| for w8a8;
+w: the max |W| over output channels), alpha chosen per projection from a grid by the output error of the
+quantized projection over calibration activations, with no smoothing (s = 1) always a candidate, so a
+projection is never made worse on the calibration text. The activations come from the unquantized model over
+presets/quality/calibration.txt (prose, a dialogue, code and a report; not the text quality is scored on).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "presets" / "quality" / "calibration.txt"
+ALPHAS = tuple(a / 10 for a in range(1, 10))  # the grid searched, besides no smoothing
+SEARCH_ROWS = 256  # calibration tokens the error is measured over (statistics use them all)
+SEARCH_OUTPUTS = 4096  # output channels it is measured over (the LM head has 49,152)
+MAX_TOKENS = 2048  # calibration tokens read (one forward pass; the text has fewer)
+HEAD_KEY = "lm_head.smoothed.weight"  # the LM head's own smoothed weight when the checkpoint ties it to the embedding
+
+
+@dataclass(frozen=True)
+class Fake:
+    """A scheme's rounding, in fp32: what its kernel will compute, for comparing candidate scales."""
+    scheme: str
+    group_size: int = 32
+    weight_max: int = 127  # w8a8 keeps weights to fewer levels (see linear.py)
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        if self.scheme == "int4":
+            return dequantize_int4(*quantize_int4(w, self.group_size), torch.float32)
+        return dequantize_int8(*quantize_int8(w, self.weight_max), torch.float32)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme == "w8a8":
+            return dequantize_int8(*quantize_int8(x), torch.float32)
+        return x.to(torch.bfloat16).float()  # the weight-only kernels take bf16 activations
+
+    @property
+    def uses_max(self) -> bool:
+        return self.scheme == "w8a8"
+
+
+def best_scale(x: Inputs, w: torch.Tensor, fake: Fake, heads: tuple[int, int] | None = None) -> torch.Tensor:
+    """The s [K] for the inputs x entering w [N, K] with the least output error once quantized (ones if none
+    helps). heads = (num_kv_heads, group): K is query heads x head_dim (o's input) and s is tied across the query
+    heads of a group, which read the same v (query head h reads KV head h // group)."""
+    act = (x.max_abs if fake.uses_max else x.mean_abs).clamp(min=1e-5)
+    wmax = w.abs().amax(0).clamp(min=1e-5)
+    if heads is not None:
+        kv, group = heads
+        act, wmax = (t.view(kv, group, -1).amax(1) for t in (act, wmax))
+    rows = x.rows
+    if w.shape[0] > SEARCH_OUTPUTS:  # each output channel rounds on its own: a sample of them measures the error
+        w = w[torch.linspace(0, w.shape[0] - 1, SEARCH_OUTPUTS).long()]
+    ref = rows @ w.T
+
+    def full(s: torch.Tensor) -> torch.Tensor:
+        return s if heads is None else s.unsqueeze(1).expand(-1, heads[1], -1).reshape(-1)
+
+    def error(s: torch.Tensor) -> float:
+        return (fake.activation(rows / s) @ fake.weight(w * s).T - ref).pow(2).mean().item()
+
+    best = torch.ones_like(w[0])
+    best_err = error(best)
+    for alpha in ALPHAS:
+        s = act.pow(alpha) / wmax.pow(1 - alpha)
+        s = full(s / (s.max() * s.min()).sqrt())  # centred on 1 in log scale: the weights neither grow nor shrink
+        err = error(s)
+        if err < best_err:
+            best, best_err = s, err
+    return best
+
+
+class _Recorder:
+    """Stands in for a projection during calibration: keeps what the smoothing search and GPTQ need of its
+    inputs (a sample of rows, each channel's mean and max |x|, and X.T @ X), then computes as it would."""
+
+    def __init__(self, proj) -> None:
+        self.proj = proj
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        self.rows = xf[torch.linspace(0, xf.shape[0] - 1, min(SEARCH_ROWS, xf.shape[0])).long()]
+        self.mean_abs, self.max_abs = xf.abs().mean(0), xf.abs().amax(0)
+        self.gram = xf.T @ xf
+        return self.proj(x)
+
+
+@dataclass
+class Inputs:
+    """One projection's calibration inputs, as _Recorder kept them."""
+    rows: torch.Tensor  # [SEARCH_ROWS, K]
+    mean_abs: torch.Tensor  # [K]
+    max_abs: torch.Tensor
+    gram: torch.Tensor  # [K, K]: X.T @ X over every calibration token
+
+
+def calibration_inputs(model, token_ids: list[int]) -> dict[tuple[int, str], Inputs]:
+    """Every projection's inputs over the calibration tokens (one forward pass of an unquantized model):
+    {(layer, name): Inputs}, layer -1 being the LM head's."""
+    from .attention import AttentionMetadata, PrefillSeq
+    owners = {(i, name): w for i, w in enumerate(model.layers) for name in ("qkv", "o", "gate_up", "down")}
+    owners[-1, "lm_head"] = model
+    recorders = {}
+    for (i, name), owner in owners.items():
+        recorders[i, name] = rec = _Recorder(getattr(owner, name))
+        setattr(owner, name, rec)
+    try:
+        ids = torch.tensor(token_ids[:MAX_TOKENS], device=model.device)
+        n = ids.shape[0]
+        rows = torch.arange(n, device=model.device)
+        model.forward(ids, rows, AttentionMetadata(slot_mapping=None, prefills=[PrefillSeq(0, n)]), None, rows)
+    finally:
+        for key, owner in owners.items():
+            setattr(owner, key[1], recorders[key].proj)
+    return {key: Inputs(r.rows, r.mean_abs, r.max_abs, r.gram) for key, r in recorders.items()}
+
+
+def projection_name(layer: int, name: str) -> str:
+    """The name build_model gives a projection (its refusals and its hessian are keyed by it)."""
+    if layer < 0:
+        return "lm_head"
+    return f"layers.{layer}." + ("self_attn." if name in ("qkv", "o") else "mlp.") + f"{name}_proj"
+
+
+def calibrate(state: dict[str, torch.Tensor], model, token_ids: list[int], fake: Fake, num_kv_heads: int,
+              head_dim: int, tied: bool, lm_head: bool, smooth: bool,
+              gptq: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(state, hessians): the checkpoint's state (keys without "model.") with every projection's input smoothed
+    for fake's scheme when `smooth`, and when `gptq` each projection's H = X.T @ X over its (smoothed) inputs,
+    keyed by projection_name, for GPTQ's rounding; both found by `model`, built unquantized from `state`."""
+    inputs = calibration_inputs(model, token_ids)
+    out = {k: v.float().clone() if v.is_floating_point() else v for k, v in state.items()}
+    scales: dict[tuple[int, str], torch.Tensor] = {}
+
+    def find(key: tuple[int, str], w: torch.Tensor, heads: tuple[int, int] | None = None) -> torch.Tensor:
+        scales[key] = s = best_scale(inputs[key], w, fake, heads) if smooth else torch.ones(w.shape[1])
+        return s
+
+    for i in range(len(model.layers)):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        s = find((i, "qkv"), torch.cat([out[a + f"{n}_proj.weight"] for n in "qkv"]))
+        out[p + "input_layernorm.weight"] = out[p + "input_layernorm.weight"] / s
+        for n in "qkv":
+            out[a + f"{n}_proj.weight"] = out[a + f"{n}_proj.weight"] * s
+
+        num_heads = out[a + "o_proj.weight"].shape[1] // head_dim
+        group = num_heads // num_kv_heads
+        s = find((i, "o"), out[a + "o_proj.weight"], heads=(num_kv_heads, group))
+        per_kv = s.view(num_kv_heads, group, head_dim)[:, 0].reshape(-1)  # v's output channels
+        out[a + "v_proj.weight"] = out[a + "v_proj.weight"] / per_kv.unsqueeze(1)
+        if a + "v_proj.bias" in out:
+            out[a + "v_proj.bias"] = out[a + "v_proj.bias"] / per_kv
+        out[a + "o_proj.weight"] = out[a + "o_proj.weight"] * s
+
+        s = find((i, "gate_up"), torch.cat([out[m + "gate_proj.weight"], out[m + "up_proj.weight"]]))
+        out[p + "post_attention_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] / s
+        for n in ("gate", "up"):
+            out[m + f"{n}_proj.weight"] = out[m + f"{n}_proj.weight"] * s
+
+        s = find((i, "down"), out[m + "down_proj.weight"])
+        out[m + "up_proj.weight"] = out[m + "up_proj.weight"] / s.unsqueeze(1)
+        out[m + "down_proj.weight"] = out[m + "down_proj.weight"] * s
+
+    if lm_head:
+        head = out["embed_tokens.weight"] if tied else out["lm_head.weight"]
+        s = find((-1, "lm_head"), head)
+        out["norm.weight"] = out["norm.weight"] / s
+        out[HEAD_KEY if tied else "lm_head.weight"] = head * s
+    hessians = {}
+    if gptq:  # the inputs the smoothed weights see: x / s
+        hessians = {projection_name(*key): inputs[key].gram / torch.outer(s, s) for key, s in scales.items()}
+    return out, hessians
