@@ -119,6 +119,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_SCHEMES}, got {self.quantization!r}")
+        if self.quantization is None and (self.quantization_smoothing or self.quantization_gptq):
+            raise ValueError("quantization_smoothing and quantization_gptq calibrate how weights are quantized: they "
+                             "need a quantization scheme (int8, int4 or w8a8); with quantization=None turn them off")
         g = self.quantization_group_size
         if isinstance(g, bool) or not isinstance(g, int) or g not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} (what the int4 kernel "

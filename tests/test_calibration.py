@@ -109,3 +109,17 @@ def test_a_calibrated_model_loads_quantized_and_differs_from_the_plain_one(tiny_
     assert not torch.equal(q_plain, q_cal)
     tokens = list(range(5, 45))
     assert forward_logits(calibrated.engine.model, tokens).isfinite().all()
+
+
+def test_a_random_model_refuses_calibration_rather_than_ignoring_it():
+    with pytest.raises(ValueError, match="no tokenizer"):
+        LLM("random:smollm2-135m", quantization="int8", quantization_gptq=True, max_model_len=64)
+
+
+@pytest.mark.parametrize("field", ["quantization_smoothing", "quantization_gptq"])
+def test_calibration_without_a_scheme_is_refused(field):
+    from engine import EngineConfig
+    with pytest.raises(ValueError, match="need a quantization scheme"):
+        EngineConfig(**{field: True}).validate()
+    with pytest.raises(ValueError, match=f"{field} must be True or False"):
+        EngineConfig(quantization="int8", **{field: "yes"}).validate()

@@ -8,7 +8,7 @@ one or two rows), so a request's tokens are the same whoever it is batched with.
 a torch without oneDNN) it is `x @ W` over the weight stored transposed.
 
 Quantized siblings (`quantization=` in EngineConfig), each quantized once at load (engine/quant.py) and packed for
-the fastest kernel this torch ships for it on CPU, chosen by measurement (docs/quantization.md,
+the fastest kernel this torch ships for it on CPU, chosen by measurement (the README,
 `python -m engine.bench kernels`); each gives a row the same result whatever else shares the call:
   int8  weight-only, symmetric per output channel            torch._weight_int8pack_mm
   int4  weight-only, asymmetric per group of input features  torch._weight_int4pack_mm_for_cpu

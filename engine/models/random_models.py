@@ -127,6 +127,9 @@ def load_random_model(model: str, dtype: torch.dtype, device: torch.device, max_
     overrides: config fields to change (tests shrink the architecture with them)."""
     from .loader import build_model
     name = random_name(model)
+    if weight_format is not None and weight_format.calibrated:
+        raise ValueError(f"quantization_smoothing and quantization_gptq calibrate over a text, and {model} has no "
+                         f"tokenizer: quantize it without them")
     config = hf_config(name, **overrides)
     max_len = max_len or min(config.max_position_embeddings, 2048)
     if max_len > config.max_position_embeddings:
