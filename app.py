@@ -162,11 +162,10 @@ def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures) -> list[g
 
 WEIGHT_DTYPES = ("float32", "bfloat16")  # what the form offers; LLM(dtype=...) and the API take any EngineConfig dtype
 WEIGHTS_HELP = {
-    "quantization": "how the projections are stored: int8 / int4 weight-only, w8a8 (int8 weights and activations)",
-    "quantization_group_size": "int4 only: input features per scale and zero (must divide every layer's width)",
-    "quantize_lm_head": "quantize the LM head too (unticked: it stays in the dtype)",
-    "dtype": "the weights' and activations' type. On a CPU without bf16 instructions bfloat16 works but is "
-             "much slower than float32 (README: the kernels table); on CUDA bfloat16 is the default",
+    "quantization": "int8 / int4: weight-only; w8a8: int8 weights and activations",
+    "quantization_group_size": "int4 only: input features per scale (must divide each layer)",
+    "quantize_lm_head": "the LM head too (unticked: it keeps the dtype)",
+    "dtype": "CPU: bfloat16 works but is slow without bf16 instructions (README: kernels)",
 }
 
 
@@ -194,13 +193,13 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
             dtypes = list(dict.fromkeys([*WEIGHT_DTYPES, now["dtype"]]))  # the running one, even if not offered
             weights = {
                 "quantization": gr.Dropdown([NO_QUANTIZATION, *QUANTIZATION_SCHEMES], value=now["quantization"],
-                                            label="quantization (weights)", info=WEIGHTS_HELP["quantization"]),
+                                            label="quantization (weights)", info=WEIGHTS_HELP["quantization"], scale=2),
                 "quantization_group_size": gr.Dropdown(list(INT4_GROUP_SIZES), value=now["quantization_group_size"],
                                                        label="int4 group size",
-                                                       info=WEIGHTS_HELP["quantization_group_size"]),
+                                                       info=WEIGHTS_HELP["quantization_group_size"], scale=2),
                 "quantize_lm_head": gr.Checkbox(value=now["quantize_lm_head"], label="quantize_lm_head",
                                                 info=WEIGHTS_HELP["quantize_lm_head"]),
-                "dtype": gr.Dropdown(dtypes, value=now["dtype"], label="dtype", info=WEIGHTS_HELP["dtype"])}
+                "dtype": gr.Dropdown(dtypes, value=now["dtype"], label="dtype", info=WEIGHTS_HELP["dtype"], scale=2)}
         weights_note = gr.Markdown(pg.weights_note())
         with gr.Row():
             apply = gr.Button("Apply", variant="primary")

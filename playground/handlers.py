@@ -223,7 +223,7 @@ class Playground:
             return remote.status()
         snap = self.service.snapshot()
         measuring = self.measurement
-        state = (f"🔄 {self.rebuilding}" if self.rebuilding else
+        state = (f"⟳ {self.rebuilding}" if self.rebuilding else
                  "⛔ engine thread stopped: " + self.service.error if self.service.error else
                  f"⏸ paused for a measurement ({measuring.describe()})" if measuring else
                  "⏸ paused (step mode)" if self.service.paused else "▶ running")
@@ -353,7 +353,8 @@ class Playground:
             except (ValueError, MemoryError, RuntimeError) as exc:  # torch's out-of-memory is a RuntimeError
                 return f"{kept}: {exc}"
             loaded = time.perf_counter() - start
-            message, built = self._restart(changes, progress, ENDED_BY_REBUILD.format(what=new.precision), what)
+            message, built, ended = self._restart(changes, progress, ENDED_BY_REBUILD.format(what=new.precision),
+                                                  what)
         finally:
             self.rebuilding = None
             self._engine_up.set()
@@ -361,7 +362,8 @@ class Playground:
         now_running = self.service.snapshot().precision
         if not built:
             return f"⚠️ {new.precision} could not run here; the engine runs {now_running}. {message}"
-        return f"✅ Rebuilt the engine for {now_running} (the weights loaded in {loaded:.1f} s). {message}"
+        return (f"Rebuilt the engine for {now_running}: weights loaded in {loaded:.1f} s, engine built and warmed "
+                f"up in {time.perf_counter() - start - loaded:.1f} s. " + (ended or "No request was open."))
 
     def restart(self, changes: dict | None = None) -> str:
         """A new engine thread over the same weights (after a crash, or to start clean). It comes back with the
@@ -375,9 +377,10 @@ class Playground:
 
     def _restart(self, changes: dict | None = None, progress: ProgressFn | None = None,
                  reason: str = "the engine was restarted: this request was ended; send it again",
-                 what: str = "restarting the engine") -> tuple[str, bool]:
+                 what: str = "restarting the engine") -> tuple[str, bool, str]:
         """restart(), saying each stage to `progress` and the status line; requests still open end with `reason`.
-        Returns the message, and whether the engine came back with `changes` (the first attempt)."""
+        Returns the message, whether the engine came back with `changes` (the first attempt), and how many
+        requests were ended, in words ("" for none)."""
         old = self.service
         self.rebuilding = what
         self._engine_up.clear()
@@ -400,11 +403,11 @@ class Playground:
                     continue
                 self.llm.engine = engine
                 self.service = self._new_service(engine)
-                lost = (f" {plural(ended, 'request')} running or waiting {'was' if ended == 1 else 'were'} ended "
+                lost = (f"{plural(ended, 'request')} running or waiting {'was' if ended == 1 else 'were'} ended "
                         f"(their chats say so: send them again)." if ended else "")
                 return (f"Engine restarted {label}." + (f" ⚠️ Not possible {'; '.join(failures)}." if failures else "")
-                        + lost, not failures and bool(changes))
-            return f"⛔ The engine could not be restarted: {'; '.join(failures)}", False
+                        + (f" {lost}" if lost else ""), not failures and bool(changes), lost)
+            return f"⛔ The engine could not be restarted: {'; '.join(failures)}", False, ""
         finally:
             self.rebuilding = None
             self._engine_up.set()
