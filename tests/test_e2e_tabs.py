@@ -225,18 +225,21 @@ VISIBLE_TRACES = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))
 
 def test_the_engine_feature_by_feature_tab(served, page, shots):
     """Before anything is measured here, the repository's shipped results are drawn, with where and when they
-    were measured. Then each Run button measures its experiment on the tiny model (quick presets), and the three
-    charts stay readable, now marked as this machine's; the concurrency selector redraws."""
+    were measured (quality has none shipped yet: its section says to press Run). Then each Run button measures its
+    experiment on the tiny model (quick presets), and the four charts stay readable, now marked as this machine's;
+    the concurrency selector redraws."""
     url, pg = served
     tab = "The engine, feature by feature"
     page.goto(url)
     page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
     visit(page, tab, shots, min_charts=3, name="features-before")
     assert page.get_by_text("Shipped results: measured on").is_visible()
-    assert page.evaluate(VISIBLE_TRACES) == [1, 3, 6]  # the shipped rows, drawn before any run
-    assert page.get_by_text("shipped with the repository").count() == 3
+    assert page.evaluate(VISIBLE_TRACES) == [1, 0, 3, 6]  # the shipped rows, drawn before any run; no quality yet
+    assert page.get_by_text("(shipped with the repository)").count() == 3
+    assert page.get_by_text("No results yet: none shipped with the repository").count() == 1
     measured_here = "() => (document.body.innerText.match(/measured on this machine/g) || []).length"
     for done, (button, cell) in enumerate((("Run cumulative ablation", "+ KV cache"),
+                                           ("Run quality against fp32", "float32, int8 weights"),
                                            ("Run concurrency sweep", "reference"), ("Run memory sweep", "contiguous")),
                                           start=1):
         page.get_by_role("button", name=button).click()  # the shipped rows' cells are there already: wait for the
@@ -244,11 +247,11 @@ def test_the_engine_feature_by_feature_tab(served, page, shots):
         assert cell in page.evaluate(TABLE_CELLS)
     assert not pg.service.paused and pg.measurement is None
     visit(page, tab, shots, min_charts=3, name="features")
-    # cumulative bars; 3 concurrencies; 2 layouts x 2 KV dtypes (fp32, int8) x 3 panels
-    assert page.evaluate(VISIBLE_TRACES) == [1, 3, 12]
-    assert page.get_by_text("measured on this machine").count() == 3
+    # cumulative bars; quality's two panels of bars and of goals; 3 concurrencies; 2 layouts x 2 KV dtypes x 3 panels
+    assert page.evaluate(VISIBLE_TRACES) == [1, 4, 3, 12]
+    assert page.get_by_text("measured on this machine").count() == 4
     page.get_by_label("1", exact=True).check()
-    page.wait_for_function(f"() => ({VISIBLE_TRACES})()[1] === 1", timeout=30_000)
+    page.wait_for_function(f"() => ({VISIBLE_TRACES})()[2] === 1", timeout=30_000)
     visit(page, tab, shots, min_charts=3, name="features-concurrency-1")
 
 
