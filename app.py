@@ -226,8 +226,10 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 
     def do_reset(progress=gr.Progress()):
         return pg.reset_settings(lambda f, d: progress(f, desc=d))
-    apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings").then(load_settings, None, form)
-    reset.click(do_reset, None, settings_out).then(load_settings, None, form)
+    # a rebuild's bar over the weights' note, next to the controls (the empty message line shows none)
+    apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings",
+                show_progress_on=weights_note).then(load_settings, None, form)
+    reset.click(do_reset, None, settings_out, show_progress_on=weights_note).then(load_settings, None, form)
     restart.click(pg.restart, None, settings_out).then(load_settings, None, form)
     gr.on(None, load_settings, None, form, api_name="settings")  # on page load
 

@@ -76,7 +76,8 @@ def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotD
             table = gr.Dataframe(view.table, headers=view.table["headers"], label=f"the numbers: {NAMES[kind]}",
                                  **({"wrap": True, "column_widths": QUALITY_COLUMNS} if kind == "quality" else {}))
             outputs[kind] = (plot, table, source, status)
-            go.click(_runner(experiments, serialised, kind), inputs[kind], list(outputs[kind]))
+            # the bar over the chart only: on every output it covered the source line and the table with copies
+            go.click(_runner(experiments, serialised, kind), inputs[kind], list(outputs[kind]), show_progress_on=plot)
             cancel.click(pg.cancel_measurement, None, status)
 
     def show(kind: str, choice: str | None = None) -> tuple:

@@ -681,6 +681,7 @@ def quality_figure(rows: Sequence, goals: Sequence[tuple[float, float | None] | 
             ("2", ppl, ppl_goal, False, [_signed(v) for v in ppl], "outside")):
         data.append({"type": "bar", "x": cats, "y": values, "xaxis": f"x{axis}", "yaxis": f"y{axis}",
                      "text": labels, "textposition": where, "insidetextanchor": "end", "cliponaxis": False,
+                     "width": min(0.7, 0.175 * len(rows)),  # one or two precisions: not a bar as wide as the panel
                      "marker": {"color": [_against_goal(v, g, higher) for v, g in zip(values, wanted, strict=True)]},
                      "showlegend": False, "hovertemplate": "%{x}: %{y:.2f}%<extra></extra>"})
         marked = [(c, g) for c, g in zip(cats, wanted, strict=True) if g is not None]
