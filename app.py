@@ -23,7 +23,14 @@ from gradio.components.plot import PlotData
 
 from engine import LLM
 from engine.bench import Cancelled, compare_report, load_feature_preset, parse_assignments
-from engine.config import BUILT_SWITCHES, INT4_GROUP_SIZES, KV_CACHE_DTYPES, NOT_YET_BUILT, QUANTIZATION_SCHEMES
+from engine.config import (
+    BUILT_SWITCHES,
+    INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
+    NOT_YET_BUILT,
+    QUANTIZATION_SCHEMES,
+    WEIGHT_FIELDS,
+)
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.features_tab import build_features_tab
 from playground.handlers import NO_QUANTIZATION, ChatSession, Playground, feature_presets, form_value, workloads
@@ -200,6 +207,9 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                 "quantize_lm_head": gr.Checkbox(value=now["quantize_lm_head"], label="quantize_lm_head",
                                                 info=WEIGHTS_HELP["quantize_lm_head"]),
                 "dtype": gr.Dropdown(dtypes, value=now["dtype"], label="dtype", info=WEIGHTS_HELP["dtype"], scale=2)}
+            for name in WEIGHT_FIELDS:  # a weight switch added to EngineConfig later gets a box of its own
+                if name not in weights and isinstance(now[name], bool):
+                    weights[name] = gr.Checkbox(value=now[name], label=name, info=WEIGHTS_HELP.get(name))
         weights_note = gr.Markdown(pg.weights_note())
         with gr.Row():
             apply = gr.Button("Apply", variant="primary")

@@ -559,7 +559,7 @@ def workloads() -> list[str]:
 def _coerce(name: str, value):
     """A form value as the config field wants it: gradio hands numbers back as floats (or strings from a
     dropdown), and an emptied number field as None, which means automatic for the sizes that allow it."""
-    if name in BUILT_SWITCHES or name == "quantize_lm_head":
+    if name in BUILT_SWITCHES or isinstance(getattr(EngineConfig, name, None), bool):  # a switch: a checkbox's
         return bool(value)
     if name == "quantization" and value in (NO_QUANTIZATION, ""):
         return None
