@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import BUILT_SWITCHES
 from engine.models.linear import Int4Linear, Int8Linear, Linear
 from playground import Playground
 from playground.handlers import NO_QUANTIZATION, REBUILD_STAGES
@@ -159,15 +160,20 @@ def test_the_settings_api_shows_and_changes_the_weights(folder):
         client = Client(url, verbose=False)
         *form, note, weights_note = client.predict(api_name="/settings")
         form = [f["value"] if isinstance(f, dict) else f for f in form]  # the sizes come with their hints
-        assert form[-4:] == [NO_QUANTIZATION, 32, True, "float32"]  # quantization, group size, LM head, dtype
+        # the form's fields in order: the switches, the six sizes, then the weights (quantization, group size, LM
+        # head, dtype, and any weight switch EngineConfig has beyond them)
+        w = len(BUILT_SWITCHES) + 6
+
+        def fields(*weights):
+            return [*form[:w], *weights, *form[w + len(weights):]]
+        assert form[w:w + 4] == [NO_QUANTIZATION, 32, True, "float32"]
         assert "**Weights: float32.**" in weights_note and "rebuilds the model" in weights_note
-        # the API's apply_settings takes the form's fields in order; the weights come last
-        msg = client.predict(*form[:-4], "int8", 32, True, "float32", api_name="/apply_settings")
+        msg = client.predict(*fields("int8", 32, True, "float32"), api_name="/apply_settings")
         assert msg.startswith("Rebuilt the engine for float32, int8 weights"), msg
         assert isinstance(projection(playground), Int8Linear)
-        assert list(client.predict(api_name="/settings")[-6:-2]) == ["int8", 32, True, "float32"]
+        assert list(client.predict(api_name="/settings")[w:w + 4]) == ["int8", 32, True, "float32"]
         status, *_ = client.predict(api_name="/dashboard")
         assert "float32, int8 weights" in status
         with pytest.raises(Exception, match="int3"):  # not one of the dropdown's choices: refused before the engine
-            client.predict(*form[:-4], "int3", 32, True, "float32", api_name="/apply_settings")
+            client.predict(*fields("int3", 32, True, "float32"), api_name="/apply_settings")
         assert isinstance(projection(playground), Int8Linear) and playground.service.alive
