@@ -23,10 +23,17 @@ from gradio.components.plot import PlotData
 
 from engine import LLM
 from engine.bench import Cancelled, compare_report, load_feature_preset, parse_assignments
-from engine.config import BUILT_SWITCHES, KV_CACHE_DTYPES, NOT_YET_BUILT
+from engine.config import (
+    BUILT_SWITCHES,
+    INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
+    NOT_YET_BUILT,
+    QUANTIZATION_SCHEMES,
+    WEIGHT_FIELDS,
+)
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.features_tab import build_features_tab
-from playground.handlers import ChatSession, Playground, feature_presets, workloads
+from playground.handlers import NO_QUANTIZATION, ChatSession, Playground, feature_presets, form_value, workloads
 from playground.remote_tab import build_remote_tab
 from playground.serialised import SerialisedFigures
 from playground.tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
@@ -160,12 +167,22 @@ def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures) -> list[g
     return [plots[k] for k in ("blocks", "queues", "prefix", "throughput", "memory")]
 
 
+WEIGHT_DTYPES = ("float32", "bfloat16")  # what the form offers; LLM(dtype=...) and the API take any EngineConfig dtype
+WEIGHTS_HELP = {
+    "quantization": "int8 / int4: weight-only; w8a8: int8 weights and activations",
+    "quantization_group_size": "int4 only: input features per scale (must divide each layer)",
+    "quantize_lm_head": "the LM head too (unticked: it keeps the dtype)",
+    "dtype": "CPU: bfloat16 works but is slow without bf16 instructions (README: kernels)",
+}
+
+
 def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
     with gr.Tab("Engine settings"):
         gr.Markdown("An idle engine applies a change at once; a busy one at its next step boundary. Pool or "
                     "paging changes rebuild the KV pool: running requests are re-prefilled, nothing is lost. "
-                    "Only the fields you change are sent; an empty size is chosen by the engine. Each change "
-                    "applied is marked on the Dashboard's time-series charts.")
+                    "A change of the weights rebuilds the model (below). Only the fields you change are sent; an "
+                    "empty size is chosen by the engine. Each change applied is marked on the Dashboard's "
+                    "time-series charts.")
         with gr.Row():
             switches = {s: gr.Checkbox(label=s) for s in BUILT_SWITCHES}
         with gr.Row():
@@ -178,7 +195,22 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                      "max_num_batched_tokens": gr.Number(label="max_num_batched_tokens", precision=0),
                      "max_model_len": gr.Number(label="max_model_len (tokens per request)", precision=0),
                      "kv_cache_dtype": gr.Dropdown(list(KV_CACHE_DTYPES), label="kv_cache_dtype")}
-        gr.Markdown(pg.weights_note())
+        now = {k: form_value(k, v) for k, v in pg.settings().items()}  # also what an API call leaves out means
+        with gr.Row(elem_id="weights"):
+            dtypes = list(dict.fromkeys([*WEIGHT_DTYPES, now["dtype"]]))  # the running one, even if not offered
+            weights = {
+                "quantization": gr.Dropdown([NO_QUANTIZATION, *QUANTIZATION_SCHEMES], value=now["quantization"],
+                                            label="quantization (weights)", info=WEIGHTS_HELP["quantization"], scale=2),
+                "quantization_group_size": gr.Dropdown(list(INT4_GROUP_SIZES), value=now["quantization_group_size"],
+                                                       label="int4 group size",
+                                                       info=WEIGHTS_HELP["quantization_group_size"], scale=2),
+                "quantize_lm_head": gr.Checkbox(value=now["quantize_lm_head"], label="quantize_lm_head",
+                                                info=WEIGHTS_HELP["quantize_lm_head"]),
+                "dtype": gr.Dropdown(dtypes, value=now["dtype"], label="dtype", info=WEIGHTS_HELP["dtype"], scale=2)}
+            for name in WEIGHT_FIELDS:  # a weight switch added to EngineConfig later gets a box of its own
+                if name not in weights and isinstance(now[name], bool):
+                    weights[name] = gr.Checkbox(value=now[name], label=name, info=WEIGHTS_HELP.get(name))
+        weights_note = gr.Markdown(pg.weights_note())
         with gr.Row():
             apply = gr.Button("Apply", variant="primary")
             reset = gr.Button("Reset to defaults")
@@ -187,20 +219,27 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         settings_note = gr.Markdown()
         loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
 
-    inputs = list(switches.values()) + list(sizes.values())
-    names = list(switches) + list(sizes)
+    inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
+    names = list(switches) + list(sizes) + list(weights)
 
     def load_settings():
         cfg, hints = pg.settings(), pg.settings_hints()
-        fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n]) if n in hints else cfg[n]
+        fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n]) if n in hints else form_value(n, cfg[n])
                   for n in names]
-        return *fields, cfg, pg.settings_note()
-    form = [*inputs, loaded, settings_note]
+        return *fields, cfg, pg.settings_note(), pg.weights_note()
+    form = [*inputs, loaded, settings_note, weights_note]
 
-    def do_apply(loaded_values, *values):
-        return pg.apply_settings(loaded_values, **dict(zip(names, values)))
-    apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings").then(load_settings, None, form)
-    reset.click(pg.reset_settings, None, settings_out).then(load_settings, None, form)
+    # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
+    def do_apply(progress=gr.Progress(), *args):
+        loaded_values, *values = args
+        return pg.apply_settings(loaded_values, lambda f, d: progress(f, desc=d), **dict(zip(names, values)))
+
+    def do_reset(progress=gr.Progress()):
+        return pg.reset_settings(lambda f, d: progress(f, desc=d))
+    # a rebuild's bar over the weights' note, next to the controls (the empty message line shows none)
+    apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings",
+                show_progress_on=weights_note).then(load_settings, None, form)
+    reset.click(do_reset, None, settings_out, show_progress_on=weights_note).then(load_settings, None, form)
     restart.click(pg.restart, None, settings_out).then(load_settings, None, form)
     gr.on(None, load_settings, None, form, api_name="settings")  # on page load
 

@@ -107,6 +107,7 @@ class EngineSnapshot:
     # one block's K and V in every layer (and an int8 cache's scales): the pool is kv_blocks_total of these
     kv_bytes_per_block: int = 0
     gpu_memory: dict | None = None  # CUDA: the KV pool's sizing (gpu.GpuMemoryPlan: formula and its numbers)
+    precision: str = ""  # EngineConfig.precision: what the engine computes with, in words
 
     @property
     def block_owners(self) -> dict[int, list[str]]:
@@ -507,6 +508,7 @@ class LLMEngine:
             last_reconfig=self.last_reconfig, speculation=self._speculation(),
             kv_bytes_per_block=self.kv_bytes_per_block(self.config),
             gpu_memory=None if self.gpu_memory is None else self.gpu_memory.to_dict(),
+            precision=self.config.precision,
         )
 
     def _speculation(self) -> dict:
@@ -518,9 +520,14 @@ class LLMEngine:
                 **dataclasses.asdict(stats), "acceptance_rate": stats.acceptance_rate}
 
 
+def stored_as(model) -> tuple[str, WeightFormat]:
+    """How a loaded model's weights are stored: its dtype's name and its weight format."""
+    return str(model.dtype).removeprefix("torch."), model.weight_format
+
+
 def _check_weights(config: EngineConfig, model) -> None:
     """An engine runs the weights it is given: they must be stored as config says (dtype, quantization)."""
-    have, want = (str(model.dtype).removeprefix("torch."), model.weight_format), (config.dtype, WeightFormat.of(config))
+    have, want = stored_as(model), (config.dtype, WeightFormat.of(config))
     if have != want:
         raise ValueError(f"the model's weights are {have[0]}, {have[1].describe()}, but the config asks for "
                          f"{want[0]}, {want[1].describe()}: load the model with them (LLM(..., dtype=, quantization=))")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine import LLMEngine, stored_as
 from .gpu import resolve_dtype
 from .models import LlamaFamilyModel, load_model
 from .models.linear import WeightFormat
@@ -47,7 +47,7 @@ class LLM:
         at a time, so comparing two precisions holds two models, not one per configuration tried)."""
         config = config.replace(dtype=resolve_dtype(config.dtype, self.engine.model.device))
         key = (config.dtype, WeightFormat.of(config))
-        if key == (self.config.dtype, self.engine.model.weight_format):
+        if key == stored_as(self.engine.model):  # the engine's own (after a rebuild, maybe not self.config's)
             return self.engine.model
         if self._variant is None or self._variant[0] != key:
             self._variant = None  # let the previous variant go before loading the next

@@ -200,12 +200,13 @@ class EngineService:
         self._call(self._allow_step, done)
         return done.result(timeout=120)
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str = "the engine was shut down (restarted)") -> None:
+        """Stop the engine thread; every request still open ends with an error saying `reason`."""
         self._stop.set()
         self._commands.put((lambda: None, None))
         self._thread.join(timeout=30)
         if not self._thread.is_alive():  # a stream still open would otherwise wait for a step that never comes
-            self._fail_all("the engine was shut down (restarted)")
+            self._fail_all(reason)
 
     @property
     def alive(self) -> bool:

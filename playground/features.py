@@ -1,7 +1,8 @@
-"""The engine, feature by feature: the cumulative ablation, each feature's worth at each concurrency and the memory
-sweep, run from the page through the playground's measurement (the live engine pauses, every tab says so with
-progress and time left, Cancel stops it), kept per experiment across restarts, and what the tab shows of them:
-this machine's results when it has some, else the repository's shipped ones (playground/results.py).
+"""The engine, feature by feature: the cumulative ablation, what each precision costs in quality, each feature's
+worth at each concurrency and the memory sweep, run from the page through the playground's measurement (the live
+engine pauses, every tab says so with progress and time left, Cancel stops it), kept per experiment across
+restarts, and what the tab shows of them: this machine's results when it has some, else the repository's shipped
+ones (playground/results.py).
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 
 from engine import bench
 from engine.workloads import Workload, load_workload
-from viz.figures import concurrency_figure, cumulative_figure, memory_sweep_figure, placeholder_figure
+from viz.figures import concurrency_figure, cumulative_figure, memory_sweep_figure, placeholder_figure, quality_figure
 
 from .handlers import Playground, ProgressFn
+from .quality import goal_for
 from .results import (
     EXPERIMENTS,
     SHIPPED_RESULTS,
@@ -24,15 +26,18 @@ from .results import (
     now,
     save_local,
 )
-from .tables import concurrency_table, cumulative_table, memory_table
+from .tables import concurrency_table, cumulative_table, memory_table, quality_table
 
 # What `python -m engine.bench` runs by default, so a run from the page measures what the shipped file holds.
 DEFAULT_WORKLOADS = {"cumulative": "ablation", "concurrency": "ablation", "memory": "memory-pressure"}
 CONCURRENCY_LEVELS = (1, 8, 32)
 POOL_SIZES = (32, 64, 128, 256)  # KV blocks, `memory --blocks`' default
+QUALITY_WINDOW = 1024  # tokens per teacher-forced prompt, `quality --window`'s default (shorter if the model is)
 FEATURE_NAMES = {f.switch: f.name for f in bench.FEATURES}
-NAMES = {"cumulative": "cumulative ablation", "concurrency": "concurrency sweep", "memory": "memory sweep"}
+NAMES = {"cumulative": "cumulative ablation", "quality": "quality against fp32", "concurrency": "concurrency sweep",
+         "memory": "memory sweep"}
 EMPTY = {"cumulative": "No results yet: press Run to add the features back one by one on this machine",
+         "quality": "No results yet: press Run to score each precision against fp32 on this machine",
          "concurrency": "No results yet: press Run to measure each feature at concurrency 1, 8 and 32",
          "memory": "No results yet: press Run to try each KV pool size, paged and contiguous"}
 
@@ -59,11 +64,13 @@ class FeatureExperiments:
     # ---- running ---------------------------------------------------------------------------------------
     def run(self, kind: str, workload_name: str | None = None, quick: bool = True,
             progress: ProgressFn | None = None, levels: Sequence[int] = CONCURRENCY_LEVELS,
-            pool_sizes: Sequence[int] = POOL_SIZES) -> list:
+            pool_sizes: Sequence[int] = POOL_SIZES, specs: Sequence[str] = bench.QUALITY_SPECS) -> list:
         """Run one experiment (EXPERIMENTS) and keep its rows. Raises bench.Cancelled if cancelled, ValueError if
-        another measurement is running or the workload is unknown."""
+        another measurement is running or the workload is unknown. quality takes specs, not a workload."""
         if kind not in EXPERIMENTS:
             raise ValueError(f"unknown experiment {kind!r}; one of {', '.join(EXPERIMENTS)}")
+        if kind == "quality":
+            return self.run_quality(specs, progress)
         name = workload_name or DEFAULT_WORKLOADS[kind]
         llm = self.pg.llm
         workload = load_workload(name, quick).tokenized(llm.tokenizer)
@@ -89,6 +96,28 @@ class FeatureExperiments:
             rows, machine_description(llm), now(), command,
             kv_bytes_per_token=llm.engine.model.kv_bytes_per_token() if kind == "memory" else None,
             note=_seats_note(workload, levels) if kind == "concurrency" else ""))
+        return rows
+
+    def run_quality(self, specs: Sequence[str], progress: ProgressFn | None = None) -> list[bench.QualityRow]:
+        """engine.bench.quality from the page: each spec's engine against the fp32 one over the shipped text. It
+        has no stop check of its own: Cancel takes effect at its next progress call, between two specs."""
+        specs = [s.strip() for s in specs if s and s.strip()]
+        if not specs:
+            raise ValueError("choose at least one precision to score against fp32")
+        for spec in specs:
+            bench.resolve_spec(spec)  # a bad spec is refused before the live engine pauses
+        llm = self.pg.llm
+        window = min(QUALITY_WINDOW, llm.engine.model.max_len - 1)  # one new token after each window must fit
+        with self.pg.measuring(NAMES["quality"], len(specs) + 1, progress) as m:
+            def report(done: int, total: int, current: str) -> None:
+                if m.cancel.is_set():
+                    raise bench.Cancelled(f"cancelled before {current!r} ({done}/{total} done)")
+                m.report(done, total, current)
+            rows = bench.quality(llm, specs, window=window, progress=report)
+        command = "python -m engine.bench quality " + " ".join(f"--spec {s}" for s in specs) + (
+            f" --window {window}" if window != QUALITY_WINDOW else "")
+        save_local(self.store, "quality", Measured(rows, machine_description(llm), now(), command,
+                                                   note=quality_note(rows, window)))
         return rows
 
     # ---- loading -----------------------------------------------------------------------------------------
@@ -117,6 +146,10 @@ class FeatureExperiments:
         rows = measured.rows if measured else []
         if kind == "cumulative":
             figure, table = cumulative_figure(rows), cumulative_table(rows)
+        elif kind == "quality":
+            goals = [(g.min_top1_agreement, g.max_perplexity_change) if (g := goal_for(r.spec)) else None
+                     for r in rows]
+            figure, table = quality_figure(rows, goals), quality_table(rows)
         elif kind == "concurrency":
             figure, table = concurrency_figure(rows, level, FEATURE_NAMES), concurrency_table(rows)
         else:
@@ -155,6 +188,15 @@ def source_line(measured: Measured | None) -> str:
             f"yours" if measured.shipped else f"measured on this machine ({measured.measured_on}), {measured.date}")
     command = f" · `{measured.command}`" if measured.command else ""
     return f"*{what}*{command}" + (f"\n\n{measured.note}" if measured.note else "")
+
+
+def quality_note(rows: Sequence[bench.QualityRow], window: int) -> str:
+    """What a quality run scored: the positions of the text, and fp32's own perplexity on it."""
+    if not rows:
+        return ""
+    return (f"Teacher-forced over `{bench.QUALITY_TEXT.relative_to(bench.QUALITY_TEXT.parents[2])}`: "
+            f"{rows[0].positions} positions in windows of {window} tokens; fp32's perplexity "
+            f"{rows[0].reference_perplexity:.2f}.")
 
 
 def concurrency_lesson(rows: Sequence[bench.AblationRow]) -> str:

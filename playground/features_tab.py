@@ -7,7 +7,7 @@ from collections.abc import Callable
 import gradio as gr
 from gradio.components.plot import PlotData
 
-from engine.bench import FEATURES, Cancelled
+from engine.bench import FEATURES, QUALITY_SPECS, Cancelled
 
 from .features import CONCURRENCY_LEVELS, DEFAULT_WORKLOADS, EXPERIMENTS, NAMES, FeatureExperiments
 from .handlers import Playground, workloads
@@ -15,20 +15,29 @@ from .handlers import Playground, workloads
 TAB = "The engine, feature by feature"
 INTRO = """The course draws these with illustrative numbers; here every bar is **measured on the real engine**.
 What to look for: the KV cache is the big step and each later feature multiplies on top of it (or does not, on
-this workload); a feature's worth depends on load (speculation pays with one request at a time and fades when the
+this workload); quantization's speed comes at a cost in quality, scored against fp32 right under it; a feature's
+worth depends on load (speculation pays with one request at a time and fades when the
 batch is full); and memory decides how many requests fit at once. The live engine pauses while a run measures
 (every tab says so, with time left); Cancel stops it."""
 SECTIONS = {
     "cumulative": ("1. The engine, feature by feature",
                    "Everything off (the naive loop), then each feature added back in the course's order: "
                    + ", ".join(f.name for f in FEATURES) + "."),
-    "concurrency": ("2. What each feature is worth under load",
+    "quality": ("2. What each precision costs in quality",
+                "Quantization's row above is what a smaller precision buys in tokens/s; this is its price. Each "
+                "precision's engine reads the same text (prose, code and dialogue) as the fp32 engine, teacher-"
+                "forced: how often both pick the same next token (top-1 agreement), how far the text's own token "
+                "logprobs move, and its perplexity. The goals are the quantization issue's: int8 weights ≥ 97% "
+                "top-1 and perplexity within +2%, w8a8 ≥ 95% and +4%, int4 ≥ 90% and +10%, an int8 KV cache ≥ 98%; "
+                "a combination has none. Cancel stops it between two precisions."),
+    "concurrency": ("3. What each feature is worth under load",
                     "The full engine, then each feature off in turn, at 1, 8 and 32 requests at a time. A bar is "
                     "the full engine's tokens/s over the engine's without that feature: above 1x it helps."),
-    "memory": ("3. Memory is still the constraint",
+    "memory": ("4. Memory is still the constraint",
                "Each KV pool size, paged and contiguous: how many requests fit at once, how often one is preempted "
                "(its blocks taken back, recomputed later), and what that does to tokens/s."),
 }
+QUALITY_COLUMNS = ["27%", "14%", "13%", "11%", "11%", "24%"]  # tables.QUALITY_HEADERS: the page's width, no scrolling
 ALL_LEVELS = "all"
 LEVEL_CHOICES = [ALL_LEVELS, *map(str, CONCURRENCY_LEVELS)]
 
@@ -49,11 +58,14 @@ def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotD
             heading, text = SECTIONS[kind]
             gr.Markdown(f"### {heading}\n{text}")
             with gr.Row():
-                workload = gr.Dropdown(workloads(), value=DEFAULT_WORKLOADS[kind], label="workload")
-                quick = gr.Checkbox(value=True, label="quick (a quarter of the requests)")
+                if kind == "quality":  # no workload: a fixed text, and the precisions to score
+                    inputs[kind] = [gr.CheckboxGroup(list(QUALITY_SPECS), value=list(QUALITY_SPECS), scale=4,
+                                                     label="precisions to score against fp32 (fewer: quicker)")]
+                else:
+                    inputs[kind] = [gr.Dropdown(workloads(), value=DEFAULT_WORKLOADS[kind], label="workload"),
+                                    gr.Checkbox(value=True, label="quick (a quarter of the requests)")]
                 go = gr.Button(f"Run {NAMES[kind]}", variant="primary")
                 cancel = gr.Button("Cancel")
-            inputs[kind] = [workload, quick]
             if kind == "concurrency":
                 level = gr.Radio(LEVEL_CHOICES, value=ALL_LEVELS, label="concurrency (requests at a time)")
                 inputs[kind].append(level)
@@ -61,9 +73,11 @@ def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotD
             status = gr.Markdown()
             plot = gr.Plot(serialised(view.figure), show_label=False)
             source = gr.Markdown(view.source)
-            table = gr.Dataframe(view.table, headers=view.table["headers"], label=f"the numbers: {NAMES[kind]}")
+            table = gr.Dataframe(view.table, headers=view.table["headers"], label=f"the numbers: {NAMES[kind]}",
+                                 **({"wrap": True, "column_widths": QUALITY_COLUMNS} if kind == "quality" else {}))
             outputs[kind] = (plot, table, source, status)
-            go.click(_runner(experiments, serialised, kind), inputs[kind], list(outputs[kind]))
+            # the bar over the chart only: on every output it covered the source line and the table with copies
+            go.click(_runner(experiments, serialised, kind), inputs[kind], list(outputs[kind]), show_progress_on=plot)
             cancel.click(pg.cancel_measurement, None, status)
 
     def show(kind: str, choice: str | None = None) -> tuple:
@@ -72,7 +86,7 @@ def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotD
 
     # another session (or a restart) may have measured since this page was built: read the store again
     def refresh(choice: str) -> tuple:
-        return (experiments.shipped()[1], *show("cumulative"), *show("concurrency", choice), *show("memory"))
+        return (experiments.shipped()[1], *(o for kind in EXPERIMENTS for o in show(kind, choice)))
     tab.select(refresh, [level], [shipped_note, *(o for kind in EXPERIMENTS for o in outputs[kind][:3])])
     level.change(lambda choice: show("concurrency", choice)[0], level, outputs["concurrency"][0])
     return tab
@@ -92,6 +106,16 @@ def _runner(experiments: FeatureExperiments, serialised: Callable, kind: str) ->
         def run_at(workload: str, quick: bool, choice: str, progress=gr.Progress()) -> tuple:
             return run(workload, quick, choice, progress)
         return run_at
+
+    if kind == "quality":
+        def run_specs(specs: list[str], progress=gr.Progress()) -> tuple:
+            try:
+                experiments.run_quality(specs, lambda f, d: progress(f, desc=d))
+            except (ValueError, Cancelled) as exc:
+                return gr.skip(), gr.skip(), gr.skip(), f"⚠️ {exc}"
+            view = experiments.view(kind)
+            return serialised(view.figure), view.table, view.source, ""
+        return run_specs
 
     def run_one(workload: str, quick: bool, progress=gr.Progress()) -> tuple:
         return run(workload, quick, None, progress)

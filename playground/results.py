@@ -4,7 +4,8 @@ measured for the repository shipped in presets/results/, shown until this machin
 The shipped file is `bundle` of the row lists that `python -m engine.bench ... --json` writes:
 
     python -m playground.results --cumulative cumulative.json --concurrency concurrency.json \\
-        --memory memory.json --measured-on "2-core AMD EPYC VM (AVX2), no GPU, torch 2.13" [--date 2026-12-01]
+        --memory memory.json [--quality quality.json] --measured-on "2-core AMD EPYC VM (AVX2), no GPU, torch 2.13" \\
+        [--date 2026-12-01]
 """
 from __future__ import annotations
 
@@ -21,20 +22,22 @@ from typing import Any
 
 import torch
 
-from engine.bench import NAIVE_LOOP, AblationRow, MemoryRow, to_jsonable
+from engine.bench import NAIVE_LOOP, AblationRow, MemoryRow, QualityRow, to_jsonable
 
-EXPERIMENTS = ("cumulative", "concurrency", "memory")
-ROW_TYPES = {"cumulative": AblationRow, "concurrency": AblationRow, "memory": MemoryRow}
+# in the tab's order: quality under the cumulative ablation, whose quantization row is what precision costs in speed
+EXPERIMENTS = ("cumulative", "quality", "concurrency", "memory")
+ROW_TYPES = {"cumulative": AblationRow, "quality": QualityRow, "concurrency": AblationRow, "memory": MemoryRow}
 SHIPPED_RESULTS = Path(__file__).resolve().parent.parent / "presets" / "results" / "feature-by-feature.json"
-DEFAULT_COMMAND = ("python -m engine.bench ablate --cumulative --json cumulative.json; "
-                   "python -m engine.bench ablate --concurrency 1,8,32 --json concurrency.json; "
-                   "python -m engine.bench memory --json memory.json")
+COMMANDS = {"cumulative": "python -m engine.bench ablate --cumulative --json cumulative.json",
+            "quality": "python -m engine.bench quality --json quality.json",
+            "concurrency": "python -m engine.bench ablate --concurrency 1,8,32 --json concurrency.json",
+            "memory": "python -m engine.bench memory --json memory.json"}
 
 
 @dataclass
 class Measured:
     """One experiment's rows, and where and when they were measured."""
-    rows: list  # AblationRow (cumulative, concurrency) or MemoryRow (memory)
+    rows: list  # AblationRow (cumulative, concurrency), MemoryRow (memory) or QualityRow (quality)
     measured_on: str  # the machine, in words
     date: str
     command: str  # what produced them (for a run from the page, the equivalent command line)
@@ -67,6 +70,12 @@ def _check_kind(kind: str, rows: list) -> None:
                          f"the first row is {rows[0].feature!r}")
     if kind == "concurrency" and any(r.concurrency is None for r in rows):
         raise ValueError("concurrency: expected `ablate --concurrency ...` rows, each with its concurrency")
+    for i, r in enumerate(rows if kind == "quality" else []):
+        numbers = (r.top1_agreement, r.perplexity, r.reference_perplexity)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers) \
+                or not 0 <= r.top1_agreement <= 1 or min(r.perplexity, r.reference_perplexity) < 1:
+            raise ValueError(f"quality row {i} ({r.spec!r}): expected a top-1 agreement in [0, 1] and perplexities "
+                             f">= 1, got {r.top1_agreement!r}, {r.perplexity!r}, {r.reference_perplexity!r}")
 
 
 def _rows_from(source: Path | str | list | None, kind: str) -> list:
@@ -77,13 +86,18 @@ def _rows_from(source: Path | str | list | None, kind: str) -> list:
 
 
 def bundle(cumulative_json: Path | str | list | None, concurrency_json: Path | str | list | None,
-           memory_json: Path | str | list | None, measured_on: str, date: str, command: str = DEFAULT_COMMAND,
-           kv_bytes_per_token: int | None = None) -> dict:
-    """The shipped file's content from the three `--json` row files (paths, or their lists already loaded).
-    Each is checked to be the experiment it is given as; None leaves that experiment out."""
+           memory_json: Path | str | list | None, measured_on: str, date: str, command: str | None = None,
+           kv_bytes_per_token: int | None = None, quality_json: Path | str | list | None = None) -> dict:
+    """The shipped file's content from the `--json` row files (paths, or their lists already loaded). Each is
+    checked to be the experiment it is given as; None leaves that experiment out. command: what produced them
+    (default: COMMANDS of the experiments given)."""
     if not measured_on.strip() or not date.strip():
         raise ValueError("say where and when the results were measured (measured_on, date)")
-    sources = {"cumulative": cumulative_json, "concurrency": concurrency_json, "memory": memory_json}
+    given = {"cumulative": cumulative_json, "concurrency": concurrency_json, "memory": memory_json,
+             "quality": quality_json}
+    sources = {kind: given[kind] for kind in EXPERIMENTS}
+    if command is None:
+        command = "; ".join(COMMANDS[kind] for kind, source in sources.items() if source is not None)
     out: dict[str, Any] = {"measured_on": measured_on, "date": date, "command": command}
     if kv_bytes_per_token is not None:
         out["kv_bytes_per_token"] = kv_bytes_per_token
@@ -166,14 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument(f"--{kind}", type=Path, default=None, help=f"the rows of the {kind} run (--json)")
     parser.add_argument("--measured-on", required=True, help="the machine, in words (cores, CPU or GPU, torch)")
     parser.add_argument("--date", default=datetime.now().strftime("%Y-%m-%d"))
-    parser.add_argument("--command", default=DEFAULT_COMMAND, help="the commands that produced the rows")
+    parser.add_argument("--command", default=None, help="the commands that produced the rows (default: the "
+                        "experiments' default commands, as in presets/results/README.md)")
     parser.add_argument("--kv-bytes-per-token", type=int, default=None, help="the model's (the page computes it "
                         "from the loaded model when left out)")
     parser.add_argument("--out", type=Path, default=SHIPPED_RESULTS)
     args = parser.parse_args(argv)
     try:
         data = bundle(args.cumulative, args.concurrency, args.memory, args.measured_on, args.date, args.command,
-                      args.kv_bytes_per_token)
+                      args.kv_bytes_per_token, args.quality)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,13 +10,15 @@ from typing import Any
 from engine.bench import Report
 from engine.bench.report import COMPARE_HEADERS, format_cell
 
+from .quality import goal_for
+
 ABLATION_HEADERS = ["configuration", "tok/s", "x full engine", "mean TTFT (s)", "mean TPOT (s)", "peak KV blocks",
                     "preemptions", "draft acceptance", "same greedy output", "note"]
 CUMULATIVE_HEADERS = ["configuration", "tok/s", "x previous (this feature)", "x naive loop", "mean TTFT (s)",
                       "mean TPOT (s)", "peak KV blocks", "preemptions", "prefix hits (tokens)", "draft acceptance",
                       "same greedy output", "note"]
 __all__ = ["ABLATION_HEADERS", "COMPARE_HEADERS", "CUMULATIVE_HEADERS", "ablation_table", "cell", "compare_table",
-           "concurrency_table", "cumulative_table", "memory_table"]
+           "concurrency_table", "cumulative_table", "memory_table", "quality_table"]
 
 
 def cell(value: Any) -> str:
@@ -81,6 +83,19 @@ def memory_table(rows: list) -> dict:
     return {"headers": headers, "data": data}
 
 
+QUALITY_HEADERS = ["precision", "top-1 agreement with fp32", "mean |logprob diff|", "perplexity", "change vs fp32",
+                   "goal (quantization issue)"]
+
+
+def quality_table(rows: list) -> dict:
+    """One line per QualityRow: how close each precision stays to fp32, and the issue's goal for it if it has one
+    (fp32's own perplexity and each row's spec are in the section's note and command)."""
+    data = [[r.precision, _percent(r.top1_agreement, 1), f"{r.mean_abs_logprob_diff:.3f}", f"{r.perplexity:.2f}",
+             _signed_percent(r.perplexity_change), goal.verdict(r) if (goal := goal_for(r.spec)) else "-"]
+            for r in rows]
+    return {"headers": QUALITY_HEADERS, "data": data}
+
+
 def compare_table(report: Report) -> dict:
     """A comparison report's (bench.compare_report) "configurations" rows, their keys as headers."""
     rows = report.tables["configurations"]
@@ -91,5 +106,11 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _percent(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
+def _signed_percent(x: float) -> str:
+    """+1.23%, -0.40%; a change that rounds to nothing is 0.00%, not -0.00%."""
+    text = f"{x:+.2%}"
+    return "0.00%" if text in ("+0.00%", "-0.00%") else text
+
+
+def _percent(x: float | None, digits: int = 0) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"

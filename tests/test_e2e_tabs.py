@@ -225,18 +225,21 @@ VISIBLE_TRACES = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))
 
 def test_the_engine_feature_by_feature_tab(served, page, shots):
     """Before anything is measured here, the repository's shipped results are drawn, with where and when they
-    were measured. Then each Run button measures its experiment on the tiny model (quick presets), and the three
-    charts stay readable, now marked as this machine's; the concurrency selector redraws."""
+    were measured (quality has none shipped yet: its section says to press Run). Then each Run button measures its
+    experiment on the tiny model (quick presets), and the four charts stay readable, now marked as this machine's;
+    the concurrency selector redraws."""
     url, pg = served
     tab = "The engine, feature by feature"
     page.goto(url)
     page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
     visit(page, tab, shots, min_charts=3, name="features-before")
     assert page.get_by_text("Shipped results: measured on").is_visible()
-    assert page.evaluate(VISIBLE_TRACES) == [1, 3, 6]  # the shipped rows, drawn before any run
-    assert page.get_by_text("shipped with the repository").count() == 3
+    assert page.evaluate(VISIBLE_TRACES) == [1, 0, 3, 6]  # the shipped rows, drawn before any run; no quality yet
+    assert page.get_by_text("(shipped with the repository)").count() == 3
+    assert page.get_by_text("No results yet: none shipped with the repository").count() == 1
     measured_here = "() => (document.body.innerText.match(/measured on this machine/g) || []).length"
     for done, (button, cell) in enumerate((("Run cumulative ablation", "+ KV cache"),
+                                           ("Run quality against fp32", "float32, int8 weights"),
                                            ("Run concurrency sweep", "reference"), ("Run memory sweep", "contiguous")),
                                           start=1):
         page.get_by_role("button", name=button).click()  # the shipped rows' cells are there already: wait for the
@@ -244,12 +247,37 @@ def test_the_engine_feature_by_feature_tab(served, page, shots):
         assert cell in page.evaluate(TABLE_CELLS)
     assert not pg.service.paused and pg.measurement is None
     visit(page, tab, shots, min_charts=3, name="features")
-    # cumulative bars; 3 concurrencies; 2 layouts x 2 KV dtypes (fp32, int8) x 3 panels
-    assert page.evaluate(VISIBLE_TRACES) == [1, 3, 12]
-    assert page.get_by_text("measured on this machine").count() == 3
+    # cumulative bars; quality's two panels of bars and of goals; 3 concurrencies; 2 layouts x 2 KV dtypes x 3 panels
+    assert page.evaluate(VISIBLE_TRACES) == [1, 4, 3, 12]
+    assert page.get_by_text("measured on this machine").count() == 4
     page.get_by_label("1", exact=True).check()
-    page.wait_for_function(f"() => ({VISIBLE_TRACES})()[1] === 1", timeout=30_000)
+    page.wait_for_function(f"() => ({VISIBLE_TRACES})()[2] === 1", timeout=30_000)
     visit(page, tab, shots, min_charts=3, name="features-concurrency-1")
+
+
+def test_the_weights_change_from_the_settings_tab(served, page, shots):
+    """The weights' controls are there with what runs; int8 chosen and applied rebuilds the model, says so, and
+    every tab's status line shows the new precision. Back to none afterwards, for the other tests."""
+    url, pg = served
+    page.goto(url)
+    page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
+    page.get_by_role("tab", name="Engine settings").click()
+    for label in ("quantization (weights)", "int4 group size", "quantize_lm_head", "dtype"):
+        assert page.get_by_label(label, exact=True).is_visible(), label
+    page.get_by_text("Weights: float32.").wait_for(timeout=30_000)
+    for choice in ("int8", "none"):
+        page.get_by_label("quantization (weights)", exact=True).click()
+        page.get_by_role("option", name=choice, exact=True).click()
+        page.get_by_role("button", name="Apply").click()
+        precision = "float32" + (", int8 weights" if choice == "int8" else "")
+        page.get_by_text(f"Rebuilt the engine for {precision}: weights loaded in").wait_for(timeout=120_000)
+        if choice == "int8":
+            assert pg.llm.engine.model.weight_format.quantization == "int8"
+            page.get_by_text("Weights: float32, int8 weights.").wait_for(timeout=30_000)
+            page.wait_for_function("() => document.body.innerText.includes('running · float32, int8 weights')",
+                                   timeout=30_000)
+            visit(page, "Engine settings", shots, name="engine-settings-int8")
+    assert pg.llm.engine.model.weight_format.quantization is None and pg.service.alive
 
 
 def test_attaching_to_an_address_where_nothing_answers_is_refused_in_the_page(served, page, shots):

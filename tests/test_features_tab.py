@@ -20,7 +20,7 @@ from playground.results import (
     parse_rows,
     save_local,
 )
-from playground.tables import concurrency_table, cumulative_table, memory_table
+from playground.tables import concurrency_table, cumulative_table, memory_table, quality_table
 from viz.figures import to_figure
 
 TINY_WORKLOAD = """
@@ -159,7 +159,7 @@ def test_bundle_takes_the_cli_row_files_and_the_page_shows_them_as_shipped(measu
 
 def test_bundle_refuses_files_given_for_the_wrong_experiment(measured, tmp_path):
     _, rows, _ = measured
-    cumulative, concurrency, memory = (cli_json(rows[k]) for k in EXPERIMENTS)
+    cumulative, concurrency, memory = (cli_json(rows[k]) for k in ("cumulative", "concurrency", "memory"))
     with pytest.raises(ValueError, match="cumulative: expected `ablate --cumulative` rows"):
         bundle(concurrency, cumulative, memory, "m", "d")
     with pytest.raises(ValueError, match="concurrency: expected"):
@@ -230,3 +230,115 @@ def test_cumulative_and_concurrency_tables_and_the_lesson():
     assert table["data"] == [["full engine", "40.00", "reference", "80.00", "reference"],
                              ["no speculative decoding", "20.00", "2.00", "80.00", "1.00"]]
     assert concurrency_lesson(conc) == "From concurrency 1 to 32: speculative decoding 2.00x → 1.00x"
+
+
+# ---- quality: what each precision costs, beside the speed --------------------------------------------------------
+def test_quality_runs_from_the_page_one_row_per_precision(pg, measured):
+    experiments, rows, progress = measured
+    quality = rows["quality"]
+    assert [r.spec for r in quality] == list(bench.QUALITY_SPECS)
+    for r in quality:
+        assert 0 <= r.top1_agreement <= 1 and r.perplexity > 1 and r.reference_perplexity > 1, r
+        assert r.positions > 100 and r.mean_abs_logprob_diff >= 0
+    assert len({r.reference_perplexity for r in quality}) == 1  # one fp32 reference for every precision
+    # what the page ran is what engine.bench.quality gives for that precision on this model (deterministic)
+    window = pg.llm.engine.model.max_len - 1
+    (direct,) = bench.quality(pg.llm, [quality[0].spec], window=window)
+    assert (direct.top1_agreement, direct.perplexity) == (quality[0].top1_agreement, quality[0].perplexity)
+    assert [d for _, d in progress["quality"]][1].endswith("running: quantization=int8")
+    view = experiments.view("quality")
+    assert [line[0] for line in view.table["data"]] == [r.precision for r in quality]
+    assert view.table["data"][0][0] == "float32, int8 weights" and len(view.table["data"]) == len(quality)
+    goals = [line[-1] for line in view.table["data"]]
+    assert goals[0].startswith("top-1 ≥ 97%, ppl ≤ +2%: ") and goals[3].startswith("top-1 ≥ 98%: ")
+    assert goals[4] == goals[5] == "-"  # int8 or int4 weights with an int8 KV cache: no goal of its own
+    assert f"python -m engine.bench quality --spec {bench.QUALITY_SPECS[0]}" in view.source
+    assert f"--window {window}" in view.source and f"{quality[0].positions} positions" in view.source
+    fig = to_figure(view.figure)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert len(bars) == 2 and list(bars[0].y) == pytest.approx([100 * r.top1_agreement for r in quality])
+    assert [t.name for t in fig.data if t.type == "scatter"] == ["goal (quantization issue)"] * 2
+
+
+def test_quality_from_the_tab_can_be_cancelled_and_keeps_nothing(pg, tmp_path):
+    experiments = FeatureExperiments(pg, store=tmp_path / "store.json", shipped=tmp_path / "absent.json")
+    started, outcome = threading.Event(), {}
+
+    def run():
+        try:
+            experiments.run("quality", specs=["quantization=int8", "quantization=int4"],
+                            progress=lambda f, d: started.set())
+        except bench.Cancelled as exc:
+            outcome["cancelled"] = exc
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert started.wait(60)
+    assert "paused for a measurement (quality against fp32: 0/3 configurations" in pg.status()
+    assert pg.cancel_measurement().startswith("Cancelling the quality against fp32")
+    worker.join(60)
+    assert "cancelled" in outcome and "quantization=int8" in str(outcome["cancelled"])
+    assert not pg.service.paused and load_local(experiments.store) == {}
+    with pytest.raises(ValueError, match="at least one precision"):
+        experiments.run("quality", specs=[])
+    with pytest.raises(ValueError, match="unknown config field"):
+        experiments.run("quality", specs=["quantisation=int8"])
+    assert pg.measurement is None and not pg.service.paused
+
+
+def test_bundle_takes_the_quality_json_the_cli_writes(tiny_models, measured, tmp_path):
+    from engine.bench.cli import main as bench_main
+    experiments, rows, _ = measured
+    quality = tmp_path / "quality.json"
+    assert bench_main(["quality", "--model", tiny_models["llama"][0], "--spec", "quantization=int8", "--window",
+                       "256", "--json", str(quality)]) == 0
+    written = json.loads(quality.read_text())
+    assert [r["spec"] for r in written] == ["quantization=int8"]
+    data = bundle(None, None, None, "a laptop", "2026-12-04", quality_json=quality)
+    assert data["command"] == "python -m engine.bench quality --json quality.json"
+    assert [r["spec"] for r in data["quality"]] == ["quantization=int8"] and data["memory"] == []
+    shipped = tmp_path / "shipped.json"
+    shipped.write_text(json.dumps(data))
+    page = FeatureExperiments(experiments.pg, store=tmp_path / "store.json", shipped=shipped)
+    assert set(page.results()) == {"quality"} and page.results()["quality"].shipped
+    assert page.view("quality").source.startswith("*measured on a laptop, 2026-12-04 (shipped with the repository)")
+    assert page.view("quality").table["data"][0][0] == "float32, int8 weights"
+    # this machine's quality run takes over from the shipped one, as for the other experiments
+    save_local(page.store, "quality", Measured(rows["quality"], "here", "2026-12-05", "cmd"))
+    assert not page.results()["quality"].shipped and len(page.view("quality").table["data"]) == len(rows["quality"])
+    # a wrong file is refused, naming the experiment
+    with pytest.raises(ValueError, match="quality row 0"):
+        bundle(None, None, None, "m", "d", quality_json=cli_json(rows["memory"]))
+    with pytest.raises(ValueError, match="memory row 0"):
+        bundle(None, None, quality, "m", "d")
+    with pytest.raises(ValueError, match=r"quality row 0 \('quantization=int8'\): expected a top-1 agreement in"):
+        bundle(None, None, None, "m", "d", quality_json=[{**written[0], "top1_agreement": 97.5}])
+    out = tmp_path / "bundled.json"
+    assert main(["--quality", str(quality), "--measured-on", "x", "--out", str(out)]) == 0
+    assert load_shipped(out)["quality"].rows[0].spec == "quantization=int8"
+
+
+def test_a_shipped_bundle_without_quality_shows_the_others_and_says_press_run(pg, tmp_path):
+    """As the repository's file is until quality is measured on the reference machine."""
+    from playground.results import SHIPPED_RESULTS
+    data = {k: v for k, v in json.loads(SHIPPED_RESULTS.read_text()).items() if k != "quality"}
+    (tmp_path / "shipped.json").write_text(json.dumps(data))
+    shipped = FeatureExperiments(pg, store=tmp_path / "store.json", shipped=tmp_path / "shipped.json")
+    assert set(shipped.results()) == {"cumulative", "concurrency", "memory"}
+    view = shipped.view("quality")
+    assert view.source.startswith("No results yet") and not view.table["data"]
+    assert to_figure(view.figure).layout.annotations[0].text.startswith("No results yet: press Run to score")
+
+
+def test_quality_goals_and_table():
+    from playground.quality import KV_GOAL, WEIGHT_GOALS, goal_for
+    assert goal_for("quantization=int8") is WEIGHT_GOALS["int8"]
+    assert goal_for("quantization=int4,quantization_group_size=64,quantize_lm_head=false") is WEIGHT_GOALS["int4"]
+    assert goal_for("kv_cache_dtype=int8") is KV_GOAL
+    assert goal_for("quantization=int8,kv_cache_dtype=int8") is None and goal_for("dtype=bfloat16") is None
+    assert goal_for("no_such_preset") is None
+    row = bench.QualityRow("quantization=w8a8", "float32, w8a8 weights", 100, 0.9, 0.2, 1.0, 15.9, 15.2, 1.0)
+    table = quality_table([row])
+    assert table["data"][0] == ["float32, w8a8 weights", "90.0%", "0.200", "15.90", "+4.61%",
+                                "top-1 ≥ 95%, ppl ≤ +4%: top-1 and ppl short"]
+    met = bench.QualityRow("kv_cache_dtype=int8", "float32, int8 KV", 100, 0.99, 0.02, 0.1, 15.2, 15.2, 1.0)
+    assert quality_table([met])["data"][0][-1] == "top-1 ≥ 98%: met"

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from engine import LLM, SamplingParams, bench
+from engine import LLM, EngineConfig, SamplingParams, bench
+from engine.config import WEIGHT_FIELDS
 from playground import Playground, conversation
 from playground.handlers import ChatSession, Measurement, describe_step
 from playground.serialised import SerialisedFigures
@@ -306,7 +307,9 @@ def test_the_settings_form_shows_what_the_engine_will_run_and_sends_only_edits(p
     assert pg.settings() == {"kv_cache": True, "paged_kv": True, "continuous_batching": True,
                              "prefix_caching": True, "chunked_prefill": True, "speculative_decoding": False,
                              "block_size": 16, "num_kv_blocks": None, "max_num_seqs": 64,
-                             "max_num_batched_tokens": None, "max_model_len": None, "kv_cache_dtype": "auto"}
+                             "max_num_batched_tokens": None, "max_model_len": None, "kv_cache_dtype": "auto",
+                             # the weights as EngineConfig's defaults, dtype "auto" as the CPU resolves it
+                             **{k: getattr(EngineConfig(), k) for k in WEIGHT_FIELDS}, "dtype": "float32"}
 
 
 def test_a_change_waiting_for_a_step_is_what_the_form_shows(pg):

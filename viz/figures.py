@@ -637,3 +637,73 @@ def memory_sweep_figure(rows: Sequence) -> dict:
             layout[f"yaxis{axis}"].update(_whole_ticks(max((getattr(r, attr) or 0 for r in rows), default=0)))
     return figure(data, height=380, title="Memory is still the constraint: what fits in each KV pool (measured)",
                   margin=dict(l=50, r=20, t=80, b=60), **layout)
+
+
+QUALITY_PANELS = ("top-1 agreement with fp32 (%)", "perplexity change vs fp32 (%)")
+
+
+def _precision_label(precision: str) -> str:
+    """'float32, int4 weights (groups of 32), int8 KV' as 'int4 weights<br>(groups of 32)<br>int8 KV': the
+    reference is fp32, so a row in fp32 says only what it changes."""
+    parts = precision.split(", ")
+    if len(parts) > 1 and parts[0] == "float32":
+        parts = parts[1:]
+    return "<br>".join(p.replace(" (", "<br>(") for p in parts)
+
+
+def _signed(percent: float) -> str:
+    """+3.4%, -0.3%; a change that rounds to nothing is 0.0%, not -0.0%."""
+    text = f"{percent:+.1f}%"
+    return "0.0%" if text in ("+0.0%", "-0.0%") else text
+
+
+def _against_goal(value: float, goal: float | None, higher_is_better: bool) -> str:
+    if goal is None:
+        return EVEN
+    return GAIN if (value >= goal if higher_is_better else value <= goal) else LOSS
+
+
+def quality_figure(rows: Sequence, goals: Sequence[tuple[float, float | None] | None] | None = None) -> dict:
+    """What each precision costs in quality (QualityRows of engine.bench.quality): how often its most likely next
+    token is fp32's, and how far its perplexity on the same text moves. goals: per row, (least top-1 agreement,
+    most perplexity change or None), or None for a row without one: a black dash over the bar, which is green when
+    it meets the goal, red when short, blue without a goal."""
+    goals = list(goals) if goals is not None else [None] * len(rows)
+    cats = [_precision_label(r.precision) for r in rows]
+    top1 = [100 * r.top1_agreement for r in rows]
+    ppl = [100 * r.perplexity_change for r in rows]
+    top1_goal = [None if g is None else 100 * g[0] for g in goals]
+    ppl_goal = [None if g is None or g[1] is None else 100 * g[1] for g in goals]
+    data = []
+    # top-1's labels inside the bars' tops, clear of the goal's dash just above; a change's outside its bar
+    for axis, values, wanted, higher, labels, where in (
+            ("", top1, top1_goal, True, [f"{v:.1f}%" for v in top1], "inside"),
+            ("2", ppl, ppl_goal, False, [_signed(v) for v in ppl], "outside")):
+        data.append({"type": "bar", "x": cats, "y": values, "xaxis": f"x{axis}", "yaxis": f"y{axis}",
+                     "text": labels, "textposition": where, "insidetextanchor": "end", "cliponaxis": False,
+                     "width": min(0.7, 0.175 * len(rows)),  # one or two precisions: not a bar as wide as the panel
+                     "marker": {"color": [_against_goal(v, g, higher) for v, g in zip(values, wanted, strict=True)]},
+                     "showlegend": False, "hovertemplate": "%{x}: %{y:.2f}%<extra></extra>"})
+        marked = [(c, g) for c, g in zip(cats, wanted, strict=True) if g is not None]
+        if marked:
+            data.append(scatter(x=[c for c, _ in marked], y=[g for _, g in marked], xaxis=f"x{axis}",
+                                yaxis=f"y{axis}", mode="markers", name="goal (quantization issue)",
+                                legendgroup="goal", showlegend=axis == "",
+                                marker=dict(symbol="line-ew-open", size=36, color="#222", line=dict(width=3)),
+                                hovertemplate=f"%{{x}}: goal {'≥' if higher else '≤'} %{{y:.0f}}%<extra></extra>"))
+    low = min(top1 + [g for g in top1_goal if g is not None] + [100.0])
+    floor = max(0.0, 5 * math.floor((low - 6) / 5))  # room under the lowest bar's label; 0 when far below 100
+    spread = ppl + [g for g in ppl_goal if g is not None] + [0.0]
+    pad = max(1.0, 0.25 * (max(spread) - min(spread)))  # room above and below for the labels
+    layout = {"grid": {"rows": 1, "columns": 2, "pattern": "independent", "xgap": 0.1},
+              "annotations": [{"text": label, "showarrow": False, "xref": f"x{'' if i == 0 else i + 1} domain",
+                               "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.0, "yanchor": "bottom"}
+                              for i, label in enumerate(QUALITY_PANELS)] + ([] if rows else [note("no precision ran")]),
+              "xaxis": dict(tickangle=0), "xaxis2": dict(AXIS, tickangle=0),
+              "yaxis": dict(range=[floor, 103], ticksuffix="%"),
+              "yaxis2": dict(AXIS, range=[min(spread) - pad, max(spread) + pad], ticksuffix="%", zeroline=True,
+                             zerolinecolor="#888")}
+    return figure(data, height=440, margin=dict(l=60, r=20, t=90, b=70),
+                  title="What each precision costs in quality: against the fp32 engine on the same text (measured)"
+                        "<br><sup>green: meets the quantization issue's goal (black dash) · red: short · blue: "
+                        "no goal for that combination</sup>", **layout)

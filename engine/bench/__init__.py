@@ -69,6 +69,7 @@ from .runs import (
                           load_llm,
                           run_config,
                           run_workload,
+                          warm_up,
                           weight_bytes,
 )
 from .specs import list_feature_presets, load_feature_preset, parse_assignments, parse_value, resolve_spec
@@ -83,5 +84,5 @@ __all__ = [
     "QUALITY_SPECS", "QUALITY_TEXT", "QualityRow", "compare_logprobs", "text_windows", "parse_assignments",
     "parse_value",
     "render_report", "resolve_spec", "run_config", "run_table", "run_workload", "sched_cost", "sched_cost_report",
-    "table_report", "to_jsonable", "weight_bytes",
+    "table_report", "to_jsonable", "warm_up", "weight_bytes",
 ]
