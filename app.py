@@ -173,6 +173,10 @@ WEIGHTS_HELP = {
     "quantization_group_size": "int4 only: input features per scale (must divide each layer)",
     "quantize_lm_head": "the LM head too (unticked: it keeps the dtype)",
     "dtype": "CPU: bfloat16 works but is slow without bf16 instructions (README: kernels)",
+    "quantization_smoothing": "calibrated at load over a text: each projection's input channels rescaled before "
+                              "rounding (SmoothQuant / AWQ); a slower load, no slower steps",
+    "quantization_gptq": "calibrated at load: weights rounded by GPTQ instead of to the nearest level; the slowest "
+                         "load (README: quality), no slower steps",
 }
 
 
@@ -207,7 +211,8 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                 "quantize_lm_head": gr.Checkbox(value=now["quantize_lm_head"], label="quantize_lm_head",
                                                 info=WEIGHTS_HELP["quantize_lm_head"]),
                 "dtype": gr.Dropdown(dtypes, value=now["dtype"], label="dtype", info=WEIGHTS_HELP["dtype"], scale=2)}
-            for name in WEIGHT_FIELDS:  # a weight switch added to EngineConfig later gets a box of its own
+        with gr.Row(elem_id="calibration"):
+            for name in WEIGHT_FIELDS:  # the calibration switches, and any weight switch added to EngineConfig later
                 if name not in weights and isinstance(now[name], bool):
                     weights[name] = gr.Checkbox(value=now[name], label=name, info=WEIGHTS_HELP.get(name))
         weights_note = gr.Markdown(pg.weights_note())

@@ -32,6 +32,8 @@ ALPHAS = tuple(a / 10 for a in range(1, 10))  # the grid searched, besides no sm
 SEARCH_ROWS = 256  # calibration tokens the error is measured over (statistics use them all)
 SEARCH_OUTPUTS = 4096  # output channels it is measured over (the LM head has 49,152)
 MAX_TOKENS = 2048  # calibration tokens read (one forward pass; the text has fewer)
+# bump when the search changes: cached scales (engine/models/loader.py) from an older search are not reused
+SEARCH_VERSION = 1
 HEAD_KEY = "lm_head.smoothed.weight"  # the LM head's own smoothed weight when the checkpoint ties it to the embedding
 
 
@@ -92,14 +94,15 @@ class _Recorder:
     """Stands in for a projection during calibration: keeps what the smoothing search and GPTQ need of its
     inputs (a sample of rows, each channel's mean and max |x|, and X.T @ X), then computes as it would."""
 
-    def __init__(self, proj) -> None:
-        self.proj = proj
+    def __init__(self, proj, gram: bool) -> None:
+        self.proj, self.want_gram, self.gram = proj, gram, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         self.rows = xf[torch.linspace(0, xf.shape[0] - 1, min(SEARCH_ROWS, xf.shape[0])).long()]
         self.mean_abs, self.max_abs = xf.abs().mean(0), xf.abs().amax(0)
-        self.gram = xf.T @ xf
+        if self.want_gram:
+            self.gram = xf.T @ xf
         return self.proj(x)
 
 
@@ -109,18 +112,18 @@ class Inputs:
     rows: torch.Tensor  # [SEARCH_ROWS, K]
     mean_abs: torch.Tensor  # [K]
     max_abs: torch.Tensor
-    gram: torch.Tensor  # [K, K]: X.T @ X over every calibration token
+    gram: torch.Tensor | None  # [K, K]: X.T @ X over every calibration token (for GPTQ only)
 
 
-def calibration_inputs(model, token_ids: list[int]) -> dict[tuple[int, str], Inputs]:
+def calibration_inputs(model, token_ids: list[int], gram: bool = True) -> dict[tuple[int, str], Inputs]:
     """Every projection's inputs over the calibration tokens (one forward pass of an unquantized model):
-    {(layer, name): Inputs}, layer -1 being the LM head's."""
+    {(layer, name): Inputs}, layer -1 being the LM head's; X.T @ X only when `gram`."""
     from .attention import AttentionMetadata, PrefillSeq
     owners = {(i, name): w for i, w in enumerate(model.layers) for name in ("qkv", "o", "gate_up", "down")}
     owners[-1, "lm_head"] = model
     recorders = {}
     for (i, name), owner in owners.items():
-        recorders[i, name] = rec = _Recorder(getattr(owner, name))
+        recorders[i, name] = rec = _Recorder(getattr(owner, name), gram)
         setattr(owner, name, rec)
     try:
         ids = torch.tensor(token_ids[:MAX_TOKENS], device=model.device)
@@ -141,17 +144,25 @@ def projection_name(layer: int, name: str) -> str:
 
 
 def calibrate(state: dict[str, torch.Tensor], model, token_ids: list[int], fake: Fake, num_kv_heads: int,
-              head_dim: int, tied: bool, lm_head: bool, smooth: bool,
-              gptq: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(state, hessians): the checkpoint's state (keys without "model.") with every projection's input smoothed
-    for fake's scheme when `smooth`, and when `gptq` each projection's H = X.T @ X over its (smoothed) inputs,
-    keyed by projection_name, for GPTQ's rounding; both found by `model`, built unquantized from `state`."""
-    inputs = calibration_inputs(model, token_ids)
+              head_dim: int, tied: bool, lm_head: bool, smooth: bool, gptq: bool,
+              known: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict, dict[str, torch.Tensor]]:
+    """(state, hessians, scales): the checkpoint's state (keys without "model.") with every projection's input
+    smoothed for fake's scheme when `smooth`, when `gptq` each projection's H = X.T @ X over its (smoothed)
+    inputs, and the smoothing scales; the last two keyed by projection_name. Found by `model`, built unquantized
+    from `state`, over token_ids; `known`: scales found before for the same checkpoint, format and text (a cache),
+    used as they are, so without GPTQ the calibration pass is skipped."""
+    inputs = calibration_inputs(model, token_ids, gram=gptq) if gptq or (smooth and not known) else {}
     out = {k: v.float().clone() if v.is_floating_point() else v for k, v in state.items()}
     scales: dict[tuple[int, str], torch.Tensor] = {}
 
     def find(key: tuple[int, str], w: torch.Tensor, heads: tuple[int, int] | None = None) -> torch.Tensor:
-        scales[key] = s = best_scale(inputs[key], w, fake, heads) if smooth else torch.ones(w.shape[1])
+        if not smooth:
+            s = torch.ones(w.shape[1])
+        elif known:
+            s = known[projection_name(*key)].float()
+        else:
+            s = best_scale(inputs[key], w, fake, heads)
+        scales[key] = s
         return s
 
     for i in range(len(model.layers)):
@@ -188,4 +199,4 @@ def calibrate(state: dict[str, torch.Tensor], model, token_ids: list[int], fake:
     hessians = {}
     if gptq:  # the inputs the smoothed weights see: x / s
         hessians = {projection_name(*key): inputs[key].gram / torch.outer(s, s) for key, s in scales.items()}
-    return out, hessians
+    return out, hessians, {projection_name(*key): s for key, s in scales.items()}

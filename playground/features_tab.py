@@ -27,7 +27,7 @@ SECTIONS = {
                 "Quantization's row above is what a smaller precision buys in tokens/s; this is its price. Each "
                 "precision's engine reads the same text (prose, code and dialogue) as the fp32 engine, teacher-"
                 "forced: how often both pick the same next token (top-1 agreement), how far the text's own token "
-                "logprobs move, and its perplexity. The goals are the quantization issue's: int8 weights ≥ 97% "
+                "logprobs move, and its perplexity. The project's goals: int8 weights ≥ 97% "
                 "top-1 and perplexity within +2%, w8a8 ≥ 95% and +4%, int4 ≥ 90% and +10%, an int8 KV cache ≥ 98%; "
                 "a combination has none. Cancel stops it between two precisions."),
     "concurrency": ("3. What each feature is worth under load",

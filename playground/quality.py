@@ -1,6 +1,6 @@
-"""What each precision should cost in quality: the quantization issue's goals, and which quality row each applies to.
+"""What each precision should cost in quality: the project's quality goals, and which quality row each applies to.
 
-The goals are the issue's targets, not results: a row's own numbers come from `engine.bench.quality` (measured on
+The goals are targets, not results: a row's own numbers come from `engine.bench.quality` (measured on
 this machine from the page, or shipped). A row whose spec changes more than one of these (int8 weights with an
 int8 KV cache, bf16 with int4) matches none of them and has no goal.
 """
@@ -31,7 +31,7 @@ class QualityGoal:
         return f"{self.describe()}: " + ("met" if not short else f"{' and '.join(short)} short")
 
 
-# The quantization issue's goals, per weight scheme (any group size, LM head quantized or not) and for the KV cache.
+# The project's quality goals, per weight scheme (any group size, LM head quantized or not) and for the KV cache.
 WEIGHT_GOALS = {"int8": QualityGoal("int8 weights", 0.97, 0.02), "w8a8": QualityGoal("w8a8", 0.95, 0.04),
                 "int4": QualityGoal("int4 weights", 0.90, 0.10)}
 KV_GOAL = QualityGoal("int8 KV cache", 0.98)

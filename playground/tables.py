@@ -84,11 +84,11 @@ def memory_table(rows: list) -> dict:
 
 
 QUALITY_HEADERS = ["precision", "top-1 agreement with fp32", "mean |logprob diff|", "perplexity", "change vs fp32",
-                   "goal (quantization issue)"]
+                   "goal"]
 
 
 def quality_table(rows: list) -> dict:
-    """One line per QualityRow: how close each precision stays to fp32, and the issue's goal for it if it has one
+    """One line per QualityRow: how close each precision stays to fp32, and its goal if it has one
     (fp32's own perplexity and each row's spec are in the section's note and command)."""
     data = [[r.precision, _percent(r.top1_agreement, 1), f"{r.mean_abs_logprob_diff:.3f}", f"{r.perplexity:.2f}",
              _signed_percent(r.perplexity_change), goal.verdict(r) if (goal := goal_for(r.spec)) else "-"]

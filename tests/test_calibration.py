@@ -85,7 +85,7 @@ def test_smoothing_leaves_the_unquantized_model_unchanged(tiny_models, arch, mon
         return s if heads is None else s.view(heads[0], 1, -1).expand(-1, heads[1], -1).reshape(-1)
     monkeypatch.setattr(calibrate_module, "best_scale", random_scale)
     tied = ties_head(config, state)
-    smoothed, hessians = calibrate(state, model, list(range(3, 40)), Fake("w8a8"), model.shape.num_kv_heads,
+    smoothed, hessians, _ = calibrate(state, model, list(range(3, 40)), Fake("w8a8"), model.shape.num_kv_heads,
                                    model.shape.head_dim, tied=tied, lm_head=True, smooth=True, gptq=True)
     assert (HEAD_KEY in smoothed) == tied and "lm_head" in hessians and len(hessians) == 4 * 2 + 1
     assert not torch.equal(smoothed["norm.weight"], state["norm.weight"].float())
@@ -123,3 +123,22 @@ def test_calibration_without_a_scheme_is_refused(field):
         EngineConfig(**{field: True}).validate()
     with pytest.raises(ValueError, match=f"{field} must be True or False"):
         EngineConfig(quantization="int8", **{field: "yes"}).validate()
+
+
+def test_smoothing_scales_are_cached_and_give_the_same_weights(tiny_models, tmp_path, monkeypatch):
+    """A second load with smoothing finds its scales in the cache: no calibration pass, the same quantized weights.
+    Another format (group size, LM head) or a changed calibration text would be another file."""
+    import engine.calibrate as calibrate_module
+    monkeypatch.setenv("WATCHLLM_CACHE", str(tmp_path))
+    folder = tiny_models["llama"][0]
+    first = LLM(folder, quantization="int8", quantization_smoothing=True, max_model_len=64)
+    assert len(list((tmp_path / "calibration").glob("*.pt"))) == 1
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("calibrated again instead of reading the cache")
+    monkeypatch.setattr(calibrate_module, "calibration_inputs", no_pass)
+    second = LLM(folder, quantization="int8", quantization_smoothing=True, max_model_len=64)
+    for a, b in zip(first.engine.model.layers, second.engine.model.layers, strict=True):
+        assert torch.equal(a.qkv.qweight, b.qkv.qweight) and torch.equal(a.input_norm, b.input_norm)
+    with pytest.raises(AssertionError, match="calibrated again"):  # another format is not served from that file
+        LLM(folder, quantization="int8", quantization_smoothing=True, quantize_lm_head=False, max_model_len=64)

@@ -249,15 +249,18 @@ def test_quality_runs_from_the_page_one_row_per_precision(pg, measured):
     view = experiments.view("quality")
     assert [line[0] for line in view.table["data"]] == [r.precision for r in quality]
     assert view.table["data"][0][0] == "float32, int8 weights" and len(view.table["data"]) == len(quality)
-    goals = [line[-1] for line in view.table["data"]]
-    assert goals[0].startswith("top-1 ≥ 97%, ppl ≤ +2%: ") and goals[3].startswith("top-1 ≥ 98%: ")
-    assert goals[4] == goals[5] == "-"  # int8 or int4 weights with an int8 KV cache: no goal of its own
+    goals = {r.spec: line[-1] for r, line in zip(quality, view.table["data"], strict=True)}
+    assert goals["quantization=int8"].startswith("top-1 ≥ 97%, ppl ≤ +2%: ")
+    assert goals["kv_cache_dtype=int8"].startswith("top-1 ≥ 98%: ")
+    assert goals["int8"] == goals["int4"] == "-"  # the presets: weights with an int8 KV cache, no goal of their own
     assert f"python -m engine.bench quality --spec {bench.QUALITY_SPECS[0]}" in view.source
     assert f"--window {window}" in view.source and f"{quality[0].positions} positions" in view.source
     fig = to_figure(view.figure)
     bars = [t for t in fig.data if t.type == "bar"]
-    assert len(bars) == 2 and list(bars[0].y) == pytest.approx([100 * r.top1_agreement for r in quality])
-    assert [t.name for t in fig.data if t.type == "scatter"] == ["goal (quantization issue)"] * 2
+    assert len(bars) == 2 and list(bars[0].x) == pytest.approx([100 * r.top1_agreement for r in quality])
+    assert bars[0].orientation == "h" and len(set(bars[0].y)) == len(quality)  # one named row per precision
+    assert list(bars[1].x) == pytest.approx([100 * r.perplexity_change for r in quality])
+    assert [t.name for t in fig.data if t.type == "scatter"] == ["goal"] * 2
 
 
 def test_quality_from_the_tab_can_be_cancelled_and_keeps_nothing(pg, tmp_path):

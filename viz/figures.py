@@ -643,12 +643,12 @@ QUALITY_PANELS = ("top-1 agreement with fp32 (%)", "perplexity change vs fp32 (%
 
 
 def _precision_label(precision: str) -> str:
-    """'float32, int4 weights (groups of 32), int8 KV' as 'int4 weights<br>(groups of 32)<br>int8 KV': the
-    reference is fp32, so a row in fp32 says only what it changes."""
+    """'float32, int4 weights (groups of 32), int8 KV' as 'int4 weights (groups of 32), int8 KV': the reference
+    is fp32, so a row in fp32 says only what it changes."""
     parts = precision.split(", ")
     if len(parts) > 1 and parts[0] == "float32":
         parts = parts[1:]
-    return "<br>".join(p.replace(" (", "<br>(") for p in parts)
+    return ", ".join(parts)
 
 
 def _signed(percent: float) -> str:
@@ -665,9 +665,10 @@ def _against_goal(value: float, goal: float | None, higher_is_better: bool) -> s
 
 def quality_figure(rows: Sequence, goals: Sequence[tuple[float, float | None] | None] | None = None) -> dict:
     """What each precision costs in quality (QualityRows of engine.bench.quality): how often its most likely next
-    token is fp32's, and how far its perplexity on the same text moves. goals: per row, (least top-1 agreement,
-    most perplexity change or None), or None for a row without one: a black dash over the bar, which is green when
-    it meets the goal, red when short, blue without a goal."""
+    token is fp32's, and how far its perplexity on the same text moves. One row per precision, read across two
+    panels (horizontal bars: a precision's name fits on the left). goals: per row, (least top-1 agreement, most
+    perplexity change or None), or None for a row without one: a black dash on the bar, which is green when it
+    meets the goal, red when short, blue without a goal."""
     goals = list(goals) if goals is not None else [None] * len(rows)
     cats = [_precision_label(r.precision) for r in rows]
     top1 = [100 * r.top1_agreement for r in rows]
@@ -675,35 +676,36 @@ def quality_figure(rows: Sequence, goals: Sequence[tuple[float, float | None] | 
     top1_goal = [None if g is None else 100 * g[0] for g in goals]
     ppl_goal = [None if g is None or g[1] is None else 100 * g[1] for g in goals]
     data = []
-    # top-1's labels inside the bars' tops, clear of the goal's dash just above; a change's outside its bar
-    for axis, values, wanted, higher, labels, where in (
-            ("", top1, top1_goal, True, [f"{v:.1f}%" for v in top1], "inside"),
-            ("2", ppl, ppl_goal, False, [_signed(v) for v in ppl], "outside")):
-        data.append({"type": "bar", "x": cats, "y": values, "xaxis": f"x{axis}", "yaxis": f"y{axis}",
-                     "text": labels, "textposition": where, "insidetextanchor": "end", "cliponaxis": False,
-                     "width": min(0.7, 0.175 * len(rows)),  # one or two precisions: not a bar as wide as the panel
+    for axis, values, wanted, higher, labels in (("", top1, top1_goal, True, [f"{v:.1f}%" for v in top1]),
+                                                 ("2", ppl, ppl_goal, False, [_signed(v) for v in ppl])):
+        data.append({"type": "bar", "orientation": "h", "y": cats, "x": values, "xaxis": f"x{axis}",
+                     "yaxis": f"y{axis}", "text": labels, "textposition": "outside", "cliponaxis": False,
+                     "width": min(0.7, 0.175 * len(rows)),  # one or two precisions: not a bar as tall as the panel
                      "marker": {"color": [_against_goal(v, g, higher) for v, g in zip(values, wanted, strict=True)]},
-                     "showlegend": False, "hovertemplate": "%{x}: %{y:.2f}%<extra></extra>"})
+                     "showlegend": False, "hovertemplate": "%{y}: %{x:.2f}%<extra></extra>"})
         marked = [(c, g) for c, g in zip(cats, wanted, strict=True) if g is not None]
         if marked:
-            data.append(scatter(x=[c for c, _ in marked], y=[g for _, g in marked], xaxis=f"x{axis}",
-                                yaxis=f"y{axis}", mode="markers", name="goal (quantization issue)",
+            data.append(scatter(y=[c for c, _ in marked], x=[g for _, g in marked], xaxis=f"x{axis}",
+                                yaxis=f"y{axis}", mode="markers", name="goal",
                                 legendgroup="goal", showlegend=axis == "",
-                                marker=dict(symbol="line-ew-open", size=36, color="#222", line=dict(width=3)),
-                                hovertemplate=f"%{{x}}: goal {'≥' if higher else '≤'} %{{y:.0f}}%<extra></extra>"))
+                                marker=dict(symbol="line-ns-open", size=22, color="#222", line=dict(width=3)),
+                                hovertemplate=f"%{{y}}: goal {'≥' if higher else '≤'} %{{x:.0f}}%<extra></extra>"))
     low = min(top1 + [g for g in top1_goal if g is not None] + [100.0])
-    floor = max(0.0, 5 * math.floor((low - 6) / 5))  # room under the lowest bar's label; 0 when far below 100
+    floor = max(0.0, 5 * math.floor((low - 6) / 5))  # a bar's difference from 100% stays visible
     spread = ppl + [g for g in ppl_goal if g is not None] + [0.0]
-    pad = max(1.0, 0.25 * (max(spread) - min(spread)))  # room above and below for the labels
-    layout = {"grid": {"rows": 1, "columns": 2, "pattern": "independent", "xgap": 0.1},
+    pad = max(1.0, 0.2 * (max(spread) - min(spread)))  # room on both sides for the labels
+    order = dict(categoryorder="array", categoryarray=cats[::-1])  # the first row on top
+    layout = {"grid": {"rows": 1, "columns": 2, "pattern": "independent", "xgap": 0.12},
               "annotations": [{"text": label, "showarrow": False, "xref": f"x{'' if i == 0 else i + 1} domain",
                                "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.0, "yanchor": "bottom"}
                               for i, label in enumerate(QUALITY_PANELS)] + ([] if rows else [note("no precision ran")]),
-              "xaxis": dict(tickangle=0), "xaxis2": dict(AXIS, tickangle=0),
-              "yaxis": dict(range=[floor, 103], ticksuffix="%"),
-              "yaxis2": dict(AXIS, range=[min(spread) - pad, max(spread) + pad], ticksuffix="%", zeroline=True,
-                             zerolinecolor="#888")}
-    return figure(data, height=440, margin=dict(l=60, r=20, t=90, b=70),
+              "xaxis": dict(range=[floor, 104], ticksuffix="%"),
+              "xaxis2": dict(AXIS, range=[min(spread) - pad, max(spread) + pad], ticksuffix="%", zeroline=True,
+                             zerolinecolor="#888"),
+              "yaxis": dict(order, automargin=True),
+              "yaxis2": dict(order, matches="y", showticklabels=False),
+              "legend": dict(orientation="h", x=1.0, xanchor="right", y=1.0, yanchor="bottom")}
+    return figure(data, height=150 + 34 * max(len(rows), 2), margin=dict(l=20, r=30, t=100, b=40),
                   title="What each precision costs in quality: against the fp32 engine on the same text (measured)"
-                        "<br><sup>green: meets the quantization issue's goal (black dash) · red: short · blue: "
+                        "<br><sup>green: meets the project's goal (black dash) · red: short · blue: "
                         "no goal for that combination</sup>", **layout)

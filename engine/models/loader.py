@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..calibrate import CALIBRATION_TEXT, HEAD_KEY, MAX_TOKENS, Fake, calibrate
+from ..calibrate import CALIBRATION_TEXT, HEAD_KEY, MAX_TOKENS, SEARCH_VERSION, Fake, calibrate
 from .linear import UNQUANTIZED, W8A8_WEIGHT_MAX, Projection, WeightFormat
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
 from .random_models import load_random_model, random_name
@@ -203,23 +203,58 @@ def load_weights(folder: Path, hf_config, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"max_model_len {max_len} exceeds the model's context ({hf_config.max_position_embeddings})")
     state, hessians = load_state_dict(folder), None
     if weight_format.calibrated:
-        state, hessians = calibrated_state(state, hf_config, load_tokenizer(folder), device, weight_format)
+        state, hessians = calibrated_state(state, hf_config, load_tokenizer(folder), device, weight_format, folder)
     return build_model(hf_config, state, dtype, device, max_len, weight_format, hessians)
 
 
 def calibrated_state(state: dict[str, torch.Tensor], hf_config, tokenizer, device: torch.device,
-                     weight_format: WeightFormat) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                     weight_format: WeightFormat,
+                     folder: Path | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The checkpoint with each projection's input smoothed for weight_format's scheme, and the projections'
     X.T @ X for GPTQ, as weight_format asks (engine/calibrate.py), found with the unquantized fp32 model over the
-    calibration text."""
+    calibration text. The smoothing scales are kept in the cache, keyed by the checkpoint's files, the format and
+    the text, so a second load with smoothing alone skips the calibration."""
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    ids = tokenizer(CALIBRATION_TEXT.read_text()).input_ids[:MAX_TOKENS]
+    text = CALIBRATION_TEXT.read_text()
+    ids = tokenizer(text).input_ids[:MAX_TOKENS]
     model = build_model(hf_config, state, torch.float32, device, len(ids) + 1)
     scheme = weight_format.quantization
     fake = Fake(scheme, weight_format.group_size, W8A8_WEIGHT_MAX if scheme == "w8a8" else 127)
-    return calibrate(state, model, ids, fake, model.shape.num_kv_heads, model.shape.head_dim,
-                     tied=ties_head(hf_config, state), lm_head=weight_format.lm_head,
-                     smooth=weight_format.smooth, gptq=weight_format.gptq)
+    path = None if folder is None else _scales_path(folder, weight_format, text)
+    known = _read_scales(path) if weight_format.smooth else None
+    state, hessians, scales = calibrate(state, model, ids, fake, model.shape.num_kv_heads, model.shape.head_dim,
+                                        tied=ties_head(hf_config, state), lm_head=weight_format.lm_head,
+                                        smooth=weight_format.smooth, gptq=weight_format.gptq, known=known)
+    if weight_format.smooth and known is None and path is not None:
+        _write_scales(path, scales)
+    return state, hessians
+
+
+def _scales_path(folder: Path, weight_format: WeightFormat, text: str) -> Path:
+    """Where a checkpoint's smoothing scales for this format and calibration text are kept."""
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.glob("*.safetensors"))
+    key = repr((str(folder.resolve()), files, weight_format.quantization, weight_format.group_size,
+                weight_format.lm_head, SEARCH_VERSION, text))
+    return cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
+
+
+def _read_scales(path: Path | None) -> dict[str, torch.Tensor] | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception:  # a torn or foreign file: calibrate again (and overwrite it)
+        return None
+
+
+def _write_scales(path: Path, scales: dict[str, torch.Tensor]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(scales, tmp)
+        tmp.replace(path)
+    except OSError:  # a read-only cache: the next load calibrates again
+        pass
 
 
 def ties_head(hf_config, state: dict[str, torch.Tensor]) -> bool:
