@@ -414,3 +414,23 @@ def test_cli_quality_compares_the_set_precision(tiny_models):
     args = parse_args(["quality", "--spec", "kv_cache_dtype=int8"])
     assert quality_specs(args, settings_from_args(args)) == ["kv_cache_dtype=int8"]
     assert quality_specs(parse_args(["quality"]), {}) == list(bench.QUALITY_SPECS)
+
+
+def test_cli_kernels_and_decode_time_each_precision(tiny_models, tmp_path, capsys):
+    """`kernels` and `decode` load every precision asked for and time each round of each: as many rows as specs,
+    the reference first (its ratio 1), a time per round, the precision as the engine states it."""
+    from engine.bench import cli
+    folder = tiny_models["llama"][0]
+    out = tmp_path / "decode.json"
+    assert cli.main(["decode", "--model", folder, "--spec", "dtype=float32", "--spec", "quantization=int4",
+                     "--rounds", "2", "--tokens", "3", "--prompt-len", "8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["spec"] for r in rows] == ["dtype=float32", "quantization=int4"] and rows[0]["ratio"] == 1.0
+    assert all(len(r["ms_per_token"]) == 2 and min(r["ms_per_token"]) > 0 for r in rows)
+    assert "int4 weights" in rows[1]["precision"] and "time per token" in capsys.readouterr().out
+    out = tmp_path / "kernels.json"
+    assert cli.main(["kernels", "--model", folder, "--spec", "dtype=float32", "--spec", "quantization=int8",
+                     "--rows", "1,4", "--repeat", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["spec"] for r in rows] == ["dtype=float32", "quantization=int8"] and rows[1]["kernel"].endswith("mm")
+    assert rows[1]["weight_mb"] < rows[0]["weight_mb"]

@@ -4,7 +4,7 @@
     runs.py         weights loaded once, an engine per configuration, a workload run -> RunResult
     hf.py           transformers' generate over the same weights
     experiments.py  table, compare, hf-static, sched-cost, ablate (--cumulative, --concurrency), memory, kernels,
-                    quality
+                    decode, quality
     report.py       captioned tables rendered as markdown, JSON rows
     serve.py        `serve`: an HTTP load generator for any OpenAI-compatible server (httpx; no engine)
     overhead.py     `serve-overhead`: python app.py + serve vs LLM.generate in fresh processes, side by side
@@ -14,6 +14,7 @@ The playground imports the experiments from here; only `python -m engine.bench` 
 """
 from .experiments import (
                           ABLATIONS,
+                          DECODE_SPECS,
                           FEATURES,
                           FULL_ENGINE,
                           FULL_FIELDS,
@@ -23,6 +24,7 @@ from .experiments import (
                           QUALITY_TEXT,
                           AblationRow,
                           CompareResult,
+                          DecodeRow,
                           Feature,
                           HFStaticResult,
                           KernelRow,
@@ -35,6 +37,7 @@ from .experiments import (
                           ablate_cumulative,
                           compare,
                           compare_logprobs,
+                          decode_timings,
                           hf_static,
                           kernel_timings,
                           memory_sweep,
@@ -47,6 +50,7 @@ from .report import (
                           Report,
                           ablate_report,
                           compare_report,
+                          decode_report,
                           hf_static_report,
                           kernels_report,
                           markdown_table,
@@ -82,7 +86,7 @@ __all__ = [
     "hf_static_report", "kernel_timings", "kernels_report", "list_feature_presets", "load_feature_preset",
     "load_llm", "markdown_table", "memory_report", "memory_sweep", "quality", "quality_report",
     "QUALITY_SPECS", "QUALITY_TEXT", "QualityRow", "compare_logprobs", "text_windows", "parse_assignments",
-    "parse_value",
+    "parse_value", "DECODE_SPECS", "DecodeRow", "decode_timings", "decode_report",
     "render_report", "resolve_spec", "run_config", "run_table", "run_workload", "sched_cost", "sched_cost_report",
     "table_report", "to_jsonable", "warm_up", "weight_bytes",
 ]

@@ -9,6 +9,7 @@
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
     python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting (fp32 vs int8 KV)
     python -m engine.bench kernels --rows 1,16,64               # one step's matmuls in each weight format
+    python -m engine.bench decode --rounds 3                    # batch-1 time per token in each precision
     python -m engine.bench quality --set quantization=int8      # top-1 agreement and perplexity vs fp32
     python -m engine.bench serve --url http://127.0.0.1:7860 --concurrency 8 --requests 32   # any OpenAI server
     python -m engine.bench serve-overhead --rounds 3            # the HTTP path vs LLM.generate, side by side
@@ -31,7 +32,7 @@ from . import report as rp
 from .runs import load_llm
 from .specs import parse_assignments
 
-COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "quality", "serve",
+COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "decode", "quality", "serve",
             "serve-overhead")
 
 
@@ -93,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     kn.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
                     help=f"weights to time (repeatable; default: {' '.join(ex.KERNEL_SPECS)})")
     kn.add_argument("--repeat", type=int, default=5)
+    de = sub.add_parser("decode", parents=common, help="batch-1 time per token of the whole engine in each precision")
+    de.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
+                    help="precisions to time, the first the reference (repeatable; default: "
+                         f"{' '.join(ex.DECODE_SPECS)})")
+    de.add_argument("--prompt-len", type=_positive, default=128)
+    de.add_argument("--tokens", type=_positive, default=64, help="decode steps timed per round")
+    de.add_argument("--rounds", type=_positive, default=3)
     qu = sub.add_parser("quality", parents=common, help="a precision against fp32 over a fixed text")
     qu.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
                     help="precisions to compare (repeatable; default: the --set precision if one is given, else "
@@ -204,6 +212,10 @@ def run_command(args: argparse.Namespace) -> rp.Report:
     if args.command == "kernels":
         rows = ex.kernel_timings(llm, args.specs or ex.KERNEL_SPECS, args.rows, args.repeat, _bar)
         return rp.kernels_report(rows, args.repeat)
+    if args.command == "decode":
+        rows = ex.decode_timings(llm, args.specs or ex.DECODE_SPECS, args.prompt_len, args.tokens, args.rounds,
+                                 settings, _bar)
+        return rp.decode_report(rows, args.prompt_len, args.tokens)
     if args.command == "quality":
         return rp.quality_report(ex.quality(llm, quality_specs(args, settings), settings, window=args.window,
                                             progress=_bar), args.window)

@@ -215,18 +215,25 @@ def step_projections(model: Any) -> list:
     return [p for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)] + [model.lm_head]
 
 
+def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -> tuple[list, list]:
+    """(configs, models): each spec's engine configuration and weights, all loaded before any timing (progress
+    counts the loads, then `rounds` rounds)."""
+    configs = [engine_config(llm, resolve_spec(spec)) for spec in specs]
+    models = []
+    for i, (spec, config) in enumerate(zip(specs, configs, strict=True)):
+        if progress is not None:
+            progress(i, len(specs) + rounds, f"loading {spec}")
+        same = (config.dtype, WeightFormat.of(config)) == (llm.config.dtype, llm.engine.model.weight_format)
+        models.append(llm.engine.model if same else llm.load_weights(config))
+    return configs, models
+
+
 def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence[int] = (1, 16, 64),
                    repeat: int = 5, progress: Progress = None) -> list[KernelRow]:
     """The matmuls alone of one decode step with `rows` tokens, in each weight format (the engine's own projection
     classes over this checkpoint's weights). Every format is loaded first and the repeats go round all of them,
     so a busy moment on a shared machine hits every format alike; the min is reported with its spread."""
-    configs = [engine_config(llm, resolve_spec(spec)) for spec in specs]
-    models = []
-    for i, (spec, config) in enumerate(zip(specs, configs, strict=True)):
-        if progress is not None:
-            progress(i, len(specs) + repeat, f"loading {spec}")
-        same = (config.dtype, WeightFormat.of(config)) == (llm.config.dtype, llm.engine.model.weight_format)
-        models.append(llm.engine.model if same else llm.load_weights(config))
+    configs, models = load_each(llm, specs, repeat, progress)
     times: dict[tuple[int, int], list[float]] = {}
     with torch.inference_mode():
         for r in range(repeat):
@@ -253,6 +260,54 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
                              {m: min(times[i, m]) for m in rows},
                              {m: max(times[i, m]) / min(times[i, m]) for m in rows}))
     return out
+
+
+# ---- `decode`: the whole engine's batch-1 time per token, in each precision ------------------------------------
+DECODE_SPECS = ("dtype=float32", "quantization=int8", "quantization=int8,quantize_lm_head=false",
+                "quantization=int4", "quantization=int4,quantize_lm_head=false", "quantization=w8a8")
+
+
+@dataclass
+class DecodeRow:
+    spec: str
+    precision: str
+    ms_per_token: list[float]  # one per round
+    ratio: float = 1.0  # median time per token over the first spec's
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.ms_per_token)
+
+
+def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: int = 128, tokens: int = 64,
+                   rounds: int = 3, settings: dict[str, Any] | None = None,
+                   progress: Progress = None) -> list[DecodeRow]:
+    """One greedy request decoding `tokens` tokens after a `prompt_len` prompt, alone (batch 1, no speculation):
+    the time per decode step of the whole engine (schedule, forward, sample) in each precision. Every precision is
+    loaded first and the rounds go round all of them, so a busy moment on a shared machine hits each alike."""
+    configs, models = load_each(llm, specs, rounds, progress)
+    prompt = random_prompts(1, prompt_len, seed=5)[0]
+    params = SamplingParams(temperature=0, max_tokens=tokens + 4, ignore_eos=True)
+    times: list[list[float]] = [[] for _ in specs]
+    for r in range(rounds):
+        if progress is not None:
+            progress(len(specs) + r, len(specs) + rounds, f"round {r + 1} of {rounds}")
+        for i, (config, model) in enumerate(zip(configs, models, strict=True)):
+            fields = {**(settings or {}), **config.to_dict(), "speculative_decoding": False}
+            engine = LLMEngine(engine_config(llm, fields), model, llm.tokenizer, llm.engine.hf_config)
+            engine.add_request(prompt, params)
+            for _ in range(4):  # the prefill and a few decodes: first-call costs stay out
+                engine.step()
+            start = time.perf_counter()
+            for _ in range(tokens):
+                engine.step()
+            times[i].append((time.perf_counter() - start) / tokens * 1e3)
+    if progress is not None:
+        progress(len(specs) + rounds, len(specs) + rounds, "done")
+    rows = [DecodeRow(spec, config.precision, t) for spec, config, t in zip(specs, configs, times, strict=True)]
+    for row in rows:
+        row.ratio = row.median_ms / rows[0].median_ms
+    return rows
 
 
 # ---- `ablate`: the full engine, then each switch off in turn; --cumulative; --concurrency ---------------

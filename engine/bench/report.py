@@ -204,6 +204,20 @@ def kernels_report(rows: list[KernelRow], repeat: int) -> Report:
     return report
 
 
+def decode_report(rows: list, prompt_len: int, tokens: int) -> Report:
+    report = Report(f"batch-1 decode: one greedy request, {tokens} tokens after a {prompt_len}-token prompt, no "
+                    f"speculation; ms per token in each round (rounds go round every precision)")
+    report.rows = rows
+    base = rows[0]
+    report.tables["time per token"] = [
+        {"precision": r.spec, "as the engine says": r.precision,
+         "ms per token (rounds)": " / ".join(f"{t:.1f}" for t in r.ms_per_token), "median ms": r.median_ms,
+         f"x {base.spec}'s time": r.ratio} for r in rows]
+    report.notes.append("a ratio below 1 is faster; compare within one run: absolute times move with the machine's "
+                        "load")
+    return report
+
+
 def to_jsonable(value: Any) -> Any:
     """Dataclasses (and lists of them) as plain JSON data; anything else JSON cannot hold as its str()."""
     def plain(v: Any) -> Any:
