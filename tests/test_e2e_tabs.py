@@ -225,7 +225,7 @@ VISIBLE_TRACES = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))
 
 def test_the_engine_feature_by_feature_tab(served, page, shots):
     """Before anything is measured here, the repository's shipped results are drawn, with where and when they
-    were measured (quality has none shipped yet: its section says to press Run). Then each Run button measures its
+    were measured. Then each Run button measures its
     experiment on the tiny model (quick presets), and the four charts stay readable, now marked as this machine's;
     the concurrency selector redraws."""
     url, pg = served
@@ -234,9 +234,10 @@ def test_the_engine_feature_by_feature_tab(served, page, shots):
     page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
     visit(page, tab, shots, min_charts=3, name="features-before")
     assert page.get_by_text("Shipped results: measured on").is_visible()
-    assert page.evaluate(VISIBLE_TRACES) == [1, 0, 3, 6]  # the shipped rows, drawn before any run; no quality yet
-    assert page.get_by_text("(shipped with the repository)").count() == 3
-    assert page.get_by_text("No results yet: none shipped with the repository").count() == 1
+    # the shipped rows, drawn before any run: quality's two panels of bars and of goals
+    assert page.evaluate(VISIBLE_TRACES) == [1, 4, 3, 6]
+    assert page.get_by_text("(shipped with the repository)").count() == 4
+    assert page.get_by_text("No results yet").count() == 0
     measured_here = "() => (document.body.innerText.match(/measured on this machine/g) || []).length"
     for done, (button, cell) in enumerate((("Run cumulative ablation", "+ KV cache"),
                                            ("Run quality against fp32", "float32, int8 weights"),

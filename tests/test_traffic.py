@@ -196,7 +196,7 @@ def test_a_run_survives_an_engine_restart_and_stop_frees_everything(pg):
         time.sleep(0.05)
     assert "\n\n**stopped** · 6 users from 'mixed-lengths'" in pg.stop_traffic()
     status = pg.traffic.status()
-    assert not status.running and status.requests_failed >= 1 and "shut down" in status.last_problem
+    assert not status.running and status.requests_failed >= 1 and "restarted" in status.last_problem
     assert "🚦" not in pg.status() and pg.stop_traffic() == "No traffic is running."
     pg.service.pause()
     for _ in range(50):  # the aborts land at the next step
