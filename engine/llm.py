@@ -9,6 +9,7 @@ from .gpu import resolve_dtype
 from .models import LlamaFamilyModel, load_model
 from .models.linear import WeightFormat
 from .models.loader import load_weights
+from .models.random_models import random_name
 from .request import RequestOutput
 from .sampler import SamplingParams
 
@@ -58,6 +59,8 @@ class LLM:
         """A fresh copy of the model with config's dtype and quantization (not kept: see weights_for)."""
         loaded = self.engine.model
         dtype = DTYPES[resolve_dtype(config.dtype, loaded.device)]
+        if random_name(str(self.model_path)) is not None:  # the same seeded weights, in another format
+            return load_model(str(self.model_path), dtype, loaded.device, loaded.max_len, WeightFormat.of(config))[0]
         return load_weights(self.model_path, self.engine.hf_config, dtype, loaded.device,
                             loaded.max_len, WeightFormat.of(config))
 

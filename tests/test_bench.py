@@ -434,3 +434,12 @@ def test_cli_kernels_and_decode_time_each_precision(tiny_models, tmp_path, capsy
     rows = json.loads(out.read_text())
     assert [r["spec"] for r in rows] == ["dtype=float32", "quantization=int8"] and rows[1]["kernel"].endswith("mm")
     assert rows[1]["weight_mb"] < rows[0]["weight_mb"]
+
+
+def test_a_random_model_loads_in_another_precision_for_the_benchmarks():
+    """bench kernels / decode load each precision from the model loaded: a random: model too (its seeded weights)."""
+    from engine import LLM
+    from engine.models.linear import Int8Linear
+    llm = LLM("random:smollm2-135m", max_model_len=64, kv_cache=False)
+    model = llm.load_weights(llm.config.replace(quantization="int8"))
+    assert isinstance(model.layers[0].qkv, Int8Linear) and model.shape == llm.engine.model.shape
