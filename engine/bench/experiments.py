@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..config import BUILT_SWITCHES, EngineConfig
-from ..engine import LLMEngine
+from ..engine import LLMEngine, stored_as
 from ..llm import LLM
 from ..models.linear import WeightFormat
 from ..sampler import SamplingParams
@@ -223,7 +223,7 @@ def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -
     for i, (spec, config) in enumerate(zip(specs, configs, strict=True)):
         if progress is not None:
             progress(i, len(specs) + rounds, f"loading {spec}")
-        same = (config.dtype, WeightFormat.of(config)) == (llm.config.dtype, llm.engine.model.weight_format)
+        same = (config.dtype, WeightFormat.of(config)) == stored_as(llm.engine.model)  # as LLM.weights_for
         models.append(llm.engine.model if same else llm.load_weights(config))
     return configs, models
 
