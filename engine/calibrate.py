@@ -98,12 +98,19 @@ class _Recorder:
         self.proj, self.want_gram, self.gram = proj, gram, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self._record(x)
+        return self.proj(x)
+
+    def raw(self, x: torch.Tensor) -> torch.Tensor:
+        self._record(x)
+        return self.proj.raw(x)
+
+    def _record(self, x: torch.Tensor) -> None:
         xf = x.float()
         self.rows = xf[torch.linspace(0, xf.shape[0] - 1, min(SEARCH_ROWS, xf.shape[0])).long()]
         self.mean_abs, self.max_abs = xf.abs().mean(0), xf.abs().amax(0)
         if self.want_gram:
             self.gram = xf.T @ xf
-        return self.proj(x)
 
 
 @dataclass

@@ -49,8 +49,7 @@ class ModelRunner:
             if self.kv_int8:
                 self.kv_scales = torch.zeros(s.num_layers, 2, slots, s.num_kv_heads, dtype=SCALE_DTYPE,
                                              device=model.device)
-            self.kv_layers = [LayerKV(self.kv_cache[i, 0], self.kv_cache[i, 1],
-                                      *((self.kv_scales[i, 0], self.kv_scales[i, 1]) if self.kv_int8 else ()))
+            self.kv_layers = [LayerKV.of(self.kv_cache[i], self.kv_scales[i] if self.kv_int8 else None)
                               for i in range(s.num_layers)]
 
     @property
@@ -110,8 +109,10 @@ class ModelRunner:
                                    for s in decodes], dtype=torch.long, device=dev)
             pos = torch.arange(max_ctx, device=dev)
             meta.decode_slots = tables[:, pos // bs] * bs + pos % bs
-            allowed = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
-            meta.decode_mask = self._additive(allowed)
+            if int(ctx.min()) < max_ctx:  # all as long (one request, say): nothing to hide, and SDPA without a
+                # mask was several times faster here (adding a mask of zeros changes no float)
+                allowed = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
+                meta.decode_mask = self._additive(allowed)
         return Batch(ordered, to_device(input_ids, torch.long), to_device(positions, torch.long), meta,
                      to_device(logits_rows, torch.long))
 

@@ -10,8 +10,9 @@ def attention(q, k, v, cache: LayerKV | None, meta):
     (an int8 pool's scales included: the SDPA path's only; the config refuses int8 KV with the triton backend)."""
     if isinstance(meta, PagedMetadata):
         from .triton_paged import attention as paged_attention
-        return paged_attention(q, k, v, None if cache is None else cache.k, None if cache is None else cache.v,
-                               meta)
+        k_cache, v_cache = (None, None) if cache is None else (cache.k, cache.v)
+        # the kernels index q and k as dense rows; the model hands them over as views of one q|k tensor
+        return paged_attention(q.contiguous(), k.contiguous(), v, k_cache, v_cache, meta)
     return sdpa_attention(q, k, v, cache, meta)
 
 

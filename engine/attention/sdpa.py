@@ -31,7 +31,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None  # [num_tokens] cache slot of each new token; None: no KV cache
     num_decode: int = 0  # the first num_decode rows are single-token decodes
     decode_slots: torch.Tensor | None = None  # [num_decode, max_context] gather index (padding -> slot 0)
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] additive (0 / -inf)
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] additive (0 / -inf); None: none hidden
     prefills: list[PrefillSeq] = field(default_factory=list)
     # K/V at int8 precision: stored so when there is a cache, and rounded so even when there is none (the naive
     # loop), so that turning a cache feature off never changes what attention sees
@@ -39,18 +39,33 @@ class AttentionMetadata:
 
 
 class LayerKV(NamedTuple):
-    """One layer's slice of the pool: k, v [slots, kv_heads, head_dim]; an int8 pool's scales [slots, kv_heads]."""
+    """One layer's slice of the pool: k, v [slots, kv_heads, head_dim]; an int8 pool's scales [slots, kv_heads].
+    pair (and scale_pair): the [2, ...] tensor k and v are the two halves of, when they are (the runner's pool),
+    so that a read gathers both in one call: half the time of two, measured (18 us vs 34, 200 slots)."""
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    pair: torch.Tensor | None = None
+    scale_pair: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, pair: torch.Tensor, scale_pair: torch.Tensor | None = None) -> LayerKV:
+        scales = () if scale_pair is None else (scale_pair[0], scale_pair[1])
+        return cls(pair[0], pair[1], *scales, pair=pair, scale_pair=scale_pair)
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.k.index_select(0, slots), self.v.index_select(0, slots)
+        if self.pair is not None:
+            k, v = self.pair.index_select(1, slots).unbind(0)
+        else:
+            k, v = self.k.index_select(0, slots), self.v.index_select(0, slots)
         if self.k_scale is None:
             return k, v
-        return (dequantize_int8(k, self.k_scale.index_select(0, slots), dtype),
-                dequantize_int8(v, self.v_scale.index_select(0, slots), dtype))
+        if self.scale_pair is not None:
+            k_scale, v_scale = self.scale_pair.index_select(1, slots).unbind(0)
+        else:
+            k_scale, v_scale = self.k_scale.index_select(0, slots), self.v_scale.index_select(0, slots)
+        return dequantize_int8(k, k_scale, dtype), dequantize_int8(v, v_scale, dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV | None,
@@ -71,9 +86,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV 
     elif cache is not None:
         cache.k.index_copy_(0, meta.slot_mapping, k)
         cache.v.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-
     b = meta.num_decode
+    out = None if 0 < b == num_tokens else torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if b:
         max_ctx = meta.decode_slots.shape[1]
         kd, vd = cache.read(meta.decode_slots.view(-1), q.dtype)
@@ -81,6 +95,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV 
         vd = vd.view(b, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
         qd = q[:b].view(b, num_kv_heads, group, head_dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        if out is None:  # a step of decodes only: their result is the whole output
+            return od.reshape(b, num_heads * head_dim)
         out[:b] = od.reshape(b, num_heads * head_dim)
 
     for seq in meta.prefills:

@@ -68,6 +68,8 @@ class Linear:
             return x.new_empty(0, self.out_features)
         return x @ self.weight_t
 
+    raw = __call__  # already in the model's dtype (see _Quantized.raw)
+
     @property
     def kernel(self) -> str:
         return "oneDNN" if self.packed is not None else "x @ W"
@@ -114,9 +116,16 @@ class _Quantized:
         self.dtype, self.device = weight.dtype, weight.device  # the model's: what comes in and goes out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.raw(x).to(x.dtype)
+
+    def raw(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T, left in the kernel's own dtype (bf16 from the weight-only kernels on CPU) when x is fp32, for a
+        caller whose next operation widens it to fp32 anyway, exactly: the model saves a cast per projection so.
+        Otherwise in x's dtype, so that no sum of the two ever promotes past the model's dtype."""
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
-        return self._matmul(x)
+        y = self._matmul(x)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.in_features} -> {self.out_features}, {self.scheme}, {self.kernel})"
@@ -142,7 +151,7 @@ class Int8Linear(_Quantized):
         return _bytes(self.qweight, self.scales)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x.to(self.activation_dtype), self.qweight, self.scales).to(x.dtype)
+        return torch._weight_int8pack_mm(x.to(self.activation_dtype), self.qweight, self.scales)
 
 
 class Int4Linear(_Quantized):
@@ -173,7 +182,7 @@ class Int4Linear(_Quantized):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x.to(self.activation_dtype), self.packed, self.group_size,
-                                                 self.scales_and_zeros).to(x.dtype)
+                                                 self.scales_and_zeros)
 
 
 class W8A8Linear(_Quantized):

@@ -2,7 +2,8 @@
 
 All tokens of a step are one flat [num_tokens, hidden] tensor. Projections are fused (qkv, gate|up) and
 stored as `Linear`s (or quantized siblings), each one kernel call (see linear.py). The math follows transformers'
-reference implementation step by step (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match it token for token.
+reference implementation step by step (fp32 RMSNorm, rotate_half RoPE: see apply_rope) so greedy outputs match it
+token for token.
 """
 from __future__ import annotations
 
@@ -47,14 +48,23 @@ class ModelShape:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    if dtype != torch.float32:  # (a cast that does nothing still costs a call, in every layer)
+        x = x.float()
+    if x.is_cpu:  # what mean() does on CPU (a sum, then a division), in fewer calls and allocations
+        variance = x.pow(2).sum(-1, keepdim=True).div_(x.shape[-1])
+    else:
+        variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * variance.add_(eps).rsqrt_()
+    return weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' x * cos + rotate_half(x) * sin, with rotate_half's minus sign carried by signed_sin
+    (-sin on the first half): (-a) * b and a * (-b) are the same float, so the result is bit for bit the same,
+    one negation fewer. x in a narrower dtype than cos (a bf16 kernel's output) is widened exactly by the first
+    multiply, as a cast would."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
@@ -89,7 +99,14 @@ class LlamaFamilyModel:
         freqs = positions[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * attention_scaling).to(self.dtype).to(self.device)
-        self.sin = (emb.sin() * attention_scaling).to(self.dtype).to(self.device)
+        sin = emb.sin() * attention_scaling
+        half = sin.shape[-1] // 2
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype).to(self.device)
+        # Qwen3's q and k norms as one [heads + kv_heads, head_dim] weight: q and k are normed (and rotated) as one
+        # tensor, each head over its own head_dim as before, in half the calls
+        self.qk_norms = [None if w.q_norm is None else
+                         torch.cat((w.q_norm.expand(shape.num_heads, -1), w.k_norm.expand(shape.num_kv_heads, -1)))
+                         for w in layers]
 
     @property
     def max_len(self) -> int:
@@ -115,30 +132,28 @@ class LlamaFamilyModel:
         Returns float32 logits for the rows in logits_rows (the last token of each sequence that samples).
         """
         s = self.shape
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        q_size, kv_size, heads = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_heads
+        cos, sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         num_tokens = x.shape[0]
+        # `proj.raw(h)` is the kernel's own output dtype (bf16 from the weight-only kernels on CPU) where the next
+        # operation widens it exactly anyway (RoPE's multiply, a residual add, a cast): one cast fewer, same floats
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, s.rms_norm_eps)
-            qkv = w.qkv(h)
+            qkv = w.qkv.raw(h)
             if w.qkv_bias is not None:
                 qkv = qkv + w.qkv_bias
-            q = qkv[:, :q_size].view(num_tokens, s.num_heads, s.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, s.num_kv_heads, s.head_dim)
-            v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim)
-            if w.q_norm is not None:
-                q = rms_norm(q, w.q_norm, s.rms_norm_eps)
-                k = rms_norm(k, w.k_norm, s.rms_norm_eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            a = w.o(attention(q, k, v.contiguous(), None if kv_cache is None else kv_cache[i], meta))
+            qk = qkv[:, :q_size + kv_size].view(num_tokens, heads + s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim).to(self.dtype).contiguous()
+            if self.qk_norms[i] is not None:
+                qk = rms_norm(qk.to(self.dtype), self.qk_norms[i], s.rms_norm_eps)
+            qk = apply_rope(qk, cos, sin)
+            a = w.o.raw(attention(qk[:, :heads], qk[:, heads:], v, None if kv_cache is None else kv_cache[i], meta))
             if w.o_bias is not None:
                 a = a + w.o_bias
             x = x + a
             h = rms_norm(x, w.post_norm, s.rms_norm_eps)
-            gu = w.gate_up(h)
-            g, u = gu.chunk(2, dim=-1)
-            x = x + w.down(F.silu(g) * u)
+            g, u = w.gate_up.raw(h).chunk(2, dim=-1)
+            x = x + w.down.raw(F.silu(g.to(self.dtype)) * u)
         h = rms_norm(x[logits_rows], self.norm, s.rms_norm_eps)
         return self.lm_head(h).float()

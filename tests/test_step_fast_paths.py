@@ -1,0 +1,125 @@
+"""The decode step's shortcuts change no float: each is checked bit for bit against the longer way it replaces.
+
+- projections hand the model their kernel's own output dtype (`raw`) where the next operation widens it anyway;
+- RoPE carries rotate_half's minus sign in a signed sin, q and k rotated (and Qwen3-normed) as one tensor;
+- RMSNorm's variance on CPU is mean()'s own sum-then-divide, in fewer calls;
+- K and V are gathered from the pool in one call;
+- a decode batch whose requests are all as long runs SDPA without a mask.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata, LayerKV, attention
+from engine.models import linear
+from engine.models.llama import apply_rope, rms_norm
+from engine.quant import quantize_int8
+from engine.runner import ModelRunner
+from tests.test_parity import random_prompts
+
+LOGPROBS = SamplingParams(temperature=0, max_tokens=12, logprobs=5, prompt_logprobs=3)
+PRECISIONS = {"fp32": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+              "w8a8": {"quantization": "w8a8"}, "int4 in bf16": {"quantization": "int4", "dtype": "bfloat16"},
+              "int8 + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"}}
+
+
+def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
+    return [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in llm.generate(prompts, LOGPROBS)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_projections_left_in_their_kernels_dtype_change_no_float(tiny_models, monkeypatch, arch, precision):
+    llm = LLM(tiny_models[arch][0], max_model_len=256, **PRECISIONS[precision])
+    prompts = random_prompts(3, seed=4)
+    fast = outputs(llm, prompts)
+    # the longer way: every projection's result cast to the model's dtype at once, as before the shortcut
+    for cls in linear.PROJECTION_TYPES:
+        monkeypatch.setattr(cls, "raw", lambda self, x, raw=cls.raw: raw(self, x).to(x.dtype))
+    assert outputs(llm, prompts) == fast
+
+
+def test_the_weight_only_kernels_hand_back_bf16_to_an_fp32_model_and_the_models_dtype_otherwise():
+    w = torch.randn(32, 64)
+    for proj in (linear.Int8Linear(w), linear.Int4Linear(w, 32)):
+        assert proj.raw(torch.randn(3, 64)).dtype == torch.bfloat16
+        assert proj(torch.randn(3, 64)).dtype == torch.float32
+        assert proj.raw(torch.randn(3, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+        assert torch.equal(proj.raw(x := torch.randn(2, 64)).float(), proj(x))
+
+
+def test_rope_matches_transformers_bit_for_bit():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = torch.randn(5, 4, 64, generator=g).to(dtype), torch.randn(5, 2, 64, generator=g).to(dtype)
+        angles = torch.rand(5, 32, generator=g) * 100
+        cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+        signed_sin = torch.cat((-sin[:, :32], sin[:, 32:]), -1)
+        # transformers' [batch, heads, seq, dim]; ours [tokens, heads, dim], q and k as one tensor
+        ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+        qk = apply_rope(torch.cat((q, k), 1), cos.unsqueeze(1), signed_sin.unsqueeze(1))
+        assert torch.equal(qk[:, :4], ref_q[0].transpose(0, 1)) and torch.equal(qk[:, 4:], ref_k[0].transpose(0, 1))
+    # a bf16 kernel's output into fp32 tables: the same floats as casting it first
+    x = torch.randn(5, 6, 64, generator=g).to(torch.bfloat16)
+    cos, sin = torch.randn(5, 1, 64, generator=g), torch.randn(5, 1, 64, generator=g)
+    assert torch.equal(apply_rope(x, cos, sin), apply_rope(x.float(), cos, sin))
+
+
+def test_rms_norm_is_transformers_formula_bit_for_bit():
+    def reference(x, weight, eps):  # transformers' LlamaRMSNorm
+        dtype = x.dtype
+        x = x.float()
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 3, 17):
+        for dim in (64, 576, 1536, 3072):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, dim, generator=g) * torch.rand(1, generator=g) * 50).to(dtype)
+                weight = torch.randn(dim, generator=g).to(dtype)
+                assert torch.equal(rms_norm(x, weight, 1e-6), reference(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_one_gather_of_k_and_v_reads_what_two_did(int8):
+    g = torch.Generator().manual_seed(0)
+    pair = torch.randn(2, 40, 3, 16, generator=g)
+    scales = None
+    if int8:
+        pair, scales = quantize_int8(pair)
+    slots = torch.randperm(40, generator=g)[:17]
+    one = LayerKV.of(pair, scales).read(slots, torch.float32)
+    two = LayerKV(pair[0], pair[1], *(() if scales is None else (scales[0], scales[1]))).read(slots, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+
+
+def test_decodes_all_as_long_need_no_mask_and_get_the_same_floats():
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, n = 6, 2, 32, 23
+    pair = torch.randn(2, 64, kv_heads, d, generator=g)
+    q, k, v = torch.randn(2, heads, d, generator=g), torch.randn(2, kv_heads, d, generator=g), torch.randn(
+        2, kv_heads, d, generator=g)
+    slots = torch.stack((torch.arange(n), torch.arange(n) + 30))
+    meta = {mask: AttentionMetadata(slot_mapping=slots[:, -1], num_decode=2, decode_slots=slots,
+                                    decode_mask=torch.zeros(2, 1, 1, n) if mask else None) for mask in (True, False)}
+    with_mask = attention(q, k, v, LayerKV.of(pair.clone()), meta[True])
+    assert torch.equal(attention(q, k, v, LayerKV.of(pair.clone()), meta[False]), with_mask)
+    assert with_mask.shape == (2, heads * d)
+
+
+def test_the_runner_masks_only_decodes_of_different_lengths(tiny_models, monkeypatch):
+    llm = LLM(tiny_models["llama"][0], max_model_len=256)
+    masks = []
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute",
+                        lambda self, batch: (masks.append((batch.meta.num_decode, batch.meta.decode_mask)),
+                                             execute(self, batch))[1])
+    llm.generate([list(range(5, 25))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [m for b, m in masks if b] == [None] * 3  # one request decoding: no mask
+    masks.clear()
+    llm.generate([list(range(5, 25)), list(range(5, 12))], SamplingParams(temperature=0, max_tokens=4,
+                                                                          ignore_eos=True))
+    decode_masks = [m for b, m in masks if b == 2]
+    assert decode_masks and all(m is not None and torch.isinf(m).any() for m in decode_masks)
