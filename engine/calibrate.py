@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from .quant import dequantize_int4, dequantize_int8, dequantize_uint8, quantize_int4, quantize_int8, quantize_uint8
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "presets" / "quality" / "calibration.txt"
 ALPHAS = tuple(a / 10 for a in range(1, 10))  # the grid searched, besides no smoothing
@@ -33,7 +33,7 @@ SEARCH_ROWS = 256  # calibration tokens the error is measured over (statistics u
 SEARCH_OUTPUTS = 4096  # output channels it is measured over (the LM head has 49,152)
 MAX_TOKENS = 2048  # calibration tokens read (one forward pass; the text has fewer)
 # bump when the search changes: cached scales (engine/models/loader.py) from an older search are not reused
-SEARCH_VERSION = 1
+SEARCH_VERSION = 2  # 2: w8a8's activations asymmetric
 HEAD_KEY = "lm_head.smoothed.weight"  # the LM head's own smoothed weight when the checkpoint ties it to the embedding
 
 
@@ -51,7 +51,7 @@ class Fake:
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme == "w8a8":
-            return dequantize_int8(*quantize_int8(x), torch.float32)
+            return dequantize_uint8(*quantize_uint8(x), torch.float32)
         return x.to(torch.bfloat16).float()  # the weight-only kernels take bf16 activations
 
     @property

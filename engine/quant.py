@@ -1,10 +1,11 @@
-"""Quantization arithmetic, in one place: int8 rows (weights per output channel, activations per token, K/V per
-token and head) and int4 groups. Pure functions over tensors; the kernels that use them live in models/linear.py
-and attention/sdpa.py.
+"""Quantization arithmetic, in one place: int8 rows (weights per output channel, K/V per token and head), uint8
+rows (w8a8's activations per token) and int4 groups. Pure functions over tensors; the kernels that use them live in
+models/linear.py and attention/sdpa.py.
 
 int8 is symmetric: x ~ q * scale, q in [-127, 127], scale = max|x| / 127 over the row, so the error of one element
-is at most scale / 2. int4 is asymmetric per group of g input features: w ~ (q - 8) * scale + mid, q in [0, 15],
-scale = (max - min) / 15, mid = min + 8 * scale, error at most scale / 2.
+is at most scale / 2. uint8 is asymmetric: x ~ (q - zero) * scale, q in [0, 255] over the row's [min, max]. int4 is
+asymmetric per group of g input features: w ~ (q - 8) * scale + mid, q in [0, 15], scale = (max - min) / 15,
+mid = min + 8 * scale, error at most scale / 2.
 
 A weight's q is its nearest level, unless a `hessian` (H = X.T @ X over calibration inputs X of the projection)
 is given: then GPTQ's rounding (Frantar et al., 2022) picks them column by column, each column's rounding error
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 INT8_MAX = 127
+UINT8_MAX = 255
 INT4_LEVELS = 15
 INT4_MID = 8
 SCALE_DTYPE = torch.float32  # scales are kept in fp32 (4 bytes per row), whatever the model's dtype
@@ -46,6 +48,24 @@ def quantize_int8(x: torch.Tensor, qmax: int = INT8_MAX, scale_dtype: torch.dtyp
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q.to(SCALE_DTYPE) * scale.unsqueeze(-1)).to(dtype)
+
+
+def quantize_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric over the last dim into [0, 255], for activations (w8a8's, per token): x ~ (q - zero) * scale, the
+    row's [min, max] (widened to take in 0) split in 255 steps, zero the integer level 0 falls on. A lopsided row
+    (after an RMSNorm or SiLU, most are) gets up to twice the levels the symmetric int8 form gives it. The rounded
+    zero shifts the grid by at most half a step, so x / scale + zero stays within [-0.5, 255.5] and the error within
+    half a step. Returns (q uint8, scale fp32, zero fp32), the last two of shape x.shape[:-1]."""
+    xf = x.to(SCALE_DTYPE)
+    low, high = xf.amin(dim=-1, keepdim=True).clamp_(max=0), xf.amax(dim=-1, keepdim=True).clamp_(min=0)
+    scale = ((high - low) / UINT8_MAX).clamp_(min=_TINY)
+    zero = torch.round(-low / scale)
+    q = torch.round(xf / scale).add_(zero).clamp_(0, UINT8_MAX).to(torch.uint8)
+    return q, scale.squeeze(-1), zero.squeeze(-1)
+
+
+def dequantize_uint8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return ((q.to(SCALE_DTYPE) - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).to(dtype)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int, param_dtype: torch.dtype | None = None,

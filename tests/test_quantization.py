@@ -23,7 +23,14 @@ from engine.models.linear import (
     WeightFormat,
     require_kernel,
 )
-from engine.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from engine.quant import (
+    dequantize_int4,
+    dequantize_int8,
+    dequantize_uint8,
+    quantize_int4,
+    quantize_int8,
+    quantize_uint8,
+)
 from tests.conftest import assert_all_blocks_free
 from tests.test_features import engine_like, run, shared_prefix_prompts
 from tests.test_parity import random_prompts
@@ -60,6 +67,25 @@ def test_int8_round_trip_is_within_half_a_step_per_row():
     nonzero = w.abs().amax(1) > 0
     assert (q.abs().amax(1)[nonzero] == 127).all()  # each row uses the full range
     assert (q[1] == 0).all() and (dequantize_int8(q, scale, torch.float32)[1] == 0).all()
+
+
+@pytest.mark.parametrize("shift", [0.0, 5.0, -5.0])
+def test_uint8_round_trip_is_within_half_a_step_per_row_and_uses_every_level(shift):
+    x = (torch.randn(40, 300, generator=torch.Generator().manual_seed(0)) * 0.5 + shift) * torch.logspace(
+        -3, 1, 40).unsqueeze(1)
+    x[3] = 0
+    q, scale, zero = quantize_uint8(x)
+    assert q.dtype == torch.uint8 and scale.shape == zero.shape == (40,)
+    err = (dequantize_uint8(q, scale, zero, torch.float32) - x).abs()
+    assert (err <= scale.unsqueeze(1) / 2 * (1 + 1e-5)).all()
+    assert torch.equal(dequantize_uint8(q[3:4], scale[3:4], zero[3:4], torch.float32), x[3:4])  # zero is exact
+    # a lopsided row spends its levels on its own range: twice as fine a step as the symmetric form when one-sided
+    symmetric = quantize_int8(x)[1]
+    lopsided = (x.amin(1) > 0) | (x.amax(1) < 0)
+    assert lopsided.any() == (shift != 0)
+    assert (scale[lopsided] <= symmetric[lopsided] * 127 / 255 * (1 + 1e-6)).all()
+    both_signs = (x.amin(1) < 0) & (x.amax(1) > 0)
+    assert (q[both_signs].amin(1) == 0).all() and (q[both_signs].amax(1) == 255).all()
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -132,19 +158,21 @@ def test_w8a8_kernel_matches_per_token_quantized_reference(dtype):
     stored_q, stored_scales = lin.int8_weight()
     assert torch.equal(stored_q, wq) and stored_q.dtype == torch.int8 and int(wq.abs().max()) == W8A8_WEIGHT_MAX
     torch.testing.assert_close(stored_scales, ws)
-    xq, xs = quantize_int8(x)
-    reference = (xq.double() @ wq.double().t()) * xs.double().unsqueeze(1) * ws.double()  # int32 sums are exact
+    xq, xs, zero = quantize_uint8(x)
+    # int32 sums are exact
+    reference = ((xq.double() - zero.double().unsqueeze(1)) @ wq.double().t()) * xs.double().unsqueeze(1) * ws.double()
     assert lin(x).dtype == dtype
     assert rel_err(lin(x), reference) < (1e-6 if dtype == torch.float32 else BF16_ROUNDING)
     assert rel_err(lin(x), x.float() @ w.float().t()) < 0.05  # and near the unquantized product
 
 
 def test_w8a8_activations_at_full_range_stay_exact():
-    """The AVX2 kernel adds uint8 x int8 products in pairs in int16: activations at the top of their range, against
-    weights at the top of theirs, are where 8-bit weights overflowed (why they are 7-bit)."""
+    """The AVX2 kernel adds uint8 x int8 products in pairs in int16: activations at the top of their range (255: all
+    positive; 0: all negative), against weights at the top of theirs, are where 8-bit weights overflowed (why they
+    are 7-bit); a row's own zero point corrected after the kernel leaves the sums exact."""
     w = torch.full((32, 64), 0.5)
     w[::2] = -0.5
-    x = torch.tensor([[10.0] * 64, [-10.0] * 64])
+    x = torch.tensor([[10.0] * 64, [-10.0] * 64, [10.0, -2.5] * 32])
     assert rel_err(W8A8Linear(w)(x), x @ w.t()) < 1e-6
 
 
