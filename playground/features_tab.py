@@ -37,7 +37,9 @@ SECTIONS = {
                "Each KV pool size, paged and contiguous: how many requests fit at once, how often one is preempted "
                "(its blocks taken back, recomputed later), and what that does to tokens/s."),
 }
-QUALITY_COLUMNS = ["27%", "14%", "13%", "11%", "11%", "24%"]  # tables.QUALITY_HEADERS: the page's width, no scrolling
+# column widths for the page's width, no scrolling, long cells wrapped: tables.QUALITY_HEADERS, CUMULATIVE_HEADERS
+COLUMN_WIDTHS = {"quality": ["27%", "14%", "13%", "11%", "11%", "24%"],
+                 "cumulative": ["15%", "6%", "8%", "6%", "6%", "6%", "6%", "8%", "7%", "8%", "12%", "12%"]}
 ALL_LEVELS = "all"
 LEVEL_CHOICES = [ALL_LEVELS, *map(str, CONCURRENCY_LEVELS)]
 
@@ -74,7 +76,8 @@ def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotD
             plot = gr.Plot(serialised(view.figure), show_label=False)
             source = gr.Markdown(view.source)
             table = gr.Dataframe(view.table, headers=view.table["headers"], label=f"the numbers: {NAMES[kind]}",
-                                 **({"wrap": True, "column_widths": QUALITY_COLUMNS} if kind == "quality" else {}))
+                                 **({"wrap": True, "column_widths": COLUMN_WIDTHS[kind]} if kind in COLUMN_WIDTHS
+                                    else {}))
             outputs[kind] = (plot, table, source, status)
             # the bar over the chart only: on every output it covered the source line and the table with copies
             go.click(_runner(experiments, serialised, kind), inputs[kind], list(outputs[kind]), show_progress_on=plot)
