@@ -1,9 +1,10 @@
 """Paged attention with torch's scaled_dot_product_attention.
 
 Decode rows (one query each) are batched: their keys are gathered from the cache through a padded slot
-index and a mask hides the padding (no mask when they are all as long: SDPA is faster without one); GQA is handled by folding each KV head's query group into the query
-axis, so K/V are never repeated. Each prefill runs on its own: causally on its fresh K/V when nothing was
-cached before it, or against its gathered context (prefix-cache hits) with an offset causal mask.
+index and a mask hides the padding (no mask when they are all as long: SDPA is faster without one); GQA is
+handled by folding each KV head's query group into the query axis, so K/V are never repeated. Each prefill runs
+on its own: causally on its fresh K/V when nothing was cached before it, or against its gathered context
+(prefix-cache hits) with an offset causal mask.
 An int8 cache stores K and V with a scale per token and KV head: quantized as they are written, dequantized as
 they are read.
 """
