@@ -18,6 +18,7 @@ import torch
 from ..config import LOAD_TIME_FIELDS, WEIGHT_FIELDS, EngineConfig
 from ..engine import LLMEngine, StepRecord
 from ..llm import LLM
+from ..models import LlamaFamilyModel
 from ..models.linear import PROJECTION_TYPES, Projection
 from ..request import RequestOutput
 from ..sampler import SamplingParams
@@ -27,7 +28,7 @@ from .specs import check_fields
 PHASES = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "retire_ms")
 GIB = 2**30  # "GB" in the tables means GiB, like EngineConfig.kv_cache_memory_gb
 REQUEST_PREFIX = "bench-"
-ROPE_TABLES = ("cos", "sin")  # model attributes that are precomputed tables, not weights
+
 MAX_IDLE_STEPS = 1000  # consecutive steps that compute nothing before run_workload gives up
 StopCheck = Callable[[], bool]  # polled between steps: True cancels the run
 
@@ -88,10 +89,10 @@ def fixed_workload(prompts: list[list[int]], output_len: int) -> Workload:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of the model's weights (a tied lm_head counted once; RoPE tables excluded)."""
+    """Bytes of the model's weights (a tied lm_head counted once; tables derived from them excluded)."""
     sizes: dict[int, int] = {}
     for name, value in vars(model).items():
-        if name not in ROPE_TABLES:
+        if name not in LlamaFamilyModel.DERIVED:
             for w in _weights(value):
                 key = id(w) if isinstance(w, PROJECTION_TYPES) else w.data_ptr()
                 sizes[key] = w.nbytes if isinstance(w, PROJECTION_TYPES) else w.numel() * w.element_size()

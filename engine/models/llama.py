@@ -84,6 +84,8 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
 
 
 class LlamaFamilyModel:
+    DERIVED = ("cos", "signed_sin", "qk_norms")  # attributes computed at load (RoPE tables, joined norms): not weights
+
     def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
                  lm_head: Projection, inv_freq: torch.Tensor, attention_scaling: float, max_len: int,
                  weight_format: WeightFormat = UNQUANTIZED) -> None:
