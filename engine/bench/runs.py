@@ -28,7 +28,6 @@ from .specs import check_fields
 PHASES = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "retire_ms")
 GIB = 2**30  # "GB" in the tables means GiB, like EngineConfig.kv_cache_memory_gb
 REQUEST_PREFIX = "bench-"
-
 MAX_IDLE_STEPS = 1000  # consecutive steps that compute nothing before run_workload gives up
 StopCheck = Callable[[], bool]  # polled between steps: True cancels the run
 
