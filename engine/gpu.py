@@ -22,10 +22,13 @@ GIB = 2**30
 
 
 def resolve_dtype(name: str, device: torch.device) -> str:
-    """'auto': bfloat16 on CUDA (half the bytes, the tensor cores' type), float32 on CPU (exact, and fast there)."""
+    """'auto': bfloat16 on CUDA (half the bytes, the tensor cores' type), float16 on a GPU without bf16 (a T4, as
+    Colab's free tier lends: bf16 there is emulated), float32 on CPU (exact, and fast there)."""
     if name != "auto":
         return name
-    return "bfloat16" if device.type == "cuda" else "float32"
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
 
 
 def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str:

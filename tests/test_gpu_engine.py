@@ -114,10 +114,13 @@ def test_cuda_graphs_are_refused_on_cpu_never_silently_off(tiny_models):
     check_cuda_graphs(cuda, "triton", True)
 
 
-def test_gpu_defaults_are_decided_by_the_device():
+def test_gpu_defaults_are_decided_by_the_device(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_dtype("auto", cpu) == "float32" and resolve_dtype("auto", cuda) == "bfloat16"
     assert resolve_dtype("float16", cuda) == "float16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert resolve_dtype("auto", cuda) == "float16"  # a T4: bf16 only emulated
     assert resolve_attention_backend(EngineConfig(), cpu) == "sdpa"
     assert resolve_attention_backend(EngineConfig(), cuda) == "triton"
     assert resolve_attention_backend(EngineConfig(kv_cache=False), cuda) == "sdpa"
@@ -151,6 +154,28 @@ def test_gpu_check_cpu_dry_run_runs_every_step_end_to_end(tmp_path, capsys):
     assert report["hf"]["ratio"] > 0 and report["hf"]["batch"] == 2
     md = (tmp_path / "gpu_check.md").read_text()
     assert "CPU dry run" in md and "| Batch | Attention | CUDA graphs |" in md
+
+
+def test_gpu_check_reports_a_failed_section_and_runs_the_rest(tmp_path, capsys, monkeypatch):
+    import json
+
+    from engine.bench import gpu_check
+    from engine.bench.cli import main
+
+    def broken(plan):
+        raise RuntimeError("kernel exploded")
+    monkeypatch.setattr(gpu_check, "parity", broken)
+    assert main(["gpu-check", "--out", str(tmp_path), "--cpu-dry-run", "--only", "parity,hf"]) == 1
+    assert "failed: parity" in capsys.readouterr().err
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["parity"]["error"] == "RuntimeError: kernel exploded"
+    assert "in broken" in report["parity"]["traceback"]
+    assert report["hf"]["hf_tps"] > 0 and report["hf"]["ratio"] is None  # ran after it; no sweep to compare
+    assert "sweep" not in report and "tests" not in report
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "Section parity FAILED: RuntimeError: kernel exploded" in md and "HF `generate` at batch 2" in md
+    assert main(["gpu-check", "--out", str(tmp_path), "--cpu-dry-run", "--only", "parity,benchmarks"]) == 2
+    assert "unknown gpu-check section(s) ['benchmarks']" in capsys.readouterr().err
 
 
 def _layers(cache: torch.Tensor) -> list:

@@ -163,6 +163,26 @@ def test_mixed_step_stores_new_kv_then_attends_like_sdpa():
 ENGINE = dict(block_size=4, num_kv_blocks=96, max_num_seqs=4, max_num_batched_tokens=24, dtype="float32")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", ["rows", "heads", "strided heads"])
+def test_fused_rms_norm_is_the_reference_formula_to_a_rounding_step(dtype, shape):
+    from engine.models.llama import rms_norm
+    from engine.models.triton_norm import rms_norm as fused
+    gen = torch.Generator().manual_seed(0)
+    if shape == "rows":  # 37 rows: not a multiple of the kernel's rows per program
+        x, weight = torch.randn(37, 96, generator=gen), torch.randn(96, generator=gen)
+    elif shape == "heads":  # Qwen3's q/k norm: a weight row per head
+        x, weight = torch.randn(5, 6, 16, generator=gen), torch.randn(6, 16, generator=gen)
+    else:  # the heads as a view into the fused qkv output: rows strided, not contiguous
+        x, weight = torch.randn(5, 10 * 16, generator=gen)[:, :96].view(5, 6, 16), torch.randn(6, 16, generator=gen)
+    x, weight = x.to(dtype), weight.to(dtype)
+    out, ref = fused(x, weight, 1e-6), rms_norm(x, weight, 1e-6)
+    assert out.dtype == ref.dtype and out.shape == ref.shape and out.is_contiguous()
+    step = torch.finfo(dtype).eps * ref.abs().max().item()  # a rounding step at the largest output
+    assert (out.float() - ref.float()).abs().max().item() <= 2 * step
+    assert fused(x[:0], weight, 1e-6).shape == x[:0].shape  # no rows: nothing launched
+
+
 def _prompts():
     shared = [5, 17, 300, 42, 8, 99, 1000, 7, 64]  # a shared prefix: later prompts hit the prefix cache
     return [shared + [11, 12, 13], shared + [200, 3], list(range(20, 51)), [9]]

@@ -25,7 +25,9 @@ import triton.language as tl
 
 from .paged import PagedMetadata
 
-NEG = -1.0e30  # "minus infinity" that stays finite: a fully masked tile gives exp(NEG - m) = 0, never NaN
+# "minus infinity" that stays finite: a fully masked tile gives exp(NEG - m) = 0, never NaN. A constexpr: compiled
+# Triton refuses a plain global inside a kernel (the interpreter did not, so only the first GPU run caught it)
+NEG = tl.constexpr(-1.0e30)
 
 
 def require_triton(device: torch.device) -> None:

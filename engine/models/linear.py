@@ -12,11 +12,15 @@ the fastest kernel this torch ships for it on CPU, chosen by measurement (the RE
 `python -m engine.bench kernels`); each gives a row the same result whatever else shares the call:
   int8  weight-only, symmetric per output channel            torch._weight_int8pack_mm
   int4  weight-only, asymmetric per group of input features  torch._weight_int4pack_mm_for_cpu
+                                                             (CUDA: torch._weight_int4pack_mm, bf16 activations)
   w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums
 The two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path: 5-70x
 slower, measured on AVX2 and on AVX-512), so an fp32 model's activations enter them as bf16 and come back fp32.
 torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI: fbgemm was 10-100x faster here.
-A scheme with no kernel on the device is refused, never run unquantized.
+A scheme with no kernel on the device is refused, never run unquantized. On CUDA (an H200, torch 2.11, the matmuls of
+Qwen3-0.6B's shapes, bf16 x @ W 13-16 us at 1-64 rows): int4's kernel takes 7-8 us at 1-16 rows (the LM head 56 vs
+78 us at one row), so it is offered there; int8's `_weight_int8pack_mm` took 40-2,400 us and w8a8's `_int_mm` needs
+more than 16 rows and took 100 us with the activations' quantization, so both are refused on CUDA, saying so.
 """
 from __future__ import annotations
 
@@ -32,9 +36,14 @@ INT4_PACK_ROWS = 16  # the int4 kernel packs output features in tiles of 16
 W8A8_OP = "linear_with_input_q_dq_qweight_dq_output_fp32"
 # scheme -> {device type: the kernel}; a device not listed has no kernel in this engine
 KERNELS = {"int8": {"cpu": "torch._weight_int8pack_mm"},
-           "int4": {"cpu": "torch._weight_int4pack_mm_for_cpu"},
+           "int4": {"cpu": "torch._weight_int4pack_mm_for_cpu", "cuda": "torch._weight_int4pack_mm"},
            "w8a8": {"cpu": f"torch.ops.quantized.{W8A8_OP}"}}
-WEIGHT_ONLY_ACTIVATIONS = {"cpu": torch.bfloat16}  # the dtype the weight-only kernels are fast with, by device
+# why a scheme has no kernel on a device, measured (the module docstring), for the refusal to say
+NO_KERNEL_BECAUSE = {("int8", "cuda"): "torch's _weight_int8pack_mm was 3-700x slower than bf16 there",
+                     ("w8a8", "cuda"): "torch's _int_mm needs more than 16 rows and was 7x slower than bf16 there"}
+# the dtype the weight-only kernels are fast with (CUDA's int4 kernel takes nothing else), by device
+WEIGHT_ONLY_ACTIVATIONS = {"cpu": torch.bfloat16, "cuda": torch.bfloat16}
+INT4_INNER_K_TILES = (8, 4, 2)  # CUDA's int4 packing: the largest tiling (16 input features each) that divides K
 # fbgemm multiplies uint8 activations by int8 weights and adds pairs in int16 on AVX2, which overflows when both use
 # 8 bits (measured: 52% error at full range; exact with either side at 7 bits). Weights get the 7 bits, [-63, 63]:
 # SmolLM2's top-1 agreement with fp32 (1,024 positions) was 0.80 so, 0.72 with 7-bit activations, 0.84 with both
@@ -98,8 +107,10 @@ def require_kernel(scheme: str, device: torch.device) -> str:
         raise ValueError(f"unknown quantization scheme {scheme!r}; one of {', '.join(QUANTIZATION_SCHEMES)}")
     name = KERNELS[scheme].get(device.type)
     if name is None:
+        why = NO_KERNEL_BECAUSE.get((scheme, device.type))
         raise ValueError(f"quantization={scheme!r} has no kernel on {device.type} in this engine (it runs on "
-                         f"{', '.join(KERNELS[scheme])}); it is refused rather than run unquantized")
+                         f"{', '.join(KERNELS[scheme])}{': ' + why if why else ''}); it is refused rather than run "
+                         f"unquantized")
     if not _ships(name):
         raise ValueError(f"quantization={scheme!r} needs {name}, which torch {torch.__version__} does not ship; "
                          f"it is refused rather than run unquantized")
@@ -175,7 +186,13 @@ class Int4Linear(_Quantized):
         self.group_size = group_size
         self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
         q, scale, mid = quantize_int4(weight, group_size, self.activation_dtype, hessian)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        if self.device.type == "cuda":  # two values per byte, the even feature in the high nibble, then tiled
+            tiles = next((t for t in INT4_INNER_K_TILES if self.in_features % (16 * t) == 0), None)
+            if tiles is None:
+                raise ValueError(f"int4 on CUDA needs input features in multiples of 32, got {self.in_features}")
+            self.packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), tiles)
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # the kernel computes (q - 8) * scale + zero, its "zero" being our mid
         self.scales_and_zeros = torch.stack([scale.t(), mid.t()], dim=-1).to(self.activation_dtype).contiguous()
 
@@ -184,8 +201,8 @@ class Int4Linear(_Quantized):
         return _bytes(self.packed, self.scales_and_zeros)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x.to(self.activation_dtype), self.packed, self.group_size,
-                                                 self.scales_and_zeros)
+        kernel = torch._weight_int4pack_mm if self.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
+        return kernel(x.to(self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
 
 
 class W8A8Linear(_Quantized):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionMetadata, LayerKV, attention
+from ..attention import AttentionMetadata, LayerKV, PagedMetadata, attention
 from ..quant import SCALE_DTYPE
 from .linear import UNQUANTIZED, Projection, WeightFormat
 
@@ -56,6 +56,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         variance = x.pow(2).mean(-1, keepdim=True)
     x = x * variance.add_(eps).rsqrt_()
     return weight * (x if dtype == torch.float32 else x.to(dtype))
+
+
+def fused_rms_norm():
+    """The one-kernel RMSNorm of the triton backend (triton_norm.py), imported when first used: never on a CPU
+    install without triton."""
+    from .triton_norm import rms_norm as fused
+    return fused
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -135,27 +142,29 @@ class LlamaFamilyModel:
         """
         s = self.shape
         q_size, kv_size, heads = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_heads
+        # the triton backend's steps norm in one kernel each; the sdpa path keeps transformers' formula
+        norm = fused_rms_norm() if isinstance(meta, PagedMetadata) else rms_norm
         cos, sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         num_tokens = x.shape[0]
         # `proj.raw(h)` is the kernel's own output dtype (bf16 from the weight-only kernels on CPU) where the next
         # operation widens it exactly anyway (RoPE's multiply, a residual add, a cast): one cast fewer, same floats
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w.input_norm, s.rms_norm_eps)
+            h = norm(x, w.input_norm, s.rms_norm_eps)
             qkv = w.qkv.raw(h)
             if w.qkv_bias is not None:
                 qkv = qkv + w.qkv_bias
             qk = qkv[:, :q_size + kv_size].view(num_tokens, heads + s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim).to(self.dtype).contiguous()
             if self.qk_norms[i] is not None:
-                qk = rms_norm(qk.to(self.dtype), self.qk_norms[i], s.rms_norm_eps)
+                qk = norm(qk.to(self.dtype), self.qk_norms[i], s.rms_norm_eps)
             qk = apply_rope(qk, cos, sin)
             a = w.o.raw(attention(qk[:, :heads], qk[:, heads:], v, None if kv_cache is None else kv_cache[i], meta))
             if w.o_bias is not None:
                 a = a + w.o_bias
             x = x + a
-            h = rms_norm(x, w.post_norm, s.rms_norm_eps)
+            h = norm(x, w.post_norm, s.rms_norm_eps)
             g, u = w.gate_up.raw(h).chunk(2, dim=-1)
             x = x + w.down.raw(F.silu(g.to(self.dtype)) * u)
-        h = rms_norm(x[logits_rows], self.norm, s.rms_norm_eps)
+        h = norm(x[logits_rows], self.norm, s.rms_norm_eps)
         return self.lm_head(h).float()
