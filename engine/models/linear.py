@@ -195,14 +195,14 @@ class Int4Linear(_Quantized):
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # the kernel computes (q - 8) * scale + zero, its "zero" being our mid
         self.scales_and_zeros = torch.stack([scale.t(), mid.t()], dim=-1).to(self.activation_dtype).contiguous()
+        self._kernel = getattr(torch, self.kernel)  # the device's, as KERNELS names it: looked up once, not per call
 
     @property
     def nbytes(self) -> int:
         return _bytes(self.packed, self.scales_and_zeros)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = torch._weight_int4pack_mm if self.device.type == "cuda" else torch._weight_int4pack_mm_for_cpu
-        return kernel(x.to(self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
+        return self._kernel(x.to(self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
 
 
 class W8A8Linear(_Quantized):
