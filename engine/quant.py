@@ -118,7 +118,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor,
     # each output channel (row) is rounded on its own: rows in chunks that stay in cache
     for r0 in range(0, n, GPTQ_ROWS):
         rows = slice(r0, min(r0 + GPTQ_ROWS, n))
-        wr = w[rows].to(SCALE_DTYPE)  # a copy
+        wr = w[rows].to(SCALE_DTYPE, copy=True)  # a copy: the caller's weight (a tied embedding, say) is left as it was
         for start in range(0, k, GPTQ_BLOCK):
             end = min(start + GPTQ_BLOCK, k)
             block, hb = wr[:, start:end].clone(), hinv[start:end, start:end]

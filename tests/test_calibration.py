@@ -30,8 +30,9 @@ def output_error(w_hat: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> float
 
 @pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4"])
 def test_gptq_keeps_the_grid_and_errs_less_over_the_calibration_inputs(scheme):
-    w, x = correlated(64, 128)
+    w, x = correlated(64, 320)  # more columns than GPTQ_BLOCK: later blocks take the earlier ones' errors
     h = x.T @ x
+    before = w.clone()
     if scheme == "int4":
         plain, gptq = quantize_int4(w, 32), quantize_int4(w, 32, hessian=h)
         assert torch.equal(plain[1], gptq[1]) and torch.equal(plain[2], gptq[2])  # the same scales and mids
@@ -42,6 +43,7 @@ def test_gptq_keeps_the_grid_and_errs_less_over_the_calibration_inputs(scheme):
         plain, gptq = quantize_int8(w, qmax), quantize_int8(w, qmax, hessian=h)
         assert torch.equal(plain[1], gptq[1]) and int(gptq[0].abs().max()) <= qmax
         rtn, rounded = dequantize_int8(*plain, torch.float32), dequantize_int8(*gptq, torch.float32)
+    assert torch.equal(w, before)  # the caller's weight (a tied embedding, say) is read, never written
     assert not torch.equal(rtn, rounded)
     assert output_error(rounded, w, x) < 0.3 * output_error(rtn, w, x)  # measured ~0.09
 
