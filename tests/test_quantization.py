@@ -14,6 +14,7 @@ from engine.attention import AttentionMetadata, LayerKV, PrefillSeq, attention
 from engine.bench import weight_bytes
 from engine.config import BUILT_SWITCHES
 from engine.engine import LLMEngine
+from engine.models import cpu_kernels
 from engine.models.linear import (
     W8A8_WEIGHT_MAX,
     Int4Linear,
@@ -174,6 +175,45 @@ def test_w8a8_activations_at_full_range_stay_exact():
     w[::2] = -0.5
     x = torch.tensor([[10.0] * 64, [-10.0] * 64, [10.0, -2.5] * 32])
     assert rel_err(W8A8Linear(w)(x), x @ w.t()) < 1e-6
+
+
+def test_w8a8_row_helpers_in_cpp_give_the_python_floats_bit_for_bit():
+    """The C++ pass around fbgemm's matmul (cpu_kernels.py) must only be faster: the same q, scales, zero points
+    and scaled-back outputs as the torch calls, for lopsided, all-zero, constant, huge and negative rows. It must
+    also build here (CI has gcc and ninja): a build that silently failed would leave w8a8 2-4x slower."""
+    cpp = cpu_kernels._compiled()
+    assert cpp is not None, "w8a8's C++ row helpers did not build"
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 300, generator=g) * torch.logspace(-3, 3, 40).unsqueeze(1)
+    x[1] = 0
+    x[2] = 7.5
+    x[3] = -x[3].abs()
+    x[4] = torch.randn(300, generator=g).relu() * 1e4  # all >= 0: the range widened to take in 0
+    x[5, 17] = 300.0  # one outlier
+    for a, b in zip(cpp.quantize_rows(x), cpu_kernels.quantize_rows_python(x), strict=True):
+        assert torch.equal(a, b)
+    q, scale, shifted = cpu_kernels.quantize_rows_python(x)
+    assert float(q.min()) >= -128 and float(q.max()) <= 127 and torch.equal(q, q.round())
+    y = torch.randn(40, 96, generator=g) * 1e3
+    unit = torch.randn(96, generator=g)
+    assert torch.equal(cpp.dequantize_rows(y.clone(), scale, shifted, unit),
+                       cpu_kernels.dequantize_rows_python(y.clone(), scale, shifted, unit))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        cpp.quantize_rows(x.t())
+
+
+def test_w8a8_runs_the_same_without_the_cpp_helpers(monkeypatch):
+    w, x = weight(96, 128), torch.randn(9, 128)
+    fast = W8A8Linear(w)
+    assert "C++" in fast.kernel
+    monkeypatch.setenv("WATCHLLM_CPU_EXTENSIONS", "0")
+    cpu_kernels._compiled.cache_clear()
+    try:
+        slow = W8A8Linear(w)
+    finally:
+        cpu_kernels._compiled.cache_clear()
+    assert "torch calls" in slow.kernel
+    assert torch.equal(fast(x), slow(x))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

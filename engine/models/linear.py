@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES, EngineConfig
-from ..quant import quantize_int4, quantize_int8, quantize_uint8
+from ..quant import quantize_int4, quantize_int8
+from .cpu_kernels import W8A8_ZERO_POINT, row_helpers
 
 INT4_PACK_ROWS = 16  # the int4 kernel packs output features in tiles of 16
 W8A8_OP = "linear_with_input_q_dq_qweight_dq_output_fp32"
@@ -52,7 +53,6 @@ INT4_INNER_K_TILES = (8, 4, 2)  # CUDA's int4 packing: the largest tiling (16 in
 # 90.9% and its perplexity change from +4.7% to +2.5%. fbgemm takes one zero point for the whole input, so it is
 # given 128 and each row's own is corrected after: y -= (zero - 128) * w_scale * sum(w_q) per output channel.
 W8A8_WEIGHT_MAX = 63
-W8A8_ZERO_POINT = 128
 FBGEMM_ENGINES = ("x86", "fbgemm")
 def onednn_available(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -223,6 +223,9 @@ class W8A8Linear(_Quantized):
         stored_q, stored_scales = self.int8_weight()
         # what one unit of zero point adds to each output: the correction for a row's own zero point
         self.zero_point_unit = stored_q.double().sum(1).mul_(stored_scales.double()).float()
+        self._quantize_rows, self._dequantize_rows, helpers = row_helpers()
+        self.kernel = f"{self.kernel} (rows quantized by {helpers})"
+        self._kernel = getattr(torch.ops.quantized, W8A8_OP)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, K] int8, scales [N]) as packed: read back from fbgemm's layout."""
@@ -236,12 +239,11 @@ class W8A8Linear(_Quantized):
         return self.out_features * (self.in_features + 12)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        xq, x_scale, zero = quantize_uint8(x)
+        # each row's q - 128 (as floats), its scale and its zero point - 128 (engine/models/cpu_kernels.py)
+        xq, x_scale, shifted = self._quantize_rows(x.float().contiguous())
         # the kernel quantizes its input with scale 1 and zero point 128: integers in, so that step is exact
-        y = getattr(torch.ops.quantized, W8A8_OP)(xq.float().sub_(W8A8_ZERO_POINT), 1.0, W8A8_ZERO_POINT,
-                                                 self.packed)
-        y = torch.addr(y, zero.sub_(W8A8_ZERO_POINT), self.zero_point_unit, alpha=-1)
-        return (y * x_scale.unsqueeze(-1)).to(x.dtype)
+        y = self._kernel(xq, 1.0, W8A8_ZERO_POINT, self.packed)
+        return self._dequantize_rows(y, x_scale, shifted, self.zero_point_unit).to(x.dtype)
 
 
 Projection = Linear | Int8Linear | Int4Linear | W8A8Linear
