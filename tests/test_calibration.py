@@ -10,7 +10,7 @@ import torch
 from engine import LLM
 from engine.attention import AttentionMetadata, PrefillSeq
 from engine.calibrate import HEAD_KEY, Fake, Inputs, best_scale, calibrate
-from engine.models.linear import W8A8_WEIGHT_MAX, W8A8Linear
+from engine.models.linear import W8A8Linear, w8a8_weight_max
 from engine.models.loader import build_model, load_hf_config, load_state_dict, resolve_model, ties_head
 from engine.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
@@ -39,7 +39,7 @@ def test_gptq_keeps_the_grid_and_errs_less_over_the_calibration_inputs(scheme):
         assert int(gptq[0].max()) <= 15
         rtn, rounded = dequantize_int4(*plain, torch.float32), dequantize_int4(*gptq, torch.float32)
     else:
-        qmax = W8A8_WEIGHT_MAX if scheme == "w8a8" else 127
+        qmax = w8a8_weight_max() if scheme == "w8a8" else 127
         plain, gptq = quantize_int8(w, qmax), quantize_int8(w, qmax, hessian=h)
         assert torch.equal(plain[1], gptq[1]) and int(gptq[0].abs().max()) <= qmax
         rtn, rounded = dequantize_int8(*plain, torch.float32), dequantize_int8(*gptq, torch.float32)
@@ -53,7 +53,7 @@ def test_smoothing_moves_an_outlier_channels_range_into_the_weights():
     The scale found for it is > 1 (its activations divided, its weights multiplied), and the error falls."""
     w, x = correlated(96, 64, seed=1)
     x[:, 5] *= 50
-    fake = Fake("w8a8", weight_max=W8A8_WEIGHT_MAX)
+    fake = Fake("w8a8", weight_max=w8a8_weight_max())
     inputs = Inputs(x[:256], x.abs().mean(0), x.abs().amax(0), x.T @ x)
     s = best_scale(inputs, w, fake)
     assert s[5] > 2 * s.median()

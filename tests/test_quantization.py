@@ -16,13 +16,13 @@ from engine.config import BUILT_SWITCHES
 from engine.engine import LLMEngine
 from engine.models import cpu_kernels
 from engine.models.linear import (
-    W8A8_WEIGHT_MAX,
     Int4Linear,
     Int8Linear,
     Linear,
     W8A8Linear,
     WeightFormat,
     require_kernel,
+    w8a8_weight_max,
 )
 from engine.quant import (
     dequantize_int4,
@@ -155,9 +155,9 @@ def test_int4_kernel_matches_the_dequantized_reference(dtype, group):
 def test_w8a8_kernel_matches_per_token_quantized_reference(dtype):
     w, x = weight(96, 128).to(dtype), torch.randn(9, 128).to(dtype) * torch.logspace(-2, 1, 9).unsqueeze(1).to(dtype)
     lin = W8A8Linear(w)
-    wq, ws = quantize_int8(w, W8A8_WEIGHT_MAX)
+    wq, ws = quantize_int8(w, w8a8_weight_max())
     stored_q, stored_scales = lin.int8_weight()
-    assert torch.equal(stored_q, wq) and stored_q.dtype == torch.int8 and int(wq.abs().max()) == W8A8_WEIGHT_MAX
+    assert torch.equal(stored_q, wq) and stored_q.dtype == torch.int8 and int(wq.abs().max()) == w8a8_weight_max()
     torch.testing.assert_close(stored_scales, ws)
     xq, xs, zero = quantize_uint8(x)
     # int32 sums are exact

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -45,15 +46,39 @@ NO_KERNEL_BECAUSE = {("int8", "cuda"): "torch's _weight_int8pack_mm was 3-700x s
 # the dtype the weight-only kernels are fast with (CUDA's int4 kernel takes nothing else), by device
 WEIGHT_ONLY_ACTIVATIONS = {"cpu": torch.bfloat16, "cuda": torch.bfloat16}
 INT4_INNER_K_TILES = (8, 4, 2)  # CUDA's int4 packing: the largest tiling (16 input features each) that divides K
-# fbgemm multiplies uint8 activations by int8 weights and adds pairs in int16 on AVX2, which overflows when both use
-# 8 bits (measured: 52% error at full range; exact with either side at 7 bits). Weights get the 7 bits, [-63, 63]:
-# SmolLM2's top-1 agreement with fp32 (1,024 positions) was 0.80 so, 0.72 with 7-bit activations, 0.84 with both
-# at 8 bits (emulated exactly). Activations: per token, asymmetric over all 256 uint8 levels (quant.quantize_uint8),
-# which took SmolLM2's top-1 agreement over the 2,518-token quality text from 88.1% (symmetric, [-127, 127]) to
-# 90.9% and its perplexity change from +4.7% to +2.5%. fbgemm takes one zero point for the whole input, so it is
-# given 128 and each row's own is corrected after: y -= (zero - 128) * w_scale * sum(w_q) per output channel.
-W8A8_WEIGHT_MAX = 63
+# fbgemm multiplies uint8 activations by int8 weights. On AVX2 it adds pairs of products in int16, which overflows
+# when both use 8 bits (measured: 52% error at full range; exact with either side at 7 bits); with AVX-512 VNNI the
+# products go straight into int32 sums and 8 bits on both sides are exact. So the weights get all 8 bits,
+# [-127, 127], where a probe at load finds the sums exact at full range (w8a8_weight_max), else 7, [-63, 63].
+# SmolLM2's top-1 agreement with fp32 over the 2,518-token quality text, smoothed and GPTQ-rounded with its LM head in
+# fp32: 93.8% with 7-bit weights, 94.9% with 8-bit (perplexity +1.6% -> +0.9%). On AVX2, 7-bit weights measured
+# better than the other split fbgemm allows there (8-bit weights, 7-bit activations). Activations: per token,
+# asymmetric over all 256 uint8 levels (quant.quantize_uint8), which took the top-1 agreement of plain w8a8 (7-bit
+# weights) from 88.1% (symmetric, [-127, 127]) to 90.9% and its perplexity change from +4.7% to +2.5%. fbgemm takes
+# one zero point for the whole input, so it is given 128 and each row's own is corrected after:
+# y -= (zero - 128) * w_scale * sum(w_q) per output channel.
+W8A8_WEIGHT_MAX_BY_SUMS = {"int32": 127, "int16 pairs": 63}
 FBGEMM_ENGINES = ("x86", "fbgemm")
+@cache
+def fbgemm_sums() -> str:
+    """How this machine's fbgemm adds uint8 x int8 products, found by trying the case that overflows int16 pair sums
+    (255 x 127 twice): "int32" if the result is exact (AVX-512 VNNI), else "int16 pairs" (AVX2)."""
+    weight = torch.full((2, 64), 127, dtype=torch.int8)
+    weight[1] = -127
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        packed = torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(
+            weight, torch.ones(2, dtype=torch.double), torch.zeros(2, dtype=torch.long), 0), None)
+    x = torch.full((1, 64), 255.0 - W8A8_ZERO_POINT)  # uint8 255 once the kernel adds its zero point
+    exact = torch.equal(getattr(torch.ops.quantized, W8A8_OP)(x, 1.0, W8A8_ZERO_POINT, packed), x @ weight.float().T)
+    return "int32" if exact else "int16 pairs"
+
+
+def w8a8_weight_max() -> int:
+    """The largest |q| w8a8's weights may take on this machine (see W8A8_WEIGHT_MAX_BY_SUMS)."""
+    return W8A8_WEIGHT_MAX_BY_SUMS[fbgemm_sums()]
+
+
 def onednn_available(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
@@ -206,15 +231,15 @@ class Int4Linear(_Quantized):
 
 
 class W8A8Linear(_Quantized):
-    """int8 weights per output channel (7-bit values: see W8A8_WEIGHT_MAX) and uint8 activations quantized per token
-    on the fly (asymmetric, each with its zero point), multiplied in integers with int32 sums by fbgemm, then scaled
-    back: y = (x_q - zero) @ w_q.T * w_scale * x_scale. Integer sums are exact, so a row's result is the same in any
-    batch."""
+    """int8 weights per output channel (8-bit values, or 7 where fbgemm's sums need it: w8a8_weight_max) and uint8
+    activations quantized per token on the fly (asymmetric, each with its zero point), multiplied in integers with
+    int32 sums by fbgemm, then scaled back: y = (x_q - zero) @ w_q.T * w_scale * x_scale. Integer sums are exact, so
+    a row's result is the same in any batch."""
     scheme = "w8a8"
 
     def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
         super().__init__(weight)
-        q, scales = quantize_int8(weight, W8A8_WEIGHT_MAX, hessian=hessian)
+        q, scales = quantize_int8(weight, w8a8_weight_max(), hessian=hessian)
         zeros = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # torch deprecates its quantized tensors; fbgemm's kernels still ship
             warnings.simplefilter("ignore", UserWarning)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from ..calibrate import CALIBRATION_TEXT, HEAD_KEY, MAX_TOKENS, SEARCH_VERSION, Fake, calibrate
-from .linear import UNQUANTIZED, W8A8_WEIGHT_MAX, Projection, WeightFormat
+from .linear import UNQUANTIZED, Projection, WeightFormat, w8a8_weight_max
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
 from .random_models import load_random_model, random_name
 
@@ -219,8 +219,8 @@ def calibrated_state(state: dict[str, torch.Tensor], hf_config, tokenizer, devic
     ids = tokenizer(text).input_ids[:MAX_TOKENS]
     model = build_model(hf_config, state, torch.float32, device, len(ids) + 1)
     scheme = weight_format.quantization
-    fake = Fake(scheme, weight_format.group_size, W8A8_WEIGHT_MAX if scheme == "w8a8" else 127)
-    path = None if folder is None else _scales_path(folder, weight_format, text)
+    fake = Fake(scheme, weight_format.group_size, w8a8_weight_max() if scheme == "w8a8" else 127)
+    path = None if folder is None else _scales_path(folder, weight_format, fake.weight_max, text)
     known = _read_scales(path) if weight_format.smooth else None
     state, hessians, scales = calibrate(state, model, ids, fake, model.shape.num_kv_heads, model.shape.head_dim,
                                         tied=ties_head(hf_config, state), lm_head=weight_format.lm_head,
@@ -230,11 +230,12 @@ def calibrated_state(state: dict[str, torch.Tensor], hf_config, tokenizer, devic
     return state, hessians
 
 
-def _scales_path(folder: Path, weight_format: WeightFormat, text: str) -> Path:
-    """Where a checkpoint's smoothing scales for this format and calibration text are kept."""
+def _scales_path(folder: Path, weight_format: WeightFormat, weight_max: int, text: str) -> Path:
+    """Where a checkpoint's smoothing scales for this format, grid (w8a8's weight_max depends on the machine) and
+    calibration text are kept."""
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.glob("*.safetensors"))
     key = repr((str(folder.resolve()), files, weight_format.quantization, weight_format.group_size,
-                weight_format.lm_head, SEARCH_VERSION, text))
+                weight_format.lm_head, weight_max, SEARCH_VERSION, text))
     return cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
 
 
