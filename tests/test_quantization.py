@@ -216,11 +216,14 @@ def test_w8a8_runs_the_same_without_the_cpp_helpers(monkeypatch):
     assert torch.equal(fast(x), slow(x))
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_a_row_gets_the_same_result_in_any_batch(scheme):
-    """Like oneDNN's fp32 linear: what a request computes must not depend on who it is batched with."""
-    lin = WeightFormat(scheme).make(weight(64, 128), "test")
-    x = torch.randn(24, 128)
+@pytest.mark.parametrize("scheme,dtype", [(None, torch.float32), (None, torch.bfloat16),
+                                          *((s, torch.float32) for s in SCHEMES)])
+def test_a_row_gets_the_same_result_in_any_batch(scheme, dtype):
+    """What a request computes must not depend on who it is batched with, in every weight format."""
+    lin = WeightFormat(scheme).make(weight(64, 128).to(dtype), "test")
+    if scheme is None and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        assert lin.kernel == "oneDNN"
+    x = torch.randn(24, 128).to(dtype)
     full = lin(x)
     for m in (1, 2, 3, 5, 17):
         assert torch.equal(lin(x[:m]), full[:m])

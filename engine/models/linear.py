@@ -4,8 +4,9 @@ On CPU in float32, oneDNN's linear over a weight reordered once at load beats MK
 decode batch or a speculative verify has (the 30 layers' projections plus the LM head of SmolLM2-135M, min of 7,
 same process: 2 rows 56 ms vs 79, 5 rows 69 vs 158, 9 rows 77 vs 127, 16 rows 85 vs 159, 32 rows 106 vs 187;
 one row 55 vs 52), and each row's result does not depend on how many rows share the call (MKL's does for
-one or two rows), so a request's tokens are the same whoever it is batched with. Elsewhere (CUDA, other dtypes,
-a torch without oneDNN) it is `x @ W` over the weight stored transposed.
+one or two rows), so a request's tokens are the same whoever it is batched with. So in bf16 on a CPU with bf16
+instructions (see onednn_available). Elsewhere (CUDA, bf16 without them, a torch without oneDNN) it is `x @ W`
+over the weight stored transposed.
 
 Quantized siblings (`quantization=` in EngineConfig), each quantized once at load (engine/quant.py) and packed for
 the fastest kernel this torch ships for it on CPU, chosen by measurement (the README,
@@ -80,8 +81,14 @@ def w8a8_weight_max() -> int:
 
 
 def onednn_available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Whether oneDNN's linear takes this weight: fp32 on any x86 CPU; bf16 on one with bf16 instructions (AVX-512
+    BF16 / AMX), where it beat bf16 `x @ W` at every size measured (SmolLM2's shapes: 1.2-2.8x at one row, 1.1-1.4x
+    at 16 and 64); without them oneDNN refuses bf16."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() \
+            or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear:
