@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_kernels
 from .attention import AttentionMetadata, LayerKV, PagedMetadata, PrefillSeq
 from .attention.paged import build_paged_metadata, host_to_device
 from .models import LlamaFamilyModel
@@ -51,6 +52,13 @@ class ModelRunner:
                                              device=model.device)
             self.kv_layers = [LayerKV.of(self.kv_cache[i], self.kv_scales[i] if self.kv_int8 else None)
                               for i in range(s.num_layers)]
+        # decode attention over the pool in C++ (cpu_kernels.py) where it applies: the sdpa backend on CPU, K/V
+        # stored in the model's fp32 or bf16; built here, at load, rather than in the first step
+        self.decode_attention = None
+        if (use_kv_cache and attention_backend != "triton" and self.device.type == "cpu" and not self.kv_int8
+                and self.kv_cache.dtype in (torch.float32, torch.bfloat16)):
+            ext = cpu_kernels.compiled()
+            self.decode_attention = None if ext is None else ext.decode_attention
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -109,7 +117,9 @@ class ModelRunner:
                                    for s in decodes], dtype=torch.long, device=dev)
             pos = torch.arange(max_ctx, device=dev)
             meta.decode_slots = tables[:, pos // bs] * bs + pos % bs
-            if int(ctx.min()) < max_ctx:  # all as long (one request, say): nothing to hide, and SDPA without a
+            if self.decode_attention is not None:  # each row reads its own length of slots: no mask to build
+                meta.decode_attention, meta.decode_lens = self.decode_attention, ctx
+            elif int(ctx.min()) < max_ctx:  # all as long (one request, say): nothing to hide, and SDPA without a
                 # mask was several times faster here (adding a mask of zeros changes no float)
                 allowed = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
                 meta.decode_mask = self._additive(allowed)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams, cpu_kernels
 from engine.attention import AttentionMetadata, LayerKV, PrefillSeq, attention
 from engine.bench import weight_bytes
 from engine.config import BUILT_SWITCHES
 from engine.engine import LLMEngine
-from engine.models import cpu_kernels
 from engine.models.linear import (
     Int4Linear,
     Int8Linear,
@@ -181,7 +180,7 @@ def test_w8a8_row_helpers_in_cpp_give_the_python_floats_bit_for_bit():
     """The C++ pass around fbgemm's matmul (cpu_kernels.py) must only be faster: the same q, scales, zero points
     and scaled-back outputs as the torch calls, for lopsided, all-zero, constant, huge and negative rows. It must
     also build here (CI has gcc and ninja): a build that silently failed would leave w8a8 2-4x slower."""
-    cpp = cpu_kernels._compiled()
+    cpp = cpu_kernels.compiled()
     assert cpp is not None, "w8a8's C++ row helpers did not build"
     g = torch.Generator().manual_seed(3)
     x = torch.randn(40, 300, generator=g) * torch.logspace(-3, 3, 40).unsqueeze(1)
@@ -207,11 +206,11 @@ def test_w8a8_runs_the_same_without_the_cpp_helpers(monkeypatch):
     fast = W8A8Linear(w)
     assert "C++" in fast.kernel
     monkeypatch.setenv("WATCHLLM_CPU_EXTENSIONS", "0")
-    cpu_kernels._compiled.cache_clear()
+    cpu_kernels._build.cache_clear()
     try:
         slow = W8A8Linear(w)
     finally:
-        cpu_kernels._compiled.cache_clear()
+        cpu_kernels._build.cache_clear()
     assert "torch calls" in slow.kernel
     assert torch.equal(fast(x), slow(x))
 

@@ -1,6 +1,7 @@
 """Paged attention with torch's scaled_dot_product_attention.
 
-Decode rows (one query each) are batched: their keys are gathered from the cache through a padded slot
+Decode rows (one query each) are batched: on CPU each row's query is read against its own slots of the pool by
+the engine's C++ kernel (cpu_kernels.py); elsewhere their keys are gathered from the cache through a padded slot
 index and a mask hides the padding (no mask when they are all as long: SDPA is faster without one); GQA is
 handled by folding each KV head's query group into the query axis, so K/V are never repeated. Each prefill runs
 on its own: causally on its fresh K/V when nothing was cached before it, or against its gathered context
@@ -10,6 +11,7 @@ they are read.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,6 +35,10 @@ class AttentionMetadata:
     num_decode: int = 0  # the first num_decode rows are single-token decodes
     decode_slots: torch.Tensor | None = None  # [num_decode, max_context] gather index (padding -> slot 0)
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] additive (0 / -inf); None: none hidden
+    # the C++ decode attention over the pool (cpu_kernels.py), when the runner has it: each row reads the first
+    # decode_lens[row] of its decode_slots, and no mask is built
+    decode_attention: Callable | None = None
+    decode_lens: torch.Tensor | None = None  # [num_decode] int64
     prefills: list[PrefillSeq] = field(default_factory=list)
     # K/V at int8 precision: stored so when there is a cache, and rounded so even when there is none (the naive
     # loop), so that turning a cache feature off never changes what attention sees
@@ -115,7 +121,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV 
         cache.v.index_copy_(0, meta.slot_mapping, v)
     b = meta.num_decode
     out = None if 0 < b == num_tokens else torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-    if b:
+    if b and meta.decode_attention is not None:
+        od = meta.decode_attention(q[:b], cache.k, cache.v, meta.decode_slots, meta.decode_lens)
+        if out is None:
+            return od
+        out[:b] = od
+    elif b:
         max_ctx = meta.decode_slots.shape[1]
         slots = meta.decode_slots.view(-1)
         kd, vd = cache.read(slots, q.dtype, meta.pair_index(slots, cache))

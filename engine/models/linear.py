@@ -32,8 +32,8 @@ from functools import cache
 import torch
 
 from ..config import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES, EngineConfig
+from ..cpu_kernels import W8A8_ZERO_POINT, row_helpers
 from ..quant import quantize_int4, quantize_int8
-from .cpu_kernels import W8A8_ZERO_POINT, row_helpers
 
 INT4_PACK_ROWS = 16  # the int4 kernel packs output features in tiles of 16
 W8A8_OP = "linear_with_input_q_dq_qweight_dq_output_fp32"
