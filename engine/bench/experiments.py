@@ -263,7 +263,7 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
 
 
 # ---- `decode`: the whole engine's batch-1 time per token, in each precision ------------------------------------
-DECODE_SPECS = ("dtype=float32", "quantization=int8", "quantization=int8,quantize_lm_head=false",
+DECODE_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int8,quantize_lm_head=false",
                 "quantization=int4", "quantization=int4,quantize_lm_head=false", "quantization=w8a8")
 
 
