@@ -1,4 +1,4 @@
-// The CPU engine's own kernels (engine/models/cpu_kernels.py), each where torch's calls spent most of their time
+// The CPU engine's own kernels (engine/cpu_kernels.py), each where torch's calls spent most of their time
 // outside the arithmetic for the few rows of a decode step:
 // - w8a8's work around fbgemm's matmul, per token row, in one pass each: quantizing the activations before it and
 //   scaling the int32 sums back after (a dozen small torch calls each, which took 2-4x the matmul's own time). The
@@ -183,8 +183,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   slots.size(0) == q.size(0) && lens.scalar_type() == at::kLong && lens.dim() == 1 &&
                   lens.size(0) == q.size(0),
               "slots [B, W] and lens [B] must be int64");
-  TORCH_CHECK(lens.numel() == 0 || (lens.min().item<int64_t>() >= 1 && lens.max().item<int64_t>() <= slots.size(1)),
-              "each row needs 1..W context slots");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t row = 0; row < lens.size(0); ++row) {  // a plain loop: torch's min / max cost more than the kernel
+    TORCH_CHECK(lp[row] >= 1 && lp[row] <= slots.size(1), "each row needs 1..W context slots");
+  }
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
   if (q.scalar_type() == at::kFloat) {

@@ -14,10 +14,12 @@ the fastest kernel this torch ships for it on CPU, chosen by measurement (the RE
   int8  weight-only, symmetric per output channel            torch._weight_int8pack_mm
   int4  weight-only, asymmetric per group of input features  torch._weight_int4pack_mm_for_cpu
                                                              (CUDA: torch._weight_int4pack_mm, bf16 activations)
-  w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums
+  w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums,
+                                                             each row quantized and scaled back in C++ (cpu_kernels.py)
 The two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path: 5-70x
 slower, measured on AVX2 and on AVX-512), so an fp32 model's activations enter them as bf16 and come back fp32.
-torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI: fbgemm was 10-100x faster here.
+torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI: fbgemm was 10-100x faster on AVX2, and
+with VNNI _int_mm is still slower (one 3072 x 576 projection: 288 us at 32 rows; fbgemm 107 us at 16).
 A scheme with no kernel on the device is refused, never run unquantized. On CUDA (an H200, torch 2.11, the matmuls of
 Qwen3-0.6B's shapes, bf16 x @ W 13-16 us at 1-64 rows): int4's kernel takes 7-8 us at 1-16 rows (the LM head 56 vs
 78 us at one row), so it is offered there; int8's `_weight_int8pack_mm` took 40-2,400 us and w8a8's `_int_mm` needs
@@ -271,7 +273,7 @@ class W8A8Linear(_Quantized):
         return self.out_features * (self.in_features + 12)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # each row's q - 128 (as floats), its scale and its zero point - 128 (engine/models/cpu_kernels.py)
+        # each row's q - 128 (as floats), its scale and its zero point - 128 (engine/cpu_kernels.py)
         xq, x_scale, shifted = self._quantize_rows(x.float().contiguous())
         # the kernel quantizes its input with scale 1 and zero point 128: integers in, so that step is exact
         y = self._kernel(xq, 1.0, W8A8_ZERO_POINT, self.packed)
