@@ -7,6 +7,7 @@ inside its chart. Uses a tiny random model so the ablation and comparison runs t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from playground.results import SHIPPED_RESULTS
 from tests.conftest import serve_app
 from tests.test_e2e_browser import CHROMIUM, DOCS, FLAGS
 
@@ -234,8 +236,10 @@ def test_the_engine_feature_by_feature_tab(served, page, shots):
     page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
     visit(page, tab, shots, min_charts=3, name="features-before")
     assert page.get_by_text("Shipped results: measured on").is_visible()
-    # the shipped rows, drawn before any run: quality's two panels of bars and of goals
-    assert page.evaluate(VISIBLE_TRACES) == [1, 4, 3, 6]
+    # the shipped rows, drawn before any run: quality's two panels of bars and of goals; memory's 2 layouts x the
+    # KV dtypes the shipped sweep has x 3 panels
+    kv_dtypes = {row["kv_cache_dtype"] for row in json.loads(SHIPPED_RESULTS.read_text())["memory"]}
+    assert page.evaluate(VISIBLE_TRACES) == [1, 4, 3, 2 * len(kv_dtypes) * 3]
     assert page.get_by_text("(shipped with the repository)").count() == 4
     assert page.get_by_text("No results yet").count() == 0
     measured_here = "() => (document.body.innerText.match(/measured on this machine/g) || []).length"
