@@ -8,8 +8,9 @@ that spent most of their time outside the arithmetic for the few rows of a decod
   matmuls alone 224 us; at one row 381 against 100). Both paths compute the same floats, operation for operation
   (the test compares them bit for bit), so which one runs changes the speed only.
 - decode attention straight over the paged KV pool (attention/sdpa.py): one query per row against its own slots,
-  without first gathering K and V into a padded batch for SDPA. Its sums run in another order than SDPA's, so it
-  agrees with it to float rounding (tested), not bit for bit.
+  without first gathering K and V into a padded batch for SDPA (an int8 pool dequantized as it is read). Its sums
+  run in another order than SDPA's, so it agrees with it to float rounding (tested), not bit for bit. The int4
+  preset's time per token: 0.73x the SDPA path's.
 
 WATCHLLM_CPU_EXTENSIONS=0 keeps to the torch calls; a failed build warns once and does too.
 """
@@ -46,15 +47,16 @@ def dequantize_rows_python(y: torch.Tensor, scale: torch.Tensor, shifted: torch.
     return y.sub_(torch.outer(shifted, unit)).mul_(scale.unsqueeze(-1))
 
 
-def _cpu_key() -> str:
-    """What the machine code depends on (it is built for this CPU): the CPU's flags, the Python and torch."""
+def _build_key() -> str:
+    """What the machine code depends on: the source, the CPU's flags (it is built for this CPU), Python and torch.
+    Each its own folder, so two checkouts with different sources never rebuild over each other."""
     flags = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), flags)
     except OSError:
         pass
-    key = f"{flags}|{sys.version_info[:2]}|{torch.__version__}"
+    key = f"{SOURCE.read_bytes()!r}|{flags}|{sys.version_info[:2]}|{torch.__version__}"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -63,7 +65,7 @@ def _build():
     if os.environ.get("WATCHLLM_CPU_EXTENSIONS", "1") == "0":
         return None
     from .models.loader import cache_dir  # (the loader's package imports this module's users)
-    name = f"watchllm_cpu_kernels_{_cpu_key()}"
+    name = f"watchllm_cpu_kernels_{_build_key()}"
     build = cache_dir() / "extensions" / name
     try:
         from torch.utils.cpp_extension import load

@@ -127,17 +127,21 @@ def test_the_runner_masks_only_decodes_of_different_lengths(tiny_models, monkeyp
     assert decode_masks and all(m is not None and torch.isinf(m).any() for m in decode_masks)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpp_decode_attention_over_the_pool_matches_sdpa_over_the_gathered_batch(dtype):
+@pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                                           (torch.bfloat16, True)])
+def test_cpp_decode_attention_over_the_pool_matches_sdpa_over_the_gathered_batch(dtype, kv_int8):
     """The engine's C++ decode attention (cpu_kernels.py) reads each row's own slots of the pool; the SDPA path
     gathers them into a padded batch with a mask. Same result to float rounding, for rows of different lengths,
-    grouped-query heads and q as the strided view the model passes."""
+    grouped-query heads and q as the strided view the model passes; an int8 pool read with its scales."""
     ext = cpu_kernels.compiled()
     assert ext is not None, "the engine's C++ CPU kernels did not build"
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, d, lens = 9, 3, 64, torch.tensor([1, 9, 40, 17])
     b, width = len(lens), 48
     pair = torch.randn(2, 256, kv_heads, d, generator=g).to(dtype)
+    scale_pair = None
+    if kv_int8:
+        pair, scale_pair = quantize_int8(pair.float())
     qk = torch.randn(b, heads + kv_heads, d, generator=g).to(dtype)
     q, k, v = qk[:, :heads], torch.randn(b, kv_heads, d, generator=g).to(dtype), torch.randn(
         b, kv_heads, d, generator=g).to(dtype)
@@ -145,21 +149,28 @@ def test_cpp_decode_attention_over_the_pool_matches_sdpa_over_the_gathered_batch
     new = slots[torch.arange(b), lens - 1]  # each row's token of this step sits at its last slot
     allowed = (torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)).view(b, 1, 1, width)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-    sdpa = attention(q, k, v, LayerKV.of(pair.clone()), AttentionMetadata(
-        slot_mapping=new, num_decode=b, decode_slots=slots, decode_mask=mask))
-    cpp = attention(q, k, v, LayerKV.of(pair.clone()), AttentionMetadata(
-        slot_mapping=new, num_decode=b, decode_slots=slots, decode_attention=ext.decode_attention, decode_lens=lens))
+    def pool():
+        return LayerKV.of(pair.clone(), None if scale_pair is None else scale_pair.clone())
+    sdpa = attention(q, k, v, pool(), AttentionMetadata(
+        slot_mapping=new, num_decode=b, decode_slots=slots, decode_mask=mask, kv_int8=kv_int8))
+    cpp = attention(q, k, v, pool(), AttentionMetadata(
+        slot_mapping=new, num_decode=b, decode_slots=slots, decode_attention=ext.decode_attention, decode_lens=lens,
+        kv_int8=kv_int8))
     assert cpp.dtype == dtype and cpp.shape == (b, heads * d)
     torch.testing.assert_close(cpp, sdpa, atol=2e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5 if
                                dtype == torch.float32 else 1e-2)
+    scales = () if scale_pair is None else (scale_pair[0], scale_pair[1])
     with pytest.raises(RuntimeError, match="1..W context slots"):
-        ext.decode_attention(q, pair[0], pair[1], slots, torch.tensor([0, 1, 1, 1]))
+        ext.decode_attention(q, pair[0], pair[1], slots, torch.tensor([0, 1, 1, 1]), *scales)
     with pytest.raises(RuntimeError, match="contiguous pools"):
-        ext.decode_attention(q, pair[0].transpose(0, 1), pair[1], slots, lens)
+        ext.decode_attention(q, pair[0].transpose(0, 1), pair[1], slots, lens, *scales)
+    with pytest.raises(RuntimeError, match="only one, has scales"):
+        ext.decode_attention(q, pair[0], pair[1], slots, lens, *(() if kv_int8 else (lens.float(), lens.float())))
 
 
-def test_greedy_tokens_are_the_same_with_and_without_the_cpp_decode_attention(tiny_models):
-    llm = LLM(tiny_models["llama"][0], max_model_len=256)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_greedy_tokens_are_the_same_with_and_without_the_cpp_decode_attention(tiny_models, kv_cache_dtype):
+    llm = LLM(tiny_models["llama"][0], max_model_len=256, kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.runner.decode_attention is not None
     prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 9)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -122,7 +122,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV 
     b = meta.num_decode
     out = None if 0 < b == num_tokens else torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if b and meta.decode_attention is not None:
-        od = meta.decode_attention(q[:b], cache.k, cache.v, meta.decode_slots, meta.decode_lens)
+        od = meta.decode_attention(q[:b], cache.k, cache.v, meta.decode_slots, meta.decode_lens, cache.k_scale,
+                                   cache.v_scale)
         if out is None:
             return od
         out[:b] = od

@@ -106,15 +106,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return part[0];
 }
 
-template <typename T>
+// T: q's and the output's dtype; P: the pool's (T, or int8 with a float scale per slot and KV head, k_scale and
+// v_scale [slots, KV], each element read as q * scale)
+template <typename T, typename P>
 void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                           const at::Tensor& lens, at::Tensor& out, float scale) {
+                           const at::Tensor& lens, const float* k_scale, const float* v_scale, at::Tensor& out,
+                           float scale) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
   const int64_t group = heads / kv_heads, width = slots.size(1);
   const int64_t qs_row = q.stride(0), qs_head = q.stride(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const P* kp = k.data_ptr<P>();
+  const P* vp = v.data_ptr<P>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -129,10 +132,14 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       scores.resize(group * n);
       for (int64_t j = 0; j < n; ++j) {
-        const T* key = kp + (row_slots[j] * kv_heads + kvh) * dim;
+        const int64_t at = row_slots[j] * kv_heads + kvh;
+        const P* key = kp + at * dim;
         const float* key_row = key_f.data();
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<P, float>) {
           key_row = key;
+        } else if constexpr (std::is_same_v<P, int8_t>) {
+          const float ks = k_scale[at];
+          for (int64_t d = 0; d < dim; ++d) key_f[d] = static_cast<float>(key[d]) * ks;
         } else {
           for (int64_t d = 0; d < dim; ++d) key_f[d] = static_cast<float>(key[d]);
         }
@@ -152,9 +159,11 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
         total[h] = sum;
       }
       for (int64_t j = 0; j < n; ++j) {
-        const T* value = vp + (row_slots[j] * kv_heads + kvh) * dim;
+        const int64_t at = row_slots[j] * kv_heads + kvh;
+        const P* value = vp + at * dim;
+        const float vs = std::is_same_v<P, int8_t> ? v_scale[at] : 1.f;  // an int8 pool's scale, folded into p
         for (int64_t h = 0; h < group; ++h) {
-          const float p = scores[h * n + j];
+          const float p = scores[h * n + j] * vs;
           float* a = acc.data() + h * dim;
           for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
         }
@@ -171,13 +180,27 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
 
 // q [B, H, D] (any row and head strides, D contiguous), k and v [slots, KV, D] the pool, slots [B, W] each row's
 // slots (the first lens[b] of them hold its context), lens [B] -> [B, H * D]: softmax(q.k / sqrt(D)) . v per row
-// and head, a query head reading KV head h / (H / KV) (grouped-query attention)
+// and head, a query head reading KV head h / (H / KV) (grouped-query attention). An int8 pool comes with
+// k_scale and v_scale [slots, KV] (float32), and is read as q * scale.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                            const at::Tensor& lens) {
+                            const at::Tensor& lens, const c10::optional<at::Tensor>& k_scale,
+                            const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU tensor [B, H, D]");
+  const bool int8_pool = k.scalar_type() == at::kChar;
   TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.sizes() == k.sizes() && v.is_contiguous() &&
-                  k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() && k.size(2) == q.size(2),
-              "k and v must be contiguous pools [slots, KV, D] of q's dtype");
+                  v.scalar_type() == k.scalar_type() && (int8_pool || k.scalar_type() == q.scalar_type()) &&
+                  k.size(2) == q.size(2),
+              "k and v must be contiguous pools [slots, KV, D] of q's dtype or int8");
+  TORCH_CHECK(int8_pool == (k_scale.has_value() && v_scale.has_value()), "an int8 pool, and only one, has scales");
+  if (int8_pool) {
+    for (const auto& t : {*k_scale, *v_scale}) {
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == k.size(0) &&
+                      t.size(1) == k.size(1),
+                  "an int8 pool's scales must be contiguous float32 [slots, KV]");
+    }
+  }
+  const float* ks = int8_pool ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = int8_pool ? v_scale->data_ptr<float>() : nullptr;
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.is_contiguous() &&
                   slots.size(0) == q.size(0) && lens.scalar_type() == at::kLong && lens.dim() == 1 &&
@@ -189,10 +212,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
-  if (q.scalar_type() == at::kFloat) {
-    decode_attention_rows<float>(q, k, v, slots, lens, out, scale);
+  if (q.scalar_type() == at::kFloat && int8_pool) {
+    decode_attention_rows<float, int8_t>(q, k, v, slots, lens, ks, vs, out, scale);
+  } else if (q.scalar_type() == at::kFloat) {
+    decode_attention_rows<float, float>(q, k, v, slots, lens, ks, vs, out, scale);
+  } else if (q.scalar_type() == at::kBFloat16 && int8_pool) {
+    decode_attention_rows<c10::BFloat16, int8_t>(q, k, v, slots, lens, ks, vs, out, scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_rows<c10::BFloat16>(q, k, v, slots, lens, out, scale);
+    decode_attention_rows<c10::BFloat16, c10::BFloat16>(q, k, v, slots, lens, ks, vs, out, scale);
   } else {
     TORCH_CHECK(false, "decode_attention takes float32 or bfloat16");
   }
@@ -202,5 +229,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "w8a8's activations, quantized per row");
   m.def("dequantize_rows", &dequantize_rows, "int32 sums scaled back per row, in place");
-  m.def("decode_attention", &decode_attention, "one query per row against its slots of the paged KV pool");
+  m.def("decode_attention", &decode_attention, "one query per row against its slots of the paged KV pool",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("lens"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
 }
