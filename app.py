@@ -172,7 +172,7 @@ WEIGHTS_HELP = {
     "quantization": "int8 / int4: weight-only; w8a8: int8 weights and activations",
     "quantization_group_size": "int4 only: input features per scale (must divide each layer)",
     "quantize_lm_head": "the LM head too (unticked: it keeps the dtype)",
-    "dtype": "CPU: bfloat16 is fast with bf16 instructions (AVX-512 BF16, AMX), slow without (README: kernels)",
+    "dtype": "CPU: bf16 is fast only with bf16 instructions (README: kernels)",
     "quantization_smoothing": "calibrated at load over a text: each projection's input channels rescaled before "
                               "rounding (SmoothQuant / AWQ); a slower load, no slower steps",
     "quantization_gptq": "calibrated at load: weights rounded by GPTQ instead of to the nearest level; the slowest "
