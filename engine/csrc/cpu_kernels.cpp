@@ -11,8 +11,13 @@
 
 #include <c10/util/BFloat16.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -89,21 +94,139 @@ at::Tensor dequantize_rows(at::Tensor y, const at::Tensor& scale, const at::Tens
 }
 
 namespace {
-constexpr int64_t kLanes = 16;  // partial sums a dot product keeps apart, so that the compiler can vectorize it
+// e^x, to about 2 ulp over the whole float range (Cephes' expf: 2^n times a degree-7 polynomial on
+// [-ln2/2, ln2/2]), written so that a loop of it vectorizes: std::exp is a scalar call per element, and over the
+// scores of a decode step it took most of the attention's time. Below -87 it returns about 2^-126, not 0; above 88,
+// e^88.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, built in the exponent field
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
 
-// sum of a[d] * b[d], in kLanes interleaved partial sums added pairwise at the end (a float sum in one chain would
+// sum of a[j], vectorized as dot is
+inline float lane_sum(const float* a, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) sum += a[j];
+  return sum;
+}
+
+// sum of a[d] * b[d]: OpenMP's simd reduction keeps partial sums in vector lanes (a float sum in one chain would
 // not vectorize without licence to reorder it)
 inline float dot(const float* a, const float* b, int64_t n) {
-  float part[kLanes] = {};
-  int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) part[l] += a[d + l] * b[d + l];
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// One query head against the n keys of its KV head, and the weighted sum of their values. A key or value of slot j
+// starts at at[j] * dim of the pool; an int8 pool's element is q * its slot's scale. Two versions: the portable
+// loops, and AVX-512 for head sizes of 16-128 (C vectors of 16 floats), whose query and sums stay in registers (the
+// portable loops spent most of their time adding a dot product's lanes one by one and moving sums through memory).
+template <typename P>
+void scores_portable(const float* query, const P* kp, const int64_t* at, int64_t n, int64_t dim,
+                     const float* k_scale, float* s) {
+  std::vector<float> key_f(dim);
+  for (int64_t j = 0; j < n; ++j) {
+    const P* key = kp + at[j] * dim;
+    if constexpr (std::is_same_v<P, float>) {
+      s[j] = dot(query, key, dim);
+    } else {
+      for (int64_t d = 0; d < dim; ++d) key_f[d] = static_cast<float>(key[d]);
+      s[j] = dot(query, key_f.data(), dim) * (std::is_same_v<P, int8_t> ? k_scale[at[j]] : 1.f);
+    }
   }
-  for (; d < n; ++d) part[d % kLanes] += a[d] * b[d];
-  for (int64_t width = kLanes / 2; width >= 1; width /= 2) {  // pairwise, as a tree: no chain of 16 dependent adds
-    for (int64_t l = 0; l < width; ++l) part[l] += part[l + width];
+}
+
+template <typename P>
+void values_portable(const float* weight, const P* vp, const int64_t* at, int64_t n, int64_t dim,
+                     const float* v_scale, float* acc) {
+  std::fill(acc, acc + dim, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const P* value = vp + at[j] * dim;
+    const float p = weight[j] * (std::is_same_v<P, int8_t> ? v_scale[at[j]] : 1.f);
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p * static_cast<float>(value[d]);
   }
-  return part[0];
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int C, typename P>
+void scores_avx512(const float* query, const P* kp, const int64_t* at, int64_t n, const float* k_scale, float* s) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(query + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const P* key = kp + at[j] * (16 * C);
+    __m512 sum = _mm512_mul_ps(qv[0], load16(key));
+    for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], load16(key + 16 * c), sum);
+    s[j] = _mm512_reduce_add_ps(sum) * (std::is_same_v<P, int8_t> ? k_scale[at[j]] : 1.f);
+  }
+}
+
+template <int C, typename P>
+void values_avx512(const float* weight, const P* vp, const int64_t* at, int64_t n, const float* v_scale,
+                   float* out) {
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const P* value = vp + at[j] * (16 * C);
+    const __m512 p = _mm512_set1_ps(weight[j] * (std::is_same_v<P, int8_t> ? v_scale[at[j]] : 1.f));
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(value + 16 * c), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+#endif
+
+template <typename P>
+void scores(const float* query, const P* kp, const int64_t* at, int64_t n, int64_t dim, const float* k_scale,
+            float* s) {
+#if defined(__AVX512F__)
+  switch (dim) {
+    case 16: return scores_avx512<1>(query, kp, at, n, k_scale, s);
+    case 32: return scores_avx512<2>(query, kp, at, n, k_scale, s);
+    case 64: return scores_avx512<4>(query, kp, at, n, k_scale, s);
+    case 128: return scores_avx512<8>(query, kp, at, n, k_scale, s);
+    default: break;
+  }
+#endif
+  scores_portable(query, kp, at, n, dim, k_scale, s);
+}
+
+template <typename P>
+void weighted_values(const float* weight, const P* vp, const int64_t* at, int64_t n, int64_t dim,
+                     const float* v_scale, float* out) {
+#if defined(__AVX512F__)
+  switch (dim) {
+    case 16: return values_avx512<1>(weight, vp, at, n, v_scale, out);
+    case 32: return values_avx512<2>(weight, vp, at, n, v_scale, out);
+    case 64: return values_avx512<4>(weight, vp, at, n, v_scale, out);
+    case 128: return values_avx512<8>(weight, vp, at, n, v_scale, out);
+    default: break;
+  }
+#endif
+  values_portable(weight, vp, at, n, dim, v_scale, out);
 }
 
 // T: q's and the output's dtype; P: the pool's (T, or int8 with a float scale per slot and KV head, k_scale and
@@ -122,56 +245,25 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), acc(group * dim), key_f(dim), scores;
+    std::vector<float> query(dim), acc(dim), s;
+    std::vector<int64_t> at;  // where each slot's K (and V) of this KV head starts, in units of dim
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / kv_heads, kvh = i % kv_heads, n = lp[row];
       const int64_t* row_slots = sp + row * width;
+      at.resize(n);
+      s.resize(n);
+      for (int64_t j = 0; j < n; ++j) at[j] = row_slots[j] * kv_heads + kvh;
       for (int64_t h = 0; h < group; ++h) {
         const T* src = qp + row * qs_row + (kvh * group + h) * qs_head;
-        for (int64_t d = 0; d < dim; ++d) query[h * dim + d] = static_cast<float>(src[d]);
-      }
-      scores.resize(group * n);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t at = row_slots[j] * kv_heads + kvh;
-        const P* key = kp + at * dim;
-        const float* key_row = key_f.data();
-        if constexpr (std::is_same_v<P, float>) {
-          key_row = key;
-        } else if constexpr (std::is_same_v<P, int8_t>) {
-          const float ks = k_scale[at];
-          for (int64_t d = 0; d < dim; ++d) key_f[d] = static_cast<float>(key[d]) * ks;
-        } else {
-          for (int64_t d = 0; d < dim; ++d) key_f[d] = static_cast<float>(key[d]);
-        }
-        for (int64_t h = 0; h < group; ++h) scores[h * n + j] = dot(query.data() + h * dim, key_row, dim) * scale;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> total(group, 0.f);
-      for (int64_t h = 0; h < group; ++h) {
-        float* s = scores.data() + h * n;
+        for (int64_t d = 0; d < dim; ++d) query[d] = static_cast<float>(src[d]) * scale;
+        scores(query.data(), kp, at.data(), n, dim, k_scale, s.data());
         float top = -INFINITY;
         for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = std::exp(s[j] - top);
-          sum += s[j];
-        }
-        total[h] = sum;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t at = row_slots[j] * kv_heads + kvh;
-        const P* value = vp + at * dim;
-        const float vs = std::is_same_v<P, int8_t> ? v_scale[at] : 1.f;  // an int8 pool's scale, folded into p
-        for (int64_t h = 0; h < group; ++h) {
-          const float p = scores[h * n + j] * vs;
-          float* a = acc.data() + h * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(value[d]);
-        }
-      }
-      for (int64_t h = 0; h < group; ++h) {
+        for (int64_t j = 0; j < n; ++j) s[j] = fast_exp(s[j] - top);
+        const float inv = 1.f / lane_sum(s.data(), n);
+        weighted_values(s.data(), vp, at.data(), n, dim, v_scale, acc.data());
         T* dst = op + (row * heads + kvh * group + h) * dim;
-        const float inv = 1.f / total[h];
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[h * dim + d] * inv);
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
       }
     }
   });
