@@ -318,10 +318,180 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
+// ---- A decoder layer's elementwise steps, one call each (models/llama.py). As torch calls, an RMSNorm is seven
+// operations, RoPE six and the MLP's activation four, each a few microseconds of dispatch for the one row of a
+// batch-1 step: about 40% of an int4 token's time. Each rounds where transformers' formula rounds (to the model's
+// dtype after each operation; products and sums are not fused), so they differ from it only in the order of a row's
+// sum of squares and in exp's last bits: float rounding, as a different matmul kernel would.
+namespace {
+constexpr int64_t kRowsPerNormTask = 8;
+
+template <typename O>
+inline O round_to(float value) {
+  return static_cast<O>(value);  // float -> float is nothing; float -> bf16 rounds to nearest even, as torch does
+}
+
+template <typename X, typename R>
+void add_rms_norm_rows(X* xp, const R* rp, const X* wp, X* hp, int64_t rows, int64_t cols, float eps) {
+  at::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(cols);
+    for (int64_t t = begin; t < end; ++t) {
+      X* x = xp + t * cols;
+      if (rp != nullptr) {
+        const R* r = rp + t * cols;
+        for (int64_t k = 0; k < cols; ++k) x[k] = round_to<X>(static_cast<float>(x[k]) + static_cast<float>(r[k]));
+      }
+      for (int64_t k = 0; k < cols; ++k) xf[k] = static_cast<float>(x[k]);
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t k = 0; k < cols; ++k) squares += xf[k] * xf[k];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(cols) + eps);
+      X* h = hp + t * cols;
+      for (int64_t k = 0; k < cols; ++k) {
+        h[k] = round_to<X>(static_cast<float>(wp[k]) * static_cast<float>(round_to<X>(xf[k] * inv)));
+      }
+    }
+  });
+}
+
+template <typename X, typename C, typename O>
+void rope_rows(const X* xp, int64_t row_stride, int64_t head_stride, const C* cp, const C* sp, const int64_t* pos,
+               O* op, int64_t rows, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const C* cos = cp + pos[t] * dim;
+      const C* sin = sp + pos[t] * dim;  // minus sign on the first half (rotate_half's)
+      for (int64_t h = 0; h < heads; ++h) {
+        const X* x = xp + t * row_stride + h * head_stride;
+        O* o = op + (t * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          const float straight = static_cast<float>(round_to<O>(static_cast<float>(x[d]) * static_cast<float>(cos[d])));
+          const float rotated = static_cast<float>(x[d < half ? d + half : d - half]);
+          const float turned = static_cast<float>(round_to<O>(rotated * static_cast<float>(sin[d])));
+          o[d] = round_to<O>(straight + turned);
+        }
+      }
+    }
+  });
+}
+
+template <typename X, typename M>
+void silu_mul_rows(const X* gp, M* op, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const X* g = gp + t * 2 * inter;
+      const X* u = g + inter;
+      M* o = op + t * inter;
+      for (int64_t k = 0; k < inter; ++k) {
+        const float x = static_cast<float>(g[k]);
+        const float activated = static_cast<float>(round_to<M>(x / (1.f + fast_exp(-x))));
+        o[k] = round_to<M>(activated * static_cast<float>(u[k]));
+      }
+    }
+  });
+}
+
+bool float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+}  // namespace
+
+// x [T, K] (float32 or bf16, contiguous) += residual [T, K] in place when given (float32 or bf16), then its RMSNorm
+// times weight [K] (x's dtype): transformers' `weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`, in fp32 inside
+at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && float_or_bf16(x),
+              "x must be a contiguous float32 or bfloat16 CPU tensor [T, K]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.is_contiguous(),
+              "weight must be [K] in x's dtype");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && float_or_bf16(*residual),
+                "residual must be a contiguous float32 or bfloat16 tensor shaped as x");
+  }
+  auto h = at::empty_like(x);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const float e = static_cast<float>(eps);
+  const bool bf16_residual = residual.has_value() && residual->scalar_type() == at::kBFloat16;
+  if (x.scalar_type() == at::kFloat && !bf16_residual) {
+    add_rms_norm_rows<float, float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
+                                    weight.data_ptr<float>(), h.data_ptr<float>(), rows, cols, e);
+  } else if (x.scalar_type() == at::kFloat) {
+    add_rms_norm_rows<float, c10::BFloat16>(x.data_ptr<float>(), residual->data_ptr<c10::BFloat16>(),
+                                            weight.data_ptr<float>(), h.data_ptr<float>(), rows, cols, e);
+  } else {
+    TORCH_CHECK(!residual.has_value() || bf16_residual, "a bfloat16 x takes a bfloat16 residual");
+    using B = c10::BFloat16;
+    add_rms_norm_rows<B, B>(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr, weight.data_ptr<B>(),
+                            h.data_ptr<B>(), rows, cols, e);
+  }
+  return h;
+}
+
+// qk [T, H, D] (any row and head strides, D contiguous), cos and signed_sin [L, D] the model's tables (sin negated on
+// the first half), positions [T] -> [T, H, D]: qk * cos + rotate_half(qk) * sin, in float32 unless both are bf16
+at::Tensor rope(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& signed_sin,
+                const at::Tensor& positions) {
+  TORCH_CHECK(qk.device().is_cpu() && qk.dim() == 3 && qk.stride(2) == 1 && float_or_bf16(qk) &&
+                  qk.size(2) % 2 == 0,
+              "qk must be a float32 or bfloat16 CPU tensor [T, H, D], D even and contiguous");
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && signed_sin.sizes() == cos.sizes() &&
+                  signed_sin.is_contiguous() && signed_sin.scalar_type() == cos.scalar_type() &&
+                  cos.size(1) == qk.size(2) && float_or_bf16(cos),
+              "cos and signed_sin must be contiguous [L, D] tables of one dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous() &&
+                  positions.size(0) == qk.size(0),
+              "positions must be int64 [T]");
+  const int64_t rows = qk.size(0), heads = qk.size(1), dim = qk.size(2);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "a position is past the table");
+  const bool bf16_in = qk.scalar_type() == at::kBFloat16, bf16_table = cos.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!bf16_table || bf16_in, "bfloat16 tables take bfloat16 qk");
+  auto out = at::empty({rows, heads, dim}, qk.options().dtype(bf16_table ? at::kBFloat16 : at::kFloat));
+  using B = c10::BFloat16;
+  if (!bf16_in) {
+    rope_rows<float, float, float>(qk.data_ptr<float>(), qk.stride(0), qk.stride(1), cos.data_ptr<float>(),
+                                   signed_sin.data_ptr<float>(), pos, out.data_ptr<float>(), rows, heads, dim);
+  } else if (!bf16_table) {
+    rope_rows<B, float, float>(qk.data_ptr<B>(), qk.stride(0), qk.stride(1), cos.data_ptr<float>(),
+                               signed_sin.data_ptr<float>(), pos, out.data_ptr<float>(), rows, heads, dim);
+  } else {
+    rope_rows<B, B, B>(qk.data_ptr<B>(), qk.stride(0), qk.stride(1), cos.data_ptr<B>(), signed_sin.data_ptr<B>(),
+                       pos, out.data_ptr<B>(), rows, heads, dim);
+  }
+  return out;
+}
+
+// gate_up [T, 2I] (gate | up, contiguous) -> silu(gate) * up [T, I] in dtype (the model's: float32, or bf16 from a
+// bf16 gate_up), silu's result rounded to it first as transformers' is
+at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.is_contiguous() && float_or_bf16(gate_up) &&
+                  gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous float32 or bfloat16 CPU tensor [T, 2I]");
+  TORCH_CHECK(dtype == at::kFloat || (dtype == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16),
+              "silu_mul returns float32, or bfloat16 from bfloat16");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inter}, gate_up.options().dtype(dtype));
+  using B = c10::BFloat16;
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_rows<float, float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+  } else if (dtype == at::kFloat) {
+    silu_mul_rows<B, float>(gate_up.data_ptr<B>(), out.data_ptr<float>(), rows, inter);
+  } else {
+    silu_mul_rows<B, B>(gate_up.data_ptr<B>(), out.data_ptr<B>(), rows, inter);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "w8a8's activations, quantized per row");
   m.def("dequantize_rows", &dequantize_rows, "int32 sums scaled back per row, in place");
   m.def("decode_attention", &decode_attention, "one query per row against its slots of the paged KV pool",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("lens"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
+  m.def("add_rms_norm", &add_rms_norm, "x += residual in place (when given), then RMSNorm(x) * weight",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rope", &rope, "rotary embedding of q and k by their positions");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a joined gate|up projection");
 }

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import cpu_kernels
 from ..attention import AttentionMetadata, LayerKV, PagedMetadata, attention
 from ..quant import SCALE_DTYPE
 from .linear import UNQUANTIZED, Projection, WeightFormat
@@ -116,6 +117,9 @@ class LlamaFamilyModel:
         self.qk_norms = [None if w.q_norm is None else
                          torch.cat((w.q_norm.expand(shape.num_heads, -1), w.k_norm.expand(shape.num_kv_heads, -1)))
                          for w in layers]
+        # the engine's C++ layer steps (cpu_kernels.py) where they apply: a float32 or bf16 model on CPU
+        cpu_model = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        self.cpu_ops = cpu_kernels.compiled() if cpu_model else None
 
     @property
     def max_len(self) -> int:
@@ -141,30 +145,47 @@ class LlamaFamilyModel:
         Returns float32 logits for the rows in logits_rows (the last token of each sequence that samples).
         """
         s = self.shape
-        q_size, kv_size, heads = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_heads
-        # the triton backend's steps norm in one kernel each; the sdpa path keeps transformers' formula
-        norm = fused_rms_norm() if isinstance(meta, PagedMetadata) else rms_norm
-        cos, sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        q_size, kv_size, heads, eps = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_heads, s.rms_norm_eps
+        paged = isinstance(meta, PagedMetadata)
+        # the triton backend's steps norm in one kernel each; on CPU the engine's C++ layer steps (self.cpu_ops),
+        # else transformers' formulas as torch calls
+        ops = None if paged else self.cpu_ops
+        norm = fused_rms_norm() if paged else rms_norm
+
+        def add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
+            """x + residual (when given) and its RMSNorm; the C++ step adds in place (x is this forward's own)."""
+            if ops is not None:
+                return x, ops.add_rms_norm(x, residual, weight, eps)
+            if residual is not None:
+                x = x + residual
+            return x, norm(x, weight, eps)
+
+        if ops is None:
+            cos, sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         num_tokens = x.shape[0]
+        residual = None  # what the previous MLP adds to x, added as the next norm reads it
         # `proj.raw(h)` is the kernel's own output dtype (bf16 from the weight-only kernels on CPU) where the next
         # operation widens it exactly anyway (RoPE's multiply, a residual add, a cast): one cast fewer, same floats
         for i, w in enumerate(self.layers):
-            h = norm(x, w.input_norm, s.rms_norm_eps)
+            x, h = add_norm(x, residual, w.input_norm)
             qkv = w.qkv.raw(h)
             if w.qkv_bias is not None:
                 qkv = qkv + w.qkv_bias
             qk = qkv[:, :q_size + kv_size].view(num_tokens, heads + s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim).to(self.dtype).contiguous()
             if self.qk_norms[i] is not None:
-                qk = norm(qk.to(self.dtype), self.qk_norms[i], s.rms_norm_eps)
-            qk = apply_rope(qk, cos, sin)
+                qk = norm(qk.to(self.dtype), self.qk_norms[i], eps)
+            qk = apply_rope(qk, cos, sin) if ops is None else ops.rope(qk, self.cos, self.signed_sin, positions)
             a = w.o.raw(attention(qk[:, :heads], qk[:, heads:], v, None if kv_cache is None else kv_cache[i], meta))
             if w.o_bias is not None:
                 a = a + w.o_bias
-            x = x + a
-            h = norm(x, w.post_norm, s.rms_norm_eps)
-            g, u = w.gate_up.raw(h).chunk(2, dim=-1)
-            x = x + w.down.raw(F.silu(g.to(self.dtype)) * u)
-        h = norm(x[logits_rows], self.norm, s.rms_norm_eps)
+            x, h = add_norm(x, a, w.post_norm)
+            gate_up = w.gate_up.raw(h)
+            if ops is None:
+                g, u = gate_up.chunk(2, dim=-1)
+                residual = w.down.raw(F.silu(g.to(self.dtype)) * u)
+            else:
+                residual = w.down.raw(ops.silu_mul(gate_up, self.dtype))
+        _, h = add_norm(x[logits_rows], residual[logits_rows], self.norm)
         return self.lm_head(h).float()
