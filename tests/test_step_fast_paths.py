@@ -5,6 +5,9 @@
 - RMSNorm's variance on CPU is mean()'s own sum-then-divide, in fewer calls;
 - K and V are gathered from the pool in one call;
 - a decode batch whose requests are all as long runs SDPA without a mask.
+The C++ steps on CPU (decode attention over the pool, the layer's norms, RoPE and activation) are checked against
+the torch calls they replace: bit for bit where they compute the same operations in the same order, to float
+rounding where a sum or exp runs another way, and the greedy tokens the same with and without them.
 """
 from __future__ import annotations
 
@@ -178,3 +181,64 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cpp_decode_attention(ti
     with_cpp = [o.token_ids for o in llm.generate(prompts, params)]
     llm.engine.runner.decode_attention = None
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_cpp
+
+
+def test_cpp_layer_steps_match_the_torch_formulas():
+    """The C++ layer steps the model takes on CPU (models/llama.py, cpu_kernels.py): RoPE bit for bit; the norm and
+    silu(gate) * up to float rounding (a row's sum of squares and exp's last bits run another way); the residual
+    added in place exactly as x + residual; a result handed over in bf16 is the bf16 cast of the other."""
+    import torch.nn.functional as F
+    ext = cpu_kernels.compiled()
+    assert ext is not None, "the engine's C++ CPU kernels did not build"
+    g = torch.Generator().manual_seed(3)
+    for x_dtype, r_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                             (torch.bfloat16, torch.bfloat16)):
+        x = (torch.randn(7, 576, generator=g) * 4).to(x_dtype)
+        residual, weight = torch.randn(7, 576, generator=g).to(r_dtype), torch.rand(576, generator=g).to(x_dtype)
+        summed = x + residual
+        h = ext.add_rms_norm(x, residual, weight, 1e-5)
+        assert torch.equal(x, summed) and h.dtype == x_dtype
+        torch.testing.assert_close(h, rms_norm(summed, weight, 1e-5), rtol=2e-6 if x_dtype == torch.float32 else 0,
+                                   atol=1e-6 if x_dtype == torch.float32 else 1e-2)
+        assert torch.equal(ext.add_rms_norm(x.clone(), None, weight, 1e-5, torch.bfloat16),
+                           ext.add_rms_norm(x.clone(), None, weight, 1e-5).to(torch.bfloat16))
+    for x_dtype, table_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                 (torch.bfloat16, torch.bfloat16)):
+        qkv = torch.randn(4, 15 * 64, generator=g).to(x_dtype)
+        qk = qkv[:, :12 * 64].view(4, 12, 64)  # the strided view the model passes
+        cos, sin = torch.randn(50, 64, generator=g).to(table_dtype), torch.randn(50, 64, generator=g).to(table_dtype)
+        positions = torch.tensor([3, 7, 49, 0])
+        assert torch.equal(ext.rope(qk, cos, sin, positions),
+                           apply_rope(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))
+    for in_dtype, dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                            (torch.bfloat16, torch.bfloat16)):
+        gate_up = (torch.randn(3, 2 * 1536, generator=g) * 4).to(in_dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = ext.silu_mul(gate_up, dtype)
+        torch.testing.assert_close(out, F.silu(gate.to(dtype)) * up, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(ext.silu_mul(gate_up, dtype, torch.bfloat16), out.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must be a contiguous"):
+        ext.add_rms_norm(torch.randn(2, 3, 4), None, torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="past the table"):
+        ext.rope(torch.randn(1, 2, 8), torch.ones(4, 8), torch.ones(4, 8), torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        ext.silu_mul(torch.randn(2, 5), torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8", "int4 in bf16"])
+def test_greedy_tokens_and_logprobs_with_and_without_the_cpp_layer_steps(tiny_models, arch, precision):
+    llm = LLM(tiny_models[arch][0], max_model_len=256, **PRECISIONS[precision])
+    model = llm.engine.runner.model
+    assert model.cpu_ops is not None
+    prompts = random_prompts(4, seed=5)
+    with_cpp = outputs(llm, prompts)
+    model.cpu_ops = None
+    without = outputs(llm, prompts)
+    assert [o[0] for o in without] == [o[0] for o in with_cpp]
+    # logprobs to float rounding, which the int4 kernel's bf16 activations can make a step of bf16 rounding
+    tolerance = 0.1 if "int4" in precision else 1e-3
+    for a, b in zip(with_cpp, without, strict=True):
+        for pa, pb in zip(a[1], b[1], strict=True):
+            assert pa.keys() == pb.keys() and all(abs(pa[t] - pb[t]) < tolerance for t in pa)

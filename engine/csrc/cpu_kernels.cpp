@@ -331,8 +331,8 @@ inline O round_to(float value) {
   return static_cast<O>(value);  // float -> float is nothing; float -> bf16 rounds to nearest even, as torch does
 }
 
-template <typename X, typename R>
-void add_rms_norm_rows(X* xp, const R* rp, const X* wp, X* hp, int64_t rows, int64_t cols, float eps) {
+template <typename X, typename R, typename H>
+void add_rms_norm_rows(X* xp, const R* rp, const X* wp, H* hp, int64_t rows, int64_t cols, float eps) {
   at::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(cols);
     for (int64_t t = begin; t < end; ++t) {
@@ -346,9 +346,10 @@ void add_rms_norm_rows(X* xp, const R* rp, const X* wp, X* hp, int64_t rows, int
 #pragma omp simd reduction(+ : squares)
       for (int64_t k = 0; k < cols; ++k) squares += xf[k] * xf[k];
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(cols) + eps);
-      X* h = hp + t * cols;
+      H* h = hp + t * cols;
       for (int64_t k = 0; k < cols; ++k) {
-        h[k] = round_to<X>(static_cast<float>(wp[k]) * static_cast<float>(round_to<X>(xf[k] * inv)));
+        const float normed = static_cast<float>(round_to<X>(xf[k] * inv));
+        h[k] = round_to<H>(static_cast<float>(round_to<X>(static_cast<float>(wp[k]) * normed)));
       }
     }
   });
@@ -376,17 +377,17 @@ void rope_rows(const X* xp, int64_t row_stride, int64_t head_stride, const C* cp
   });
 }
 
-template <typename X, typename M>
-void silu_mul_rows(const X* gp, M* op, int64_t rows, int64_t inter) {
+template <typename X, typename M, typename O>
+void silu_mul_rows(const X* gp, O* op, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const X* g = gp + t * 2 * inter;
       const X* u = g + inter;
-      M* o = op + t * inter;
+      O* o = op + t * inter;
       for (int64_t k = 0; k < inter; ++k) {
         const float x = static_cast<float>(g[k]);
         const float activated = static_cast<float>(round_to<M>(x / (1.f + fast_exp(-x))));
-        o[k] = round_to<M>(activated * static_cast<float>(u[k]));
+        o[k] = round_to<O>(static_cast<float>(round_to<M>(activated * static_cast<float>(u[k]))));
       }
     }
   });
@@ -398,9 +399,11 @@ bool float_or_bf16(const at::Tensor& t) {
 }  // namespace
 
 // x [T, K] (float32 or bf16, contiguous) += residual [T, K] in place when given (float32 or bf16), then its RMSNorm
-// times weight [K] (x's dtype): transformers' `weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`, in fp32 inside
+// times weight [K] (x's dtype): transformers' `weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`, in fp32 inside;
+// returned in x's dtype, or cast on to bf16 from a float32 x (what the next projection's kernel takes: the same
+// floats as a cast after)
 at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
-                        double eps) {
+                        double eps, c10::optional<at::ScalarType> dtype) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && float_or_bf16(x),
               "x must be a contiguous float32 or bfloat16 CPU tensor [T, K]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
@@ -410,21 +413,31 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual,
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() && float_or_bf16(*residual),
                 "residual must be a contiguous float32 or bfloat16 tensor shaped as x");
   }
-  auto h = at::empty_like(x);
+  const at::ScalarType out_dtype = dtype.value_or(x.scalar_type());
+  TORCH_CHECK(out_dtype == x.scalar_type() || out_dtype == at::kBFloat16, "the norm returns x's dtype or bfloat16");
+  auto h = at::empty(x.sizes(), x.options().dtype(out_dtype));
   const int64_t rows = x.size(0), cols = x.size(1);
   const float e = static_cast<float>(eps);
   const bool bf16_residual = residual.has_value() && residual->scalar_type() == at::kBFloat16;
-  if (x.scalar_type() == at::kFloat && !bf16_residual) {
-    add_rms_norm_rows<float, float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
-                                    weight.data_ptr<float>(), h.data_ptr<float>(), rows, cols, e);
-  } else if (x.scalar_type() == at::kFloat) {
-    add_rms_norm_rows<float, c10::BFloat16>(x.data_ptr<float>(), residual->data_ptr<c10::BFloat16>(),
-                                            weight.data_ptr<float>(), h.data_ptr<float>(), rows, cols, e);
+  using B = c10::BFloat16;
+  float* xf = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;
+  if (xf != nullptr) {
+    const float* w = weight.data_ptr<float>();
+    const float* rf = residual.has_value() && !bf16_residual ? residual->data_ptr<float>() : nullptr;
+    const B* rb = bf16_residual ? residual->data_ptr<B>() : nullptr;
+    if (out_dtype == at::kFloat && rb == nullptr) {
+      add_rms_norm_rows<float, float, float>(xf, rf, w, h.data_ptr<float>(), rows, cols, e);
+    } else if (out_dtype == at::kFloat) {
+      add_rms_norm_rows<float, B, float>(xf, rb, w, h.data_ptr<float>(), rows, cols, e);
+    } else if (rb == nullptr) {
+      add_rms_norm_rows<float, float, B>(xf, rf, w, h.data_ptr<B>(), rows, cols, e);
+    } else {
+      add_rms_norm_rows<float, B, B>(xf, rb, w, h.data_ptr<B>(), rows, cols, e);
+    }
   } else {
     TORCH_CHECK(!residual.has_value() || bf16_residual, "a bfloat16 x takes a bfloat16 residual");
-    using B = c10::BFloat16;
-    add_rms_norm_rows<B, B>(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr, weight.data_ptr<B>(),
-                            h.data_ptr<B>(), rows, cols, e);
+    add_rms_norm_rows<B, B, B>(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr, weight.data_ptr<B>(),
+                               h.data_ptr<B>(), rows, cols, e);
   }
   return h;
 }
@@ -463,23 +476,31 @@ at::Tensor rope(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& s
   return out;
 }
 
-// gate_up [T, 2I] (gate | up, contiguous) -> silu(gate) * up [T, I] in dtype (the model's: float32, or bf16 from a
-// bf16 gate_up), silu's result rounded to it first as transformers' is
-at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype) {
+// gate_up [T, 2I] (gate | up, contiguous) -> silu(gate) * up [T, I] computed in dtype (the model's: float32, or
+// bf16 from a bf16 gate_up), silu's result rounded to it first as transformers' is; returned in dtype, or cast on to
+// out_dtype (bf16 from float32: what the down projection's kernel takes)
+at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype, c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.is_contiguous() && float_or_bf16(gate_up) &&
                   gate_up.size(1) % 2 == 0,
               "gate_up must be a contiguous float32 or bfloat16 CPU tensor [T, 2I]");
   TORCH_CHECK(dtype == at::kFloat || (dtype == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16),
-              "silu_mul returns float32, or bfloat16 from bfloat16");
+              "silu_mul computes in float32, or bfloat16 from bfloat16");
+  const at::ScalarType result = out_dtype.value_or(dtype);
+  TORCH_CHECK(result == dtype || result == at::kBFloat16, "silu_mul returns its dtype or bfloat16");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = at::empty({rows, inter}, gate_up.options().dtype(dtype));
+  auto out = at::empty({rows, inter}, gate_up.options().dtype(result));
   using B = c10::BFloat16;
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_mul_rows<float, float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
-  } else if (dtype == at::kFloat) {
-    silu_mul_rows<B, float>(gate_up.data_ptr<B>(), out.data_ptr<float>(), rows, inter);
+  const bool bf16_in = gate_up.scalar_type() == at::kBFloat16;
+  if (dtype == at::kBFloat16) {
+    silu_mul_rows<B, B, B>(gate_up.data_ptr<B>(), out.data_ptr<B>(), rows, inter);
+  } else if (!bf16_in && result == at::kFloat) {
+    silu_mul_rows<float, float, float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+  } else if (!bf16_in) {
+    silu_mul_rows<float, float, B>(gate_up.data_ptr<float>(), out.data_ptr<B>(), rows, inter);
+  } else if (result == at::kFloat) {
+    silu_mul_rows<B, float, float>(gate_up.data_ptr<B>(), out.data_ptr<float>(), rows, inter);
   } else {
-    silu_mul_rows<B, B>(gate_up.data_ptr<B>(), out.data_ptr<B>(), rows, inter);
+    silu_mul_rows<B, float, B>(gate_up.data_ptr<B>(), out.data_ptr<B>(), rows, inter);
   }
   return out;
 }
@@ -491,7 +512,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("lens"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place (when given), then RMSNorm(x) * weight",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("dtype") = py::none());
   m.def("rope", &rope, "rotary embedding of q and k by their positions");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a joined gate|up projection");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a joined gate|up projection", py::arg("gate_up"),
+        py::arg("dtype"), py::arg("out_dtype") = py::none());
 }

@@ -117,6 +117,11 @@ class Linear:
     raw = __call__  # already in the model's dtype (see _Quantized.raw)
 
     @property
+    def input_dtype(self) -> torch.dtype:
+        """The activations' dtype the kernel computes in (a caller may hand them over in it already)."""
+        return self.dtype
+
+    @property
     def kernel(self) -> str:
         return "oneDNN" if self.packed is not None else "x @ W"
 
@@ -192,6 +197,7 @@ class Int8Linear(_Quantized):
         super().__init__(weight)
         self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
         self.qweight, scale = quantize_int8(weight, scale_dtype=self.activation_dtype, hessian=hessian)
+        self.input_dtype = self.activation_dtype
         self.scales = scale.to(self.activation_dtype)
 
     @property
@@ -218,7 +224,7 @@ class Int4Linear(_Quantized):
             raise ValueError(f"int4 needs output features in multiples of {INT4_PACK_ROWS}, "
                              f"got {self.out_features}")
         self.group_size = group_size
-        self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
+        self.activation_dtype = self.input_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
         q, scale, mid = quantize_int4(weight, group_size, self.activation_dtype, hessian)
         if self.device.type == "cuda":  # two values per byte, the even feature in the high nibble, then tiled
             tiles = next((t for t in INT4_INNER_K_TILES if self.in_features % (16 * t) == 0), None)
@@ -245,6 +251,7 @@ class W8A8Linear(_Quantized):
     int32 sums by fbgemm, then scaled back: y = (x_q - zero) @ w_q.T * w_scale * x_scale. Integer sums are exact, so
     a row's result is the same in any batch."""
     scheme = "w8a8"
+    input_dtype = torch.float32  # each row is quantized from fp32
 
     def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
         super().__init__(weight)

@@ -152,13 +152,17 @@ class LlamaFamilyModel:
         ops = None if paged else self.cpu_ops
         norm = fused_rms_norm() if paged else rms_norm
 
-        def add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
-            """x + residual (when given) and its RMSNorm; the C++ step adds in place (x is this forward's own)."""
+        def add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, into=None):
+            """x + residual (when given) and its RMSNorm; the C++ step adds in place (x is this forward's own) and
+            hands the norm over in the next projection's dtype where that is bf16 (the same floats as its cast)."""
             if ops is not None:
-                return x, ops.add_rms_norm(x, residual, weight, eps)
+                return x, ops.add_rms_norm(x, residual, weight, eps, bf16_for(into))
             if residual is not None:
                 x = x + residual
             return x, norm(x, weight, eps)
+
+        def bf16_for(proj: Projection | None) -> torch.dtype | None:
+            return torch.bfloat16 if proj is not None and proj.input_dtype == torch.bfloat16 else None
 
         if ops is None:
             cos, sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
@@ -168,7 +172,7 @@ class LlamaFamilyModel:
         # `proj.raw(h)` is the kernel's own output dtype (bf16 from the weight-only kernels on CPU) where the next
         # operation widens it exactly anyway (RoPE's multiply, a residual add, a cast): one cast fewer, same floats
         for i, w in enumerate(self.layers):
-            x, h = add_norm(x, residual, w.input_norm)
+            x, h = add_norm(x, residual, w.input_norm, w.qkv)
             qkv = w.qkv.raw(h)
             if w.qkv_bias is not None:
                 qkv = qkv + w.qkv_bias
@@ -180,12 +184,12 @@ class LlamaFamilyModel:
             a = w.o.raw(attention(qk[:, :heads], qk[:, heads:], v, None if kv_cache is None else kv_cache[i], meta))
             if w.o_bias is not None:
                 a = a + w.o_bias
-            x, h = add_norm(x, a, w.post_norm)
+            x, h = add_norm(x, a, w.post_norm, w.gate_up)
             gate_up = w.gate_up.raw(h)
             if ops is None:
                 g, u = gate_up.chunk(2, dim=-1)
                 residual = w.down.raw(F.silu(g.to(self.dtype)) * u)
             else:
-                residual = w.down.raw(ops.silu_mul(gate_up, self.dtype))
+                residual = w.down.raw(ops.silu_mul(gate_up, self.dtype, bf16_for(w.down)))
         _, h = add_norm(x[logits_rows], residual[logits_rows], self.norm)
         return self.lm_head(h).float()
