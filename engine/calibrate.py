@@ -105,6 +105,10 @@ class _Recorder:
         self._record(x)
         return self.proj.raw(x)
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.proj.input_dtype
+
     def _record(self, x: torch.Tensor) -> None:
         xf = x.float()
         self.rows = xf[torch.linspace(0, xf.shape[0] - 1, min(SEARCH_ROWS, xf.shape[0])).long()]

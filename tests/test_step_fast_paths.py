@@ -242,3 +242,14 @@ def test_greedy_tokens_and_logprobs_with_and_without_the_cpp_layer_steps(tiny_mo
     for a, b in zip(with_cpp, without, strict=True):
         for pa, pb in zip(a[1], b[1], strict=True):
             assert pa.keys() == pb.keys() and all(abs(pa[t] - pb[t]) < tolerance for t in pa)
+
+
+def test_cpp_layer_steps_take_a_batch_with_no_rows():
+    """A step with nothing to sample hands the final norm no rows (an empty tensor's data pointer is null)."""
+    ext = cpu_kernels.compiled()
+    for dtype in (torch.float32, torch.bfloat16):
+        empty = torch.empty(0, 8, dtype=dtype)
+        assert ext.add_rms_norm(empty, empty.clone(), torch.ones(8, dtype=dtype), 1e-5).shape == (0, 8)
+        assert ext.silu_mul(empty, dtype).shape == (0, 4)
+        assert ext.rope(empty.view(0, 2, 4), torch.ones(3, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype),
+                        torch.empty(0, dtype=torch.long)).shape == (0, 2, 4)

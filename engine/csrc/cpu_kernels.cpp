@@ -50,6 +50,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * cols;
       float low = 0.f, high = 0.f;
+#pragma omp simd reduction(min : low) reduction(max : high)
       for (int64_t k = 0; k < cols; ++k) {
         low = std::min(low, row[k]);
         high = std::max(high, row[k]);
@@ -420,16 +421,16 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual,
   const float e = static_cast<float>(eps);
   const bool bf16_residual = residual.has_value() && residual->scalar_type() == at::kBFloat16;
   using B = c10::BFloat16;
-  float* xf = x.scalar_type() == at::kFloat ? x.data_ptr<float>() : nullptr;
-  if (xf != nullptr) {
+  if (x.scalar_type() == at::kFloat) {  // (an empty tensor's data pointer is null: test the dtype, not it)
+    float* xf = x.data_ptr<float>();
     const float* w = weight.data_ptr<float>();
     const float* rf = residual.has_value() && !bf16_residual ? residual->data_ptr<float>() : nullptr;
     const B* rb = bf16_residual ? residual->data_ptr<B>() : nullptr;
-    if (out_dtype == at::kFloat && rb == nullptr) {
+    if (out_dtype == at::kFloat && !bf16_residual) {
       add_rms_norm_rows<float, float, float>(xf, rf, w, h.data_ptr<float>(), rows, cols, e);
     } else if (out_dtype == at::kFloat) {
       add_rms_norm_rows<float, B, float>(xf, rb, w, h.data_ptr<float>(), rows, cols, e);
-    } else if (rb == nullptr) {
+    } else if (!bf16_residual) {
       add_rms_norm_rows<float, float, B>(xf, rf, w, h.data_ptr<B>(), rows, cols, e);
     } else {
       add_rms_norm_rows<float, B, B>(xf, rb, w, h.data_ptr<B>(), rows, cols, e);
