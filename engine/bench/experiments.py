@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -279,16 +280,53 @@ class DecodeRow:
         return statistics.median(self.ms_per_token)
 
 
+LLAMA_CPP_ROW = "llama.cpp"
+
+
+class LlamaCppDecoder:
+    """llama.cpp (through the llama-cpp-python package) on a GGUF file, timed as `decode` times the engine: greedy,
+    batch 1, the same prompt, as many threads as torch uses. The package is not a requirement: installing it builds
+    llama.cpp from source (about 10 minutes on 2 cores: `pip install llama-cpp-python`)."""
+
+    def __init__(self, gguf: Path) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise ValueError("--llama-cpp needs the llama-cpp-python package (pip install llama-cpp-python; it "
+                             "compiles llama.cpp, about 10 minutes on 2 cores)") from None
+        threads = torch.get_num_threads()
+        self.gguf = gguf
+        self.llm = Llama(str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+        self.precision = f"llama.cpp, {gguf.name}, {threads} threads"
+
+    def ms_per_token(self, prompt: list[int], tokens: int) -> float:
+        llm = self.llm
+        llm.reset()
+        llm.eval(prompt)
+        token = llm.sample(temp=0.0)
+        for _ in range(3):  # a few decodes first, as for the engine
+            llm.eval([token])
+            token = llm.sample(temp=0.0)
+        start = time.perf_counter()
+        for _ in range(tokens):
+            llm.eval([token])
+            token = llm.sample(temp=0.0)
+        return (time.perf_counter() - start) / tokens * 1e3
+
+
 def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: int = 128, tokens: int = 64,
                    rounds: int = 3, settings: dict[str, Any] | None = None,
-                   progress: Progress = None) -> list[DecodeRow]:
+                   progress: Progress = None, llama_cpp: Path | None = None) -> list[DecodeRow]:
     """One greedy request decoding `tokens` tokens after a `prompt_len` prompt, alone (batch 1, no speculation):
     the time per decode step of the whole engine (schedule, forward, sample) in each precision. Every precision is
-    loaded first and the rounds go round all of them, so a busy moment on a shared machine hits each alike."""
+    loaded first and the rounds go round all of them, so a busy moment on a shared machine hits each alike.
+    llama_cpp: a GGUF file llama.cpp decodes in the same rounds, as a last row (LlamaCppDecoder)."""
+    other = None if llama_cpp is None else LlamaCppDecoder(llama_cpp)
     configs, models = load_each(llm, specs, rounds, progress)
     prompt = random_prompts(1, prompt_len, seed=5)[0]
     params = SamplingParams(temperature=0, max_tokens=tokens + 4, ignore_eos=True)
     times: list[list[float]] = [[] for _ in specs]
+    other_times: list[float] = []
     for r in range(rounds):
         if progress is not None:
             progress(len(specs) + r, len(specs) + rounds, f"round {r + 1} of {rounds}")
@@ -302,9 +340,13 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
             for _ in range(tokens):
                 engine.step()
             times[i].append((time.perf_counter() - start) / tokens * 1e3)
+        if other is not None:
+            other_times.append(other.ms_per_token(prompt, tokens))
     if progress is not None:
         progress(len(specs) + rounds, len(specs) + rounds, "done")
     rows = [DecodeRow(spec, config.precision, t) for spec, config, t in zip(specs, configs, times, strict=True)]
+    if other is not None:
+        rows.append(DecodeRow(LLAMA_CPP_ROW, other.precision, other_times))
     for row in rows:
         row.ratio = row.median_ms / rows[0].median_ms
     return rows
