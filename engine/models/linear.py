@@ -178,10 +178,16 @@ class _Quantized:
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         y = self._matmul(x)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        # (each cast skipped in Python where it would do nothing: a torch call costs ~1 us even then, 121 a token)
+        return y if x.dtype == torch.float32 or y.dtype == x.dtype else y.to(x.dtype)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.in_features} -> {self.out_features}, {self.scheme}, {self.kernel})"
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype: x itself when it already is (without the torch call a no-op cast still costs)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -205,7 +211,7 @@ class Int8Linear(_Quantized):
         return _bytes(self.qweight, self.scales)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x.to(self.activation_dtype), self.qweight, self.scales)
+        return torch._weight_int8pack_mm(_as(x, self.activation_dtype), self.qweight, self.scales)
 
 
 class Int4Linear(_Quantized):
@@ -242,7 +248,7 @@ class Int4Linear(_Quantized):
         return _bytes(self.packed, self.scales_and_zeros)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x.to(self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
+        return self._kernel(_as(x, self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
 
 
 class W8A8Linear(_Quantized):
@@ -282,10 +288,10 @@ class W8A8Linear(_Quantized):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         # each row's q - 128 (as floats), its scale and its zero point - 128 (engine/cpu_kernels.py)
-        xq, x_scale, shifted = self._quantize_rows(x.float().contiguous())
+        xq, x_scale, shifted = self._quantize_rows(_as(x, torch.float32).contiguous())
         # the kernel quantizes its input with scale 1 and zero point 128: integers in, so that step is exact
         y = self._kernel(xq, 1.0, W8A8_ZERO_POINT, self.packed)
-        return self._dequantize_rows(y, x_scale, shifted, self.zero_point_unit).to(x.dtype)
+        return _as(self._dequantize_rows(y, x_scale, shifted, self.zero_point_unit), x.dtype)
 
 
 Projection = Linear | Int8Linear | Int4Linear | W8A8Linear
