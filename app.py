@@ -289,7 +289,9 @@ def build_compare_tab(pg: Playground, serialised: SerialisedFigures) -> None:
             go = gr.Button("Compare", variant="primary")
             cancel = gr.Button("Cancel")
         plot = chart("side by side", "Press Compare: both configurations run the workload, side by side")
-        table = gr.Dataframe({"headers": COMPARE_HEADERS, "data": []}, headers=COMPARE_HEADERS, label="the numbers")
+        # shown once there are numbers: twelve empty columns squeezed their headers out of sight
+        table = gr.Dataframe({"headers": COMPARE_HEADERS, "data": []}, headers=COMPARE_HEADERS, label="the numbers",
+                             visible=False)
         note = gr.Markdown()
 
     def do_compare(workload_name, spec_a, spec_b, quick_run, progress=gr.Progress(track_tqdm=False)):
@@ -298,7 +300,8 @@ def build_compare_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         except (ValueError, Cancelled) as exc:
             return gr.skip(), gr.skip(), f"⚠️ {exc}"
         report = compare_report(result)
-        return serialised(compare_figure(result)), compare_table(report), "\n\n".join(report.notes)
+        return (serialised(compare_figure(result)), gr.Dataframe(compare_table(report), visible=True),
+                "\n\n".join(report.notes))
     go.click(do_compare, [workload, a, b, quick], [plot, table, note], api_name="compare")
     cancel.click(pg.cancel_measurement, None, note)
 

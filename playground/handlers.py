@@ -228,7 +228,7 @@ class Playground:
                  f"⏸ paused for a measurement ({measuring.describe()})" if measuring else
                  "⏸ paused (step mode)" if self.service.paused else "▶ running")
         traffic = self.traffic.status()
-        users = (f" · 🚦 traffic: {traffic.num_users} users, " + (f"{traffic.elapsed_s:.0f}/{traffic.duration_s:.0f} s"
+        users = (f" · traffic: {traffic.num_users} users, " + (f"{traffic.elapsed_s:.0f}/{traffic.duration_s:.0f} s"
                  if traffic.duration_s else "each once") + f", {traffic.requests_done} done"
                  if traffic is not None and traffic.running else "")
         return (f"**{state}** · {snap.precision} · steps done: {snap.step} · running {snap.num_running} · "

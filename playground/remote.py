@@ -210,7 +210,7 @@ class RemoteServer:
     # ---- what the page shows -------------------------------------------------------------------------------
     def status(self) -> str:
         r = self.latest
-        where = f"**🔭 attached to {self.url}**" + (f" ({self.model})" if self.model else "")
+        where = f"**attached to {self.url}**" + (f" ({self.model})" if self.model else "")
         if self.error:
             return f"{where} · ⚠️ {self.error} (retrying every {self.poll_s:.0f} s)"
         if r is None:

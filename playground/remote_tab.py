@@ -18,7 +18,7 @@ is not available. Detach to watch the local engine again."""
 
 def attached_note(pg: Playground) -> str:
     if pg.remote is not None:
-        return f"🔭 Attached to **{pg.remote.url}**." + (f" ⚠️ {pg.remote.error}" if pg.remote.error else "")
+        return f"Attached to **{pg.remote.url}**." + (f" ⚠️ {pg.remote.error}" if pg.remote.error else "")
     note = "Not attached: the page shows the engine in this process."
     return note + (f"\n\n⚠️ {pg.attach_error}" if pg.attach_error else "")
 
