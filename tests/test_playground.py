@@ -27,7 +27,9 @@ def pg(tiny_models, tmp_path_factory):
 
 def test_chat_streams_a_reply_with_its_stats(pg):
     updates = list(pg.chat("Hello there", [], temperature=0.0, max_tokens=12))
-    assert len(updates) >= 12  # one update per token
+    # streamed as the tokens come: several updates (tokens made between two reads of the stream arrive together,
+    # so how many depends on the machine's speed, not a fixed one per token)
+    assert len(updates) >= 3
     history, stats = updates[-1]
     assert history[0] == {"role": "user", "content": "Hello there"}
     assert history[1]["role"] == "assistant" and history[1]["content"]
@@ -428,7 +430,9 @@ def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
     assert spec["layout"]["title"]["text"] == f"Your request {submitted[0]}: finished, blocks freed"
     assert "running **" in summary and "tokens/s" in summary
     plot, table, note = client.predict("fixed-16", "naive", "full", True, api_name="/compare")
-    assert plot and [row[0] for row in table["data"]] == ["naive", "full"] and "identical output" in note
+    # the table arrives as an update that also shows it (hidden until it has numbers)
+    assert table["visible"] is True and "identical output" in note
+    assert plot and [row[0] for row in table["value"]["data"]] == ["naive", "full"]
 
 
 def test_step_mode_explains_chunks_and_drafts(tiny_models, monkeypatch):
