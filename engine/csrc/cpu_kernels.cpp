@@ -50,7 +50,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * cols;
       float low = 0.f, high = 0.f;
-#pragma omp simd reduction(min : low) reduction(max : high)
       for (int64_t k = 0; k < cols; ++k) {
         low = std::min(low, row[k]);
         high = std::max(high, row[k]);
@@ -200,17 +199,26 @@ void values_avx512(const float* weight, const P* vp, const int64_t* at, int64_t 
 }
 #endif
 
+#if defined(__AVX512F__)
+// calls run(std::integral_constant<int, C>) with C = dim / 16 where the AVX-512 loops take that head size (16-128);
+// false where they do not
+template <typename F>
+bool with_vectors(int64_t dim, F&& run) {
+  switch (dim) {
+    case 16: run(std::integral_constant<int, 1>{}); return true;
+    case 32: run(std::integral_constant<int, 2>{}); return true;
+    case 64: run(std::integral_constant<int, 4>{}); return true;
+    case 128: run(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+#endif
+
 template <typename P>
 void scores(const float* query, const P* kp, const int64_t* at, int64_t n, int64_t dim, const float* k_scale,
             float* s) {
 #if defined(__AVX512F__)
-  switch (dim) {
-    case 16: return scores_avx512<1>(query, kp, at, n, k_scale, s);
-    case 32: return scores_avx512<2>(query, kp, at, n, k_scale, s);
-    case 64: return scores_avx512<4>(query, kp, at, n, k_scale, s);
-    case 128: return scores_avx512<8>(query, kp, at, n, k_scale, s);
-    default: break;
-  }
+  if (with_vectors(dim, [&](auto c) { scores_avx512<decltype(c)::value>(query, kp, at, n, k_scale, s); })) return;
 #endif
   scores_portable(query, kp, at, n, dim, k_scale, s);
 }
@@ -219,13 +227,7 @@ template <typename P>
 void weighted_values(const float* weight, const P* vp, const int64_t* at, int64_t n, int64_t dim,
                      const float* v_scale, float* out) {
 #if defined(__AVX512F__)
-  switch (dim) {
-    case 16: return values_avx512<1>(weight, vp, at, n, v_scale, out);
-    case 32: return values_avx512<2>(weight, vp, at, n, v_scale, out);
-    case 64: return values_avx512<4>(weight, vp, at, n, v_scale, out);
-    case 128: return values_avx512<8>(weight, vp, at, n, v_scale, out);
-    default: break;
-  }
+  if (with_vectors(dim, [&](auto c) { values_avx512<decltype(c)::value>(weight, vp, at, n, v_scale, out); })) return;
 #endif
   values_portable(weight, vp, at, n, dim, v_scale, out);
 }
