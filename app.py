@@ -198,7 +198,8 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                      "max_num_seqs": gr.Number(label="max_num_seqs", precision=0),
                      "max_num_batched_tokens": gr.Number(label="max_num_batched_tokens", precision=0),
                      "max_model_len": gr.Number(label="max_model_len (tokens per request)", precision=0),
-                     "kv_cache_dtype": gr.Dropdown(list(KV_CACHE_DTYPES), label="kv_cache_dtype")}
+                     "kv_cache_dtype": gr.Dropdown(list(KV_CACHE_DTYPES), label="kv_cache_dtype"),
+                     "kv_cache_smoothing": gr.Checkbox(label="kv_cache_smoothing (int8 KV: keys rescaled)")}
         now = {k: form_value(k, v) for k, v in pg.settings().items()}  # also what an API call leaves out means
         with gr.Row(elem_id="weights"):
             dtypes = list(dict.fromkeys([*WEIGHT_DTYPES, now["dtype"]]))  # the running one, even if not offered

@@ -17,9 +17,18 @@ w: the max |W| over output channels), alpha chosen per projection from a grid by
 quantized projection over calibration activations, with no smoothing (s = 1) always a candidate, so a
 projection is never made worse on the calibration text. The activations come from the unquantized model over
 presets/quality/calibration.txt (prose, a dialogue, code and a report; not the text quality is scored on).
+
+An int8 KV cache's keys are smoothed the same way (kv_cache_smoothing, key_scales below): a key's few large channels
+set its token's one int8 scale, so the rest get few levels. Dividing each key channel by s and multiplying each
+query channel by s leaves q . k as it was; s = max|k|^alpha per channel (after RoPE, so RoPE needs no change),
+alpha per layer chosen by the error of the attention scores q . k over calibration queries and keys, none (s = 1)
+always a candidate. The scales are applied at run time (attention.KeyScale), two multiplies a layer, not folded into
+the weights: the same weights serve an engine with an int8 cache and one without.
 """
 from __future__ import annotations
 
+import random
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,3 +220,76 @@ def calibrate(state: dict[str, torch.Tensor], model, token_ids: list[int], fake:
     if gptq:  # the inputs the smoothed weights see: x / s
         hessians = {projection_name(*key): inputs[key].gram / torch.outer(s, s) for key, s in scales.items()}
     return out, hessians, {projection_name(*key): s for key, s in scales.items()}
+
+
+KEY_ALPHAS = (0.25, 0.5, 0.75, 1.0)  # the grid searched for an int8 cache's key smoothing, besides none
+_key_scales: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its key scales (key_scales_for)
+
+
+class _KeyRecorder:
+    """Stands in for a layer's KeyScale during calibration: keeps a sample of the queries and keys it sees (after
+    RoPE) and each key channel's max |k| over all of them, and changes nothing."""
+
+    def __init__(self) -> None:
+        self.queries: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor] = []
+        self.key_max: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kf = k.float()
+        rows = torch.linspace(0, k.shape[0] - 1, min(SEARCH_ROWS, k.shape[0]), device=k.device).long()
+        self.queries.append(q[rows].float().cpu())
+        self.keys.append(kf[rows].cpu())
+        top = kf.abs().amax(0).cpu()
+        self.key_max = top if self.key_max is None else torch.maximum(self.key_max, top)
+        return q, k
+
+    def best_scale(self) -> torch.Tensor:
+        """s [num_kv_heads, head_dim] whose int8 keys err least in q . k over the sample (ones if none helps)."""
+        q, k = torch.cat(self.queries), torch.cat(self.keys)
+        rows, kv_heads, dim = k.shape
+        q = q.view(rows, kv_heads, -1, dim)  # each KV head's group of query heads
+
+        def error(s: torch.Tensor) -> float:
+            k_hat = dequantize_int8(*quantize_int8(k / s), torch.float32) * s  # what the cache gives back
+            return torch.einsum("rhgd,shd->hgrs", q, k_hat - k).pow(2).mean().item()
+
+        best = torch.ones(kv_heads, dim)
+        best_err = error(best)
+        for alpha in KEY_ALPHAS:
+            s = self.key_max.clamp(min=1e-5).pow(alpha)
+            s = s / s.log().mean(-1, keepdim=True).exp()  # centred on 1 in log scale, per head
+            err = error(s)
+            if err < best_err:
+                best, best_err = s, err
+        return best
+
+
+def calibration_token_ids(tokenizer, vocab_size: int) -> list[int]:
+    """The calibration text's tokens (at most MAX_TOKENS); a model without a tokenizer (random:...) has no text,
+    so seeded random tokens stand in."""
+    from .models.random_models import TokenIdTokenizer
+    if isinstance(tokenizer, TokenIdTokenizer):
+        rng = random.Random(0)
+        return [rng.randrange(vocab_size) for _ in range(MAX_TOKENS)]
+    return tokenizer(CALIBRATION_TEXT.read_text()).input_ids[:MAX_TOKENS]
+
+
+def key_scales(model, token_ids: list[int]) -> torch.Tensor:
+    """Each layer's key smoothing scales for an int8 KV cache, [num_layers, num_kv_heads, head_dim] fp32, found over
+    token_ids by the model as it is (its own weights and dtype), in windows its RoPE table covers."""
+    from .attention import AttentionMetadata, PrefillSeq
+    recorders = [_KeyRecorder() for _ in model.layers]
+    for start in range(0, len(token_ids), model.max_len):
+        ids = torch.tensor(token_ids[start:start + model.max_len], device=model.device)
+        rows = torch.arange(ids.shape[0], device=model.device)
+        meta = AttentionMetadata(slot_mapping=None, prefills=[PrefillSeq(0, ids.shape[0])], key_scales=recorders)
+        model.forward(ids, rows, meta, None, rows[-1:])
+    return torch.stack([r.best_scale() for r in recorders])
+
+
+def key_scales_for(model, tokenizer) -> torch.Tensor:
+    """key_scales over the calibration text, found once per model (every engine over it shares them)."""
+    if model not in _key_scales:
+        _key_scales[model] = key_scales(model, calibration_token_ids(tokenizer, model.embed.shape[0]))
+    return _key_scales[model]

@@ -15,6 +15,7 @@ FEATURE_SWITCHES = ("kv_cache", "paged_kv", "continuous_batching", "prefix_cachi
 BUILT_SWITCHES = tuple(s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT)
 # Changing one of these rebuilds the KV pool: running requests are preempted and re-prefilled.
 STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv", "kv_cache_dtype",
+                     "kv_cache_smoothing",
                      "attention_backend", "cuda_graphs", "gpu_memory_utilization")
 # How the weights are stored: a model is loaded (and quantized) with them, so they cannot change while serving.
 WEIGHT_FIELDS = ("dtype", "quantization", "quantization_group_size", "quantize_lm_head", "quantization_smoothing",
@@ -76,6 +77,9 @@ class EngineConfig:
     quantization_smoothing: bool = False
     quantization_gptq: bool = False
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (a scale per token and KV head)
+    # int8 KV only: each key channel divided by a scale calibrated at load (the queries multiplied by it, so q . k is
+    # unchanged), so that a few large channels no longer take a token's whole int8 range (engine/calibrate.py)
+    kv_cache_smoothing: bool = False
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -104,7 +108,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         for name in (*FEATURE_SWITCHES, "quantize_lm_head", "quantization_smoothing",
-                 "quantization_gptq"):
+                     "quantization_gptq", "kv_cache_smoothing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in NOT_YET_BUILT:
@@ -174,8 +178,13 @@ class EngineConfig:
                          + (", smoothed" if self.quantization_smoothing else "")
                          + (", GPTQ" if self.quantization_gptq else ""))
         if self.kv_cache_dtype != "auto":
-            parts.append(f"{self.kv_cache_dtype} KV")
+            parts.append(f"{self.kv_cache_dtype} KV" + (", keys smoothed" if self.key_smoothing_active else ""))
         return ", ".join(parts)
+
+    # kv_cache_smoothing rescales what an int8 KV cache stores; with the model's dtype there is nothing to rescale.
+    @property
+    def key_smoothing_active(self) -> bool:
+        return self.kv_cache_smoothing and self.kv_cache_dtype == "int8"
 
     # What actually runs: prefix caching shares blocks, so it needs a paged KV cache.
     @property

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .blocks import KVCacheManager, NoKVCache
+from .calibrate import key_scales_for
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
 from .cuda_graphs import DecodeGraphs, check_cuda_graphs
 from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory, resolve_attention_backend, resolve_dtype
@@ -215,8 +216,9 @@ class LLMEngine:
             kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.max_model_len, c.paged_kv, c.prefix_caching_active)
         else:
             kv = NoKVCache(c.block_size)
+        key_scales = key_scales_for(self.model, self.tokenizer) if c.key_smoothing_active else None
         runner = ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache, c.kv_cache_dtype,
-                             c.attention_backend, scratch_block=c.cuda_graphs)
+                             c.attention_backend, scratch_block=c.cuda_graphs, key_scales=key_scales)
         if c.cuda_graphs:
             runner.graphs = DecodeGraphs(self.model, runner.kv_layers, c.block_size, runner.scratch_block,
                                          c.max_num_seqs, c.max_model_len)

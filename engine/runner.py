@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_kernels
-from .attention import AttentionMetadata, LayerKV, PagedMetadata, PrefillSeq
+from .attention import AttentionMetadata, KeyScale, LayerKV, PagedMetadata, PrefillSeq
 from .attention.paged import build_paged_metadata, host_to_device
 from .models import LlamaFamilyModel
 from .quant import SCALE_DTYPE
@@ -30,8 +30,10 @@ class Batch:
 
 class ModelRunner:
     def __init__(self, model: LlamaFamilyModel, block_size: int, num_kv_blocks: int, use_kv_cache: bool,
-                 kv_cache_dtype: str = "auto", attention_backend: str = "sdpa", scratch_block: bool = False) -> None:
-        """scratch_block: one block after the pool where CUDA graphs' padded rows write (cuda_graphs.py)."""
+                 kv_cache_dtype: str = "auto", attention_backend: str = "sdpa", scratch_block: bool = False,
+                 key_scales: torch.Tensor | None = None) -> None:
+        """scratch_block: one block after the pool where CUDA graphs' padded rows write (cuda_graphs.py).
+        key_scales: [num_layers, num_kv_heads, head_dim], an int8 cache's key smoothing (calibrate.key_scales)."""
         self.model = model
         self.block_size = block_size
         self.device = model.device
@@ -41,6 +43,8 @@ class ModelRunner:
         self.scratch_block = num_kv_blocks if scratch_block else None
         self.graphs = None  # DecodeGraphs, set by the engine when cuda_graphs=True
         s = model.shape
+        self.key_scales = None if key_scales is None or not self.kv_int8 else [
+            KeyScale.of(scale.to(model.device), s.num_heads, model.dtype) for scale in key_scales]
         self.kv_cache = self.kv_scales = None
         self.kv_layers: list[LayerKV] | None = None
         if use_kv_cache:
@@ -79,7 +83,8 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         paged = self.attention_backend == "triton"
-        meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), kv_int8=self.kv_int8)
+        meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), kv_int8=self.kv_int8,
+                                 key_scales=self.key_scales)
         paged_prefills: list[tuple[list[int], int, int, int]] = []
         for s in ordered:
             req, start, n = s.request, s.start, s.num_tokens

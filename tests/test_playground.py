@@ -310,6 +310,7 @@ def test_the_settings_form_shows_what_the_engine_will_run_and_sends_only_edits(p
                              "prefix_caching": True, "chunked_prefill": True, "speculative_decoding": False,
                              "block_size": 16, "num_kv_blocks": None, "max_num_seqs": 64,
                              "max_num_batched_tokens": None, "max_model_len": None, "kv_cache_dtype": "auto",
+                             "kv_cache_smoothing": False,
                              # the weights as EngineConfig's defaults, dtype "auto" as the CPU resolves it
                              **{k: getattr(EngineConfig(), k) for k in WEIGHT_FIELDS}, "dtype": "float32"}
 

@@ -160,9 +160,9 @@ def test_the_settings_api_shows_and_changes_the_weights(folder):
         client = Client(url, verbose=False)
         *form, note, weights_note = client.predict(api_name="/settings")
         form = [f["value"] if isinstance(f, dict) else f for f in form]  # the sizes come with their hints
-        # the form's fields in order: the switches, the six sizes, then the weights (quantization, group size, LM
-        # head, dtype, and any weight switch EngineConfig has beyond them)
-        w = len(BUILT_SWITCHES) + 6
+        # the form's fields in order: the switches, the six sizes and the keys' smoothing, then the weights
+        # (quantization, group size, LM head, dtype, and any weight switch EngineConfig has beyond them)
+        w = len(BUILT_SWITCHES) + 7
 
         def fields(*weights):
             return [*form[:w], *weights, *form[w + len(weights):]]

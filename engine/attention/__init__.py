@@ -1,7 +1,7 @@
 """Attention over the paged KV cache. `sdpa` is the reference path (CPU and GPU); `triton` the paged kernels
 (triton_paged.py, imported only when used, so triton is never needed on CPU)."""
 from .paged import PagedMetadata
-from .sdpa import AttentionMetadata, LayerKV, PrefillSeq
+from .sdpa import AttentionMetadata, KeyScale, LayerKV, PrefillSeq
 from .sdpa import attention as sdpa_attention
 
 
@@ -16,4 +16,4 @@ def attention(q, k, v, cache: LayerKV | None, meta):
     return sdpa_attention(q, k, v, cache, meta)
 
 
-__all__ = ["AttentionMetadata", "LayerKV", "PagedMetadata", "PrefillSeq", "attention"]
+__all__ = ["AttentionMetadata", "KeyScale", "LayerKV", "PagedMetadata", "PrefillSeq", "attention"]

@@ -7,7 +7,7 @@ handled by folding each KV head's query group into the query axis, so K/V are ne
 on its own: causally on its fresh K/V when nothing was cached before it, or against its gathered context
 (prefix-cache hits) with an offset causal mask.
 An int8 cache stores K and V with a scale per token and KV head: quantized as they are written, dequantized as
-they are read.
+they are read. With kv_cache_smoothing its keys are first divided per channel by a calibrated scale (KeyScale).
 """
 from __future__ import annotations
 
@@ -29,6 +29,26 @@ class PrefillSeq:
     mask: torch.Tensor | None = None  # [num_tokens, context_len] additive: 0 may attend, -inf may not
 
 
+class KeyScale(NamedTuple):
+    """One layer's key smoothing for an int8 KV cache (kv_cache_smoothing; the scales from engine/calibrate.py):
+    each key channel divided by its scale s and each query channel multiplied by it, so q . k is unchanged while the
+    few large channels of a key (SmolLM2's reach 10x the rest) no longer take the whole int8 range its token's one
+    scale gives all of them. Applied after RoPE, to what the cache stores and every query that reads it."""
+    query: torch.Tensor  # [num_heads, head_dim]: s of each query head's KV head
+    key_inverse: torch.Tensor  # [num_kv_heads, head_dim]: 1 / s
+
+    @classmethod
+    def of(cls, scale: torch.Tensor, num_heads: int, dtype: torch.dtype) -> KeyScale:
+        """scale: [num_kv_heads, head_dim]; query head h reads KV head h // (num_heads / num_kv_heads); both kept in
+        the model's dtype (so a bf16 query stays bf16)."""
+        query = scale.repeat_interleave(num_heads // scale.shape[0], dim=0)
+        return cls(query.to(dtype), scale.reciprocal().to(dtype))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] -> (q * s, k / s)."""
+        return q * self.query, k * self.key_inverse
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor | None  # [num_tokens] cache slot of each new token; None: no KV cache
@@ -43,6 +63,9 @@ class AttentionMetadata:
     # K/V at int8 precision: stored so when there is a cache, and rounded so even when there is none (the naive
     # loop), so that turning a cache feature off never changes what attention sees
     kv_int8: bool = False
+    # per layer, what the model applies to its queries and keys before attention (KeyScale: an int8 cache's key
+    # smoothing); None: nothing
+    key_scales: list[Callable] | None = None
     # the gather index of each slot list read this step, over a pool's K|V pair (LayerKV.pair_index): built once,
     # read by every layer; keyed by the list's storage, which this metadata keeps alive for the step
     _pair_indices: dict = field(default_factory=dict, repr=False)

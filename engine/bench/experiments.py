@@ -377,7 +377,7 @@ FEATURES = (
     Feature("prefix_caching", "prefix caching", "no prefix caching"),
     Feature("quantization", "int4 weights + int8 KV", "no quantization", QUANTIZED,
             {"quantization": None, "kv_cache_dtype": "auto", "quantize_lm_head": True,
-             "quantization_smoothing": False, "quantization_gptq": False}),
+             "quantization_smoothing": False, "quantization_gptq": False, "kv_cache_smoothing": False}),
     Feature("chunked_prefill", "chunked prefill", "no chunked prefill"),
     Feature("speculative_decoding", "speculative decoding", "no speculative decoding"),
 )
@@ -540,14 +540,15 @@ def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settin
 QUALITY_TEXT = FEATURE_DIR.parent / "quality" / "text.txt"
 # The precision every row is compared with: the model as trained, unquantized, an fp32 KV cache
 REFERENCE_PRECISION = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto",
-                       "quantization_smoothing": False, "quantization_gptq": False}
+                       "quantization_smoothing": False, "quantization_gptq": False, "kv_cache_smoothing": False}
 # Each scheme plain (round to nearest, LM head quantized), then as calibrated and kept as measured best (the
-# int8 and int4 presets' weights; w8a8 smoothed and GPTQ-rounded), the KV cache alone, and the presets whole.
+# int8 and int4 presets' weights; w8a8 smoothed and GPTQ-rounded), the KV cache alone (plain, then with its keys
+# smoothed as the presets have it), and the presets whole.
 QUALITY_SPECS = ("quantization=int8", "quantization=int8,quantization_smoothing=true,quantize_lm_head=false",
                  "quantization=int4", "quantization=int4,quantization_gptq=true",
                  "quantization=int4,quantize_lm_head=false", "quantization=w8a8",
                  "quantization=w8a8,quantization_smoothing=true,quantization_gptq=true,quantize_lm_head=false",
-                 "kv_cache_dtype=int8", "int8", "int4")
+                 "kv_cache_dtype=int8", "kv_cache_dtype=int8,kv_cache_smoothing=true", "int8", "int4")
 
 
 @dataclass

@@ -182,7 +182,10 @@ class LlamaFamilyModel:
             if self.qk_norms[i] is not None:
                 qk = norm(qk.to(self.dtype), self.qk_norms[i], eps)
             qk = apply_rope(qk, cos, sin) if ops is None else ops.rope(qk, self.cos, self.signed_sin, positions)
-            a = w.o.raw(attention(qk[:, :heads], qk[:, heads:], v, None if kv_cache is None else kv_cache[i], meta))
+            q, k = qk[:, :heads], qk[:, heads:]
+            if not paged and meta.key_scales is not None:
+                q, k = meta.key_scales[i](q, k)
+            a = w.o.raw(attention(q, k, v, None if kv_cache is None else kv_cache[i], meta))
             if w.o_bias is not None:
                 a = a + w.o_bias
             x, h = add_norm(x, a, w.post_norm, w.gate_up)
