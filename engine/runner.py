@@ -58,11 +58,13 @@ class ModelRunner:
                               for i in range(s.num_layers)]
         # decode attention over the pool in C++ (cpu_kernels.py) where it applies: the sdpa backend on CPU, a model
         # in fp32 or bf16 (its pool in the same dtype or int8); built here, at load, rather than in the first step
-        self.decode_attention = None
+        self.decode_attention = self.write_kv_int8 = None
         if (use_kv_cache and attention_backend != "triton" and self.device.type == "cpu"
                 and model.dtype in (torch.float32, torch.bfloat16)):
             ext = cpu_kernels.compiled()
             self.decode_attention = None if ext is None else ext.decode_attention
+            if ext is not None and self.kv_int8:
+                self.write_kv_int8 = ext.write_kv_int8
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -84,7 +86,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         paged = self.attention_backend == "triton"
         meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), kv_int8=self.kv_int8,
-                                 key_scales=self.key_scales)
+                                 key_scales=self.key_scales, write_kv_int8=self.write_kv_int8)
         paged_prefills: list[tuple[list[int], int, int, int]] = []
         for s in ordered:
             req, start, n = s.request, s.start, s.num_tokens

@@ -183,6 +183,42 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cpp_decode_attention(ti
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_cpp
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_kv_write_stores_quantize_int8s_integers_and_scales_bit_for_bit(dtype):
+    ext = cpu_kernels.compiled()
+    if ext is None:
+        pytest.skip("the C++ kernels did not build here")
+    g = torch.Generator().manual_seed(0)
+    qk = (torch.randn(5, 12, 64, generator=g) * torch.logspace(-3, 2, 12).view(1, 12, 1)).to(dtype)
+    k = qk[:, 9:]  # a strided view of q|k, as the model hands it over
+    v = (torch.randn(5, 3, 64, generator=g) * 3).to(dtype)
+    v[2, 1] = 0  # an all-zero row: the tiny scale
+    v[3, 0, :8] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5])  # scale 1: halves round to even
+    slots = torch.tensor([7, 0, 3, 11, 5])
+    pools = [torch.full((12, 3, 64), 99, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.full((12, 3), -1.0) for _ in range(2)]
+    ext.write_kv_int8(k, v, slots, *pools, *scales)
+    for x, pool, scale in zip((k, v), pools, scales, strict=True):
+        q, s = quantize_int8(x)
+        assert torch.equal(pool[slots], q) and torch.equal(scale[slots], s)
+        untouched = torch.ones(12, dtype=torch.bool)
+        untouched[slots] = False
+        assert (pool[untouched] == 99).all() and (scale[untouched] == -1).all()  # only the given slots written
+    with pytest.raises(RuntimeError, match="past the pool"):
+        ext.write_kv_int8(k, v, torch.tensor([0, 1, 2, 3, 12]), *pools, *scales)
+
+
+@pytest.mark.parametrize("smoothing", [False, True])
+def test_greedy_tokens_are_the_same_with_and_without_the_cpp_kv_write(tiny_models, smoothing):
+    llm = LLM(tiny_models["llama"][0], max_model_len=256, kv_cache_dtype="int8", kv_cache_smoothing=smoothing)
+    assert llm.engine.runner.write_kv_int8 is not None
+    prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 9)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with_cpp = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine.runner.write_kv_int8 = None
+    assert [o.token_ids for o in llm.generate(prompts, params)] == with_cpp
+
+
 def test_cpp_layer_steps_match_the_torch_formulas():
     """The C++ layer steps the model takes on CPU (models/llama.py, cpu_kernels.py): RoPE bit for bit; the norm and
     silu(gate) * up to float rounding (a row's sum of squares and exp's last bits run another way); the residual

@@ -508,12 +508,75 @@ at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype, c10::option
   return out;
 }
 
+// ---- This step's K and V into an int8 pool (attention/sdpa.py, for a step of decodes only, where nothing reads
+// them but the pool): each (token, KV head) row quantized as engine/quant.py's quantize_int8 does it, scale =
+// max(max|x| / 127, 1e-12) and q = clamp(round(x / scale), -127, 127), rounding half to even: the same integers and
+// scales bit for bit (tested), in one call where the torch calls were a dozen and four scatters, a layer.
+namespace {
+template <typename T>
+void quantize_into(const at::Tensor& x, const int64_t* slots, int8_t* pool, float* scales) {
+  const int64_t rows = x.size(0), kv = x.size(1), dim = x.size(2), row_stride = x.stride(0), head_stride = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t h = 0; h < kv; ++h) {
+      const T* src = xp + t * row_stride + h * head_stride;
+      float top = 0.f;
+      for (int64_t d = 0; d < dim; ++d) top = std::max(top, std::fabs(static_cast<float>(src[d])));
+      const float s = std::max(top / 127.f, kTiny);
+      const int64_t at = slots[t] * kv + h;
+      int8_t* dst = pool + at * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        dst[d] = static_cast<int8_t>(std::min(std::max(std::nearbyint(static_cast<float>(src[d]) / s), -127.f), 127.f));
+      }
+      scales[at] = s;
+    }
+  }
+}
+}  // namespace
+
+// k and v [T, KV, D] (float32 or bfloat16, any row and head strides, D contiguous), slots [T] -> written into the
+// int8 pools k_pool and v_pool [slots, KV, D] and their float32 scales k_scale and v_scale [slots, KV]
+void write_kv_int8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots, at::Tensor& k_pool,
+                   at::Tensor& v_pool, at::Tensor& k_scale, at::Tensor& v_scale) {
+  for (const auto& x : {k, v}) {
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && float_or_bf16(x) && x.sizes() == k.sizes(),
+                "k and v must be float32 or bfloat16 CPU tensors [T, KV, D] of one shape, D contiguous");
+  }
+  for (const auto& pool : {k_pool, v_pool}) {
+    TORCH_CHECK(pool.scalar_type() == at::kChar && pool.is_contiguous() && pool.dim() == 3 &&
+                    pool.size(1) == k.size(1) && pool.size(2) == k.size(2),
+                "the pools must be contiguous int8 [slots, KV, D]");
+  }
+  for (const auto& t : {k_scale, v_scale}) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == k_pool.size(0) &&
+                    t.size(1) == k.size(1),
+                "the scales must be contiguous float32 [slots, KV]");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == k.size(0),
+              "slots must be int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.size(0); ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < k_pool.size(0), "a slot is past the pool");
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v must be of one dtype");
+  for (int kind = 0; kind < 2; ++kind) {
+    const at::Tensor& x = kind == 0 ? k : v;
+    int8_t* pool = (kind == 0 ? k_pool : v_pool).data_ptr<int8_t>();
+    float* scales = (kind == 0 ? k_scale : v_scale).data_ptr<float>();
+    if (bf16) {
+      quantize_into<c10::BFloat16>(x, sp, pool, scales);
+    } else {
+      quantize_into<float>(x, sp, pool, scales);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "w8a8's activations, quantized per row");
   m.def("dequantize_rows", &dequantize_rows, "int32 sums scaled back per row, in place");
   m.def("decode_attention", &decode_attention, "one query per row against its slots of the paged KV pool",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("lens"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
+  m.def("write_kv_int8", &write_kv_int8, "K and V quantized per token and KV head into an int8 pool");
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place (when given), then RMSNorm(x) * weight",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("dtype") = py::none());
   m.def("rope", &rope, "rotary embedding of q and k by their positions");
