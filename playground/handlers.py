@@ -262,7 +262,7 @@ class Playground:
                 f"rebuild waits for the new engine. A change that is refused (a group size that does not divide a "
                 f"layer, a scheme without a kernel here) leaves the engine and its requests as they were. The KV "
                 f"cache's dtype changes without a rebuild: int8 holds ~4x the blocks of fp32 in the same memory; "
-                f"kv_cache_smoothing (int8 only) rescales its keys per channel, calibrated once (~2 s), which "
+                f"kv_cache_smoothing (int8 only) rescales its keys per channel, calibrated once (about 2 s), which "
                 f"halves what the int8 cache costs in quality.")
 
     def settings_hints(self) -> dict[str, str]:
