@@ -208,10 +208,14 @@ def test_cpp_kv_write_stores_quantize_int8s_integers_and_scales_bit_for_bit(dtyp
         ext.write_kv_int8(k, v, torch.tensor([0, 1, 2, 3, 12]), *pools, *scales)
 
 
-@pytest.mark.parametrize("smoothing", [False, True])
-def test_greedy_tokens_are_the_same_with_and_without_the_cpp_kv_write(tiny_models, smoothing):
-    llm = LLM(tiny_models["llama"][0], max_model_len=256, kv_cache_dtype="int8", kv_cache_smoothing=smoothing)
+@pytest.mark.parametrize("arch,dtype,smoothing", [("llama", "float32", False), ("llama", "float32", True),
+                                                  ("qwen3", "bfloat16", True)])
+def test_greedy_tokens_are_the_same_with_and_without_the_cpp_kv_write(tiny_models, arch, dtype, smoothing):
+    llm = LLM(tiny_models[arch][0], max_model_len=256, dtype=dtype, kv_cache_dtype="int8",
+              kv_cache_smoothing=smoothing)
     assert llm.engine.runner.write_kv_int8 is not None
+    if smoothing:  # the keys' scales in the model's dtype, so a bf16 query stays bf16
+        assert all(s.query.dtype == s.key_inverse.dtype == llm.engine.model.dtype for s in llm.engine.runner.key_scales)
     prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 9)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with_cpp = [o.token_ids for o in llm.generate(prompts, params)]
