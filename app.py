@@ -290,9 +290,10 @@ def build_compare_tab(pg: Playground, serialised: SerialisedFigures) -> None:
             go = gr.Button("Compare", variant="primary")
             cancel = gr.Button("Cancel")
         plot = chart("side by side", "Press Compare: both configurations run the workload, side by side")
-        # shown once there are numbers: twelve empty columns squeezed their headers out of sight
+        # shown once there are numbers: twelve empty columns squeezed their headers out of sight; wrapped, so that
+        # all twelve fit the page's width instead of the last ones scrolling out of view
         table = gr.Dataframe({"headers": COMPARE_HEADERS, "data": []}, headers=COMPARE_HEADERS, label="the numbers",
-                             visible=False)
+                             visible=False, wrap=True)
         note = gr.Markdown()
 
     def do_compare(workload_name, spec_a, spec_b, quick_run, progress=gr.Progress(track_tqdm=False)):
