@@ -77,8 +77,9 @@ class EngineConfig:
     quantization_smoothing: bool = False
     quantization_gptq: bool = False
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (a scale per token and KV head)
-    # int8 KV only: each key channel divided by a scale calibrated at load (the queries multiplied by it, so q . k is
-    # unchanged), so that a few large channels no longer take a token's whole int8 range (engine/calibrate.py)
+    # int8 KV only: each key channel divided by a scale calibrated once per model when the KV pool is first built
+    # (the queries multiplied by it, so q . k is unchanged), so that a few large channels no longer take a token's
+    # whole int8 range (engine/calibrate.py)
     kv_cache_smoothing: bool = False
 
     @classmethod
