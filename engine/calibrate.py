@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import random
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,11 +89,19 @@ def best_scale(x: Inputs, w: torch.Tensor, fake: Fake, heads: tuple[int, int] | 
     def error(s: torch.Tensor) -> float:
         return (fake.activation(rows / s) @ fake.weight(w * s).T - ref).pow(2).mean().item()
 
-    best = torch.ones_like(w[0])
-    best_err = error(best)
-    for alpha in ALPHAS:
+    def candidate(alpha: float) -> torch.Tensor:
         s = act.pow(alpha) / wmax.pow(1 - alpha)
-        s = full(s / (s.max() * s.min()).sqrt())  # centred on 1 in log scale: the weights neither grow nor shrink
+        return full(s / (s.max() * s.min()).sqrt())  # centred on 1 in log scale: the weights neither grow nor shrink
+
+    return least_error(error, torch.ones_like(w[0]), map(candidate, ALPHAS))
+
+
+def least_error(error: Callable[[torch.Tensor], float], none: torch.Tensor,
+                candidates: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The candidate scale with the least error; `none` (no smoothing) unless one beats it, so that smoothing never
+    makes the calibration inputs' error worse."""
+    best, best_err = none, error(none)
+    for s in candidates:
         err = error(s)
         if err < best_err:
             best, best_err = s, err
@@ -254,15 +263,11 @@ class _KeyRecorder:
             k_hat = dequantize_int8(*quantize_int8(k / s), torch.float32) * s  # what the cache gives back
             return torch.einsum("rhgd,shd->hgrs", q, k_hat - k).pow(2).mean().item()
 
-        best = torch.ones(kv_heads, dim)
-        best_err = error(best)
-        for alpha in KEY_ALPHAS:
+        def candidate(alpha: float) -> torch.Tensor:
             s = self.key_max.clamp(min=1e-5).pow(alpha)
-            s = s / s.log().mean(-1, keepdim=True).exp()  # centred on 1 in log scale, per head
-            err = error(s)
-            if err < best_err:
-                best, best_err = s, err
-        return best
+            return s / s.log().mean(-1, keepdim=True).exp()  # centred on 1 in log scale, per head
+
+        return least_error(error, torch.ones(kv_heads, dim), map(candidate, KEY_ALPHAS))
 
 
 def calibration_token_ids(tokenizer, vocab_size: int) -> list[int]:

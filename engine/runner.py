@@ -43,7 +43,7 @@ class ModelRunner:
         self.scratch_block = num_kv_blocks if scratch_block else None
         self.graphs = None  # DecodeGraphs, set by the engine when cuda_graphs=True
         s = model.shape
-        self.key_scales = None if key_scales is None or not self.kv_int8 else [
+        self.key_scales = None if key_scales is None else [
             KeyScale.of(scale.to(model.device), s.num_heads, model.dtype) for scale in key_scales]
         self.kv_cache = self.kv_scales = None
         self.kv_layers: list[LayerKV] | None = None
