@@ -11,12 +11,13 @@ over the weight stored transposed.
 Quantized siblings (`quantization=` in EngineConfig), each quantized once at load (engine/quant.py) and packed for
 the fastest kernel this torch ships for it on CPU, chosen by measurement (the README,
 `python -m engine.bench kernels`); each gives a row the same result whatever else shares the call:
-  int8  weight-only, symmetric per output channel            torch._weight_int8pack_mm
+  int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul (AVX-512),
+                                                             else torch._weight_int8pack_mm
   int4  weight-only, asymmetric per group of input features  torch._weight_int4pack_mm_for_cpu
                                                              (CUDA: torch._weight_int4pack_mm, bf16 activations)
   w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums,
                                                              each row quantized and scaled back in C++ (cpu_kernels.py)
-The two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path: 5-70x
+torch's two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path: 5-70x
 slower, measured on AVX2 and on AVX-512), so an fp32 model's activations enter them as bf16 and come back fp32.
 torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI: fbgemm was 10-100x faster on AVX2, and
 with VNNI _int_mm is still slower (one 3072 x 576 projection: 288 us at 32 rows; fbgemm 107 us at 16).
@@ -34,7 +35,7 @@ from functools import cache
 import torch
 
 from ..config import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES, EngineConfig
-from ..cpu_kernels import W8A8_ZERO_POINT, row_helpers
+from ..cpu_kernels import W8A8_ZERO_POINT, compiled, row_helpers
 from ..quant import quantize_int4, quantize_int8
 
 INT4_PACK_ROWS = 16  # the int4 kernel packs output features in tiles of 16
@@ -194,23 +195,48 @@ def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's returns garbage off it: measured)
+
+
+def own_int8_kernel(weight: torch.Tensor):
+    """The engine's C++ int8 matmul (cpu_kernels.py) where this CPU's build has it (AVX-512); else None (torch's
+    kernel then)."""
+    if weight.device.type != "cpu":
+        return None
+    ext = compiled()
+    return ext.int8_matmul if ext is not None and ext.int8_matmul_available() else None
+
+
 class Int8Linear(_Quantized):
-    """Weight-only int8: q [N, K] int8 and one scale per output channel (in the activations' dtype, as the kernel
-    requires); the kernel computes x @ (q * scale).T, dequantizing as it goes."""
+    """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T,
+    widening the weights as it reads them. On an AVX-512 CPU the engine's own C++ kernel (fp32 or bf16 activations
+    as they come, fp32 sums and scales); elsewhere torch's _weight_int8pack_mm (bf16 activations, and the scales
+    in bf16 as it requires). At one row on the Intel machine the C++ kernel moved ~19 GB/s of weights where
+    torch's moved ~10 (SmolLM2's projections of a step: 7.0 ms against 12.2, `python -m engine.bench kernels`)."""
     scheme = "int8"
 
     def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
         super().__init__(weight)
-        self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
-        self.qweight, scale = quantize_int8(weight, scale_dtype=self.activation_dtype, hessian=hessian)
+        if self.device.type == "cpu" and self.in_features % INT8_K_MULTIPLE:
+            raise ValueError(f"int8 on CPU needs input features in multiples of {INT8_K_MULTIPLE} (its kernels step "
+                             f"over them 16 at a time; torch's returns garbage otherwise), got {self.in_features}")
+        self._own = own_int8_kernel(weight)
+        if self._own is not None:
+            self.kernel, self.activation_dtype = "int8_matmul (C++)", self.dtype
+        else:
+            self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
         self.input_dtype = self.activation_dtype
-        self.scales = scale.to(self.activation_dtype)
+        scale_dtype = None if self._own is not None else self.activation_dtype
+        self.qweight, scale = quantize_int8(weight, scale_dtype=scale_dtype, hessian=hessian)
+        self.scales = scale if self._own is not None else scale.to(self.activation_dtype)
 
     @property
     def nbytes(self) -> int:
         return _bytes(self.qweight, self.scales)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._own is not None:
+            return self._own(x.contiguous(), self.qweight, self.scales)
         return torch._weight_int8pack_mm(_as(x, self.activation_dtype), self.qweight, self.scales)
 
 
