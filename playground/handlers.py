@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine import LLM, EngineConfig, SamplingParams, bench
@@ -51,6 +51,7 @@ class ChatSession:
     sent: int = 0  # messages sent (counted as the live view starts polling)
     handled: int = 0  # chats that ended (replied, refused, stopped): while fewer than sent, a reply is on its way
     sent_at: float = 0.0
+    refused: str = ""  # why the tab's latest message was refused ("" when it was not): its live view says so
 
     def expecting(self) -> bool:
         return self.handled < self.sent and time.monotonic() - self.sent_at < PENDING_S
@@ -177,7 +178,7 @@ class Playground:
             rid, q = service.submit(prompt, SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
                                                            seed=None))
             if session is not None:
-                session.request_id = rid
+                session.request_id, session.refused = rid, ""
             try:
                 if note := self.queued_note():  # say so now rather than show an empty reply until the engine runs
                     yield history + [{"role": "assistant", "content": note}], trimmed + "queued"
@@ -199,6 +200,8 @@ class Playground:
                 if service.is_streaming(rid):
                     service.abort(rid)
         except (ValueError, RuntimeError) as exc:  # too long, bad settings, engine down: say so in the chat
+            if session is not None:  # and beside it: the live view no longer shows the previous reply as current
+                session.request_id, session.refused = None, str(exc)
             history = [m for m in history if m.get("content") != ""]
             history.append({"role": "assistant", "content": f"{WARNING} {exc}"})
             yield history, ""
@@ -217,7 +220,11 @@ class Playground:
         service, rid = self.service, session.request_id if session else None
         streaming = rid is not None and service.is_streaming(rid)
         view = self.figures.chat_view(service.snapshot(), service.history, rid, streaming, service.config_changes)
-        return view, streaming or view.in_snapshot or bool(session and session.expecting())
+        polling = streaming or view.in_snapshot or bool(session and session.expecting())
+        if session is not None and session.refused:
+            view = replace(view, summary=f"{WARNING} your last message was refused, nothing of it reached the "
+                                         f"engine: {session.refused}\n\n{view.summary}")
+        return view, polling
 
     def status(self) -> str:
         if (remote := self.remote) is not None:

@@ -123,10 +123,16 @@ def test_a_chat_tells_its_tab_which_request_is_its_own(pg):
     assert session.handled == 1 and not session.expecting()
     view, polling = pg.chat_view(session)
     assert not polling and view.request_id == rid  # the reply is done: the tab stops polling
-    # a refused message ends its chat too, and leaves the last request highlighted
+    # a refused message ends its chat too; the live view stops showing the last reply as this tab's and says why
     pg.chat_sent(session)
     history, _ = list(pg.chat("x" * 20_000, [], 0.0, 8, session))[-1]
-    assert history[-1]["content"].startswith("⚠️") and session.request_id == rid and not pg.chat_view(session)[1]
+    assert history[-1]["content"].startswith("⚠️") and session.request_id is None
+    view, polling = pg.chat_view(session)
+    assert not polling and view.request_id is None and "your last message was refused" in view.summary
+    assert "max_model_len" in view.summary and "step" in view.summary  # the reason, then the engine's state
+    list(pg.chat("Hello again", [], 0.0, 2, session))  # the next message that goes through clears the note
+    view, _ = pg.chat_view(session)
+    assert view.request_id == session.request_id != rid and "refused" not in view.summary
 
 
 def test_the_live_view_polls_until_it_shows_the_reply_finished(pg):
