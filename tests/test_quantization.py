@@ -163,22 +163,26 @@ def test_key_smoothing_keeps_ones_where_nothing_helps():
 # bf16 rounding (2**-8 relative), against a reference computed in fp32 from the same stored integers and scales.
 BF16_ROUNDING = 1e-2
 FP32_ROUNDING = 1e-5
-OWN_INT8 = cpu_kernels.compiled() is not None and cpu_kernels.compiled().int8_matmul_available()
-INT8_KERNELS = [pytest.param("C++", marks=pytest.mark.skipif(not OWN_INT8, reason="the C++ int8 kernel needs "
-                                                                                   "AVX-512 and a C++ build")),
-                "torch"]
+OWN_KERNELS = cpu_kernels.compiled() is not None and cpu_kernels.compiled().weight_only_available()
+NEEDS_OWN = pytest.mark.skipif(not OWN_KERNELS, reason="the C++ weight-only kernels need AVX-512 and a C++ build")
+WEIGHT_ONLY_KERNELS = [pytest.param("C++", marks=NEEDS_OWN), "torch"]
+
+
+def torch_kernels_only(monkeypatch) -> None:
+    """The weight-only projections built on torch's kernels, as on a CPU without AVX-512."""
+    monkeypatch.setattr("engine.models.linear.own_kernel", lambda weight, scheme: None)
 
 
 def int8_linear(w: torch.Tensor, kernel: str, monkeypatch) -> Int8Linear:
-    """Int8Linear on the C++ kernel, or on torch's (as on a CPU without AVX-512)."""
+    """Int8Linear on the C++ kernel, or on torch's."""
     if kernel == "torch":
-        monkeypatch.setattr("engine.models.linear.own_int8_kernel", lambda weight: None)
+        torch_kernels_only(monkeypatch)
     lin = Int8Linear(w)
     assert lin.kernel == ("int8_matmul (C++)" if kernel == "C++" else "_weight_int8pack_mm")
     return lin
 
 
-@pytest.mark.parametrize("kernel", INT8_KERNELS)
+@pytest.mark.parametrize("kernel", WEIGHT_ONLY_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_int8_kernel_matches_the_dequantized_reference(dtype, rows, kernel, monkeypatch):
@@ -195,43 +199,68 @@ def test_int8_kernel_matches_the_dequantized_reference(dtype, rows, kernel, monk
     assert rel_err(lin(x), x.float() @ w.float().t()) < 0.02  # and near the unquantized product
 
 
-@pytest.mark.skipif(not OWN_INT8, reason="the C++ int8 kernel needs AVX-512 and a C++ build")
+@NEEDS_OWN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_cpp_kernel_gives_a_row_the_same_result_in_any_batch(dtype):
-    # 70 rows cross the kernel's 64-row chunks and its 4-row blocks; 98 outputs end in a block of 2
-    w, x = weight(98, 160), torch.randn(70, 160).to(dtype)
-    q, scale = quantize_int8(w)
-    matmul = cpu_kernels.compiled().int8_matmul
-    together = matmul(x, q, scale)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_cpp_weight_only_kernels_give_a_row_the_same_result_in_any_batch(dtype, scheme):
+    # 70 rows cross the kernels' 64-row chunks and their 4-row blocks; 98 outputs end in a block of 2
+    w, x = weight(98, 192), torch.randn(70, 192).to(dtype)
+    lin = Int8Linear(w) if scheme == "int8" else Int4Linear(w, 64)
+    assert lin.kernel == f"{scheme}_matmul (C++)" and lin.out_features == 98
+    together = lin.raw(x)
     for i in range(70):
-        assert torch.equal(matmul(x[i:i + 1].contiguous(), q, scale)[0], together[i]), i
-    assert torch.equal(matmul(x[3:8].contiguous(), q, scale), together[3:8])
+        assert torch.equal(lin.raw(x[i:i + 1]), together[i:i + 1]), i
+    assert torch.equal(lin.raw(x[3:8]), together[3:8])
+
+
+@NEEDS_OWN
+def test_the_cpp_weight_only_kernels_refuse_what_they_cannot_read():
+    ext = cpu_kernels.compiled()
     with pytest.raises(RuntimeError, match="multiples of 16"):
-        matmul(torch.randn(2, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4))
+        ext.int8_matmul(torch.randn(2, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4))
     with pytest.raises(RuntimeError, match="int8"):
-        matmul(x, q.float(), scale)
+        ext.int8_matmul(torch.randn(2, 64), torch.zeros(4, 64), torch.ones(4))
+    with pytest.raises(RuntimeError, match="has 32 features, the weights 64"):
+        ext.int8_matmul(torch.randn(2, 32), torch.zeros(4, 64, dtype=torch.int8), torch.ones(4))
+    packed, params = torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 2, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="group size must be a multiple of 32"):
+        ext.int4_matmul(torch.randn(2, 64), packed, params, 48)
+    with pytest.raises(RuntimeError, match=r"params must be .*\[N, K / group, 2\]"):
+        ext.int4_matmul(torch.randn(2, 64), packed, params, 64)
 
 
-@pytest.mark.parametrize("kernel", INT8_KERNELS)
+@pytest.mark.parametrize("kernel", WEIGHT_ONLY_KERNELS)
 def test_int8_refuses_input_features_off_its_kernels_multiple_of_16(kernel, monkeypatch):
     # torch's kernel returns garbage there (measured: 1e13 relative error at 40 and 72 input features), the C++ one
     # reads in steps of 16: so refused, saying why
     if kernel == "torch":
-        monkeypatch.setattr("engine.models.linear.own_int8_kernel", lambda weight: None)
+        torch_kernels_only(monkeypatch)
     with pytest.raises(ValueError, match="multiples of 16.*got 40"):
         Int8Linear(weight(32, 40))
 
 
+@pytest.mark.parametrize("kernel", WEIGHT_ONLY_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_kernel_matches_the_dequantized_reference(dtype, group):
+def test_int4_kernel_matches_the_dequantized_reference(dtype, group, kernel, monkeypatch):
+    if kernel == "torch":
+        torch_kernels_only(monkeypatch)
     w, x = weight(96, 256).to(dtype), torch.randn(7, 256).to(dtype)
     lin = Int4Linear(w, group)
+    assert lin.kernel == ("int4_matmul (C++)" if kernel == "C++" else "_weight_int4pack_mm_for_cpu")
     q, scale, mid = quantize_int4(w, group, torch.bfloat16)
     assert lin.packed.dtype == torch.uint8 and lin.packed.numel() == 96 * 256 // 2  # two weights per byte
-    stored = lin.scales_and_zeros.float()  # [K / group, N, 2]: the kernel computes (q - 8) * scale + mid
-    assert torch.equal(stored[..., 0].t(), scale) and torch.equal(stored[..., 1].t(), mid)
-    assert rel_err(lin(x), x.float() @ dequantize_int4(q, scale, mid, torch.float32).t()) < BF16_ROUNDING
+    stored = lin.scales_and_zeros.float()  # each group's (scale, mid): the kernel computes (q - 8) * scale + mid
+    if kernel == "C++":  # [N, K / 2] bytes, in runs of 32 features c in a low nibble, c + 16 high; [N, K / g, 2]
+        runs = q.reshape(96, -1, 2, 16)
+        assert torch.equal(lin.packed & 15, runs[:, :, 0].reshape(96, -1))
+        assert torch.equal(lin.packed >> 4, runs[:, :, 1].reshape(96, -1))
+        assert torch.equal(stored[..., 0], scale) and torch.equal(stored[..., 1], mid)
+    else:  # torch's own packing; pairs [K / group, N, 2]
+        assert torch.equal(stored[..., 0].t(), scale) and torch.equal(stored[..., 1].t(), mid)
+    reference = x.float() @ dequantize_int4(q, scale, mid, torch.float32).t()
+    exact = kernel == "C++" and dtype == torch.float32
+    assert rel_err(lin(x), reference) < (FP32_ROUNDING if exact else BF16_ROUNDING)
     assert rel_err(lin(x), x.float() @ w.float().t()) < 0.2  # 16 levels per group: loose
 
 

@@ -570,81 +570,157 @@ void write_kv_int8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& s
   }
 }
 
-// ---- Weight-only int8 matmul (models/linear.py's Int8Linear): y [M, N] float32 = x [M, K] @ (q [N, K] int8 *
-// scale [N]).T, the weights widened to floats in registers as they are read and multiplied by the activations as
-// they come (float32, or bf16 widened exactly), with float32 sums. torch's _weight_int8pack_mm takes bf16
-// activations only and moved ~10 GB/s of weights at one row on the Intel machine, where fp32 oneDNN moves ~19.
-// Each (row, output) sum runs over k in the same order whatever else is in the call: 16 lanes, lane l adding
-// the products of k = l, l + 16, ..., one fused multiply-add each, then the lanes added in a fixed tree, then the
-// scale: so a row's result does not depend on how many rows share the call (tested). Blocks of up to 4 rows by 4
-// outputs share each load: a weight vector serves 4 rows, an activation vector 4 outputs. The next block's weights
-// are prefetched as this one is read (a hint only: past the last row it touches nothing), which doubled the speed
-// at one row (SmolLM2's projections: 13.1 -> 7.0 ms a step, ~19 GB/s of weights).
+// ---- Weight-only matmuls (models/linear.py's Int8Linear and Int4Linear): y [M, N] float32 = x [M, K] @ W.T, the
+// weights stored quantized and widened to floats in registers as they are read, multiplied by the activations as
+// they come (float32, or bf16 widened exactly), with float32 sums. torch's kernels for both take bf16 activations
+// only, and at one row on the Intel machine moved ~10 GB/s of weights where fp32 oneDNN moves ~19.
+// Each (row, output) sum runs over k in the same order whatever else is in the call: 16 lanes, lane l adding the
+// products of k = l, l + 16, ..., one fused multiply-add each, then the lanes added in a fixed tree (then int8's
+// scale): so a row's result does not depend on how many rows share the call (tested). Blocks of up to 4 rows by 4
+// outputs share each load: a weight vector, once widened, serves 4 rows, an activation vector 4 outputs. The next
+// block's weights (int4: the one after) are prefetched as this one is read (a hint only: past the last row it
+// touches nothing), which doubled int8's speed at one row (SmolLM2's projections: 13.1 -> 7.0 ms a step, ~19 GB/s
+// of weights).
 namespace {
 #if defined(__AVX512F__)
-template <int MB, int NB, typename X>
-void int8_block(const X* x, int64_t ldx, const int8_t* q, int64_t k_len, const float* scale, float* y, int64_t ldy) {
-  __m512 acc[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_len; k += 16) {
-    if ((k & 63) == 0) {  // the next block's weights, a cache line at a time: 13.1 -> 7.0 ms a step at one row
-      for (int j = NB; j < 2 * NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(q + j * k_len + k), _MM_HINT_T0);
-    }
-    __m512 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = load16(q + j * k_len + k);
-    for (int i = 0; i < MB; ++i) {
-      const __m512 xv = load16(x + i * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]) * scale[j];
+inline void prefetch_rows(const uint8_t* first, int64_t rows, int64_t row_bytes, int64_t at) {
+  for (int64_t j = 0; j < rows; ++j) _mm_prefetch(reinterpret_cast<const char*>(first + j * row_bytes + at), _MM_HINT_T0);
 }
 
-template <int NB, typename X>
-void int8_rows(int64_t rows, const X* x, int64_t ldx, const int8_t* q, int64_t k_len, const float* scale, float* y,
-               int64_t ldy) {
+// int8: q [N, K], symmetric, a float32 scale per output channel: w = q * scale (the scale applied to the sum)
+struct Int8Weights {
+  const int8_t* q;
+  const float* scale;
+  int64_t k_len;
+
+  template <int MB, int NB, typename X>
+  void block(const X* x, int64_t ldx, int64_t o, float* y, int64_t ldy) const {
+    const int8_t* rows = q + o * k_len;
+    __m512 acc[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_len; k += 16) {
+      if ((k & 63) == 0) prefetch_rows(reinterpret_cast<const uint8_t*>(rows + NB * k_len), NB, k_len, k);
+      __m512 w[NB];
+      for (int j = 0; j < NB; ++j) w[j] = load16(rows + j * k_len + k);
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xv = load16(x + i * ldx + k);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]) * scale[o + j];
+  }
+};
+
+// int4: two per byte, [N, K / 2]: in each run of 32 features, byte c holds feature c in its low nibble and feature
+// c + 16 in its high one; asymmetric per group of `group` features (a multiple of 32) with bf16 (scale, mid) pairs
+// [N, K / group, 2]: w = (q - 8) * scale + mid. Each group's 16 possible weights are computed first, one fused
+// multiply-add (the same floats as engine/quant.py's dequantize_int4), and a vector of 16 nibbles is turned into
+// its 16 weights by one permute that looks them up (vpermps reads the low 4 bits of each index). Measured on the
+// Intel machine, SmolLM2's projections of a step at one row: unpacking and converting each nibble instead 11.3 ms
+// (torch's kernel 8.6); the lookup with fp32 pairs 9.4 (9.5), with bf16 pairs 6.8 (7.5), prefetching two blocks
+// ahead rather than one 6.4 (7.8).
+struct Int4Weights {
+  const uint8_t* packed;
+  const c10::BFloat16* params;
+  int64_t k_len, group;
+
+  template <int MB, int NB, typename X>
+  void block(const X* x, int64_t ldx, int64_t o, float* y, int64_t ldy) const {
+    const int64_t row_bytes = k_len / 2, groups = k_len / group;
+    const uint8_t* rows = packed + o * row_bytes;
+    const __m512 levels = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);  // q - 8
+    __m512 acc[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    __m512 table[NB];
+    for (int64_t k = 0; k < k_len; k += 32) {
+      if ((k & 127) == 0) prefetch_rows(rows + 2 * NB * row_bytes, NB, row_bytes, k / 2);
+      if (k % group == 0) {
+        for (int j = 0; j < NB; ++j) {
+          int32_t pair;  // (scale, mid) as two bf16: the top halves of their floats
+          std::memcpy(&pair, params + ((o + j) * groups + k / group) * 2, 4);
+          const __m512i both = _mm512_set1_epi32(pair);
+          const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+          const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32(0xFFFF0000)));
+          table[j] = _mm512_fmadd_ps(levels, scale, mid);
+        }
+      }
+      __m512 w[NB][2];
+      for (int j = 0; j < NB; ++j) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + j * row_bytes + k / 2)));
+        w[j][0] = _mm512_permutexvar_ps(v, table[j]);
+        w[j][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table[j]);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const __m512 x0 = load16(x + i * ldx + k), x1 = load16(x + i * ldx + k + 16);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(x1, w[j][1], _mm512_fmadd_ps(x0, w[j][0], acc[i][j]));
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
+};
+
+template <int NB, typename W, typename X>
+void block_rows(const W& w, int64_t rows, const X* x, int64_t ldx, int64_t o, float* y, int64_t ldy) {
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) int8_block<4, NB>(x + i * ldx, ldx, q, k_len, scale, y + i * ldy, ldy);
+  for (; i + 4 <= rows; i += 4) w.template block<4, NB>(x + i * ldx, ldx, o, y + i * ldy, ldy);
   switch (rows - i) {
-    case 3: int8_block<3, NB>(x + i * ldx, ldx, q, k_len, scale, y + i * ldy, ldy); break;
-    case 2: int8_block<2, NB>(x + i * ldx, ldx, q, k_len, scale, y + i * ldy, ldy); break;
-    case 1: int8_block<1, NB>(x + i * ldx, ldx, q, k_len, scale, y + i * ldy, ldy); break;
+    case 3: w.template block<3, NB>(x + i * ldx, ldx, o, y + i * ldy, ldy); break;
+    case 2: w.template block<2, NB>(x + i * ldx, ldx, o, y + i * ldy, ldy); break;
+    case 1: w.template block<1, NB>(x + i * ldx, ldx, o, y + i * ldy, ldy); break;
     default: break;
   }
 }
 
-template <typename X>
-void int8_matmul_typed(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, at::Tensor& y) {
-  constexpr int64_t kOutputs = 4, kRowChunk = 64;  // rows per pass over a block of weights (kept in L2 meanwhile)
-  const int64_t m = x.size(0), k_len = x.size(1), n = q.size(0);
-  const X* xp = x.data_ptr<X>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// the outputs split between the threads in blocks of 4; each thread takes its blocks against 64 rows at a time
+template <typename W, typename X>
+void weight_only_matmul(const W& w, const X* xp, int64_t m, int64_t k_len, int64_t n, float* yp) {
+  constexpr int64_t kOutputs = 4, kRowChunk = 64;
   const int64_t blocks = (n + kOutputs - 1) / kOutputs;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < m; r += kRowChunk) {
       const int64_t rows = std::min(kRowChunk, m - r);
+      const X* xr = xp + r * k_len;
       for (int64_t b = begin; b < end; ++b) {
         const int64_t o = b * kOutputs;
-        const X* xr = xp + r * k_len;
         float* yr = yp + r * n + o;
         if (o + kOutputs <= n) {
-          int8_rows<kOutputs>(rows, xr, k_len, qp + o * k_len, k_len, sp + o, yr, n);
+          block_rows<kOutputs>(w, rows, xr, k_len, o, yr, n);
         } else {
-          for (int64_t j = o; j < n; ++j) int8_rows<1>(rows, xr, k_len, qp + j * k_len, k_len, sp + j, yr + j - o, n);
+          for (int64_t j = o; j < n; ++j) block_rows<1>(w, rows, xr, k_len, j, yr + j - o, n);
         }
       }
     }
   });
 }
 #endif
+
+void check_activations(const at::Tensor& x, int64_t k_len, int64_t step) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && float_or_bf16(x),
+              "x must be a contiguous float32 or bf16 CPU tensor [M, K]");
+  TORCH_CHECK(x.size(1) == k_len, "x has ", x.size(1), " features, the weights ", k_len);
+  TORCH_CHECK(k_len % step == 0, "the weight-only kernels need K in multiples of ", step, ", got ", k_len);
+}
+
+template <typename W>
+at::Tensor run_weight_only(const W& w, const at::Tensor& x, int64_t n) {
+  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kBFloat16) {
+    weight_only_matmul(w, x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), n, y.data_ptr<float>());
+  } else {
+    weight_only_matmul(w, x.data_ptr<float>(), x.size(0), x.size(1), n, y.data_ptr<float>());
+  }
+#endif
+  return y;
+}
 }  // namespace
 
-// Whether this build has the vectorized int8 matmul (AVX-512); without it models/linear.py keeps to torch's kernel
-bool int8_matmul_available() {
+// Whether this build has the weight-only matmuls (AVX-512); without them models/linear.py keeps to torch's kernels
+bool weight_only_available() {
 #if defined(__AVX512F__)
   return true;
 #else
@@ -655,24 +731,39 @@ bool int8_matmul_available() {
 // x [M, K] (float32 or bf16, contiguous), q [N, K] int8 (contiguous), scale [N] float32, K a multiple of 16 ->
 // y [M, N] float32
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-  TORCH_CHECK(int8_matmul_available(), "int8_matmul needs AVX-512");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && float_or_bf16(x),
-              "x must be a contiguous float32 or bf16 CPU tensor [M, K]");
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) == x.size(1),
-              "q must be a contiguous int8 tensor [N, K] with x's K");
-  TORCH_CHECK(x.size(1) % 16 == 0, "int8_matmul needs K in multiples of 16, got ", x.size(1));
+  TORCH_CHECK(weight_only_available(), "int8_matmul needs AVX-512");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q must be a contiguous int8 tensor [N, K]");
+  check_activations(x, q.size(1), 16);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous() &&
                   scale.size(0) == q.size(0),
               "scale must be a contiguous float32 tensor [N]");
-  at::Tensor y = at::empty({x.size(0), q.size(0)}, x.options().dtype(at::kFloat));
 #if defined(__AVX512F__)
-  if (x.scalar_type() == at::kBFloat16) {
-    int8_matmul_typed<c10::BFloat16>(x, q, scale, y);
-  } else {
-    int8_matmul_typed<float>(x, q, scale, y);
-  }
+  return run_weight_only(Int8Weights{q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(1)}, x, q.size(0));
+#else
+  return at::Tensor();
 #endif
-  return y;
+}
+
+// x [M, K] (float32 or bf16, contiguous), packed [N, K / 2] uint8 (two features a byte: in each run of 32, feature
+// c in byte c's low nibble, c + 16 in its high one), params [N, K / group, 2] bf16 (scale, mid), group a multiple
+// of 32 dividing K -> y [M, N] float32
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, int64_t group) {
+  TORCH_CHECK(weight_only_available(), "int4_matmul needs AVX-512");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed must be a contiguous uint8 tensor [N, K / 2]");
+  const int64_t k_len = packed.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % 32 == 0 && k_len % group == 0, "the group size must be a multiple of 32 dividing K (",
+              k_len, "), got ", group);
+  check_activations(x, k_len, 32);
+  TORCH_CHECK(params.scalar_type() == at::kBFloat16 && params.is_contiguous() && params.dim() == 3 &&
+                  params.size(0) == packed.size(0) && params.size(1) == k_len / group && params.size(2) == 2,
+              "params must be a contiguous bf16 tensor [N, K / group, 2]");
+#if defined(__AVX512F__)
+  return run_weight_only(Int4Weights{packed.data_ptr<uint8_t>(), params.data_ptr<c10::BFloat16>(), k_len, group}, x,
+                         packed.size(0));
+#else
+  return at::Tensor();
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -684,8 +775,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_int8", &write_kv_int8, "K and V quantized per token and KV head into an int8 pool");
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place (when given), then RMSNorm(x) * weight",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("dtype") = py::none());
-  m.def("int8_matmul_available", &int8_matmul_available, "whether int8_matmul is built here (AVX-512)");
+  m.def("weight_only_available", &weight_only_available, "whether int8_matmul and int4_matmul are built (AVX-512)");
   m.def("int8_matmul", &int8_matmul, "x @ (q * scale).T, int8 weights widened as they are read");
+  m.def("int4_matmul", &int4_matmul, "x @ W.T, W int4 in groups (scale, mid), widened as it is read");
   m.def("rope", &rope, "rotary embedding of q and k by their positions");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a joined gate|up projection", py::arg("gate_up"),
         py::arg("dtype"), py::arg("out_dtype") = py::none());

@@ -13,7 +13,8 @@ the fastest kernel this torch ships for it on CPU, chosen by measurement (the RE
 `python -m engine.bench kernels`); each gives a row the same result whatever else shares the call:
   int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul (AVX-512),
                                                              else torch._weight_int8pack_mm
-  int4  weight-only, asymmetric per group of input features  torch._weight_int4pack_mm_for_cpu
+  int4  weight-only, asymmetric per group of input features  the engine's C++ int4_matmul (AVX-512),
+                                                             else torch._weight_int4pack_mm_for_cpu
                                                              (CUDA: torch._weight_int4pack_mm, bf16 activations)
   w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums,
                                                              each row quantized and scaled back in C++ (cpu_kernels.py)
@@ -198,13 +199,13 @@ def _bytes(*tensors: torch.Tensor) -> int:
 INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's returns garbage off it: measured)
 
 
-def own_int8_kernel(weight: torch.Tensor):
-    """The engine's C++ int8 matmul (cpu_kernels.py) where this CPU's build has it (AVX-512); else None (torch's
-    kernel then)."""
+def own_kernel(weight: torch.Tensor, scheme: str):
+    """The engine's C++ weight-only matmul for scheme ("int8" or "int4"; cpu_kernels.py) where this CPU's build has
+    it (AVX-512); else None (torch's kernel then)."""
     if weight.device.type != "cpu":
         return None
     ext = compiled()
-    return ext.int8_matmul if ext is not None and ext.int8_matmul_available() else None
+    return getattr(ext, f"{scheme}_matmul") if ext is not None and ext.weight_only_available() else None
 
 
 class Int8Linear(_Quantized):
@@ -220,7 +221,7 @@ class Int8Linear(_Quantized):
         if self.device.type == "cpu" and self.in_features % INT8_K_MULTIPLE:
             raise ValueError(f"int8 on CPU needs input features in multiples of {INT8_K_MULTIPLE} (its kernels step "
                              f"over them 16 at a time; torch's returns garbage otherwise), got {self.in_features}")
-        self._own = own_int8_kernel(weight)
+        self._own = own_kernel(weight, self.scheme)
         if self._own is not None:
             self.kernel, self.activation_dtype = "int8_matmul (C++)", self.dtype
         else:
@@ -241,8 +242,11 @@ class Int8Linear(_Quantized):
 
 
 class Int4Linear(_Quantized):
-    """Weight-only int4 in groups of `group_size` input features, asymmetric: two values per byte, packed once by
-    torch for its kernel, with each group's scale and mid as the kernel wants them ([K / g, N, 2])."""
+    """Weight-only int4 in groups of `group_size` input features, asymmetric: two values per byte, with each group's
+    scale and mid in bf16. On an AVX-512 CPU the engine's own C++ kernel (its layout: [N, K / 2] bytes, in each run
+    of 32 features c in a low nibble and c + 16 in the high one, and [N, K / g, 2] pairs; fp32 or bf16 activations
+    as they come, fp32 sums: at one row 6.4 ms a step's projections against torch's 7.8, the same process);
+    elsewhere torch's, packed once by torch for it (pairs [K / g, N, 2], bf16 activations)."""
     scheme = "int4"
 
     def __init__(self, weight: torch.Tensor, group_size: int, hessian: torch.Tensor | None = None) -> None:
@@ -252,12 +256,20 @@ class Int4Linear(_Quantized):
         if self.in_features % group_size:
             raise ValueError(f"quantization_group_size={group_size} does not divide its {self.in_features} "
                              f"input features")
-        if self.out_features % INT4_PACK_ROWS:
-            raise ValueError(f"int4 needs output features in multiples of {INT4_PACK_ROWS}, "
-                             f"got {self.out_features}")
         self.group_size = group_size
         self.activation_dtype = self.input_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
-        q, scale, mid = quantize_int4(weight, group_size, self.activation_dtype, hessian)
+        q, scale, mid = quantize_int4(weight, group_size, torch.bfloat16, hessian)
+        self._own = own_kernel(weight, self.scheme)
+        if self._own is not None:
+            self.kernel, self.activation_dtype = "int4_matmul (C++)", self.dtype
+            self.input_dtype = self.dtype
+            runs = q.reshape(self.out_features, -1, 2, 16)  # runs of 32 features: c in a low nibble, c + 16 high
+            self.packed = (runs[:, :, 0] | runs[:, :, 1] << 4).reshape(self.out_features, -1).contiguous()
+            self.scales_and_zeros = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).contiguous()
+            return
+        if self.out_features % INT4_PACK_ROWS:
+            raise ValueError(f"int4 with {self.kernel} needs output features in multiples of {INT4_PACK_ROWS}, "
+                             f"got {self.out_features}")
         if self.device.type == "cuda":  # two values per byte, the even feature in the high nibble, then tiled
             tiles = next((t for t in INT4_INNER_K_TILES if self.in_features % (16 * t) == 0), None)
             if tiles is None:
@@ -274,6 +286,8 @@ class Int4Linear(_Quantized):
         return _bytes(self.packed, self.scales_and_zeros)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._own is not None:
+            return self._own(x.contiguous(), self.packed, self.scales_and_zeros, self.group_size)
         return self._kernel(_as(x, self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
 
 
