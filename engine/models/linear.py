@@ -201,19 +201,32 @@ INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's retu
 
 def own_kernel(weight: torch.Tensor, scheme: str):
     """The engine's C++ weight-only matmul for scheme ("int8" or "int4"; cpu_kernels.py) where this CPU's build has
-    it (AVX-512); else None (torch's kernel then)."""
+    it (AVX-512); else None (torch's kernel then). One choice per machine, whatever the rows: a row's result never
+    depends on its batch."""
     if weight.device.type != "cpu":
         return None
     ext = compiled()
     return getattr(ext, f"{scheme}_matmul") if ext is not None and ext.weight_only_available() else None
 
 
-class Int8Linear(_Quantized):
+class _WeightOnly(_Quantized):
+    """int8 and int4: the engine's own C++ kernel where this CPU's build has it (own_kernel; the activations as
+    they come, fp32 sums; speeds in cpu_kernels.py), else torch's, which takes the activations in bf16."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self._own = own_kernel(weight, self.scheme)
+        if self._own is not None:
+            self.kernel, self.activation_dtype = f"{self.scheme}_matmul (C++)", self.dtype
+        else:
+            self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
+        self.input_dtype = self.activation_dtype
+
+
+class Int8Linear(_WeightOnly):
     """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T,
-    widening the weights as it reads them. On an AVX-512 CPU the engine's own C++ kernel (fp32 or bf16 activations
-    as they come, fp32 sums and scales); elsewhere torch's _weight_int8pack_mm (bf16 activations, and the scales
-    in bf16 as it requires). At one row on the Intel machine the C++ kernel moved ~19 GB/s of weights where
-    torch's moved ~10 (SmolLM2's projections of a step: 7.0 ms against 12.2, `python -m engine.bench kernels`)."""
+    widening the weights as it reads them. The C++ kernel keeps the scales in fp32; torch's _weight_int8pack_mm
+    wants them in bf16, like its activations."""
     scheme = "int8"
 
     def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
@@ -221,15 +234,9 @@ class Int8Linear(_Quantized):
         if self.device.type == "cpu" and self.in_features % INT8_K_MULTIPLE:
             raise ValueError(f"int8 on CPU needs input features in multiples of {INT8_K_MULTIPLE} (its kernels step "
                              f"over them 16 at a time; torch's returns garbage otherwise), got {self.in_features}")
-        self._own = own_kernel(weight, self.scheme)
-        if self._own is not None:
-            self.kernel, self.activation_dtype = "int8_matmul (C++)", self.dtype
-        else:
-            self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
-        self.input_dtype = self.activation_dtype
         scale_dtype = None if self._own is not None else self.activation_dtype
         self.qweight, scale = quantize_int8(weight, scale_dtype=scale_dtype, hessian=hessian)
-        self.scales = scale if self._own is not None else scale.to(self.activation_dtype)
+        self.scales = scale if scale_dtype is None else scale.to(scale_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -241,12 +248,10 @@ class Int8Linear(_Quantized):
         return torch._weight_int8pack_mm(_as(x, self.activation_dtype), self.qweight, self.scales)
 
 
-class Int4Linear(_Quantized):
+class Int4Linear(_WeightOnly):
     """Weight-only int4 in groups of `group_size` input features, asymmetric: two values per byte, with each group's
-    scale and mid in bf16. On an AVX-512 CPU the engine's own C++ kernel (its layout: [N, K / 2] bytes, in each run
-    of 32 features c in a low nibble and c + 16 in the high one, and [N, K / g, 2] pairs; fp32 or bf16 activations
-    as they come, fp32 sums: at one row 6.4 ms a step's projections against torch's 7.8, the same process);
-    elsewhere torch's, packed once by torch for it (pairs [K / g, N, 2], bf16 activations)."""
+    scale and mid in bf16. The C++ kernel's layout: [N, K / 2] bytes, in each run of 32 features c in a low nibble
+    and c + 16 in the high one, and [N, K / g, 2] pairs; torch's: packed once by torch for it, pairs [K / g, N, 2]."""
     scheme = "int4"
 
     def __init__(self, weight: torch.Tensor, group_size: int, hessian: torch.Tensor | None = None) -> None:
@@ -257,12 +262,8 @@ class Int4Linear(_Quantized):
             raise ValueError(f"quantization_group_size={group_size} does not divide its {self.in_features} "
                              f"input features")
         self.group_size = group_size
-        self.activation_dtype = self.input_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
         q, scale, mid = quantize_int4(weight, group_size, torch.bfloat16, hessian)
-        self._own = own_kernel(weight, self.scheme)
         if self._own is not None:
-            self.kernel, self.activation_dtype = "int4_matmul (C++)", self.dtype
-            self.input_dtype = self.dtype
             runs = q.reshape(self.out_features, -1, 2, 16)  # runs of 32 features: c in a low nibble, c + 16 high
             self.packed = (runs[:, :, 0] | runs[:, :, 1] << 4).reshape(self.out_features, -1).contiguous()
             self.scales_and_zeros = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).contiguous()
