@@ -1,11 +1,16 @@
 """The playground: chat with the real engine while live charts show its insides.
 
     python app.py [--model PATH_OR_ID] [--preset NAME] [--set KEY=VALUE] [--attach URL] [--share]
+                  [--presenter-token SECRET] [--public] [--api-key KEY]
 
 Layout and wiring only, one small builder per tab: what each control does lives in playground/, the charts in
 viz/. Adding a tab is one line in build_app. The same server answers OpenAI's API (/v1/models, /v1/completions,
-/v1/chat/completions) and Prometheus (/metrics) from server/, on the same engine (docs/api.md).
+/v1/chat/completions) and Prometheus (/metrics) from server/, on the same engine.
 Respects GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (Hugging Face Spaces binds 0.0.0.0:7860).
+
+Who may change the engine (playground/access.py): on 127.0.0.1 with no token, everyone (a desk). With
+--presenter-token (or WATCH_LLM_PRESENTER_TOKEN), whoever enters it on the page; everyone else chats and watches.
+Off loopback, with --share or on Spaces and no token: public mode, nobody changes the shared engine.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from engine.config import (
     WEIGHT_FIELDS,
 )
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
+from playground.access import OPEN, PUBLIC, TOKEN, TOKEN_ENV, Access, audience, presenter_controls
 from playground.features_tab import build_features_tab
 from playground.handlers import NO_QUANTIZATION, ChatSession, Playground, feature_presets, form_value, workloads
 from playground.remote_tab import build_remote_tab
@@ -83,7 +89,7 @@ PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix
                "throughput": "throughput", "memory": "memory"}
 
 
-def build_chat_tab(pg: Playground, serialised: SerialisedFigures) -> None:
+def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access) -> None:
     with gr.Tab("Chat"):
         # copied per tab; the chat sets its request id in place, the live view (another event) reads it at once
         session = gr.State(ChatSession())
@@ -98,7 +104,9 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                     clear = gr.Button("Clear", scale=1, elem_id="clear-chat", min_width=70)
                 with gr.Row():
                     temperature = gr.Slider(0, 1.5, value=0.7, step=0.05, label="temperature")
-                    max_tokens = gr.Slider(8, 512, value=200, step=8, label="max tokens")
+                    # the audience's replies are capped on the server (Seats); the slider says so
+                    cap = 512 if access.mode == OPEN else pg.seats.max_tokens
+                    max_tokens = gr.Slider(8, cap, value=min(200, cap), step=8, label="max tokens")
                 reply_info = gr.Markdown()
             with gr.Column(scale=2, elem_id="chat-live"):
                 live_blocks = chart("your request in the KV pool", NO_CHAT_VIEW)
@@ -106,6 +114,7 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                 gr.Markdown(HELP["live"])
         live = gr.Timer(1.0, active=False)  # polls only while this tab's reply is on its way or streaming
 
+    @audience
     def start_view(s: ChatSession):
         pg.chat_sent(s)
         return gr.Timer(active=True)
@@ -113,13 +122,22 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures) -> None:
     # after the streaming chat on the same trigger only started once the reply had ended.
     gr.on([msg.submit, send.click], start_view, session, live, queue=False, show_progress="hidden",
           api_visibility="private")
+    @audience
+    def chat(message, history, temperature_value, max_tokens_value, s: ChatSession):
+        visitor = access.visitor()  # the audience's share of the engine is bounded; the presenter's is not
+        key = None if visitor.presenter else (visitor.session or "anonymous")
+        yield from pg.chat(message, history, temperature_value, max_tokens_value, s, audience=key)
+
     chat_inputs = [msg, chatbot, temperature, max_tokens, session]
-    chat_event = msg.submit(pg.chat, chat_inputs, [chatbot, reply_info], concurrency_limit=16, api_name="chat")
-    send_event = send.click(pg.chat, chat_inputs, [chatbot, reply_info], concurrency_limit=16,
+    # as many chats at once as the engine has seats (and a few waiting), not gradio's default
+    seats = max(16, pg.service.config_view().resolved["max_num_seqs"] + 4)
+    chat_event = msg.submit(chat, chat_inputs, [chatbot, reply_info], concurrency_limit=seats, api_name="chat")
+    send_event = send.click(chat, chat_inputs, [chatbot, reply_info], concurrency_limit=seats,
                             api_visibility="undocumented", api_name="send")
     for ev in (chat_event, send_event):
-        ev.then(lambda: "", None, msg)
+        ev.then(audience(lambda: ""), None, msg)
 
+    @audience
     def refresh_view(s: ChatSession):
         view, polling = pg.chat_view(s)
         return serialised.payload(view.blocks), view.summary, gr.skip() if polling else gr.Timer(active=False)
@@ -127,7 +145,7 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures) -> None:
               api_name="chat_view", postprocess=False)
     stop.click(None, None, None, cancels=[chat_event, send_event])
     # a fresh conversation: nothing of the old one is sent again (a reply still streaming is stopped)
-    clear.click(lambda: ([], ""), None, [chatbot, reply_info], cancels=[chat_event, send_event])
+    clear.click(audience(lambda: ([], "")), None, [chatbot, reply_info], cancels=[chat_event, send_event])
 
 
 def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures) -> list[gr.Plot]:
@@ -227,7 +245,10 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 
     inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
     names = list(switches) + list(sizes) + list(weights)
+    for name, component in zip(names, inputs):
+        component.elem_id = f"setting-{name}"  # the field each input sets, for scripts and tests
 
+    @audience
     def load_settings():
         cfg, hints = pg.settings(), pg.settings_hints()
         fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n]) if n in hints else form_value(n, cfg[n])
@@ -270,6 +291,7 @@ def build_ablation_tab(pg: Playground, serialised: SerialisedFigures) -> None:
             return gr.skip(), gr.skip(), f"⚠️ {exc}"
         return serialised(ablation_figure(rows)), ablation_table(rows), ""
 
+    @audience
     def last_ablation():
         rows = pg.last_ablation()
         return serialised(ablation_figure(rows) if rows else placeholder_figure(NO_ABLATION)), ablation_table(rows)
@@ -320,22 +342,31 @@ def build_step_tab(pg: Playground, serialised: SerialisedFigures) -> None:
             blocks = chart("KV block table after the step",
                            "Press Pause, then Step: the block table after each step shows here")
 
-    pause.click(lambda: (pg.pause(), serialised(pg.dashboard().blocks)), None, [text, blocks])
-    resume.click(pg.resume, None, text)
-    step.click(lambda: (pg.step(), serialised(pg.dashboard().blocks)), None, [text, blocks])
+    def pause_engine():
+        return pg.pause(), serialised(pg.dashboard().blocks)
+
+    def step_engine():
+        return pg.step(), serialised(pg.dashboard().blocks)
+    pause.click(pause_engine, None, [text, blocks], api_name="pause")
+    resume.click(pg.resume, None, text, api_name="resume")
+    step.click(step_engine, None, [text, blocks], api_name="step")
 
 
-def build_app(pg: Playground) -> gr.Blocks:
+def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
     """Each tab is one builder, `build_x_tab(pg, serialised)`, that puts every component it makes (states too)
     inside its own gr.Tab: one placed among the tabs themselves shifts their labels. A timer inside a tab ticks
-    only once that tab has been opened, so the page's clock (status line and dashboard) lives out here."""
+    only once that tab has been opened, so the page's clock (status line and dashboard) lives out here.
+    `access`: who may change the engine (default: everyone, a desk); every event not marked `audience` is the
+    presenter's, checked on the server (access.guard, last)."""
+    access = access or Access()
     serialised = SerialisedFigures()  # every figure turned into JSON once, for every tab
     with gr.Blocks(title="watch-llm playground") as demo:
         gr.Markdown(INTRO)
+        role = build_presenter_box(access)
         status = gr.Markdown(pg.status())
         clock = gr.Timer(1.0)
         with gr.Tabs() as tabs:
-            build_chat_tab(pg, serialised)
+            build_chat_tab(pg, serialised, access)
             plots = build_dashboard_tab(pg, serialised)
             build_settings_tab(pg, serialised)
             build_ablation_tab(pg, serialised)
@@ -345,19 +376,69 @@ def build_app(pg: Playground) -> gr.Blocks:
             build_remote_tab(pg, serialised)
         tabs.select(None, None, None, js=RESIZE_CHARTS)
 
+        @audience
         def refresh():
             f = pg.dashboard()
             return pg.status(), *map(serialised.payload, (f.blocks, f.queues, f.prefix, f.throughput, f.memory))
         clock.tick(refresh, None, [status, *plots], concurrency_limit=4, show_progress="hidden", api_name="dashboard",
                    postprocess=False)
+        wire_roles(demo, access, role)
+    access.guard(demo, gr.Error)  # last: every event registered above, gated unless marked audience
     return demo
 
 
-def launch(pg: Playground, model_name: str, **launch_kwargs) -> gr.Blocks:
+def build_presenter_box(access: Access) -> dict:
+    """The visitor's role line and, in token mode, where the presenter enters the token."""
+    parts = {"banner": gr.Markdown(visible=access.mode != OPEN, elem_id="role-banner")}
+    if access.mode == TOKEN:
+        with gr.Accordion("Presenter", open=False, elem_id="presenter-box"):
+            with gr.Row():
+                parts["token"] = gr.Textbox(type="password", label="presenter token", scale=4,
+                                            placeholder="the secret the app was started with",
+                                            elem_id="presenter-token")
+                parts["unlock"] = gr.Button("Unlock", variant="primary", scale=1, min_width=80)
+            parts["unlock_note"] = gr.Markdown()
+    return parts
+
+
+def wire_roles(demo: gr.Blocks, access: Access, role: dict) -> None:
+    """On page load (and after an unlock): the visitor's role, and the presenter's buttons locked for the
+    audience. Locking is what the page shows; the server's gate (access.guard) is what protects."""
+    if access.mode == OPEN:
+        return
+    controls = presenter_controls(demo)
+
+    def view(note: str = ""):
+        visitor = access.visitor()
+        return (access.banner(visitor), *(gr.update(interactive=visitor.presenter) for _ in controls)) \
+            + ((note,) if "unlock_note" in role else ())
+
+    outputs = [role["banner"], *controls, *([role["unlock_note"]] if "unlock_note" in role else [])]
+    demo.load(audience(lambda: view()), None, outputs, api_visibility="private")
+    demo.unload(audience(lambda: access.forget()))
+    if "unlock" in role:
+        def unlock(token: str):
+            return view(access.unlock(token))
+        # one unlock at a time, a wrong token answering a second late: guessing the token is slow
+        unlock_click = role["unlock"].click(audience(unlock), role["token"], outputs, concurrency_limit=1,
+                                            concurrency_id="unlock", api_name="unlock")
+        unlock_enter = role["token"].submit(audience(unlock), role["token"], outputs, concurrency_limit=1,
+                                            concurrency_id="unlock", api_visibility="private")
+        for ev in (unlock_click, unlock_enter):
+            ev.then(audience(lambda: ""), None, role["token"])
+
+
+def launch(pg: Playground, model_name: str, access: Access | None = None, api_key: str | None = None,
+           **launch_kwargs) -> gr.Blocks:
     """The page and the OpenAI-compatible API on one server: the API's routes go into gradio's own FastAPI app,
-    ahead of gradio's, so `share`, the queue and everything else of gradio's launch() keep working."""
-    demo = build_app(pg)
-    api = OpenAIApi(lambda: pg.service, pg.llm.tokenizer, model_name)  # the live service, even after a restart
+    ahead of gradio's, so `share`, the queue and everything else of gradio's launch() keep working.
+    `access`: who may change the engine (default: decided from where it listens, as main() does).
+    `api_key`: required as `Authorization: Bearer` on /v1/* (None: the API is open)."""
+    if access is None:
+        access = Access.for_launch(launch_kwargs.get("server_name"), bool(launch_kwargs.get("share")))
+    demo = build_app(pg, access)
+    # the live service, even after a restart
+    api = OpenAIApi(lambda: pg.service, pg.llm.tokenizer, model_name, api_key=api_key)
     pg.stat_listeners.append(api.metrics.record)
     calm_queue(demo.queue(default_concurrency_limit=8))
     demo.launch(app_kwargs={"routes": api.routes()}, **launch_kwargs)
@@ -391,6 +472,14 @@ def main() -> None:
                              "(the API answers 429)")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                         help="any EngineConfig field, e.g. --set max_num_seqs=8 (repeatable, or comma-separated)")
+    parser.add_argument("--presenter-token", default=None, metavar="SECRET",
+                        help=f"who enters it on the page steers the engine; everyone else chats and watches "
+                             f"(default: ${TOKEN_ENV}; README: Running a workshop)")
+    parser.add_argument("--public", action="store_true",
+                        help="public mode even on 127.0.0.1: nobody may change the shared engine (without a token; "
+                             "the default off loopback, with --share and on Spaces)")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY, as vLLM)")
     parser.add_argument("--attach", default=None, metavar="URL",
                         help="watch another server (OpenAI API + vLLM's /metrics, e.g. vllm serve) instead of this "
                              "engine: the dashboard's charts and the chat (README: Watch a vLLM deployment)")
@@ -399,13 +488,21 @@ def main() -> None:
         fields = {**(load_feature_preset(args.preset) if args.preset else {}), **parse_assignments(args.settings)}
     except ValueError as exc:
         parser.error(str(exc))
+    server_name = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
+    access = Access.for_launch(server_name, args.share or args.public, args.presenter_token)
+    print(f"Access: {ROLE_LINES[access.mode]}", flush=True)
     pg = Playground(LLM(args.model, **{"device": args.device, **fields}),
                     max_waiting_requests=args.max_waiting_requests)
     if args.attach:  # a wrong address is said on the page and here; the page still starts
         print(pg.attach(args.attach), flush=True)
-    launch(pg, args.served_model_name or served_model_name(args.model),
-           server_name=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+    launch(pg, args.served_model_name or served_model_name(args.model), access=access,
+           api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None, server_name=server_name,
            server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share)
+
+
+ROLE_LINES = {OPEN: "everyone at this page may change the engine (it listens on this machine only)",
+              TOKEN: "presenter mode: whoever enters the presenter token steers; everyone else chats and watches",
+              PUBLIC: "public mode: nobody may change the shared engine (give --presenter-token to steer it)"}
 
 
 if __name__ == "__main__":

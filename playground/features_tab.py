@@ -9,6 +9,7 @@ from gradio.components.plot import PlotData
 
 from engine.bench import FEATURES, QUALITY_SPECS, Cancelled
 
+from .access import audience
 from .features import CONCURRENCY_LEVELS, DEFAULT_WORKLOADS, EXPERIMENTS, NAMES, FeatureExperiments
 from .handlers import Playground, workloads
 
@@ -83,15 +84,17 @@ def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotD
             go.click(_runner(experiments, serialised, kind), inputs[kind], list(outputs[kind]), show_progress_on=plot)
             cancel.click(pg.cancel_measurement, None, status)
 
+    @audience
     def show(kind: str, choice: str | None = None) -> tuple:
         view = experiments.view(kind, _level(choice))
         return serialised(view.figure), view.table, view.source
 
     # another session (or a restart) may have measured since this page was built: read the store again
+    @audience
     def refresh(choice: str) -> tuple:
         return (experiments.shipped()[1], *(o for kind in EXPERIMENTS for o in show(kind, choice)))
     tab.select(refresh, [level], [shipped_note, *(o for kind in EXPERIMENTS for o in outputs[kind][:3])])
-    level.change(lambda choice: show("concurrency", choice)[0], level, outputs["concurrency"][0])
+    level.change(audience(lambda choice: show("concurrency", choice)[0]), level, outputs["concurrency"][0])
     return tab
 
 

@@ -24,8 +24,10 @@ from engine.workloads import list_workloads, load_workload
 from viz.dashboard import ChatView, DashboardFigures, FigureCache
 
 from . import conversation
+from .access import Seats
 from .conversation import QUEUED, WARNING
 from .remote import NOT_REMOTE, RemoteServer
+from .room import Room, describe_changes, plain
 from .stepmode import describe_step, plural
 from .traffic import TrafficGenerator, TrafficStatus
 
@@ -104,6 +106,8 @@ class Playground:
         self.rebuilding: str | None = None  # what a restart or a rebuild is doing now, for every tab's status line
         self._engine_up = threading.Event()  # cleared while the engine is replaced: a chat sent meanwhile waits
         self._engine_up.set()
+        self.room = Room()  # who changed what, for every visitor's status line
+        self.seats = Seats()  # the audience's fair shares of the engine (public and token modes)
 
     # ---- another server ------------------------------------------------------------------------------------
     def attach(self, url: str) -> str:
@@ -113,20 +117,22 @@ class Playground:
             remote = RemoteServer(url)
             remote.connect()
         except ValueError as exc:
-            self.attach_error = f"could not attach to {url!r}: {exc}"
+            self.attach_error = f"could not attach to {plain(url, 80)}: {plain(exc)}"
             return f"{WARNING} {self.attach_error}"
         self.detach()
         remote.start()
         self.remote, self.attach_error = remote, ""
-        return (f"Attached to {remote.url}" + (f" (model {remote.model})" if remote.model else "") + ": the "
-                "dashboard's queue, KV, prefix and throughput charts and the chat now show that server.")
+        self.room.note(f"attached the page to {remote.url}")
+        return (f"Attached to {plain(remote.url)}" + (f" (model {plain(remote.model)})" if remote.model else "")
+                + ": the dashboard's queue, KV, prefix and throughput charts and the chat now show that server.")
 
     def detach(self) -> str:
-        remote, self.remote = self.remote, None
+        remote, self.remote, self.attach_error = self.remote, None, ""
         if remote is None:
             return "Not attached: the page shows the engine in this process."
         remote.stop()
-        return f"Detached from {remote.url}: the page shows the engine in this process again."
+        self.room.note(f"detached the page from {remote.url}")
+        return f"Detached from {plain(remote.url)}: the page shows the engine in this process again."
 
     def local_only(self, what: str) -> str | None:
         """Why `what` cannot run now (it needs this process's engine and a remote server is attached), or None."""
@@ -135,19 +141,34 @@ class Playground:
         return f"{WARNING} {what}: {NOT_REMOTE} ({self.remote.url}); detach on the Remote server tab first."
 
     # ---- chat --------------------------------------------------------------------------------------------
-    def chat(self, message: str, history: list[dict], temperature: float = 0.7,
-             max_tokens: int = 256, session: ChatSession | None = None) -> Iterator[tuple[list[dict], str]]:
+    def chat(self, message: str, history: list[dict], temperature: float = 0.7, max_tokens: int = 256,
+             session: ChatSession | None = None, audience: str | None = None) -> Iterator[tuple[list[dict], str]]:
         """Stream the assistant's reply into the history; the second value is the reply's stats line.
         The model sees the conversation without the playground's notes (warnings, "queued"), and without its
         oldest turns when it no longer fits max_model_len (the stats line says so).
         `session`: the tab's ChatSession; its request_id becomes the engine's id for this reply as soon as the
-        request is submitted (the tab's live view highlights that request)."""
+        request is submitted (the tab's live view highlights that request).
+        `audience`: the visitor's key when they are audience on a shared page: their share of the engine is
+        bounded (self.seats: replies in flight, max_tokens)."""
+        seated = False
         try:
+            if audience is not None and message and message.strip():
+                if int(max_tokens) > self.seats.max_tokens:
+                    max_tokens = self.seats.max_tokens
+                try:
+                    self.seats.take(audience)
+                    seated = True
+                except ValueError as exc:
+                    yield list(history or []) + [{"role": "user", "content": message},
+                                                 {"role": "assistant", "content": f"{WARNING} {exc}"}], ""
+                    return
             if (remote := self.remote) is not None:
                 yield from remote.chat(message, history, temperature, max_tokens)
             else:
                 yield from self._chat(message, history, temperature, max_tokens, session)
         finally:
+            if seated:
+                self.seats.give_back(audience)
             if session is not None:
                 session.handled += 1
 
@@ -221,6 +242,9 @@ class Playground:
         streaming = rid is not None and service.is_streaming(rid)
         view = self.figures.chat_view(service.snapshot(), service.history, rid, streaming, service.config_changes)
         polling = streaming or view.in_snapshot or bool(session and session.expecting())
+        if rid is not None and rid in (waiting := service.snapshot().waiting):
+            view = replace(view, summary=f"⏳ your request waits for a seat: place {waiting.index(rid) + 1} of "
+                                         f"{len(waiting)} in the queue\n\n{view.summary}")
         if session is not None and session.refused:
             view = replace(view, summary=f"{WARNING} your last message was refused, nothing of it reached the "
                                          f"engine: {session.refused}\n\n{view.summary}")
@@ -244,7 +268,12 @@ class Playground:
                 f"KV {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks · "
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "
                 f"generated {plural(snap.generation_tokens_total, 'token')}{users}"
-                + (f" · {WARNING} {self.attach_error}" if self.attach_error else ""))
+                + (f" · {WARNING} {self.attach_error}" if self.attach_error else "") + self.room_line())
+
+    def room_line(self) -> str:
+        """The latest change to the shared engine, for every visitor's status line ("" when none lately)."""
+        notice = self.room.latest()
+        return f"  \n**Latest change:** {plain(notice.describe())}" if notice else ""
 
     def queued_note(self) -> str:
         """Why a request just sent will wait before its first token ("" when it will not)."""
@@ -327,9 +356,11 @@ class Playground:
         except RuntimeError:  # the thread died meanwhile
             return self.restart(changes)
         if record is None:
+            self.room.note(describe_changes(changes) + " (at the next step)")
             return f"Applied at the next step boundary (requests are in flight): {_fields(changes)}."
         if record.get("error"):
             return f"⚠️ Not applied, the engine keeps its previous configuration: {record['error']}"
+        self.room.note(describe_changes(changes))
         moved = record["requests_re_prefilled"]
         return f"Applied: {_fields(changes)}." + (f" Re-prefilled: {', '.join(moved)}." if moved else "")
 
@@ -370,6 +401,7 @@ class Playground:
             self._engine_up.set()
             self._exclusive.release()
         now_running = self.service.snapshot().precision
+        self.room.note(f"rebuilt the engine for {now_running}")
         if not built:
             return f"⚠️ {new.precision} could not run here; the engine runs {now_running}. {message}"
         return (f"Rebuilt the engine for {now_running}: weights loaded in {loaded:.1f} s, engine built and warmed "
@@ -383,7 +415,9 @@ class Playground:
             return note
         if self.rebuilding:
             return f"⚠️ Not restarted: {self._busy()}; it brings a new engine anyway."
-        return self._restart(changes)[0]
+        message = self._restart(changes)[0]
+        self.room.note("restarted the engine" + (f" with {describe_changes(changes)}" if changes else ""))
+        return message
 
     def _restart(self, changes: dict | None = None, progress: ProgressFn | None = None,
                  reason: str = "the engine was restarted: this request was ended; send it again",
@@ -449,11 +483,13 @@ class Playground:
             self.traffic.start(workload.name, workload.requests, int(num_users), float(duration_s or 0))
         except ValueError as exc:
             return f"⚠️ {exc}"
+        self.room.note(f"started {plural(int(num_users), 'simulated user')} ({workload.name})")
         return ""
 
     def stop_traffic(self) -> str:
         if not self.traffic.stop():
             return "No traffic is running."
+        self.room.note("stopped the simulated users")
         status = self.traffic.wait(timeout=10)
         return status.describe() if status else ""
 
@@ -496,6 +532,7 @@ class Playground:
         if (measuring := self.measurement) is None:
             return "No measurement is running."
         measuring.cancel.set()
+        self.room.note(f"cancelled the {measuring.name}")
         return f"Cancelling the {measuring.name}: the live engine resumes within a step."
 
     @contextlib.contextmanager
@@ -509,6 +546,7 @@ class Playground:
         try:
             service, was_paused = self.service, self.service.paused
             self.measurement = Measurement(name, total, progress)
+            self.room.note(f"started a{'n' if name[0] in 'aeiou' else ''} {name} (the live engine pauses meanwhile)")
             service.pause()
             try:
                 yield self.measurement
@@ -524,12 +562,14 @@ class Playground:
         if note := self.local_only("Step mode"):
             return note
         self.service.pause()
+        self.room.note("paused the engine (step mode)")
         return "Paused: the engine waits. Press Step to run exactly one step."
 
     def resume(self) -> str:
         if note := self.local_only("Step mode"):
             return note
         self.service.resume()
+        self.room.note("resumed the engine")
         return "Running."
 
     def step(self) -> str:

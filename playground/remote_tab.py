@@ -7,7 +7,9 @@ from collections.abc import Callable
 import gradio as gr
 from gradio.components.plot import PlotData
 
+from .access import audience
 from .handlers import Playground
+from .room import plain
 
 INTRO = """Point the Dashboard's queue, KV-cache, prefix-cache and throughput charts, and the Chat, at **another
 server** that speaks the OpenAI API and publishes vLLM's Prometheus metrics: a vLLM deployment on many GPUs
@@ -18,9 +20,9 @@ is not available. Detach to watch the local engine again."""
 
 def attached_note(pg: Playground) -> str:
     if pg.remote is not None:
-        return f"Attached to **{pg.remote.url}**." + (f" ⚠️ {pg.remote.error}" if pg.remote.error else "")
+        return f"Attached to **{plain(pg.remote.url)}**." + (f" ⚠️ {plain(pg.remote.error)}" if pg.remote.error else "")
     note = "Not attached: the page shows the engine in this process."
-    return note + (f"\n\n⚠️ {pg.attach_error}" if pg.attach_error else "")
+    return note + (f"\n\n⚠️ {pg.attach_error}" if pg.attach_error else "")  # escaped when recorded
 
 
 def build_remote_tab(pg: Playground, serialised: Callable[[dict | None], PlotData | None]) -> None:
@@ -33,8 +35,10 @@ def build_remote_tab(pg: Playground, serialised: Callable[[dict | None], PlotDat
             detach = gr.Button("Detach", scale=1, min_width=80)
         note = gr.Markdown()
 
-    attach.click(lambda u: pg.attach(u), url, note, api_name="attach")
-    url.submit(lambda u: pg.attach(u), url, note, api_visibility="private")
+    def attach_to(address: str) -> str:
+        return pg.attach(address)
+    attach.click(attach_to, url, note, api_name="attach")
+    url.submit(attach_to, url, note, api_visibility="private")
     detach.click(pg.detach, None, note, api_name="detach")
-    gr.on(None, lambda: (pg.remote.url if pg.remote else "", attached_note(pg)), None, [url, note],
+    gr.on(None, audience(lambda: (pg.remote.url if pg.remote else "", attached_note(pg))), None, [url, note],
           api_visibility="private")  # on page load

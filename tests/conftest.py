@@ -70,20 +70,23 @@ def hf_default(default_llm):
 
 
 @contextlib.contextmanager
-def serve_app(llm, store=None, model_name: str = "test-model"):
+def serve_app(llm, store=None, model_name: str = "test-model", access=None, api_key: str | None = None,
+              with_demo: bool = False):
     """The playground app (page, OpenAI API and metrics on one port) launched on a free local port as main()
     launches it; yields (url, Playground). `store`: where its ablation results go (a test passes a temporary file
-    so the user's own results stay untouched). `model_name`: the name the API answers to."""
+    so the user's own results stay untouched). `model_name`: the name the API answers to. `access`: who may
+    change the engine (default: everyone, as on 127.0.0.1). `api_key`: required on /v1/* when given.
+    `with_demo`: yield (url, Playground, the gradio Blocks) instead."""
     pytest.importorskip("gradio")
     import app
     from playground import Playground
     from playground.loadtest import free_port
     pg = Playground(llm, store=store)
     port = free_port()
-    demo = app.launch(pg, model_name, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True,
-                      quiet=True)
+    demo = app.launch(pg, model_name, access=access, api_key=api_key, server_name="127.0.0.1", server_port=port,
+                      prevent_thread_lock=True, quiet=True)
     try:
-        yield f"http://127.0.0.1:{port}/", pg
+        yield (f"http://127.0.0.1:{port}/", pg, demo) if with_demo else (f"http://127.0.0.1:{port}/", pg)
     finally:
         demo.close()
         pg.service.shutdown()

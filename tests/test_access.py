@@ -1,0 +1,231 @@
+"""Who may change the shared engine: the presenter gate, public mode, and what the room is told.
+
+The gate is tested the way an attacker would go at it: every event function of the built page is called without
+the presenter's secret (named ones through gradio_client, every one through its server function), and the engine
+must be as it was."""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from engine import LLM
+from playground import access as access_mod
+from playground.access import OPEN, PUBLIC, TOKEN, Access, Seats, decide_mode, presenter_functions
+from playground.room import Room, describe_changes, plain
+from tests.conftest import serve_app
+
+SECRET = "correct horse battery staple"
+
+
+@pytest.mark.parametrize("host, share, token, spaces, mode", [
+    ("127.0.0.1", False, None, False, OPEN),
+    ("localhost", False, None, False, OPEN),
+    ("::1", False, None, False, OPEN),
+    ("0.0.0.0", False, None, False, PUBLIC),
+    ("192.168.1.5", False, None, False, PUBLIC),
+    ("127.0.0.1", True, None, False, PUBLIC),  # --share: a public link
+    ("127.0.0.1", False, None, True, PUBLIC),  # on Spaces
+    ("0.0.0.0", True, SECRET, True, TOKEN),
+    ("127.0.0.1", False, SECRET, False, TOKEN),
+])
+def test_the_mode_follows_where_the_page_listens(host, share, token, spaces, mode):
+    assert decide_mode(host, share, token, spaces) == mode
+
+
+def fake_request(session="tab-1", headers=None):
+    return types.SimpleNamespace(session_hash=session, headers=headers or {})
+
+
+def test_only_the_right_token_makes_a_presenter(monkeypatch):
+    monkeypatch.setattr(access_mod, "FAILED_UNLOCK_DELAY_S", 0.0)
+    gate = Access(TOKEN, SECRET)
+    assert not gate.visitor(fake_request()).presenter
+    assert "not the presenter token" in gate.unlock("guess", fake_request())
+    assert not gate.visitor(fake_request()).presenter
+    assert gate.unlock(SECRET, fake_request("tab-1")).startswith("Unlocked")
+    assert gate.visitor(fake_request("tab-1")).presenter
+    assert not gate.visitor(fake_request("tab-2")).presenter  # another tab is not unlocked by this one
+    assert gate.visitor(fake_request("tab-2", {"x-presenter-token": SECRET})).presenter  # a script's header
+    assert not gate.visitor(fake_request("tab-2", {"x-presenter-token": SECRET[:-1]})).presenter
+    gate.forget(fake_request("tab-1"))
+    assert not gate.visitor(fake_request("tab-1")).presenter
+
+
+def test_public_mode_has_no_presenter_and_open_mode_only_presenters():
+    public = Access(PUBLIC)
+    assert not public.visitor(fake_request(headers={"x-presenter-token": ""})).presenter
+    assert "Public mode" in public.unlock(SECRET, fake_request())
+    assert not public.visitor(fake_request()).presenter
+    assert Access(OPEN).visitor(fake_request()).presenter and Access(OPEN).visitor(None).presenter
+    with pytest.raises(ValueError, match="token mode needs"):
+        Access(TOKEN, "")
+
+
+def test_a_gated_function_refuses_before_it_runs(monkeypatch):
+    gate, ran = Access(PUBLIC), []
+
+    def change():
+        ran.append(1)
+        return "changed"
+
+    def stream():
+        ran.append(1)
+        yield "changed"
+    monkeypatch.setattr(access_mod, "current_request", lambda: fake_request())
+    with pytest.raises(RuntimeError, match="Only the presenter may"):
+        gate.gated(change, "change", RuntimeError)()
+    with pytest.raises(RuntimeError, match="Only the presenter may"):
+        list(gate.gated(stream, "stream", RuntimeError)())
+    assert not ran and gate.refusals == 2
+    assert Access(OPEN).gated(change, "change", RuntimeError)() == "changed"
+
+
+def test_visitors_text_shows_as_text_not_markdown():
+    hostile = "# THE WORKSHOP IS CANCELLED [click here](http://example.com) ![x](http://e/x.png) <b>hi</b>\n## two"
+    shown = plain(hostile)
+    assert "\n" not in shown and len(plain("x" * 1000)) <= 200
+    for mark in ("#", "[", "]", "(", ")", "<", ">", "!"):
+        assert all(shown[i - 1] == "\\" for i, c in enumerate(shown) if c == mark)
+    from markdown_it import MarkdownIt
+    html = MarkdownIt().render(shown)
+    assert "<h1" not in html and "<a " not in html and "<img" not in html and "<b>" not in html
+
+
+def test_the_room_says_who_changed_what():
+    room = Room()
+    assert room.latest() is None
+    room.note(describe_changes({"prefix_caching": False, "max_num_seqs": 8, "num_kv_blocks": None}))
+    assert room.latest().describe().startswith(
+        "presenter turned prefix_caching off, set max_num_seqs to 8, set num_kv_blocks to automatic")
+
+
+def test_seats_bound_each_visitor():
+    seats = Seats(per_visitor=2, max_tokens=64)
+    seats.take("a")
+    seats.take("a")
+    with pytest.raises(ValueError, match="at most 2 at a time"):
+        seats.take("a")
+    seats.take("b")  # another visitor has their own share
+    seats.give_back("a")
+    seats.take("a")
+    for _ in range(3):
+        seats.give_back("a")
+    assert seats.in_flight("a") == 0
+
+
+# ---- the page, served, as an anonymous visitor and as the presenter ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def public(tiny_models, tmp_path_factory):
+    with serve_app(LLM(tiny_models["llama"][0], max_model_len=512), access=Access(TOKEN, SECRET),
+                   store=tmp_path_factory.mktemp("store") / "ablation.json", with_demo=True) as served:
+        yield served
+
+
+def engine_state(pg) -> dict:
+    return {"config": pg.service.config_view().requested, "paused": pg.service.paused, "remote": pg.remote,
+            "traffic": pg.traffic.running, "measurement": pg.measurement, "service": pg.service,
+            "precision": pg.service.snapshot().precision}
+
+
+def named_endpoints(url: str) -> dict:
+    import httpx
+    info = httpx.get(url + "gradio_api/info", timeout=30).json()
+    return {**info["named_endpoints"], **info.get("unnamed_endpoints", {})}
+
+
+def test_no_shared_state_endpoint_answers_an_anonymous_visitor(public):
+    """Every named endpoint the page has (enumerated from the app, so a new one cannot slip past) is either one the
+    audience may call or refused without the token, and nothing shared changes."""
+    from gradio_client import Client
+    url, pg, demo = public
+    demo_fns = list(demo.fns.values())
+    gated = {f.api_name for f in demo_fns if getattr(f.fn, "presenter_only", False)}
+    allowed = {f.api_name for f in demo_fns if getattr(f.fn, "audience", False)}
+    assert not presenter_functions(demo)  # every function is marked one way or the other
+    assert {"apply_settings", "restart", "do_reset", "traffic", "stop_traffic", "do_ablate", "compare", "attach",
+            "detach", "cancel_measurement"} <= gated
+    assert {"chat", "dashboard", "settings", "chat_view", "unlock"} <= allowed
+    before = engine_state(pg)
+    client = Client(url, verbose=False)
+    endpoints = named_endpoints(url)
+    tried = 0
+    for name, spec in endpoints.items():
+        if name.lstrip("/") not in gated:
+            continue
+        args = [p.get("parameter_default") if p.get("parameter_has_default") else None for p in spec["parameters"]]
+        with pytest.raises(Exception, match="Only the presenter may"):
+            client.predict(*args, api_name=name)
+        tried += 1
+    assert tried >= 10
+    # the events the client cannot name (private, or unnamed) are refused by their server function too
+    for block_fn in demo_fns:
+        if getattr(block_fn.fn, "presenter_only", False):
+            with pytest.raises(Exception, match="Only the presenter may"):
+                result = block_fn.fn(*([None] * len(block_fn.inputs)))
+                if hasattr(result, "__next__"):
+                    next(result)
+    assert engine_state(pg) == before
+    assert pg.room.latest() is None  # nothing happened to tell the room
+
+
+def settings_args(demo, pg, **changes) -> list:
+    """What the settings form sends to apply_settings: each field as the engine has it, `changes` applied."""
+    from playground.handlers import form_value
+    block_fn = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
+    fields = [c.elem_id.removeprefix("setting-") for c in block_fn.inputs[1:]]  # the first is the form's state
+    now = {**pg.settings(), **changes}
+    return [form_value(f, now[f]) for f in fields]
+
+
+def test_the_presenter_changes_the_engine_and_the_room_sees_who(public):
+    from gradio_client import Client
+    url, pg, demo = public
+    presenter = Client(url, verbose=False, headers={"X-Presenter-Token": SECRET})
+    audience = Client(url, verbose=False)
+    out = presenter.predict(*settings_args(demo, pg, prefix_caching=False), api_name="/apply_settings")
+    assert out.startswith("Applied") and pg.settings()["prefix_caching"] is False
+    status = audience.predict(api_name="/dashboard")[0]
+    assert "presenter turned prefix\\_caching off" in status  # escaped as text in the status line's Markdown
+    assert presenter.predict(*settings_args(demo, pg, prefix_caching=True),
+                             api_name="/apply_settings").startswith("Applied")
+    # the unlock through the page: a wrong token is refused, the right one makes this session the presenter
+    assert "not the presenter token" in json.dumps(audience.predict("nope", api_name="/unlock"))
+    with pytest.raises(Exception, match="Only the presenter may"):
+        audience.predict(api_name="/pause")
+    assert "Unlocked" in json.dumps(audience.predict(SECRET, api_name="/unlock"))
+    assert "Paused" in audience.predict(api_name="/pause")[0]
+    assert pg.service.paused
+    assert "presenter paused the engine" in audience.predict(api_name="/dashboard")[0]
+    assert "Running" in audience.predict(api_name="/resume")
+    assert not pg.service.paused
+    # another visitor is still audience
+    with pytest.raises(Exception, match="Only the presenter may"):
+        Client(url, verbose=False).predict(api_name="/pause")
+
+
+def test_an_audience_chat_is_capped_and_answered(public, monkeypatch):
+    from gradio_client import Client
+    url, pg, _ = public
+    with pytest.raises(Exception, match="greater than maximum value 256"):  # the page's slider, checked by gradio
+        Client(url, verbose=False).predict("Hello", [], 0.0, 10_000, api_name="/chat")
+    history, stats = Client(url, verbose=False).predict("Hello", [], 0.0, 256, api_name="/chat")
+    assert history[-1]["role"] == "assistant" and "finished" in stats
+    assert not pg.seats._in_flight  # the seat was given back
+    # past the page, the handler caps it too, and a visitor past their share is told so in the chat
+    asked = []
+    submit = pg.service.submit
+    monkeypatch.setattr(pg.service, "submit", lambda prompt, params, *a: (asked.append(params.max_tokens),
+                                                                          submit(prompt, params, *a))[1])
+    monkeypatch.setattr(pg.seats, "max_tokens", 6)
+    list(pg.chat("Hello", [], 0.0, 500, audience="visitor-1"))
+    assert asked == [6]
+    pg.seats.take("visitor-1")
+    pg.seats.take("visitor-1")
+    history, _ = list(pg.chat("Hello", [], 0.0, 5, audience="visitor-1"))[-1]
+    assert "at most 2 at a time" in history[-1]["content"] and asked == [6]
+    assert list(pg.chat("Hello", [], 0.0, 5, audience="visitor-2"))[-1][1]  # another visitor is served
+    pg.seats.give_back("visitor-1")
+    pg.seats.give_back("visitor-1")
