@@ -23,7 +23,8 @@ from engine.request import RequestOutput
 from engine.sampler import SamplingParams
 from engine.service import EngineService, ServiceBusy
 
-from . import protocol
+from . import limits, protocol
+from .limits import ApiLimits
 from .metrics import EngineMetrics
 from .protocol import ApiError, Deltas, GenerationRequest, TokenText, sse
 
@@ -47,9 +48,15 @@ class ClientGone(Exception):
 
 
 class OpenAIApi:
-    def __init__(self, service: Callable[[], EngineService], tokenizer, model_name: str) -> None:
-        """`service`: the live engine service (a callable: the playground may restart the engine)."""
+    def __init__(self, service: Callable[[], EngineService], tokenizer, model_name: str, api_key: str | None = None,
+                 api_limits: ApiLimits | None = None) -> None:
+        """`service`: the live engine service (a callable: the playground may restart the engine). `api_key`:
+        required as `Authorization: Bearer` on /v1/* (None: open, as vLLM without --api-key); /metrics and
+        /health stay open. `api_limits`: what a request may be (body size, stop list)."""
         self.service = service
+        self.api_key = api_key or None
+        self.limits = api_limits or ApiLimits()
+        self.longest_token = limits.longest_token_chars(tokenizer)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.token_text = TokenText(tokenizer)
@@ -65,7 +72,29 @@ class OpenAIApi:
                 Route("/v1/{path:path}", self.not_found, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
 
     # ---- small endpoints -------------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is not None and not limits.bearer_ok(request.headers.get("authorization"), self.api_key):
+            raise limits.unauthorized()
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) as soon as it passes the cap: never read whole first."""
+        cap = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise limits.too_large(cap)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise limits.too_large(cap)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except ApiError as exc:
+            return error_response(exc)
         max_len = self.service().snapshot().config["max_model_len"]
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "watch-llm",
@@ -77,12 +106,20 @@ class OpenAIApi:
 
     async def health(self, request: Request) -> Response:
         service = self.service()
+        if service.alive and service.paused:  # step mode: requests are taken but wait for someone to press Step
+            return error_response(ApiError(503, "the engine is paused (step mode, or a measurement is running): "
+                                                "requests wait until it resumes", "service_unavailable",
+                                           code="engine_paused"))
         if service.alive:
             return Response(status_code=200)
         return error_response(ApiError(503, f"the engine thread has stopped: {service.error or 'shut down'}",
                                        "service_unavailable", code="engine_stopped"))
 
     async def not_found(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except ApiError as exc:
+            return error_response(exc)
         return error_response(ApiError(404, f"no such endpoint: {request.method} {request.url.path} (this server "
                                              f"has GET /v1/models, POST /v1/completions, POST /v1/chat/completions)",
                                         "invalid_request_error", code="unknown_url"))
@@ -96,8 +133,14 @@ class OpenAIApi:
 
     async def _generate(self, request: Request, parse) -> Response:
         try:
-            req = parse(protocol.parse_json(await request.body()), self.model_name)
+            self._authorize(request)
+            limits.check_content_type(request.headers.get("content-type"))
+            body = protocol.parse_json(await self._read_body(request))
+            limits.check_encodable(body)
+            limits.check_stop(body.get("stop"), self.limits)
+            req = parse(body, self.model_name)
             service, sink = self.service(), LoopSink()
+            self._check_size(req, service.snapshot().config["max_model_len"])
             rid, params = await run_in_threadpool(self._submit, service, req, sink)
         except ApiError as exc:
             return error_response(exc)
@@ -115,9 +158,24 @@ class OpenAIApi:
             return error_response(engine_stopped(out.error))
         return JSONResponse(self._response(req, out))
 
+    def _check_size(self, req: GenerationRequest, max_model_len: int) -> None:
+        """A prompt that cannot fit the context, refused by its length alone (no tokenizing)."""
+        param = "messages" if req.chat else "prompt"
+        if isinstance(req.prompt, str) or req.chat:
+            limits.check_prompt_size(len(prompt_text(req)), None, max_model_len, self.longest_token, param)
+        else:
+            limits.check_prompt_size(0, len(req.prompt), max_model_len, self.longest_token, param)
+
     def _submit(self, service: EngineService, req: GenerationRequest, sink: LoopSink) -> tuple[str, SamplingParams]:
         """Tokenize (through the chat template for a chat) and submit, on a worker thread: the engine thread gets
         token ids, so tokenizing never holds up its steps, and the default max_tokens needs the prompt's length."""
+        max_len = service.snapshot().config["max_model_len"]
+        if not isinstance(req.prompt, list) or req.chat:
+            tokenize = lambda text: self.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+            if limits.probe_too_long(prompt_text(req), tokenize, max_len, self.limits):
+                raise protocol.bad_request(f"the prompt is longer than this model's context of {max_len} tokens "
+                                           f"(its start alone is)", "messages" if req.chat else "prompt",
+                                           "context_length_exceeded")
         prompt = req.prompt
         if req.chat:
             try:
@@ -126,8 +184,11 @@ class OpenAIApi:
                 raise protocol.bad_request(f"the model's chat template refused these messages: {exc}",
                                            "messages") from exc
         elif isinstance(prompt, str):
-            prompt = self.tokenizer(prompt).input_ids  # as LLMEngine.add_request tokenizes text
-        params = req.sampling_params(len(prompt), service.snapshot().config["max_model_len"])
+            try:
+                prompt = self.tokenizer(prompt).input_ids  # as LLMEngine.add_request tokenizes text
+            except Exception as exc:  # the tokenizer's own refusal of this text is the request's fault
+                raise protocol.bad_request(f"the tokenizer refused the prompt: {exc}", "prompt") from exc
+        params = req.sampling_params(len(prompt), max_len)
         try:
             rid, _ = service.submit(prompt, params, sink)
         except ServiceBusy as exc:
@@ -216,6 +277,13 @@ class OpenAIApi:
         else:
             choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
         return {**self._envelope(req, chunk=False), "choices": [choice], "usage": protocol.usage(out)}
+
+
+def prompt_text(req: GenerationRequest) -> str:
+    """The text of a prompt as sent (a chat's message contents joined), for the checks before tokenizing."""
+    if req.chat:
+        return "\n".join(m["content"] for m in req.prompt)
+    return req.prompt if isinstance(req.prompt, str) else ""
 
 
 def error_response(exc: ApiError) -> JSONResponse:

@@ -440,7 +440,7 @@ def test_a_burst_of_mixed_good_bad_and_abandoned_requests(server):
                 else:
                     case = bad[i % len(bad)]
                     content = case if isinstance(case, bytes) else json.dumps(case).encode()
-                    r = http.post(url + CHAT, content=content)
+                    r = http.post(url + CHAT, content=content, headers={"content-type": "application/json"})
                     statuses.append(r.status_code)
                     if r.status_code != 400 or "error" not in r.json():
                         failures.append(f"{i}: {r.status_code} {r.text}")

@@ -1,0 +1,111 @@
+"""What the API refuses before it spends anything on a request: a wrong key, a body too large or not JSON, a prompt
+that cannot fit, an unbounded stop list, text that cannot be encoded.
+
+Each check is cheap and comes before tokenizing: a 10 MB prompt was once tokenized for 28 s on the server before
+being refused as too long, stalling every other stream; 100,000 stop strings were scanned on every token.
+"""
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from .protocol import ApiError, bad_request
+
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    max_body_bytes: int = 4 * MB  # a request body; more is refused (413) before it is read whole
+    max_stop_sequences: int = 32  # OpenAI takes 4; vLLM takes any number
+    max_stop_chars: int = 1000  # one stop string
+    # a text prompt's first (max_model_len + 1) * this many characters are tokenized first: a prompt whose start
+    # already holds more tokens than the context is refused without tokenizing the rest
+    probe_chars_per_token: int = 4
+
+
+def bearer_ok(header: str | None, api_key: str) -> bool:
+    """`Authorization: Bearer KEY`, compared in constant time."""
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[len("Bearer "):].strip().encode("utf-8", "replace"), api_key.encode("utf-8"))
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "Incorrect or missing API key: send it as `Authorization: Bearer KEY` (the server was "
+                         "started with --api-key)", "invalid_request_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def check_content_type(value: str | None) -> None:
+    """JSON only: a browser sends text/plain or a form to any address without asking (no CORS preflight), so a web
+    page could otherwise drive generation on a server listening on a visitor's own machine."""
+    media = (value or "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, got {(value or 'none')[:80]!r}",
+                       "invalid_request_error", code="unsupported_media_type")
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server takes ({limit // MB} MB)",
+                    "invalid_request_error", code="request_too_large")
+
+
+def check_encodable(value, where: str = "body") -> None:
+    """Every string in the body encodable as UTF-8: a lone UTF-16 surrogate ("\\ud800", valid JSON) cannot be
+    tokenized or sent back in a response, and gave a plain-text 500."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise bad_request(f"{path} holds text that is not valid Unicode (a lone surrogate at character "
+                                  f"{exc.start})", path, "invalid_text") from exc
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                stack.append((k, f"{path} key"))
+                stack.append((v, k if path == "body" else f"{path}.{k}"))
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+
+
+def check_stop(stop, limits: ApiLimits) -> None:
+    items = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(items) > limits.max_stop_sequences:
+        raise bad_request(f"stop has {len(items)} sequences; this server takes at most {limits.max_stop_sequences}",
+                          "stop")
+    for i, s in enumerate(items):
+        if isinstance(s, str) and len(s) > limits.max_stop_chars:
+            raise bad_request(f"stop[{i}] is {len(s)} characters long; at most {limits.max_stop_chars}", "stop")
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of this vocabulary can stand for (its byte-level spelling is at least as long
+    as the text it decodes to): a text longer than max_model_len times this cannot fit the context."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(16, max(map(len, vocab)))
+    except Exception:  # a tokenizer without a vocabulary to read: a generous bound
+        return 128
+
+
+def check_prompt_size(text_chars: int, num_ids: int | None, max_model_len: int, longest_token: int,
+                      param: str) -> None:
+    """Refuse, before tokenizing, a prompt that cannot fit the context whatever its tokens turn out to be."""
+    if num_ids is not None and num_ids > max_model_len:
+        raise bad_request(f"the prompt has {num_ids} tokens; this model's context is {max_model_len} tokens",
+                          param, "context_length_exceeded")
+    if text_chars > max_model_len * longest_token:
+        raise bad_request(f"the prompt has {text_chars:,} characters: more than fit in this model's context of "
+                          f"{max_model_len} tokens, whatever its tokens", param, "context_length_exceeded")
+
+
+def probe_too_long(text: str, tokenize, max_model_len: int, limits: ApiLimits) -> bool:
+    """A long text whose first part already tokenizes to more than the context (a token or two of slack for the
+    cut): refused without tokenizing the rest."""
+    probe_chars = (max_model_len + 1) * limits.probe_chars_per_token
+    if len(text) <= probe_chars:
+        return False
+    return len(tokenize(text[:probe_chars])) > max_model_len + 2
