@@ -1,11 +1,16 @@
 """Watching another server: any server with the OpenAI API and vLLM's /metrics (a vLLM deployment, or another
 instance of this app) instead of the engine in this process.
 
-A thread scrapes URL/metrics every second and parses it with prometheus_client's own parser; counters stay
+A thread scrapes URL/metrics every second (backing off while it fails) and parses it with prometheus_client's own
+parser; counters stay
 cumulative and histograms become the mean TTFT / inter-token latency of each interval, in the same HistorySample
 series the local engine publishes, so the dashboard's own figure functions draw it. The chat streams from
 URL/v1/chat/completions. What needs the engine's insides (the block table, step mode, settings, measurements)
 is not available remotely, and says so.
+
+The address is the presenter's to give (a visitor's typing must never become a server-side fetch): every fetch has
+a total deadline (connect and whole body) and a size cap, read as a stream; what a remote answered is never shown
+(only its status), and every kind of unreachable reads the same, so the page is no port scanner.
 """
 from __future__ import annotations
 
@@ -26,9 +31,14 @@ from viz.dashboard import ChatView, DashboardFigures
 
 from . import conversation
 from .conversation import WARNING
+from .room import plain
 
 NOT_REMOTE = "not available when attached to a remote server"
 POLL_S = 1.0
+MAX_POLL_S = 30.0  # a failing scrape waits twice as long each time, up to this
+DEADLINE_S = 5.0  # one fetch, connect to last byte
+MAX_METRICS_BYTES = 2 << 20  # vLLM's /metrics is ~100 KB; a bigger body is refused, not parsed every second
+MAX_SMALL_BYTES = 256 << 10  # /v1/models, an error body
 # vLLM v1's names first, then v0's (older deployments), for each number the dashboard draws
 GAUGES = {"num_running": ("vllm:num_requests_running",), "num_waiting": ("vllm:num_requests_waiting",),
           "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")}
@@ -130,13 +140,44 @@ def base_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def error_text(response: httpx.Response) -> str:
+def unreachable(url: str) -> str:
+    """One message for every way of not answering (refused, no such host, timed out, cut off): the page must not
+    tell a closed port from a missing host."""
+    return f"no answer from {url} within {DEADLINE_S:.0f} s"
+
+
+class TooLarge(ValueError):
+    pass
+
+
+def fetch(url: str, max_bytes: int, deadline_s: float = DEADLINE_S) -> tuple[int, bytes]:
+    """GET url: (status, body), the body read as a stream and given up past `max_bytes` (TooLarge) or past the
+    deadline, whichever comes first (a server trickling one byte at a time cannot hold a worker longer). Any
+    failure to get an answer: ValueError(unreachable)."""
+    end = time.monotonic() + deadline_s
     try:
-        error = response.json().get("error")
+        with httpx.stream("GET", url, timeout=httpx.Timeout(deadline_s), follow_redirects=False) as response:
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise TooLarge(f"{url} answered more than {max_bytes >> 10} KB")
+                if time.monotonic() > end:
+                    raise httpx.ReadTimeout("deadline")
+                chunks.append(chunk)
+            return response.status_code, b"".join(chunks)
+    except httpx.HTTPError as exc:
+        raise ValueError(unreachable(url)) from exc
+
+
+def error_text(response: httpx.Response) -> str:
+    """A refusal by its status and, when it is OpenAI's error object, its message as text (never the raw body)."""
+    try:
+        error = json.loads(response.read()[:MAX_SMALL_BYTES]).get("error")
         message = error.get("message") if isinstance(error, dict) else error
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, httpx.HTTPError):
         message = None
-    return f"{response.status_code}: {message or response.text[:200] or response.reason_phrase}"
+    return f"{response.status_code}" + (f": {plain(message)}" if isinstance(message, str) and message else "")
 
 
 class RemoteServer:
@@ -151,6 +192,7 @@ class RemoteServer:
         self.model: str | None = None
         self.error: str | None = None  # the last scrape's problem, until one succeeds
         self.polls = 0
+        self.failures = 0  # scrapes failed in a row: each waits twice as long as the last, up to MAX_POLL_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -158,26 +200,25 @@ class RemoteServer:
 
     # ---- metrics -------------------------------------------------------------------------------------------
     def scrape(self) -> MetricsReading:
-        """One GET /metrics, parsed; ValueError naming what went wrong."""
+        """One GET /metrics, parsed; ValueError saying what went wrong, never what the server sent."""
+        status, body = fetch(self.url + "/metrics", MAX_METRICS_BYTES, self.timeout_s)
+        if status != 200:
+            raise ValueError(f"{self.url}/metrics answered {status}")
         try:
-            response = httpx.get(self.url + "/metrics", timeout=self.timeout_s)
-        except httpx.HTTPError as exc:
-            raise ValueError(f"cannot reach {self.url}/metrics: {type(exc).__name__}: {exc}") from exc
-        if response.status_code != 200:
-            raise ValueError(f"{self.url}/metrics answered {error_text(response)}")
-        try:
-            return parse_metrics(response.text)
+            return parse_metrics(body.decode("utf-8", "replace"))
         except ValueError as exc:
-            raise ValueError(f"{self.url}/metrics is {exc}") from exc
+            why = "has no vLLM metrics" if "no vLLM metrics" in str(exc) else "is not Prometheus text format"
+            raise ValueError(f"{self.url}/metrics {why}") from None
 
     def connect(self) -> None:
         """The first scrape, and the served model's name: refuses (ValueError) a server that is not there or has
         no vLLM metrics, so attaching to a wrong address says so at once."""
         self._record(self.scrape())
         try:
-            response = httpx.get(self.url + "/v1/models", timeout=self.timeout_s)
-            self.model = response.json()["data"][0]["id"] if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            status, body = fetch(self.url + "/v1/models", MAX_SMALL_BYTES, self.timeout_s)
+            model = json.loads(body)["data"][0]["id"] if status == 200 else None
+            self.model = model if isinstance(model, str) and len(model) <= 256 else None
+        except (ValueError, KeyError, IndexError, TypeError):
             self.model = None  # the chat then sends no model name, and the server picks its own
 
     def _record(self, reading: MetricsReading) -> None:
@@ -193,15 +234,20 @@ class RemoteServer:
     def poll_once(self) -> None:
         try:
             self._record(self.scrape())
+            self.failures = 0
         except ValueError as exc:
             self.error = str(exc)
+            self.failures += 1
+
+    def next_wait_s(self) -> float:
+        return min(self.poll_s * 2 ** self.failures, max(MAX_POLL_S, self.poll_s))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="remote-metrics", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while not self._stop.wait(self.next_wait_s()):
             self.poll_once()
 
     def stop(self) -> None:
@@ -210,9 +256,9 @@ class RemoteServer:
     # ---- what the page shows -------------------------------------------------------------------------------
     def status(self) -> str:
         r = self.latest
-        where = f"**attached to {self.url}**" + (f" ({self.model})" if self.model else "")
+        where = f"**attached to {plain(self.url)}**" + (f" ({plain(self.model)})" if self.model else "")
         if self.error:
-            return f"{where} · ⚠️ {self.error} (retrying every {self.poll_s:.0f} s)"
+            return f"{where} · ⚠️ {plain(self.error)} (trying again in {self.next_wait_s():.0f} s)"
         if r is None:
             return f"{where} · waiting for the first scrape"
         kv = "n/a" if r.kv_usage is None else f"{100 * r.kv_usage:.1f}%"
@@ -242,7 +288,7 @@ class RemoteServer:
 
     def chat_view(self) -> ChatView:
         return ChatView(None, False, figures.placeholder_figure(f"Your request in the KV pool: {NOT_REMOTE}"),
-                        f"The chat goes to {self.url}/v1/chat/completions.")
+                        f"The chat goes to {plain(self.url + '/v1/chat/completions')}.")
 
     # ---- chat ----------------------------------------------------------------------------------------------
     def chat(self, message: str, history: list[dict], temperature: float = 0.7,
@@ -259,13 +305,12 @@ class RemoteServer:
                 "stream": True, "stream_options": {"include_usage": True}}
         if self.model:
             body["model"] = self.model
-        yield history, f"sent to {self.url}, waiting for the first token"
+        yield history, f"sent to {plain(self.url)}, waiting for the first token"
         start, first, usage, reply = time.perf_counter(), None, None, ""
         try:
             with httpx.stream("POST", self.url + "/v1/chat/completions", json=body,
                               timeout=httpx.Timeout(600.0, connect=self.timeout_s)) as response:
                 if response.status_code != 200:
-                    response.read()
                     busy = response.status_code == 429
                     note = "the server is busy, retry in a moment" if busy else "the remote server refused it"
                     yield history + [{"role": "assistant", "content": f"{WARNING} {note}: {error_text(response)}"}], ""
@@ -278,7 +323,7 @@ class RemoteServer:
                     if "error" in chunk:
                         err = chunk["error"]
                         history[-1]["content"] = (reply + f"\n\n{WARNING} remote error: "
-                                                  f"{err.get('message') if isinstance(err, dict) else err}")
+                                                  f"{plain(err.get('message') if isinstance(err, dict) else err)}")
                         yield history, ""
                         return
                     usage = chunk.get("usage") or usage
@@ -288,16 +333,16 @@ class RemoteServer:
                             first = first or time.perf_counter()
                             reply += piece
                             history[-1]["content"] = reply
-                            yield history, f"streaming from {self.url}"
-        except (httpx.HTTPError, ValueError) as exc:
+                            yield history, f"streaming from {plain(self.url)}"
+        except (httpx.HTTPError, ValueError):
             history = [m for m in history if m.get("content") != ""]
-            yield history + [{"role": "assistant", "content": f"{WARNING} cannot talk to {self.url}: "
-                                                              f"{type(exc).__name__}: {exc}"}], ""
+            yield history + [{"role": "assistant", "content": f"{WARNING} cannot talk to {plain(self.url)}: the "
+                                                              f"connection failed or broke off"}], ""
             return
         yield history, self._reply_stats(start, first, usage)
 
     def _reply_stats(self, start: float, first: float | None, usage: dict | None) -> str:
-        parts = [f"from {self.url}"]
+        parts = [f"from {plain(self.url)}"]
         if first is not None:
             parts.append(f"TTFT {(first - start) * 1e3:.0f} ms")
         if usage:

@@ -16,6 +16,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.llm import chat_token_ids
+from playground.room import plain
 from tests.conftest import serve_app
 
 httpx = pytest.importorskip("httpx")
@@ -163,11 +164,11 @@ def plain_server():
 def test_attaching_to_nothing_or_to_a_server_without_vllm_metrics_says_why_and_the_page_keeps_the_local_engine(
         watcher, plain_server):
     from playground.loadtest import free_port
-    for url, problem in [(f"http://127.0.0.1:{free_port()}", "cannot reach"), (plain_server, "no vLLM metrics"),
+    for url, problem in [(f"http://127.0.0.1:{free_port()}", "no answer from"), (plain_server, "no vLLM metrics"),
                          ("", "no URL given"), ("ftp://example", "not an http")]:
         note = watcher.attach(url)
         assert note.startswith("⚠️") and problem in note, note
-        assert watcher.remote is None and problem in watcher.status()
+        assert watcher.remote is None and plain(problem) in watcher.status()
         assert watcher.dashboard().blocks["layout"]["title"]  # still the local engine's block table
     history, _ = list(watcher.chat("Hello", [], 0.0, 4))[-1]
     assert history[-1]["role"] == "assistant" and not history[-1]["content"].startswith("⚠️")  # local chat works
@@ -179,7 +180,7 @@ def test_the_dashboard_attached_to_a_second_app_draws_its_metrics_and_they_move(
     url, remote_pg = watched
     wait_idle(remote_pg)
     note = watcher.attach(url + "/v1")  # the API's address works as well as the server's root
-    assert note.startswith("Attached to " + url) and MODEL in note
+    assert note.startswith("Attached to " + plain(url)) and MODEL in note
     before = scraped(url)["vllm:generation_tokens_total"]
     local_before = watcher.service.snapshot().generation_tokens_total
     watcher.remote.poll_s = 0.2
@@ -214,7 +215,7 @@ def test_the_dashboard_attached_to_a_second_app_draws_its_metrics_and_they_move(
     total = remote_pg.service.snapshot().kv_blocks_total  # vllm:cache_config_info carried the pool's size
     assert figs.memory["data"][0]["y"][0] == "KV cache (blocks)" and f"/ {total}" in figs.memory["data"][0]["text"][0]
     status = watcher.status()
-    assert url in status and f"generated {latest.generation_tokens_total} tokens" in status
+    assert plain(url) in status and f"generated {latest.generation_tokens_total} tokens" in status
 
 
 def test_the_chat_through_an_attached_app_streams_its_reply(watched, watcher, reference):
@@ -230,7 +231,7 @@ def test_the_chat_through_an_attached_app_streams_its_reply(watched, watcher, re
     assert replies[-1] == expected[0].text  # the watched app's greedy reply, over HTTP
     assert len(set(replies)) > 2  # it arrived piece by piece
     assert all(a == b[:len(a)] for a, b in zip(replies, replies[1:]))  # each update extends the last
-    assert url in updates[-1][2] and "12 tokens" in updates[-1][2]
+    assert plain(url) in updates[-1][2] and "12 tokens" in updates[-1][2]
     wait_for(lambda: scraped(url).get("vllm:request_success_total", 0) == finished + 1, what="the remote's count")
     view, polling = watcher.chat_view(None)
     assert "not available when attached" in json.dumps(view.blocks) and not polling
@@ -246,7 +247,8 @@ def test_what_needs_this_engine_says_so_while_attached_and_works_again_after_det
         watcher.ablate("ablation", quick=True)
     assert watcher.settings()["max_num_seqs"] != 3 and not watcher.service.paused
     assert watcher.detach().startswith("Detached")
-    assert "not available" not in json.dumps(watcher.dashboard().blocks) and url not in watcher.status()
+    assert "not available" not in json.dumps(watcher.dashboard().blocks)
+    assert not watcher.status().startswith("**attached") and "detached the page from" in watcher.status()
     assert watcher.pause().startswith("Paused") and watcher.resume() == "Running."
 
 
@@ -263,10 +265,89 @@ def test_a_watched_server_that_goes_away_is_reported_and_the_page_keeps_running(
         demo.close()
         pg.service.shutdown()
     wait_for(lambda: watcher.remote.error is not None, what="a failed scrape")
-    assert "cannot reach" in watcher.status()
+    assert "no answer from" in watcher.status()
     assert watcher.dashboard().queues  # the charts still draw what was scraped
     history, _ = list(watcher.chat("still there?", [], 0.0, 4))[-1]
     assert history[-1]["content"].startswith("⚠️ cannot talk to")
+
+
+# ---- attach is no SSRF tool: bounded, silent about what it read, the same for every kind of unreachable ---------
+
+SECRET_PAGE = b"internal admin page: password=hunter2\n"
+
+
+class _Hostile(http.server.BaseHTTPRequestHandler):
+    """/slow trickles a byte every 0.3 s; /big is 3 MB of Prometheus text; /secret a 200 with an internal page."""
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        if self.path.startswith("/slow"):
+            try:
+                for _ in range(60):
+                    self.wfile.write(b"#")
+                    self.wfile.flush()
+                    time.sleep(0.3)
+            except BrokenPipeError:  # the fetch gave up, as it should
+                pass
+        elif self.path.startswith("/big"):
+            self.wfile.write(b'vllm:num_requests_running{engine="0"} 1.0\n' * 80_000)
+        else:
+            self.wfile.write(SECRET_PAGE)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def hostile_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_a_fetch_has_a_total_deadline_and_a_size_cap(hostile_server):
+    from playground.remote import TooLarge, fetch
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="no answer from"):
+        fetch(hostile_server + "/slow", 1 << 20, deadline_s=1.0)
+    assert time.monotonic() - start < 3.0  # not 60 reads of 0.3 s, each under the per-read timeout
+    with pytest.raises(TooLarge):
+        fetch(hostile_server + "/big", 1 << 20, deadline_s=5.0)
+
+
+def test_what_a_remote_said_is_never_shown_and_unreachable_reads_the_same(watcher, hostile_server):
+    from playground.loadtest import free_port
+    note = watcher.attach(hostile_server + "/secret")  # /secret/metrics answers the internal page
+    assert note.startswith("⚠️") and "hunter2" not in note and "internal" not in note and "hunter2" not in \
+        watcher.status()
+    closed_url, missing_url = f"http://127.0.0.1:{free_port()}", "http://no-such-host.invalid:8000"
+    closed, missing = watcher.attach(closed_url), watcher.attach(missing_url)
+    assert "no answer from" in closed
+    assert closed.replace(plain(closed_url), "URL") == missing.replace(plain(missing_url), "URL")
+    watcher.detach()
+
+
+def test_a_hostile_address_shows_as_text_on_every_status_line_and_detach_clears_it(watcher):
+    note = watcher.attach("# THE WORKSHOP IS CANCELLED [click here](http://example.com)")
+    status = watcher.status()
+    for shown in (note, status):
+        assert "\\# THE WORKSHOP" in shown and "\\[click here\\]\\(http\\://example" in shown
+    watcher.detach()
+    assert "WORKSHOP" not in watcher.status()
+
+
+def test_a_failing_scrape_backs_off(hostile_server):
+    from playground.remote import MAX_POLL_S, RemoteServer
+    remote = RemoteServer(hostile_server + "/secret", poll_s=1.0)
+    waits = []
+    for _ in range(7):
+        remote.poll_once()
+        waits.append(remote.next_wait_s())
+    assert waits[:3] == [2.0, 4.0, 8.0] and waits[-1] == MAX_POLL_S and remote.error
 
 
 # ---- bench serve against the launched app ----------------------------------------------------------------------
