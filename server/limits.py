@@ -75,10 +75,11 @@ def check_stop(stop, limits: ApiLimits) -> None:
     items = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     if len(items) > limits.max_stop_sequences:
         raise bad_request(f"stop has {len(items)} sequences; this server takes at most {limits.max_stop_sequences}",
-                          "stop")
+                          "stop", "too_many_stop_sequences")
     for i, s in enumerate(items):
         if isinstance(s, str) and len(s) > limits.max_stop_chars:
-            raise bad_request(f"stop[{i}] is {len(s)} characters long; at most {limits.max_stop_chars}", "stop")
+            raise bad_request(f"stop[{i}] is {len(s)} characters long; at most {limits.max_stop_chars}", "stop",
+                              "stop_too_long")
 
 
 def longest_token_chars(tokenizer) -> int:
