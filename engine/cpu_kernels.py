@@ -24,7 +24,7 @@ that spent most of their time outside the arithmetic for the few rows of a decod
 - a decoder layer's elementwise steps (models/llama.py): RMSNorm with the residual add before it, RoPE, and
   silu(gate) * up, one call each where the torch formulas are 7, 6 and 4 calls, whose dispatch was about 40% of
   an int4 token's time at batch 1 (with the attention above: 11.2-11.8 -> 7.9-8.2 ms a token, faster than
-  llama.cpp's 10.2-11.5 in the same runs; the README). Each rounds where
+  llama.cpp's 10.2-11.5 in the same runs; docs/measurements.md). Each rounds where
   transformers' formula rounds; RoPE is bit for bit the same, the norm's sum of squares and silu's exp differ in
   the last bits (tested; greedy tokens the same with and without).
 

@@ -551,7 +551,7 @@ def test_top1_agreement_with_fp32(fp32, precision_llms, precision):
 # On the embedded model (short: 302 positions of the quality text, ~30 s): each scheme's top-1 agreement and
 # perplexity change against fp32, measured there 0.96 / -0.5% (int8), 0.97 / -0.5% (the int4 preset: groups of 32,
 # LM head unquantized), 0.82 / +3.8% (w8a8), 0.99 / +0.3% (int8 KV);
-# the whole text's numbers are in the README's quality table.
+# the whole text's numbers are in docs/measurements.md's quality table.
 REAL_MODEL_QUALITY = {"quantization=int8": (0.93, 0.02), "int4": (0.93, 0.10), "quantization=w8a8": (0.78, 0.08),
                       "kv_cache_dtype=int8": (0.97, 0.01), "kv_cache_dtype=int8,kv_cache_smoothing=true": (0.98, 0.01)}
 

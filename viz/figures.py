@@ -511,7 +511,7 @@ def ablation_figure(rows: Sequence) -> dict:
 
 # ---- the engine, feature by feature: cumulative ablation, each feature's worth under load, the memory sweep --
 GAIN, LOSS, EVEN, BASELINE = "#31a354", "#d6616b", "#9ecae1", "#636363"
-NOISE = 0.05  # within 5% of 1x is the noise of a shared machine (the README's 5-10%), not a gain or a loss
+NOISE = 0.05  # within 5% of 1x is the noise of a shared machine (docs/measurements.md: 5-10%), not a gain or a loss
 LEVEL_COLOURS = ["#fd8d3c", "#6baed6", "#08519c"]  # concurrency 1, 8, 32: warm for one request, dark for many
 
 

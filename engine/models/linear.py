@@ -9,7 +9,7 @@ instructions (see onednn_available). Elsewhere (CUDA, bf16 without them, a torch
 over the weight stored transposed.
 
 Quantized siblings (`quantization=` in EngineConfig), each quantized once at load (engine/quant.py) and packed for
-the fastest kernel this torch ships for it on CPU, chosen by measurement (the README,
+the fastest kernel this torch ships for it on CPU, chosen by measurement (docs/measurements.md,
 `python -m engine.bench kernels`); each gives a row the same result whatever else shares the call:
   int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul (AVX-512),
                                                              else torch._weight_int8pack_mm
