@@ -2,7 +2,7 @@
 PYTHON ?= python
 export GRADIO_ANALYTICS_ENABLED = False
 
-.PHONY: install run test bench lint
+.PHONY: install run test test-fast bench lint
 
 install:
 	$(PYTHON) -m pip install -q -r requirements.txt
@@ -13,6 +13,9 @@ run: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow"
 
 bench:
 	$(PYTHON) -m engine.bench

@@ -38,10 +38,12 @@ from engine.config import (
 )
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.access import OPEN, PUBLIC, TOKEN, TOKEN_ENV, Access, audience, presenter_controls
+from playground.chat import ChatSession
 from playground.features_tab import build_features_tab
-from playground.handlers import NO_QUANTIZATION, ChatSession, Playground, feature_presets, form_value, workloads
+from playground.handlers import Playground, feature_presets, workloads
 from playground.remote_tab import build_remote_tab
 from playground.serialised import SerialisedFigures
+from playground.settings import NO_QUANTIZATION, form_value
 from playground.tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
 from server import OpenAIApi, served_model_name
 from viz.figures import ablation_figure, compare_figure, placeholder_figure, to_json
@@ -119,7 +121,8 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access
         pg.chat_sent(s)
         return gr.Timer(active=True)
     # Registered before the chat itself: the page applies a trigger's updates in order, and a timer activated
-    # after the streaming chat on the same trigger only started once the reply had ended.
+    # after the streaming chat on the same trigger only started once the reply had ended. (It cannot empty the
+    # message box too: the chat's own input is read later, and got the emptied box.)
     gr.on([msg.submit, send.click], start_view, session, live, queue=False, show_progress="hidden",
           api_visibility="private")
     @audience
@@ -190,11 +193,11 @@ WEIGHTS_HELP = {
     "quantization": "int8 / int4: weight-only; w8a8: int8 weights and activations",
     "quantization_group_size": "int4 only: input features per scale (must divide each layer)",
     "quantize_lm_head": "the LM head too (unticked: it keeps the dtype)",
-    "dtype": "CPU: bf16 is fast only with bf16 instructions (README: kernels)",
+    "dtype": "CPU: bf16 is fast only with bf16 instructions (docs/measurements.md: kernels)",
     "quantization_smoothing": "calibrated at load over a text: each projection's input channels rescaled before "
                               "rounding (SmoothQuant / AWQ); a slower load, no slower steps",
     "quantization_gptq": "calibrated at load: weights rounded by GPTQ instead of to the nearest level; the slowest "
-                         "load (README: quality), no slower steps",
+                         "load (docs/measurements.md: quality), no slower steps",
 }
 
 
@@ -363,7 +366,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
     with gr.Blocks(title="watch-llm playground") as demo:
         gr.Markdown(INTRO)
         role = build_presenter_box(access)
-        status = gr.Markdown(pg.status())
+        status = gr.Markdown(pg.status(), elem_id="status")
         clock = gr.Timer(1.0)
         with gr.Tabs() as tabs:
             build_chat_tab(pg, serialised, access)
@@ -482,7 +485,7 @@ def main() -> None:
                         help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY, as vLLM)")
     parser.add_argument("--attach", default=None, metavar="URL",
                         help="watch another server (OpenAI API + vLLM's /metrics, e.g. vllm serve) instead of this "
-                             "engine: the dashboard's charts and the chat (README: Watch a vLLM deployment)")
+                             "engine: the dashboard's charts and the chat (docs/api.md: Watch a vLLM deployment)")
     args = parser.parse_args()
     try:
         fields = {**(load_feature_preset(args.preset) if args.preset else {}), **parse_assignments(args.settings)}

@@ -8,6 +8,8 @@ from __future__ import annotations
 WARNING = "⚠️"  # the playground's message when the engine refused a turn or failed
 QUEUED = "⏳"  # the playground's placeholder while a reply waits for a paused engine
 NOTES = (WARNING, QUEUED)
+# appended to a reply the engine cut off: what it got so far is sent to the model again, the note is not
+ENGINE_ERROR = "\n\n[engine error: "
 
 
 def text_of(content) -> str:
@@ -29,6 +31,8 @@ def for_model(history: list[dict]) -> list[dict]:
             if out and out[-1]["role"] == "user":
                 out.pop()
             continue
+        if m["role"] == "assistant" and ENGINE_ERROR in text:
+            text = text[:text.index(ENGINE_ERROR)]
         out.append({"role": m["role"], "content": text})
     return out
 

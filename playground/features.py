@@ -14,7 +14,7 @@ from engine import bench
 from engine.workloads import Workload, load_workload
 from viz.figures import concurrency_figure, cumulative_figure, memory_sweep_figure, placeholder_figure, quality_figure
 
-from .handlers import Playground, ProgressFn
+from .handlers import Playground
 from .quality import goal_for
 from .results import (
     EXPERIMENTS,
@@ -26,6 +26,7 @@ from .results import (
     now,
     save_local,
 )
+from .settings import ProgressFn
 from .tables import concurrency_table, cumulative_table, memory_table, quality_table
 
 # What `python -m engine.bench` runs by default, so a run from the page measures what the shipped file holds.

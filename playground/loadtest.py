@@ -2,6 +2,7 @@
 
     python -m playground.loadtest [--sessions 30] [--chats 8] [--max-tokens 64] [--model PATH]
     python -m playground.loadtest --chats 4 --dashboards 8     # 4 chatting sessions + 8 that only watch
+    python -m playground.loadtest --workshop --sessions 38 --chats 8 --duration 60 --toggle-s 20
 
 Starts the app on a free local port, then runs the same chats twice: alone, and while every open session polls
 the page as a browser tab does: the page's clock asks for the status line and dashboard once a second, and a
@@ -10,6 +11,11 @@ tab (its own session hash and event stream, over plain HTTP as the page's script
 the gaps between streamed tokens as the clients saw them (p95 is the workshop's number; tokens that arrive
 within one display frame count as one update of the text), how long polls took, the CPU the app's process and
 the clients used (100% = one core), and every error a session met. A benchmark, not a test.
+
+--workshop: the app starts with a presenter token, every session is audience (its chats under the audience's
+caps), the chatting sessions chat again and again for --duration seconds, and one more session, the presenter
+(sending the token as X-Presenter-Token), turns prefix caching off and on through the page's own apply_settings
+every --toggle-s seconds, as a presenter in front of a room would.
 """
 from __future__ import annotations
 
@@ -93,6 +99,7 @@ class PhaseResult:
     polling_s: float  # how long the sessions polled the dashboard (from before the chats to after them)
     server_cpu_s: float | None = None  # CPU time the app's process used from the first chat to the last reply
     clients_cpu_s: float | None = None  # and this process, the sessions' clients, on the same machine
+    toggles: int = 0  # settings changes the presenter applied meanwhile (--workshop)
 
     def row(self) -> dict:
         ttfts = [c.ttft_s for c in self.chats if c.ttft_s is not None]
@@ -107,7 +114,7 @@ class PhaseResult:
                 "p95 poll (s)": percentile(sorted(self.tally.poll_s), 0.95),
                 "app CPU (%)": _share(self.server_cpu_s, self.wall_s),
                 "clients CPU (%)": _share(self.clients_cpu_s, self.wall_s),
-                "errors": sum(self.tally.errors.values())}
+                "presenter toggles": self.toggles, "errors": sum(self.tally.errors.values())}
 
 
 def percentile(ordered: list[float], q: float) -> float | None:
@@ -130,12 +137,12 @@ class Session:
     1 ms sleep loop each, and with 8 chats and 30 polling sessions in one process that loop, not the server,
     decided when the tokens were seen (the same 8 chats read over plain SSE: no gap above 0.44 s)."""
 
-    def __init__(self, url: str, fn_ids: dict[str, int]) -> None:
+    def __init__(self, url: str, fn_ids: dict[str, int], headers: dict | None = None) -> None:
         import httpx
         self.api = url + "gradio_api/"
         self.fn_ids = fn_ids
         self.hash = uuid.uuid4().hex[:11]
-        self.http = httpx.Client(timeout=httpx.Timeout(120.0, read=None))
+        self.http = httpx.Client(timeout=httpx.Timeout(120.0, read=None), headers=headers)
         self._lock = threading.Lock()
         self._events: dict[str, queue.Queue] = {}
         self._reader: threading.Thread | None = None
@@ -245,11 +252,37 @@ def cpu_seconds(pid: int | None) -> float | None:
         return None
 
 
+class Presenter:
+    """A presenter's session: flips prefix caching through the page's apply_settings, as the form sends it (every
+    field as the engine has it, read from the page's own settings endpoint; one changed)."""
+
+    def __init__(self, url: str, token: str) -> None:
+        with urllib.request.urlopen(url + "config", timeout=30) as r:
+            config = json.load(r)
+        self.session = Session(url, {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")},
+                               headers={"X-Presenter-Token": token})
+        fields = {c["id"]: (c.get("props") or {}).get("elem_id") or "" for c in config["components"]}
+        deps = {d.get("api_name"): d for d in config["dependencies"]}
+        self.inputs = [fields.get(i, "").removeprefix("setting-") for i in deps["apply_settings"]["inputs"]]
+        self.form = [fields.get(i, "").removeprefix("setting-") for i in deps["settings"]["outputs"]]
+        self.on = True
+
+    def toggle(self) -> str:
+        loaded = dict(zip(self.form, self.session.predict("/settings")))
+        values = {k: v.get("value") if isinstance(v, dict) and "__type__" in v else v for k, v in loaded.items()}
+        self.on = not values.get("prefix_caching", self.on)
+        values["prefix_caching"] = self.on
+        out = self.session.predict("/apply_settings", [None if not f else values.get(f) for f in self.inputs])
+        return out[0] if out else ""
+
+
 def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_tokens: int,
-              server_pid: int | None = None) -> PhaseResult:
+              server_pid: int | None = None, duration_s: float = 0.0, presenter: Presenter | None = None,
+              toggle_s: float = 20.0) -> PhaseResult:
     """The first num_chats sessions chat at once. With `watch`, every session polls the dashboard meanwhile, and
     each chatting one its live view while its reply streams. `server_pid`: the app's process, whose CPU use the
-    phase reports (100% is one core)."""
+    phase reports (100% is one core). `duration_s`: each chatting session chats again until then (0: once).
+    `presenter`: flips prefix caching every toggle_s meanwhile."""
     tally, stop = Tally(), threading.Event()
     pollers = [threading.Thread(target=poll, args=(s, "/dashboard", "dashboard_polls", stop, tally), daemon=True)
                for s in (sessions if watch else [])]
@@ -258,9 +291,12 @@ def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_token
         p.start()
     if pollers:
         time.sleep(2.0)  # let the sessions settle into their rhythm first
-    results: list[ChatTiming | None] = [None] * num_chats
     cpu_from, clients_from = cpu_seconds(server_pid), time.process_time()
     start = time.perf_counter()
+
+    results: list[ChatTiming | None] = []
+    results_lock = threading.Lock()
+    toggles = [0]
 
     def run(i: int) -> None:
         view_stop = threading.Event()
@@ -269,13 +305,35 @@ def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_token
         if viewer:
             viewer.start()
         try:
-            results[i] = chat_once(sessions[i], PROMPTS[i % len(PROMPTS)], max_tokens, tally)
-        except Exception as exc:
-            tally.error("chat", f"{type(exc).__name__}: {exc}")
+            n = 0
+            while True:
+                try:
+                    timing = chat_once(sessions[i], PROMPTS[(i + n) % len(PROMPTS)], max_tokens, tally)
+                    with results_lock:
+                        results.append(timing)
+                except Exception as exc:
+                    tally.error("chat", f"{type(exc).__name__}: {exc}")
+                n += 1
+                if time.perf_counter() - start >= duration_s:
+                    break
         finally:
             view_stop.set()
             if viewer:
                 viewer.join(timeout=10)
+
+    def steer() -> None:
+        while not stop.wait(toggle_s):
+            try:
+                note = presenter.toggle()
+                if note.startswith("Applied"):
+                    toggles[0] += 1
+                else:
+                    tally.error("presenter", note)
+            except Exception as exc:
+                tally.error("presenter", f"{type(exc).__name__}: {exc}")
+    steering = threading.Thread(target=steer, daemon=True) if presenter else None
+    if steering:
+        steering.start()
     threads = [threading.Thread(target=run, args=(i,)) for i in range(num_chats)]
     for t in threads:
         t.start()
@@ -287,9 +345,11 @@ def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_token
     polling = time.perf_counter() - polling_from if pollers else 0.0
     for p in pollers:
         p.join(timeout=10)
-    return PhaseResult(phase, len(sessions) if watch else num_chats, [r for r in results if r is not None], tally,
-                       wall, polling, cpu_to - cpu_from if cpu_from is not None and cpu_to is not None else None,
-                       clients_cpu)
+    if steering:
+        steering.join(timeout=30)
+    return PhaseResult(phase, len(sessions) if watch else num_chats, results, tally, wall, polling,
+                       cpu_to - cpu_from if cpu_from is not None and cpu_to is not None else None, clients_cpu,
+                       toggles[0])
 
 
 def free_port() -> int:
@@ -298,13 +358,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(model: str | None, timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+def launch(model: str | None, timeout_s: float = 180.0, presenter_token: str | None = None
+           ) -> tuple[subprocess.Popen, str]:
     """`python app.py` in its own process, as a user runs it; the clients here play the browsers."""
     port = free_port()
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)}
     cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "app.py"), "--device", "cpu"]
     if model:
         cmd += ["--model", model]
+    if presenter_token:
+        cmd += ["--presenter-token", presenter_token]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + timeout_s
@@ -328,16 +391,20 @@ def open_sessions(url: str, n: int) -> list[Session]:
     return [Session(url, fn_ids) for _ in range(n)]
 
 
-def loadtest(num_sessions: int = 12, num_chats: int = 4, max_tokens: int = 64,
-             model: str | None = None) -> list[PhaseResult]:
+def loadtest(num_sessions: int = 12, num_chats: int = 4, max_tokens: int = 64, model: str | None = None,
+             workshop: bool = False, duration_s: float = 0.0, toggle_s: float = 20.0) -> list[PhaseResult]:
     num_sessions = max(num_sessions, num_chats)
-    proc, url = launch(model)
+    token = uuid.uuid4().hex if workshop else None
+    proc, url = launch(model, presenter_token=token)
     try:
         sessions = open_sessions(url, num_sessions)
         chat_once(sessions[0], "Hi", 8)  # warm-up
-        return [run_phase(sessions, "chats only", num_chats, False, max_tokens, proc.pid),
-                run_phase(sessions, f"{num_chats} chats + {num_sessions} open sessions", num_chats, True,
-                          max_tokens, proc.pid)]
+        presenter = Presenter(url, token) if workshop else None
+        watched = (f"{num_chats} audience chats + {num_sessions} audience sessions + the presenter toggling "
+                   f"prefix caching every {toggle_s:.0f} s" if workshop else
+                   f"{num_chats} chats + {num_sessions} open sessions")
+        return [run_phase(sessions, "chats only", num_chats, False, max_tokens, proc.pid, duration_s),
+                run_phase(sessions, watched, num_chats, True, max_tokens, proc.pid, duration_s, presenter, toggle_s)]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -352,10 +419,14 @@ def main() -> None:
                         help="sessions that only watch (when --sessions is not given)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--workshop", action="store_true",
+                        help="a presenter token, every session audience, the presenter flipping a switch meanwhile")
+    parser.add_argument("--duration", type=float, default=0.0, help="each chatting session chats again until then")
+    parser.add_argument("--toggle-s", type=float, default=20.0, help="--workshop: seconds between the flips")
     args = parser.parse_args()
     sessions = args.sessions if args.sessions is not None else args.chats + args.dashboards
     from engine.bench import markdown_table
-    phases = loadtest(sessions, args.chats, args.max_tokens, args.model)
+    phases = loadtest(sessions, args.chats, args.max_tokens, args.model, args.workshop, args.duration, args.toggle_s)
     print(markdown_table([p.row() for p in phases]))
     errors = Counter()
     for p in phases:

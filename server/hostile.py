@@ -22,7 +22,6 @@ import httpx
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MB = 1 << 20
-HEADERS_ONLY = b""  # the body of an abuse that only declares a 200 MB Content-Length and waits for the answer
 
 
 @dataclass
@@ -32,6 +31,7 @@ class Abuse:
     body: bytes | Iterator[bytes]
     headers: dict
     expect: int  # the status it must get
+    headers_only: bool = False  # declare a 200 MB Content-Length, send no body, time the answer at the socket
 
 
 def abuses(api_key: str | None) -> list[Abuse]:
@@ -47,7 +47,7 @@ def abuses(api_key: str | None) -> list[Abuse]:
             sent += size
     prompt_10mb = json.dumps({"prompt": "x " * (5 * MB), "max_tokens": 4}).encode()
     out = [
-        Abuse("body 200 MB declared, never sent (the server's own time)", COMPLETIONS, HEADERS_ONLY, ok, 413),
+        Abuse("body 200 MB declared, never sent (the server's own time)", COMPLETIONS, b"", ok, 413, True),
         Abuse("body 200 MB sent whole (includes the client's upload)", COMPLETIONS, b"{" + b" " * (200 * MB) + b"}",
               ok, 413),
         Abuse("body 200 MB (chunked, no length)", COMPLETIONS, chunks(200 * MB), ok, 413),
@@ -80,7 +80,7 @@ def abuses(api_key: str | None) -> list[Abuse]:
 def send(http: httpx.Client, url: str, abuse: Abuse) -> tuple[int | None, float, str]:
     """(status or None when the connection was cut, seconds, the error's code or the exception)."""
     start = time.perf_counter()
-    if abuse.body is HEADERS_ONLY:
+    if abuse.headers_only:
         return headers_only(url, abuse, start)
     try:
         if abuse.path == "/v1/models":

@@ -173,7 +173,7 @@ def test_no_shared_state_endpoint_answers_an_anonymous_visitor(public):
 
 def settings_args(demo, pg, **changes) -> list:
     """What the settings form sends to apply_settings: each field as the engine has it, `changes` applied."""
-    from playground.handlers import form_value
+    from playground.settings import form_value
     block_fn = next(f for f in demo.fns.values() if f.api_name == "apply_settings")
     fields = [c.elem_id.removeprefix("setting-") for c in block_fn.inputs[1:]]  # the first is the form's state
     now = {**pg.settings(), **changes}
@@ -229,3 +229,19 @@ def test_an_audience_chat_is_capped_and_answered(public, monkeypatch):
     assert list(pg.chat("Hello", [], 0.0, 5, audience="visitor-2"))[-1][1]  # another visitor is served
     pg.seats.give_back("visitor-1")
     pg.seats.give_back("visitor-1")
+
+
+def test_the_workshop_loadtest_steers_as_the_presenter_while_the_audience_chats(public):
+    """playground.loadtest --workshop in small: audience sessions chat and poll, the presenter flips a switch
+    through the page's apply_settings; nothing is refused or lost."""
+    from playground import loadtest
+    url, pg, _ = public
+    sessions = loadtest.open_sessions(url, 3)
+    presenter = loadtest.Presenter(url, SECRET)
+    before = pg.settings()["prefix_caching"]
+    result = loadtest.run_phase(sessions, "workshop smoke", 2, True, 8, duration_s=4.0, presenter=presenter,
+                                toggle_s=1.0)
+    assert result.toggles >= 1 and not result.tally.errors, result.tally.errors
+    assert len(result.chats) >= 2 and all(c.reply for c in result.chats)
+    assert pg.settings()["prefix_caching"] == (before if result.toggles % 2 == 0 else not before)
+    assert "presenter turned prefix" in pg.status()

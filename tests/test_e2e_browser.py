@@ -19,8 +19,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
-                                reason="no chromium: apt-get install -y chromium")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
+                                 reason="no chromium: apt-get install -y chromium")]
 
 
 @pytest.fixture(scope="module")

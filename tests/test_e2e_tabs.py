@@ -20,8 +20,9 @@ from playground.results import SHIPPED_RESULTS
 from tests.conftest import serve_app
 from tests.test_e2e_browser import CHROMIUM, DOCS, FLAGS
 
-pytestmark = pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
-                                reason="no chromium: apt-get install -y chromium")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
+                                 reason="no chromium: apt-get install -y chromium")]
 
 # Text that sticks out of its chart, a bar label cut by the plot area, a chart that does not fill its box:
 # [chart index, text, why].

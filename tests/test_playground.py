@@ -10,9 +10,10 @@ import pytest
 from engine import LLM, EngineConfig, SamplingParams, bench
 from engine.config import WEIGHT_FIELDS
 from playground import Playground, conversation
-from playground.handlers import ChatSession, Measurement, describe_step
+from playground.chat import ChatSession
+from playground.measurements import Measurement
 from playground.serialised import SerialisedFigures
-from playground.stepmode import plural
+from playground.stepmode import describe_step, plural
 from playground.tables import COMPARE_HEADERS, ablation_table, compare_table
 from tests.conftest import serve_app
 
@@ -70,6 +71,10 @@ def test_notes_and_the_turns_they_answer_are_not_sent():
     assert conversation.for_model(history) == [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
         {"role": "user", "content": "parts"}, {"role": "assistant", "content": "fine"}]
+    # a reply the engine cut off is sent again as far as it got, without the page's note about the error
+    cut = [{"role": "user", "content": "hi"},
+           {"role": "assistant", "content": f"hel{conversation.ENGINE_ERROR}the engine was restarted]"}]
+    assert conversation.for_model(cut)[-1] == {"role": "assistant", "content": "hel"}
 
 
 def test_a_long_conversation_drops_its_oldest_turns_instead_of_being_refused(pg):

@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from engine.config import BUILT_SWITCHES
 from engine.models.linear import Int4Linear, Int8Linear, Linear
 from playground import Playground
-from playground.handlers import NO_QUANTIZATION, REBUILD_STAGES
+from playground.settings import NO_QUANTIZATION, REBUILD_STAGES
 
 PROMPTS = [[1000 + 7 * i + j for j in range(12 + 3 * i)] for i in range(3)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -1,0 +1,163 @@
+"""The chat tab's side of the playground: a conversation streamed from the engine, the tab's live view of its own
+request, and why a reply waits. A mixin of Playground (playground/handlers.py), which holds the shared state.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from engine import SamplingParams
+from viz.dashboard import ChatView
+
+from . import conversation
+from .conversation import QUEUED, WARNING
+
+QUEUED_NOTE = f"{QUEUED} queued: the engine is paused (step mode). Press Step or Resume on the Step mode tab to run it."
+PENDING_S = 120.0  # a message sent this long ago whose chat never started (cancelled in gradio's queue) is given up
+
+
+@dataclass
+class ChatSession:
+    """One browser tab's chat, kept in its gr.State and changed in place: the tab's live view (another event of the
+    same session, polling) sees at once which request is this tab's, and whether one is on its way."""
+    request_id: str | None = None  # the engine's id of the tab's latest reply
+    sent: int = 0  # messages sent (counted as the live view starts polling)
+    handled: int = 0  # chats that ended (replied, refused, stopped): while fewer than sent, a reply is on its way
+    sent_at: float = 0.0
+    refused: str = ""  # why the tab's latest message was refused ("" when it was not): its live view says so
+
+    def expecting(self) -> bool:
+        return self.handled < self.sent and time.monotonic() - self.sent_at < PENDING_S
+
+
+
+class ChatHandlers:
+    """chat, chat_sent, chat_view, queued_note: what a chat tab's events call."""
+
+    def chat(self, message: str, history: list[dict], temperature: float = 0.7, max_tokens: int = 256,
+             session: ChatSession | None = None, audience: str | None = None) -> Iterator[tuple[list[dict], str]]:
+        """Stream the assistant's reply into the history; the second value is the reply's stats line.
+        The model sees the conversation without the playground's notes (warnings, "queued"), and without its
+        oldest turns when it no longer fits max_model_len (the stats line says so).
+        `session`: the tab's ChatSession; its request_id becomes the engine's id for this reply as soon as the
+        request is submitted (the tab's live view highlights that request).
+        `audience`: the visitor's key when they are audience on a shared page: their share of the engine is
+        bounded (self.seats: replies in flight, max_tokens)."""
+        seated = False
+        try:
+            if audience is not None and message and message.strip():
+                if int(max_tokens) > self.seats.max_tokens:
+                    max_tokens = self.seats.max_tokens
+                try:
+                    self.seats.take(audience)
+                    seated = True
+                except ValueError as exc:
+                    yield list(history or []) + [{"role": "user", "content": message},
+                                                 {"role": "assistant", "content": f"{WARNING} {exc}"}], ""
+                    return
+            if (remote := self.remote) is not None:
+                yield from remote.chat(message, history, temperature, max_tokens)
+            else:
+                yield from self._chat(message, history, temperature, max_tokens, session)
+        finally:
+            if seated:
+                self.seats.give_back(audience)
+            if session is not None:
+                session.handled += 1
+
+    def chat_sent(self, session: ChatSession) -> None:
+        """A tab sent a message: its live view keeps polling until the chat for it has ended."""
+        session.sent += 1
+        session.sent_at = time.monotonic()
+
+    def _chat(self, message: str, history: list[dict], temperature: float, max_tokens: int,
+              session: ChatSession | None) -> Iterator[tuple[list[dict], str]]:
+        history = list(history or [])
+        if not message or not message.strip():
+            yield history, ""
+            return
+        messages = conversation.for_model(history) + [{"role": "user", "content": message}]
+        history = history + [{"role": "user", "content": message}]
+        if (rebuilding := self.rebuilding) is not None:  # the engine is being replaced: wait for the new one
+            yield history + [{"role": "assistant", "content": f"{QUEUED} queued: {rebuilding}; the reply starts "
+                                                               f"when the new engine is up"}], "queued"
+            self._engine_up.wait(PENDING_S)
+        try:
+            config = self.service.snapshot().config
+            prompt, dropped = conversation.fit(messages, self.llm.apply_chat_template,
+                                               conversation.prompt_budget(config, int(max_tokens)))
+            oldest = "the oldest turn" if dropped == 1 else f"the {dropped} oldest turns"
+            trimmed = f"too long for max_model_len {config['max_model_len']}: left out {oldest} · " if dropped else ""
+            service = self.service
+            rid, q = service.submit(prompt, SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
+                                                           seed=None))
+            if session is not None:
+                session.request_id, session.refused = rid, ""
+            try:
+                if note := self.queued_note():  # say so now rather than show an empty reply until the engine runs
+                    yield history + [{"role": "assistant", "content": note}], trimmed + "queued"
+                else:  # the message shows at once, before the first token
+                    yield history, trimmed + "sent, waiting for the first token"
+                history = history + [{"role": "assistant", "content": ""}]
+                for out in service.follow(rid, q, latest=True):
+                    if out.error:
+                        history[-1]["content"] += f"{conversation.ENGINE_ERROR}{out.error}]"
+                        replaced = self.rebuilding is not None or self.service is not service
+                        yield history, ("ended by an engine restart: send the message again" if replaced else
+                                        "the engine stopped; restart it from the Engine settings tab")
+                        return
+                    history[-1]["content"] = out.text
+                    if out.finished:
+                        self.replies.append(out.text)
+                    yield history, trimmed + reply_stats(out)
+            finally:  # Stop pressed or tab closed, even while queued: abort the request now, freeing its blocks
+                if service.is_streaming(rid):
+                    service.abort(rid)
+        except (ValueError, RuntimeError) as exc:  # too long, bad settings, engine down: say so in the chat
+            if session is not None:  # and beside it: the live view no longer shows the previous reply as current
+                session.request_id, session.refused = None, str(exc)
+            history = [m for m in history if m.get("content") != ""]
+            history.append({"role": "assistant", "content": f"{WARNING} {exc}"})
+            yield history, ""
+
+    def chat_view(self, session: ChatSession | None) -> tuple[ChatView, bool]:
+        """A chat tab's live view (the block table with its request highlighted, from the shared figure cache), and
+        whether to keep polling: its reply still streams, one is on its way, or the view drawn still shows it."""
+        if (remote := self.remote) is not None:
+            return remote.chat_view(), False
+        service, rid = self.service, session.request_id if session else None
+        streaming = rid is not None and service.is_streaming(rid)
+        view = self.figures.chat_view(service.snapshot(), service.history, rid, streaming, service.config_changes)
+        polling = streaming or view.in_snapshot or bool(session and session.expecting())
+        if rid is not None and rid in (waiting := service.snapshot().waiting):
+            view = replace(view, summary=f"⏳ your request waits for a seat: place {waiting.index(rid) + 1} of "
+                                         f"{len(waiting)} in the queue\n\n{view.summary}")
+        if session is not None and session.refused:
+            view = replace(view, summary=f"{WARNING} your last message was refused, nothing of it reached the "
+                                         f"engine: {session.refused}\n\n{view.summary}")
+        return view, polling
+
+    def queued_note(self) -> str:
+        """Why a request just sent will wait before its first token ("" when it will not)."""
+        if (measuring := self.measurement) is not None:
+            return (f"{QUEUED} queued behind a measurement ({measuring.describe()}): the reply starts when it ends "
+                    f"(or press Cancel on its tab)")
+        return QUEUED_NOTE if self.service.paused else ""
+
+
+def reply_stats(out) -> str:
+    m = out.metrics
+    parts = []
+    if m.ttft is not None:
+        parts.append(f"TTFT {m.ttft * 1e3:.0f} ms")
+    if m.first_token_time is not None and m.num_generation_tokens > 1:
+        elapsed = (m.finished_time or time.perf_counter()) - m.first_token_time
+        if elapsed > 0:
+            parts.append(f"{(m.num_generation_tokens - 1) / elapsed:.1f} tokens/s")
+    parts.append(f"prefix cache: {m.num_cached_tokens} of {m.num_prompt_tokens} prompt tokens reused")
+    if m.num_preemptions:
+        parts.append(f"preempted {m.num_preemptions}x")
+    if out.finished:
+        parts.append(f"finished: {out.finish_reason}")
+    return " · ".join(parts)

@@ -1,0 +1,103 @@
+"""The measurement tabs' side of the playground: an ablation or a comparison run over the loaded weights while
+the live engine is held still, one at a time, cancellable, with progress every tab can read. A mixin of
+Playground (playground/handlers.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import bench
+from engine.models.loader import cache_dir
+from engine.workloads import load_workload
+
+from .conversation import WARNING
+from .settings import ProgressFn
+
+
+@dataclass
+class Measurement:
+    """A run that holds the live engine still (ablation, comparison): every tab can say why, and for how long."""
+    name: str
+    total: int  # configurations to run
+    progress: ProgressFn | None = None  # the caller's progress bar
+    done: int = 0
+    current: str = ""
+    started: float = field(default_factory=time.monotonic)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def report(self, done: int, total: int, current: str) -> None:
+        """bench's progress callback, called before each configuration and once at the end."""
+        self.done, self.total, self.current = done, total, current
+        if self.progress:
+            self.progress(done / total, f"{self.describe()} · running: {current}")
+
+    def describe(self) -> str:
+        elapsed = time.monotonic() - self.started
+        left = f"~{elapsed / self.done * (self.total - self.done):.0f} s left" if self.done else "estimating time left"
+        return f"{self.name}: {self.done}/{self.total} configurations, {left}"
+
+
+def ablation_store() -> Path:
+    return cache_dir() / "last-ablation.json"
+
+
+class MeasurementHandlers:
+    """ablate, compare, cancel_measurement, last_ablation, and the `measuring` hold every run goes through."""
+
+    def ablate(self, workload_name: str, quick: bool = True,
+               progress: ProgressFn | None = None) -> list[bench.AblationRow]:
+        """Raises bench.Cancelled if cancelled, ValueError if another measurement is running."""
+        workload = load_workload(workload_name, quick)
+        with self.measuring("ablation", len(bench.ABLATIONS) + 1, progress) as m:
+            rows = bench.ablate(self.llm, workload, progress=m.report, should_stop=m.cancel.is_set)
+        self.store.parent.mkdir(parents=True, exist_ok=True)
+        self.store.write_text(json.dumps(bench.to_jsonable({"workload": workload.name, "quick": quick, "rows": rows})))
+        return rows
+
+    def last_ablation(self) -> list[bench.AblationRow]:
+        try:
+            return [bench.AblationRow(**r) for r in json.loads(self.store.read_text())["rows"]]
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or written by an older version
+            return []
+
+    def compare(self, workload_name: str, spec_a: str, spec_b: str, quick: bool = True,
+                progress: ProgressFn | None = None) -> bench.CompareResult:
+        """Raises bench.Cancelled if cancelled, ValueError for a bad spec or if another measurement is running."""
+        workload = load_workload(workload_name, quick)
+        with self.measuring("comparison", 2, progress) as m:
+            return bench.compare(self.llm, workload, spec_a, spec_b, progress=m.report, should_stop=m.cancel.is_set)
+
+    def cancel_measurement(self) -> str:
+        if (measuring := self.measurement) is None:
+            return "No measurement is running."
+        measuring.cancel.set()
+        self.room.note(f"cancelled the {measuring.name}")
+        return f"Cancelling the {measuring.name}: the live engine resumes within a step."
+
+    @contextlib.contextmanager
+    def measuring(self, name: str, total: int, progress: ProgressFn | None) -> Iterator[Measurement]:
+        """Hold the live engine still while a measurement runs (so its numbers are clean), say so to every tab,
+        then restore the engine's state. One at a time: a second is refused rather than left waiting silently."""
+        if note := self.local_only(f"The {name} (it measures this process's engine)"):
+            raise ValueError(note.removeprefix(f"{WARNING} "))
+        if not self._exclusive.acquire(blocking=False):
+            raise ValueError(f"another measurement is running ({self._busy()}); wait for it or cancel it")
+        try:
+            service, was_paused = self.service, self.service.paused
+            self.measurement = Measurement(name, total, progress)
+            self.room.note(f"started a{'n' if name[0] in 'aeiou' else ''} {name} (the live engine pauses meanwhile)")
+            service.pause()
+            try:
+                yield self.measurement
+            finally:
+                self.measurement = None
+                if not was_paused and service.alive:  # not if it was restarted meanwhile
+                    service.resume()
+        finally:
+            self._exclusive.release()
