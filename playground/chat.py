@@ -73,12 +73,10 @@ class ChatHandlers:
 
     def _chat(self, message: str, history: list[dict], temperature: float, max_tokens: int,
               session: ChatSession | None) -> Iterator[tuple[list[dict], str]]:
-        history = list(history or [])
-        if not message or not message.strip():
-            yield history, ""
+        if (turn := conversation.next_turn(message, history)) is None:
+            yield list(history or []), ""
             return
-        messages = conversation.for_model(history) + [{"role": "user", "content": message}]
-        history = history + [{"role": "user", "content": message}]
+        messages, history = turn
         if (rebuilding := self.rebuilding) is not None:  # the engine is being replaced: wait for the new one
             yield history + [{"role": "assistant", "content": f"{QUEUED} queued: {rebuilding}; the reply starts "
                                                                f"when the new engine is up"}], "queued"

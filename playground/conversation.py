@@ -37,6 +37,14 @@ def for_model(history: list[dict]) -> list[dict]:
     return out
 
 
+def next_turn(message: str, history: list[dict] | None) -> tuple[list[dict], list[dict]] | None:
+    """(the messages the model sees, the page's history with the new message), or None for an empty message."""
+    history = list(history or [])
+    if not message or not message.strip():
+        return None
+    return for_model(history) + [{"role": "user", "content": message}], history + [{"role": "user", "content": message}]
+
+
 def drop_oldest_turn(messages: list[dict]) -> list[dict]:
     """Without the first user message and the replies to it (a leading system message stays)."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "user")

@@ -295,12 +295,10 @@ class RemoteServer:
              max_tokens: int = 256) -> Iterator[tuple[list[dict], str]]:
         """Stream the reply from the remote server's /v1/chat/completions into the history (a refusal, a busy
         server or an unreachable one shows as a warning in the chat, as the local engine's do)."""
-        history = list(history or [])
-        if not message or not message.strip():
-            yield history, ""
+        if (turn := conversation.next_turn(message, history)) is None:
+            yield list(history or []), ""
             return
-        messages = conversation.for_model(history) + [{"role": "user", "content": message}]
-        history = history + [{"role": "user", "content": message}]
+        messages, history = turn
         body = {"messages": messages, "temperature": float(temperature), "max_tokens": int(max_tokens),
                 "stream": True, "stream_options": {"include_usage": True}}
         if self.model:
