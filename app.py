@@ -146,7 +146,9 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access
         return serialised.payload(view.blocks), view.summary, gr.skip() if polling else gr.Timer(active=False)
     live.tick(refresh_view, session, [live_blocks, live_summary, live], concurrency_limit=4, show_progress="hidden",
               api_name="chat_view", postprocess=False)
-    stop.click(None, None, None, cancels=[chat_event, send_event])
+    # the reply keeps what had streamed; the chat's own cleanup aborts its request and frees its blocks
+    stop.click(audience(lambda: "⏹ stopped: the reply ends here, and its KV blocks went back to the pool"), None,
+               reply_info, cancels=[chat_event, send_event])
     # a fresh conversation: nothing of the old one is sent again (a reply still streaming is stopped)
     clear.click(audience(lambda: ([], "")), None, [chatbot, reply_info], cancels=[chat_event, send_event])
 
@@ -163,7 +165,7 @@ def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures) -> list[g
                     with gr.Column():
                         plots[key] = chart(PLOT_LABELS[key])
                         gr.Markdown(HELP[key])
-        with gr.Accordion("Traffic generator: put the engine under load", open=False):
+        with gr.Accordion("Traffic generator: put the engine under load", open=True):
             gr.Markdown("Simulated users each send a request from the workload, wait for the reply, think for a "
                         "moment (0.5-3 s) and send the next, until the time is up or you press Stop. Flip switches "
                         "in Engine settings meanwhile and watch the charts' markers. Duration 0: each user once.")

@@ -99,4 +99,9 @@ def test_the_audience_watches_the_presenter_steer(served, browser, tmp_path_fact
     audience.get_by_text("finished:").wait_for(timeout=120_000)
     assert audience.get_by_text("Hello from the back row").count() == 1  # sent once, and it was the message
     audience.screenshot(path=str(shots / "audience-chat.png"), full_page=True)
+    # Stop says so beside the reply
+    msg.fill("Tell me a long story")
+    msg.press("Enter")
+    audience.get_by_role("button", name="Stop").click()
+    audience.get_by_text("stopped: the reply ends here").wait_for(timeout=30_000)
     assert not pg.service.paused and pg.service.alive

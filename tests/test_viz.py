@@ -115,6 +115,19 @@ def test_compare_figure_puts_both_configurations_in_each_panel():
     assert [list(t.x) for t in fig.data] == [["naive", "full"]] * 3
     assert list(fig.data[0].y) == [6.0, 58.0] and list(fig.data[1].y) == [700.0, 700.0]
     assert list(fig.data[2].y) == [780.0, None]
+    # the better one is green in each panel (here A's TTFT ties, B has no TPOT), numbers as numbers
+    assert list(fig.data[0].marker.color) == [figures.EVEN, figures.GAIN]
+    assert list(fig.data[1].marker.color) == [figures.EVEN] * 2 and list(fig.data[2].marker.color) == [figures.EVEN] * 2
+    worse = SimpleNamespace(labels=("a", "b"), results=(run(throughput=2270.0, mean_ttft_s=0.05, mean_tpot_s=0.01),
+                                                         run(throughput=1500.0, mean_ttft_s=0.09, mean_tpot_s=0.02)))
+    fig = figures.to_figure(figures.compare_figure(worse))
+    assert list(fig.data[0].text) == ["2270", "1500"] and list(fig.data[0].marker.color) == [figures.GAIN, figures.EVEN]
+    assert list(fig.data[1].marker.color) == [figures.GAIN, figures.EVEN]  # B is worse: not green
+
+
+def test_a_value_just_short_of_its_goal_does_not_read_as_the_goal():
+    assert figures._percent(97.97, 98.0) == "97.97%" and figures._percent(97.3, 98.0) == "97.3%"
+    assert figures._percent(97.97, None) == "98.0%"
 
 
 def test_block_table_legend_and_grid_stay_put_with_many_requests():
