@@ -78,6 +78,9 @@ class HistorySample:
     tpot_s: float | None  # of requests that finished in this step (mean)
 
 
+RESTARTED = "restarted"  # a ConfigChange's action when the engine itself was replaced (its step counts from 0 again)
+
+
 @dataclass(frozen=True)
 class ConfigChange:
     """A configuration change as the engine applied it (or refused to build it), with the wall time it took effect:
@@ -106,10 +109,13 @@ class ConfigView:
 class EngineService:
     def __init__(self, engine: LLMEngine, history_len: int = 3600,
                  max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-                 stat_listeners: list[Callable[[IterationStats], None]] | None = None) -> None:
+                 stat_listeners: list[Callable[[IterationStats], None]] | None = None,
+                 follows: EngineService | None = None) -> None:
         """`max_waiting_requests`: beyond it submit raises ServiceBusy (None: no bound). `stat_listeners`: called
         on the engine thread after every step; the list is kept, not copied, so its owner can add to it later
-        (and hand the same list to the service that replaces this one after a restart)."""
+        (and hand the same list to the service that replaces this one after a restart). `follows`: the service this
+        one replaces: its time series and configuration changes carry on here, with a marker for the restart, so
+        the charts keep their before and after across it."""
         if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool)
                                                  or not isinstance(max_waiting_requests, int)
                                                  or max_waiting_requests < 1):
@@ -128,6 +134,10 @@ class EngineService:
         self.paused = False
         self._step_waiters: deque[Future] = deque()  # step_once callers, one step each
         self.error: str | None = None
+        if follows is not None:
+            self.history.extend(follows.history)
+            self.config_changes.extend(follows.config_changes)
+            self.config_changes.append(ConfigChange(time.time(), 0, {}, RESTARTED))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -315,6 +325,9 @@ class EngineService:
             time.time(), snap.step, snap.num_running, snap.num_waiting, snap.num_preemptions, snap.kv_blocks_used,
             snap.prefix_cache_queries, snap.prefix_cache_hits, snap.generation_tokens_total, step_ms,
             sum(ttfts) / len(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None))
+        self._tell_listeners(stats)
+
+    def _tell_listeners(self, stats: IterationStats) -> None:
         for listener in list(self.stat_listeners):
             try:
                 listener(stats)
@@ -367,7 +380,16 @@ class EngineService:
                                                     record.get("error")))
 
     def _fail_all(self, reason: str) -> None:
-        """The engine thread ended: end every open stream with an error instead of leaving it hanging."""
+        """The engine thread ended: end every open stream with an error instead of leaving it hanging, and count
+        each as aborted (vLLM's request_success{finished_reason="abort"}), as a client's abort is."""
+        now, ended = time.perf_counter(), IterationStats()
+        for rid in self._streams:
+            req = self.engine.requests.get(rid)
+            if req is not None:
+                ended.finished.append(FinishedRequestStats("abort", now - req.metrics.arrival_time,
+                                                           req.num_prompt_tokens, req.num_output_tokens))
+        if ended.finished:
+            self._tell_listeners(ended)
         for rid, q in list(self._streams.items()):
             with contextlib.suppress(Exception):  # one gone consumer must not keep the others waiting
                 q.put(RequestOutput(rid, None, [], "", [], True, "error", RequestMetrics(time.perf_counter()),

@@ -121,9 +121,9 @@ class Playground(ChatHandlers, SettingsHandlers, MeasurementHandlers):
         return (f"a measurement is running ({running.describe()})" if running else
                 f"the engine is being rebuilt ({self.rebuilding})" if self.rebuilding else "a measurement is starting")
 
-    def _new_service(self, engine) -> EngineService:
+    def _new_service(self, engine, follows: EngineService | None = None) -> EngineService:
         return EngineService(engine, max_waiting_requests=self.max_waiting_requests,
-                             stat_listeners=self.stat_listeners)
+                             stat_listeners=self.stat_listeners, follows=follows)
 
     # ---- traffic generator -----------------------------------------------------------------------------
     def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0) -> str:

@@ -192,7 +192,7 @@ class SettingsHandlers:
                     failures.append(f"{label}: {exc}")
                     continue
                 self.llm.engine = engine
-                self.service = self._new_service(engine)
+                self.service = self._new_service(engine, follows=old)
                 lost = (f"{plural(ended, 'request')} running or waiting {'was' if ended == 1 else 'were'} ended "
                         f"(their chats say so: send them again)." if ended else "")
                 return (f"Engine restarted {label}." + (f" ⚠️ Not possible {'; '.join(failures)}." if failures else "")

@@ -521,3 +521,24 @@ def test_the_queue_polls_calmly_and_gradio_still_has_the_knobs(pg):
     app.calm_queue(demo)
     assert demo._queue.sleep_when_free == app.QUEUE_POLL_S
     assert demo._queue.progress_update_sleep_when_free >= 5 * app.QUEUE_POLL_S
+
+
+def test_a_restart_keeps_the_charts_history_marks_itself_and_counts_what_it_ended_as_aborted(pg):
+    from engine.service import RESTARTED
+    from viz.figures import change_label
+    seen = []
+    pg.stat_listeners.append(lambda stats: seen.extend(f.finish_reason for f in stats.finished))
+    try:
+        pg.service.pause()  # a request that cannot finish before the restart ends it
+        rid, q = pg.service.submit("Hello there, a long reply please", SamplingParams(max_tokens=64))
+        old = pg.service
+        samples = list(old.history)
+        assert "1 request running or waiting was ended" in pg.restart()
+        assert pg.service is not old and list(pg.service.history)[:len(samples)] == samples
+        last = pg.service.config_changes[-1]
+        assert last.action == RESTARTED and change_label(last) == "engine restarted"
+        assert "abort" in seen  # /metrics' request_success{finished_reason="abort"} counts it
+        assert q.get(timeout=10).error
+    finally:
+        pg.stat_listeners.pop()
+        pg.service.resume()

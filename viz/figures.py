@@ -298,7 +298,9 @@ def _line(t: Sequence[float], y: Sequence, starts: Sequence[bool], drop_missing:
 
 def change_label(change) -> str:
     """'prefix_caching=False', or '✗ num_kv_blocks=9999' for a change the engine could not build (drawn grey; its
-    hover says "not applied" and why)."""
+    hover says "not applied" and why); 'engine restarted' for a change that replaced the engine itself."""
+    if not change.changes:
+        return f"engine {change.action}"
     text = ", ".join(f"{k}={v}" for k, v in change.changes.items())
     return f"✗ {text}" if change.error else text
 
