@@ -272,7 +272,10 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
     apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings",
                 show_progress_on=weights_note).then(load_settings, None, form)
     reset.click(do_reset, None, settings_out, show_progress_on=weights_note).then(load_settings, None, form)
-    restart.click(pg.restart, None, settings_out).then(load_settings, None, form)
+    def do_restart(progress=gr.Progress()):
+        return pg.restart(progress=lambda f, d: progress(f, desc=d))
+    restart.click(do_restart, None, settings_out, api_name="restart", show_progress_on=weights_note) \
+        .then(load_settings, None, form)
     gr.on(None, load_settings, None, form, api_name="settings")  # on page load
 
 

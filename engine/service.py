@@ -183,7 +183,7 @@ class EngineService:
         return request_id in self._streams
 
     def abort(self, request_id: str) -> None:
-        self._commands.put((lambda: self.engine.abort(request_id), None))
+        self._commands.put((lambda: self._abort(request_id), None))
 
     def update_config(self, **changes) -> dict | None:
         """Validated now (ValueError keeps the old config). An idle engine applies it at once and its reconfiguration
@@ -258,6 +258,11 @@ class EngineService:
 
     def _set_paused(self, paused: bool) -> None:
         self.paused = paused
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        if not self._should_step():  # paused, or that was the last request: no step will refresh the snapshot,
+            self._snapshot = self.engine.snapshot()  # and the queues would show it waiting on
 
     def _allow_step(self, done: Future) -> None:
         self._step_waiters.append(done)

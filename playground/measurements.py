@@ -30,16 +30,24 @@ class Measurement:
     current: str = ""
     started: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
+    reported: float | None = None  # when the last configuration ended (the estimate's clock)
 
     def report(self, done: int, total: int, current: str) -> None:
         """bench's progress callback, called before each configuration and once at the end."""
         self.done, self.total, self.current = done, total, current
+        self.reported = time.monotonic()
         if self.progress:
             self.progress(done / total, f"{self.describe()} · running: {current}")
 
     def describe(self) -> str:
-        elapsed = time.monotonic() - self.started
-        left = f"~{elapsed / self.done * (self.total - self.done):.0f} s left" if self.done else "estimating time left"
+        """The time left: the configurations still to run at the mean time of those done, less what the one
+        running has already taken (elapsed / done alone grew while a long configuration ran: 82 s -> 789 s)."""
+        if not self.done or self.reported is None:
+            left = "estimating time left"
+        else:
+            per = (self.reported - self.started) / self.done
+            remaining = per * (self.total - self.done) - (time.monotonic() - self.reported)
+            left = f"~{remaining:.0f} s left" if remaining >= 1 else "almost done (this one runs longer than the mean)"
         return f"{self.name}: {self.done}/{self.total} configurations, {left}"
 
 

@@ -153,15 +153,16 @@ class SettingsHandlers:
         return (f"Rebuilt the engine for {now_running}: weights loaded in {loaded:.1f} s, engine built and warmed "
                 f"up in {time.perf_counter() - start - loaded:.1f} s. " + (ended or "No request was open."))
 
-    def restart(self, changes: dict | None = None) -> str:
+    def restart(self, changes: dict | None = None, progress: ProgressFn | None = None) -> str:
         """A new engine thread over the same weights (after a crash, or to start clean). It comes back with the
         last configuration that ran (plus `changes`, for a change applied to a stopped engine); if that cannot
-        be built, with the defaults. Never raises: the page must always get an engine back."""
+        be built, with the defaults. Never raises: the page must always get an engine back. `progress`: its
+        stages (building the engine and its pool, warming up), as a rebuild's."""
         if note := self.local_only("Restarting the engine"):
             return note
         if self.rebuilding:
             return f"⚠️ Not restarted: {self._busy()}; it brings a new engine anyway."
-        message = self._restart(changes)[0]
+        message = self._restart(changes, progress)[0]
         self.room.note("restarted the engine" + (f" with {describe_changes(changes)}" if changes else ""))
         return message
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 
@@ -99,9 +100,18 @@ def test_the_audience_watches_the_presenter_steer(served, browser, tmp_path_fact
     audience.get_by_text("finished:").wait_for(timeout=120_000)
     assert audience.get_by_text("Hello from the back row").count() == 1  # sent once, and it was the message
     audience.screenshot(path=str(shots / "audience-chat.png"), full_page=True)
-    # Stop says so beside the reply
-    msg.fill("Tell me a long story")
-    msg.press("Enter")
-    audience.get_by_role("button", name="Stop").click()
-    audience.get_by_text("stopped: the reply ends here").wait_for(timeout=30_000)
-    assert not pg.service.paused and pg.service.alive
+    # Stop says so beside the reply (the engine held still, so the reply is surely on its way when Stop comes)
+    pg.service.pause()
+    try:
+        msg.fill("Tell me a long story")
+        msg.press("Enter")
+        audience.get_by_text("queued: the engine is paused").wait_for(timeout=30_000)
+        audience.get_by_role("button", name="Stop").click()
+        audience.get_by_text("stopped: the reply ends here").wait_for(timeout=30_000)
+    finally:
+        pg.service.resume()
+    # the stopped reply's request is aborted once its generator wakes (gradio cannot interrupt a blocked read)
+    deadline = time.monotonic() + 60
+    while pg.service.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pg.service.paused and pg.service.alive and not pg.service.engine.has_unfinished()

@@ -407,6 +407,10 @@ def test_a_measurement_estimates_the_time_left():
     m.started -= 20
     m.report(2, 5, "static batching")
     assert m.describe() == "ablation: 2/5 configurations, ~30 s left"
+    m.started, m.reported = m.started - 10, m.reported - 10  # ten seconds into the third: it falls, not climbs
+    assert m.describe() == "ablation: 2/5 configurations, ~20 s left"
+    m.started, m.reported = m.started - 40, m.reported - 40
+    assert m.describe().endswith("almost done (this one runs longer than the mean)")
 
 
 @pytest.fixture(scope="module")
@@ -533,7 +537,9 @@ def test_a_restart_keeps_the_charts_history_marks_itself_and_counts_what_it_ende
         rid, q = pg.service.submit("Hello there, a long reply please", SamplingParams(max_tokens=64))
         old = pg.service
         samples = list(old.history)
-        assert "1 request running or waiting was ended" in pg.restart()
+        stages = []
+        assert "1 request running or waiting was ended" in pg.restart(progress=lambda f, d: stages.append(d))
+        assert [d.split(": ", 1)[1][:3] for d in stages] == ["2/3", "3/3"]  # building with its pool, warming up
         assert pg.service is not old and list(pg.service.history)[:len(samples)] == samples
         last = pg.service.config_changes[-1]
         assert last.action == RESTARTED and change_label(last) == "engine restarted"

@@ -65,6 +65,19 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(service):
     assert_all_blocks_free(service.engine)
 
 
+def test_a_request_aborted_while_paused_leaves_the_queues_at_once(service):
+    """No step follows an abort while paused (or of the last request): the snapshot must not show it waiting on."""
+    service.pause()
+    rid, _ = service.submit(random_prompts(1, seed=44)[0], GREEDY)
+    assert service.snapshot().waiting == [rid]
+    service.abort(rid)
+    deadline = time.monotonic() + 10
+    while service.snapshot().waiting and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert service.snapshot().waiting == [] and service.snapshot().num_waiting == 0
+    service.resume()
+
+
 def test_config_change_and_step_mode(service):
     service.update_config(max_num_seqs=3)
     with pytest.raises(ValueError, match="block_size"):
