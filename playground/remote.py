@@ -110,7 +110,14 @@ def parse_metrics(text: str, now: float | None = None) -> MetricsReading:
     return reading
 
 
-def history_sample(step: int, cur: MetricsReading, prev: MetricsReading | None) -> HistorySample:
+def usable_blocks(reading: MetricsReading, reserved: int = 0) -> int | None:
+    """The blocks a request can hold: vLLM counts its null block in num_gpu_blocks and leaves it out of
+    kv_cache_usage_perc (a 6-block pool holding 4 of its 5 usable blocks showed "5 / 6"), so `reserved` is 1
+    for vLLM, 0 for this app."""
+    return None if reading.num_gpu_blocks is None else max(1, reading.num_gpu_blocks - reserved)
+
+
+def history_sample(step: int, cur: MetricsReading, prev: MetricsReading | None, reserved: int = 0) -> HistorySample:
     """A reading as one point of the dashboard's series: cumulative counters as they are, the interval's mean
     TTFT and inter-token latency (the remote TPOT) from the histograms' sums and counts."""
     def mean(part: str) -> float | None:
@@ -118,7 +125,7 @@ def history_sample(step: int, cur: MetricsReading, prev: MetricsReading | None) 
             return None
         count = getattr(cur, f"{part}_count") - getattr(prev, f"{part}_count")
         return (getattr(cur, f"{part}_sum") - getattr(prev, f"{part}_sum")) / count if count > 0 else None
-    total = cur.num_gpu_blocks or 100  # without the pool's size, usage is drawn in percent
+    total = usable_blocks(cur, reserved) or 100  # without the pool's size, usage is drawn in percent
     return HistorySample(cur.time, step, int(cur.num_running), int(cur.num_waiting), int(cur.num_preemptions),
                          round((cur.kv_usage or 0.0) * total), int(cur.prefix_cache_queries),
                          int(cur.prefix_cache_hits), int(cur.generation_tokens), 0.0, mean("ttft"), mean("itl"))
@@ -193,6 +200,7 @@ class RemoteServer:
         self.error: str | None = None  # the last scrape's problem, until one succeeds
         self.polls = 0
         self.failures = 0  # scrapes failed in a row: each waits twice as long as the last, up to MAX_POLL_S
+        self.reserved_blocks = 0  # blocks of num_gpu_blocks no request can hold (vLLM's null block: 1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -213,13 +221,16 @@ class RemoteServer:
     def connect(self) -> None:
         """The first scrape, and the served model's name: refuses (ValueError) a server that is not there or has
         no vLLM metrics, so attaching to a wrong address says so at once."""
-        self._record(self.scrape())
+        first = self.scrape()  # before the models: a server that is not there is refused after one deadline
         try:
             status, body = fetch(self.url + "/v1/models", MAX_SMALL_BYTES, self.timeout_s)
-            model = json.loads(body)["data"][0]["id"] if status == 200 else None
+            entry = json.loads(body)["data"][0] if status == 200 else {}
+            model = entry.get("id")
             self.model = model if isinstance(model, str) and len(model) <= 256 else None
-        except (ValueError, KeyError, IndexError, TypeError):
+            self.reserved_blocks = 1 if entry.get("owned_by") == "vllm" else 0
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             self.model = None  # the chat then sends no model name, and the server picks its own
+        self._record(first)
 
     def _record(self, reading: MetricsReading) -> None:
         with self._lock:
@@ -228,7 +239,7 @@ class RemoteServer:
                 self.history.clear()
                 prev = None
             self.polls += 1
-            self.history.append(history_sample(self.polls, reading, prev))
+            self.history.append(history_sample(self.polls, reading, prev, self.reserved_blocks))
             self.latest, self.error = reading, None
 
     def poll_once(self) -> None:
@@ -275,7 +286,7 @@ class RemoteServer:
             if self._cached is not None and self._cached[0] == polls:
                 return self._cached[1]
         recent = figures.recent_samples(samples, history_s, points)
-        blocks = latest.num_gpu_blocks if latest else None
+        blocks = usable_blocks(latest, self.reserved_blocks) if latest else None
         kv = SimpleNamespace(kv_blocks_used=recent[-1].kv_blocks_used if recent else 0,
                              kv_blocks_total=blocks or 100)
         built = DashboardFigures(

@@ -11,7 +11,7 @@ from engine.config import BUILT_SWITCHES, WEIGHT_FIELDS
 from engine.gpu import resolve_dtype
 from engine.models.linear import WeightFormat
 
-from .room import describe_changes
+from .room import describe_changes, plain
 from .stepmode import plural
 
 SIZE_FIELDS = ["block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"]
@@ -55,8 +55,12 @@ class SettingsHandlers:
                 for k, unit in AUTOMATIC_FIELDS.items()}
 
     def settings_note(self) -> str:
-        """Changes still waiting for a step boundary, and a change that could not be applied."""
+        """Changes still waiting for a step boundary, a change that could not be applied, and, while the page
+        watches another server, that this form is this process's engine's and not that server's."""
         view, notes = self.service.config_view(), []
+        if (remote := self.remote) is not None:
+            notes.append(f"⚠️ The page is attached to {plain(remote.url)}: this form shows the engine in this "
+                         f"process, not that server's settings (which cannot be read or changed from here).")
         if view.pending:
             notes.append(f"⏳ waiting for the next step boundary: {_fields(view.pending)}")
         last = self.service.snapshot().last_reconfig

@@ -240,6 +240,7 @@ def test_the_chat_through_an_attached_app_streams_its_reply(watched, watcher, re
 def test_what_needs_this_engine_says_so_while_attached_and_works_again_after_detaching(watched, watcher):
     url, _ = watched
     watcher.attach(url)
+    assert "this form shows the engine in this process" in watcher.settings_note()
     for note in (watcher.pause(), watcher.step(), watcher.resume(), watcher.restart(),
                  watcher.apply_settings(max_num_seqs=3), watcher.start_traffic("fixed-16", 2)):
         assert "not available when attached to a remote server" in note, note
@@ -418,3 +419,14 @@ def test_the_offline_side_of_serve_overhead_generates_every_token(tiny_models, t
     offline_main(str(prompts), str(tmp_path / "out.json"))
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["tokens"] == 15 and out["seconds"] > 0
+
+
+def test_vllm_s_null_block_is_left_out_of_the_pool_it_draws():
+    """vLLM counts a null block in num_gpu_blocks that kv_cache_usage_perc leaves out: a 6-block pool holding 4 of
+    its 5 usable blocks (usage 0.8) is 4 / 5, not 5 / 6; this app's own pool has no such block."""
+    from playground.remote import history_sample, parse_metrics, usable_blocks
+    text = ('vllm:kv_cache_usage_perc{engine="0"} 0.8\n'
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="6"} 1.0\n')
+    reading = parse_metrics(text, now=1.0)
+    assert usable_blocks(reading, reserved=1) == 5 and history_sample(1, reading, None, 1).kv_blocks_used == 4
+    assert usable_blocks(reading) == 6 and history_sample(1, reading, None).kv_blocks_used == 5
