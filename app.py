@@ -288,6 +288,7 @@ def build_ablation_tab(pg: Playground, serialised: SerialisedFigures) -> None:
             quick = gr.Checkbox(value=True, label="quick (a quarter of the requests)")
             go = gr.Button("Run ablation", variant="primary")
             cancel = gr.Button("Cancel")
+        full_note = gr.Markdown()
         note = gr.Markdown()
         plot = chart("tokens/s per configuration", NO_ABLATION)
         table = gr.Dataframe(ablation_table([]), headers=ABLATION_HEADERS, label="results")
@@ -302,10 +303,12 @@ def build_ablation_tab(pg: Playground, serialised: SerialisedFigures) -> None:
     @audience
     def last_ablation():
         rows = pg.last_ablation()
-        return serialised(ablation_figure(rows) if rows else placeholder_figure(NO_ABLATION)), ablation_table(rows)
+        return (serialised(ablation_figure(rows) if rows else placeholder_figure(NO_ABLATION)), ablation_table(rows),
+                pg.full_engine_note())
     go.click(do_ablate, [workload, quick], [plot, table, note])
     cancel.click(pg.cancel_measurement, None, note)
-    gr.on(None, last_ablation, None, [plot, table])  # on page load: the last results, kept across restarts
+    # on page load: the last results, kept across restarts, and what "full engine" means against the live one
+    gr.on(None, last_ablation, None, [plot, table, full_note])
 
 
 def build_compare_tab(pg: Playground, serialised: SerialisedFigures) -> None:

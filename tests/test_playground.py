@@ -402,6 +402,12 @@ def test_a_measurement_says_why_the_engine_waits_and_can_be_cancelled(pg):
     assert "paused" not in pg.status()
 
 
+def test_the_ablation_says_where_the_live_engine_differs_from_its_full_engine(pg):
+    note = pg.full_engine_note()
+    assert "quantization=int4" in note and "speculative_decoding=True" in note
+    assert "The live engine differs: it runs quantization=None" in note and "speculative_decoding=False" in note
+
+
 def test_a_measurement_estimates_the_time_left():
     m = Measurement("ablation", 5)
     m.started -= 20
