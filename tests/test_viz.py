@@ -228,6 +228,9 @@ def test_empty_charts_say_why():
         assert [a["text"] for a in figures.to_figure(spec).to_dict()["layout"]["annotations"]] == ["no steps yet"]
     spec = figures.to_figure(figures.placeholder_figure("Press Compare"))
     assert [a.text for a in spec.layout.annotations] == ["Press Compare"] and not spec.data
+    long = figures.placeholder_figure("Your request in the KV pool: not available when attached to a remote server")
+    lines = long["layout"]["annotations"][0]["text"].split("<br>")
+    assert len(lines) == 2 and all(len(line) <= figures.PLACEHOLDER_CHARS for line in lines)
 
 
 def test_block_table_shows_a_partly_prefilled_request():

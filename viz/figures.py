@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import textwrap
 import zlib
 from collections.abc import Sequence
 
@@ -71,9 +72,14 @@ def corner_note(text: str) -> dict:
     return {**note(text), "x": 0.98, "y": 0.04, "xanchor": "right", "yanchor": "bottom"}
 
 
+PLACEHOLDER_CHARS = 44  # a line of a placeholder's text: it fits the chat's narrow live view at 1600 px
+
+
 def placeholder_figure(text: str, height: int = 250) -> dict:
-    """An empty chart that says why it is empty (gradio's own empty plot is a blank box)."""
-    return figure([], height=height, margin=dict(l=10, r=10, t=10, b=10), annotations=[note(text)],
+    """An empty chart that says why it is empty (gradio's own empty plot is a blank box), its text wrapped so a
+    long reason stays inside a narrow chart."""
+    wrapped = "<br>".join(textwrap.wrap(text, PLACEHOLDER_CHARS)) or text
+    return figure([], height=height, margin=dict(l=10, r=10, t=10, b=10), annotations=[note(wrapped)],
                   xaxis=dict(visible=False), yaxis=dict(visible=False))
 
 
