@@ -37,7 +37,7 @@ from engine.config import (
     WEIGHT_FIELDS,
 )
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
-from playground.access import OPEN, PUBLIC, TOKEN, TOKEN_ENV, Access, audience, presenter_controls
+from playground.access import OPEN, OWNER_ENV, PUBLIC, TOKEN, TOKEN_ENV, Access, audience, presenter_controls
 from playground.chat import ChatSession
 from playground.features_tab import build_features_tab
 from playground.handlers import Playground, feature_presets, workloads
@@ -401,6 +401,10 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
 def build_presenter_box(access: Access) -> dict:
     """The visitor's role line and, in token mode, where the presenter enters the token."""
     parts = {"banner": gr.Markdown(visible=access.mode != OPEN, elem_id="role-banner")}
+    # a Space with `hf_oauth: true` (which sets OAUTH_CLIENT_ID): its owner logs in to present. Elsewhere gradio's
+    # login button needs this machine logged in to the hub, so it is left out
+    if access.owner and access.mode != OPEN and os.environ.get("OAUTH_CLIENT_ID"):
+        gr.LoginButton()
     if access.mode == TOKEN:
         with gr.Accordion("Presenter", open=False, elem_id="presenter-box"):
             with gr.Row():
@@ -489,6 +493,9 @@ def main() -> None:
     parser.add_argument("--public", action="store_true",
                         help="public mode even on 127.0.0.1: nobody may change the shared engine (without a token; "
                              "the default off loopback, with --share and on Spaces)")
+    parser.add_argument("--space-owner-presents", action="store_true", default=None,
+                        help=f"on a Space with `hf_oauth: true`: its owner, logged in with Hugging Face, is the "
+                             f"presenter (default: ${OWNER_ENV}=1)")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY, as vLLM)")
     parser.add_argument("--attach", default=None, metavar="URL",
@@ -500,7 +507,8 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     server_name = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
-    access = Access.for_launch(server_name, args.share or args.public, args.presenter_token)
+    access = Access.for_launch(server_name, args.share or args.public, args.presenter_token,
+                               args.space_owner_presents)
     print(f"Access: {ROLE_LINES[access.mode]}", flush=True)
     pg = Playground(LLM(args.model, **{"device": args.device, **fields}),
                     max_waiting_requests=args.max_waiting_requests)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 OPEN, TOKEN, PUBLIC = "open", "token", "public"
 TOKEN_ENV = "WATCH_LLM_PRESENTER_TOKEN"  # a Space keeps it as a secret (Settings -> Variables and secrets)
 TOKEN_HEADER = "x-presenter-token"  # gradio_client(url, headers={"X-Presenter-Token": ...}) for scripts
+OWNER_ENV = "WATCH_LLM_SPACE_OWNER_PRESENTS"  # "1" on a Space with `hf_oauth: true`: its owner, logged in, presents
 MAX_UNLOCKED = 64  # presenter sessions remembered (oldest forgotten first)
 FAILED_UNLOCK_DELAY_S = 1.0  # a wrong token answers this late: with one unlock at a time, guessing is slow
 
@@ -47,6 +48,24 @@ def is_loopback(host: str | None) -> bool:
 
 def on_spaces() -> bool:
     return bool(os.environ.get("SPACE_ID"))
+
+
+def space_owner() -> str | None:
+    """The Space's owner, as Spaces names it (SPACE_AUTHOR_NAME, or the first part of SPACE_ID)."""
+    return os.environ.get("SPACE_AUTHOR_NAME") or (os.environ.get("SPACE_ID") or "").split("/")[0] or None
+
+
+def logged_in_as(request) -> str | None:
+    """The Hugging Face user logged in through gradio's OAuth (gr.LoginButton) behind a gr.Request, or None."""
+    raw = getattr(request, "request", None)
+    try:
+        info = raw.session.get("oauth_info") if raw is not None else None
+    except Exception:  # no session middleware: OAuth is not set up
+        return None
+    if not isinstance(info, dict) or (info.get("expires_at") or float("inf")) < time.time():
+        return None
+    name = (info.get("userinfo") or {}).get("preferred_username")
+    return name if isinstance(name, str) and name else None
 
 
 def decide_mode(server_name: str | None, share: bool, token: str | None, spaces: bool | None = None) -> str:
@@ -72,21 +91,27 @@ class Refused(Exception):
 
 
 class Access:
-    def __init__(self, mode: str = OPEN, token: str | None = None) -> None:
+    def __init__(self, mode: str = OPEN, token: str | None = None, owner: str | None = None) -> None:
+        """`owner`: a Hugging Face user who is the presenter once logged in (the Space's owner), or None."""
         if mode not in (OPEN, TOKEN, PUBLIC):
             raise ValueError(f"access mode must be open, token or public, got {mode!r}")
         if mode == TOKEN and not token:
             raise ValueError("token mode needs a presenter token")
         self.mode = mode
+        self.owner = owner or None
         self._token = token or None
         self._unlocked: OrderedDict[str, float] = OrderedDict()  # session hash -> when it unlocked
         self._lock = threading.Lock()
         self.refusals = 0  # calls refused since start (the tests count them)
 
     @classmethod
-    def for_launch(cls, server_name: str | None, share: bool, token: str | None = None) -> Access:
+    def for_launch(cls, server_name: str | None, share: bool, token: str | None = None,
+                   owner_presents: bool | None = None) -> Access:
         token = token or os.environ.get(TOKEN_ENV) or None
-        return cls(decide_mode(server_name, share, token), token)
+        if owner_presents is None:
+            owner_presents = os.environ.get(OWNER_ENV, "").strip().lower() in ("1", "true", "yes")
+        owner = space_owner() if owner_presents and on_spaces() else None
+        return cls(decide_mode(server_name, share, token), token, owner)
 
     # ---- who is asking ---------------------------------------------------------------------------------------
     def visitor(self, request=None) -> Visitor:
@@ -95,7 +120,11 @@ class Access:
         session = getattr(request, "session_hash", None)
         if self.mode == OPEN:
             return Visitor(session, True)
-        if self.mode == PUBLIC or request is None:
+        if request is None:
+            return Visitor(session, False)
+        if self.owner is not None and logged_in_as(request) == self.owner:
+            return Visitor(session, True)
+        if self.mode == PUBLIC:
             return Visitor(session, False)
         with self._lock:
             if session is not None and session in self._unlocked:
@@ -138,8 +167,11 @@ class Access:
 
     # ---- what the page says ----------------------------------------------------------------------------------
     def how_to_unlock(self) -> str:
+        owner = (f" (or log in with Hugging Face as {self.owner}, the Space's owner)" if self.owner else "")
         if self.mode == TOKEN:
-            return "enter the presenter token in the Presenter box at the top to unlock them."
+            return f"enter the presenter token in the Presenter box at the top to unlock them{owner}."
+        if self.owner:
+            return f"log in with Hugging Face as {self.owner}, the Space's owner, to unlock them."
         return (f"nobody may change this shared engine. To steer it, run your own copy (on Spaces: Duplicate this "
                 f"Space) or start it with --presenter-token (or the {TOKEN_ENV} secret).")
 

@@ -53,6 +53,27 @@ def test_only_the_right_token_makes_a_presenter(monkeypatch):
     assert not gate.visitor(fake_request("tab-1")).presenter
 
 
+def test_on_a_space_its_owner_logged_in_is_the_presenter(monkeypatch):
+    import time
+    monkeypatch.setenv("SPACE_ID", "alice/watch-llm")
+    monkeypatch.delenv("SPACE_AUTHOR_NAME", raising=False)
+    monkeypatch.delenv(access_mod.TOKEN_ENV, raising=False)
+    gate = Access.for_launch("0.0.0.0", False, owner_presents=True)
+    assert gate.mode == PUBLIC and gate.owner == "alice" and "log in with Hugging Face as alice" in gate.how_to_unlock()
+
+    def logged_in(user, expires_in=600.0):
+        raw = types.SimpleNamespace(session={"oauth_info": {"userinfo": {"preferred_username": user},
+                                                            "expires_at": time.time() + expires_in}})
+        return types.SimpleNamespace(session_hash="tab", headers={}, request=raw)
+    assert gate.visitor(logged_in("alice")).presenter
+    assert not gate.visitor(logged_in("mallory")).presenter
+    assert not gate.visitor(logged_in("alice", expires_in=-1)).presenter  # an expired login is no login
+    assert not gate.visitor(fake_request()).presenter
+    assert Access.for_launch("0.0.0.0", False).owner is None  # only when asked for
+    monkeypatch.delenv("SPACE_ID")
+    assert Access.for_launch("0.0.0.0", False, owner_presents=True).owner is None  # not on a Space
+
+
 def test_public_mode_has_no_presenter_and_open_mode_only_presenters():
     public = Access(PUBLIC)
     assert not public.visitor(fake_request(headers={"x-presenter-token": ""})).presenter
