@@ -134,11 +134,11 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access
     chat_inputs = [msg, chatbot, temperature, max_tokens, session]
     # as many chats at once as the engine has seats (and a few waiting), not gradio's default
     seats = max(16, pg.service.config_view().resolved["max_num_seqs"] + 4)
-    chat_event = msg.submit(chat, chat_inputs, [chatbot, reply_info], concurrency_limit=seats, api_name="chat")
-    send_event = send.click(chat, chat_inputs, [chatbot, reply_info], concurrency_limit=seats,
-                            api_visibility="undocumented", api_name="send")
-    for ev in (chat_event, send_event):
-        ev.then(audience(lambda: ""), None, msg)
+    # one event for Enter and Send: gradio refuses a second trigger of an event still running, so a message left
+    # in the box while its reply streams is not sent again by the other one (two events took it twice)
+    chat_event = gr.on([msg.submit, send.click], chat, chat_inputs, [chatbot, reply_info], concurrency_limit=seats,
+                       api_name="chat")
+    chat_event.then(audience(lambda: ""), None, msg)
 
     @audience
     def refresh_view(s: ChatSession):
@@ -148,9 +148,9 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access
               api_name="chat_view", postprocess=False)
     # the reply keeps what had streamed; the chat's own cleanup aborts its request and frees its blocks
     stop.click(audience(lambda: "⏹ stopped: the reply ends here, and its KV blocks went back to the pool"), None,
-               reply_info, cancels=[chat_event, send_event])
+               reply_info, cancels=[chat_event])
     # a fresh conversation: nothing of the old one is sent again (a reply still streaming is stopped)
-    clear.click(audience(lambda: ([], "")), None, [chatbot, reply_info], cancels=[chat_event, send_event])
+    clear.click(audience(lambda: ([], "")), None, [chatbot, reply_info], cancels=[chat_event])
 
 
 def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures) -> list[gr.Plot]:

@@ -106,6 +106,9 @@ def test_the_audience_watches_the_presenter_steer(served, browser, tmp_path_fact
         msg.fill("Tell me a long story")
         msg.press("Enter")
         audience.get_by_text("queued: the engine is paused").wait_for(timeout=30_000)
+        audience.get_by_role("button", name="Send").click()  # the message is still in the box: not sent again
+        audience.wait_for_timeout(1500)
+        assert audience.get_by_text("Tell me a long story").count() == 1 and len(pg.service.engine.requests) == 1
         audience.get_by_role("button", name="Stop").click()
         audience.get_by_text("stopped: the reply ends here").wait_for(timeout=30_000)
     finally:
