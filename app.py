@@ -37,7 +37,7 @@ from engine.config import (
     WEIGHT_FIELDS,
 )
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
-from playground.access import OPEN, OWNER_ENV, PUBLIC, TOKEN, TOKEN_ENV, Access, audience, presenter_controls
+from playground.access import OPEN, OWNER_ENV, PUBLIC, TOKEN, TOKEN_ENV, Access, Seats, audience, presenter_controls
 from playground.chat import ChatSession
 from playground.features_tab import build_features_tab
 from playground.handlers import Playground, feature_presets, workloads
@@ -496,6 +496,10 @@ def main() -> None:
     parser.add_argument("--space-owner-presents", action="store_true", default=None,
                         help=f"on a Space with `hf_oauth: true`: its owner, logged in with Hugging Face, is the "
                              f"presenter (default: ${OWNER_ENV}=1)")
+    parser.add_argument("--audience-replies", type=int, default=2, metavar="N",
+                        help="replies each audience member may have on their way at once (public and token modes)")
+    parser.add_argument("--audience-max-tokens", type=int, default=256, metavar="N",
+                        help="the longest reply an audience member may ask for (public and token modes)")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY, as vLLM)")
     parser.add_argument("--attach", default=None, metavar="URL",
@@ -510,8 +514,13 @@ def main() -> None:
     access = Access.for_launch(server_name, args.share or args.public, args.presenter_token,
                                args.space_owner_presents)
     print(f"Access: {ROLE_LINES[access.mode]}", flush=True)
+    try:
+        seats = Seats(args.audience_replies, args.audience_max_tokens)
+    except ValueError as exc:
+        parser.error(str(exc))
     pg = Playground(LLM(args.model, **{"device": args.device, **fields}),
                     max_waiting_requests=args.max_waiting_requests)
+    pg.seats = seats
     if args.attach:  # a wrong address is said on the page and here; the page still starts
         print(pg.attach(args.attach), flush=True)
     launch(pg, args.served_model_name or served_model_name(args.model), access=access,
