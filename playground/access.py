@@ -81,10 +81,6 @@ class Visitor:
     session: str | None  # gradio's session hash (one browser tab)
     presenter: bool
 
-    @property
-    def role(self) -> str:
-        return "presenter" if self.presenter else "audience"
-
 
 class Refused(Exception):
     """A visitor asked for what only the presenter may do. app.py shows it as gradio's error toast."""
