@@ -179,8 +179,13 @@ def fetch(url: str, max_bytes: int, deadline_s: float = DEADLINE_S) -> tuple[int
 
 def error_text(response: httpx.Response) -> str:
     """A refusal by its status and, when it is OpenAI's error object, its message as text (never the raw body)."""
+    body = b""
     try:
-        error = json.loads(response.read()[:MAX_SMALL_BYTES]).get("error")
+        for chunk in response.iter_bytes():  # at most MAX_SMALL_BYTES of it, not the whole body first
+            body += chunk
+            if len(body) > MAX_SMALL_BYTES:
+                break
+        error = json.loads(body[:MAX_SMALL_BYTES]).get("error")
         message = error.get("message") if isinstance(error, dict) else error
     except (ValueError, AttributeError, httpx.HTTPError):
         message = None
