@@ -114,23 +114,78 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Scale by temperature and mask (to -inf) what top-k / top-p / min-p exclude. Rows: requests.
 
-    top_k <= 0 disables top-k for that row; top_p = 1 and min_p = 0 disable the others.
+    top_k <= 0 (or >= the vocabulary) disables top-k for that row; top_p = 1 and min_p = 0 disable the others.
+    Each filter judges the tempered distribution as it is, and a token stays when every filter keeps it (an
+    intersection). Only what a row asks for is computed: no filter, no sort; top-k by `topk` (exactly k kept, a
+    tie at the boundary broken by topk's order); top-p first among the few most likely (_top_p_drop); min-p
+    needs the softmax and its maximum only.
     """
     logits = logits / temperature.unsqueeze(1)
-    vocab = logits.shape[1]
-    sorted_logits, sorted_idx = logits.sort(dim=1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab).unsqueeze(1)
-    drop = ranks >= k
-    probs = sorted_logits.softmax(dim=1)
-    # top-p: keep the smallest prefix whose mass reaches p (the token that crosses p stays).
-    # top_p = 1 is off: the float cumsum reaches 1.0 before the tail, which must not drop the tail's tokens.
-    mass_before = probs.cumsum(dim=1) - probs
-    drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1)
-    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
-    drop[:, 0] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    n, vocab = logits.shape
+    use_k = (top_k > 0) & (top_k < vocab)
+    use_p = top_p < 1
+    use_m = min_p > 0
+    if not bool((use_k | use_p | use_m).any()):
+        return logits
+    drop = torch.zeros_like(logits, dtype=torch.bool)
+    if bool(use_k.any()):
+        rows = use_k.nonzero().flatten()
+        k = top_k[rows].unsqueeze(1)
+        top_idx = _take(logits, rows).topk(int(k.max()), dim=1).indices  # most likely first
+        ranks = torch.arange(top_idx.shape[1], device=logits.device).unsqueeze(0)
+        _or_rows(drop, rows, torch.ones((len(rows), vocab), dtype=torch.bool, device=logits.device)
+                 .scatter_(1, top_idx, ranks >= k))
+    if bool((use_p | use_m).any()):
+        rows = (use_p | use_m).nonzero().flatten()
+        probs = _take(logits, rows).softmax(dim=1)
+        if bool(use_m[rows].any()):  # min_p = 0 drops nothing: no probability is below 0
+            _or_rows(drop, rows, probs < min_p[rows].unsqueeze(1) * probs.max(dim=1, keepdim=True).values)
+        if bool(use_p[rows].any()):
+            sel = use_p[rows].nonzero().flatten()
+            _or_rows(drop, _take(rows, sel), _top_p_drop(_take(probs, sel), top_p[rows[sel]].unsqueeze(1)))
+    return logits.masked_fill_(drop, float("-inf"))
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t's rows (ascending indices); t itself, not a copy, when they are all of them (the common case)."""
+    return t if len(rows) == t.shape[0] else t[rows]
+
+
+def _or_rows(mask: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> None:
+    if len(rows) == mask.shape[0]:
+        mask |= part
+    else:
+        mask[rows] |= part
+
+
+TOP_P_CANDIDATES = (256, 4096)  # top-p looks among this many most likely tokens, then this many, then all
+
+
+def _top_p_drop(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """What top-p drops: all but the smallest prefix of the most likely tokens whose mass reaches p (the token
+    that crosses p stays). Sorting 49k entries is the costly part, and a nucleus is most often small (SmolLM2
+    chatting at temperature 1: the 256 most likely hold 0.9 of the mass in 92% of steps, the 4,096 most likely
+    in all). So the most likely TOP_P_CANDIDATES come first (`topk`); a row whose candidates already hold mass p
+    is settled by them exactly as a full sort would settle it (every token past them has at least that mass
+    before it), and only the rows still short look further, the last ones at the whole sorted row."""
+    n, vocab = probs.shape
+    drop = torch.ones_like(probs, dtype=torch.bool)
+    pending = torch.arange(n, device=probs.device)
+    for k in (*(c for c in TOP_P_CANDIDATES if c < vocab), vocab):
+        top, top_idx = _take(probs, pending).topk(k, dim=1)  # most likely first: a sort when k is the vocabulary
+        before = top.cumsum(dim=1) - top
+        keep = before < _take(p, pending)
+        keep[:, 0] = True
+        settled = (before[:, -1] + top[:, -1] >= _take(p, pending)[:, 0]) | (k == vocab)
+        if bool(settled.all()):
+            if len(pending) == n:
+                return drop.scatter_(1, top_idx, ~keep)  # past the candidates: dropped
+            drop[pending] = drop[pending].scatter_(1, top_idx, ~keep)
+            break
+        done = pending[settled]
+        drop[done] = drop[done].scatter_(1, top_idx[settled], ~keep[settled])
+        pending = pending[~settled]
+    return drop
 
 
 def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -141,27 +196,76 @@ def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     if not rows:
         return logits
     dev = logits.device
-    logits = logits.clone()  # the caller's tensor stays as it was
-    logits[rows] = filter_logits(
-        logits[rows],
+    every = len(rows) == len(params)
+    filtered = filter_logits(
+        logits if every else logits[rows],
         torch.tensor([params[i].temperature for i in rows], device=dev, dtype=torch.float32),
         torch.tensor([params[i].top_k for i in rows], device=dev),
         torch.tensor([params[i].top_p for i in rows], device=dev, dtype=torch.float32),
         torch.tensor([params[i].min_p for i in rows], device=dev, dtype=torch.float32),
     )
-    return logits
+    if every:
+        return filtered
+    out = logits.clone()  # the caller's tensor stays as it was
+    out[rows] = filtered
+    return out
+
+
+CDF_CHUNK = 256  # vocabulary entries per chunk of the two-level cumulative sum in draw()
 
 
 def draw(processed: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of processed logits. Greedy rows take the argmax; the rest draw from their distribution."""
-    out = processed.argmax(dim=1).tolist()
+    """One token per row of processed logits. Greedy rows take the argmax; the rest draw from their distribution,
+    all at once, by inverting its cumulative sum at one uniform number per row (binary searches, no loop over the
+    vocabulary in Python). Each generator draws the numbers of its own rows only, one per row per step, so a
+    seeded request's tokens do not depend on what else is in the batch."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return out
-    probs = processed[rows].softmax(dim=1)
+        return processed.argmax(dim=1).tolist()
+    out = [0] * len(params)
+    if greedy := [i for i, p in enumerate(params) if p.greedy]:
+        for i, token in zip(greedy, processed[greedy].argmax(dim=1).tolist()):
+            out[i] = token
+    probs = (processed if len(rows) == len(params) else processed[rows]).softmax(dim=1)
+    uniform = torch.empty((len(rows), 1), dtype=torch.float64, device=probs.device)
+    by_generator: dict[int, list[int]] = {}
     for j, i in enumerate(rows):
-        out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+        by_generator.setdefault(id(generators[i]), []).append(j)
+    for js in by_generator.values():  # rows sharing one generator (the engine's, unseeded) draw in batch order
+        uniform[js] = torch.rand((len(js), 1), dtype=torch.float64, device=probs.device,
+                                 generator=generators[rows[js[0]]])
+    for i, token in zip(rows, invert_cdf(probs, uniform).tolist()):
+        out[i] = token
     return out
+
+
+def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds u x the row's total: token i with
+    probability p_i. A token of probability 0 (a filter removed it) adds no width, so no u lands on it.
+
+    Two levels, for speed and for precision: a float32 running sum over 49k probabilities would misplace the
+    tail's boundaries by up to ~1e-3 of mass, and a cumulative sum over every entry is the slow part. So the row
+    is cut into chunks of CDF_CHUNK; the chunks' masses (a vectorized sum) are accumulated in float64 to pick the
+    chunk, and only the picked chunk gets a running sum, each boundary in it off by at most an ulp of its mass."""
+    n, vocab = probs.shape
+    chunks = -(-vocab // CDF_CHUNK)
+    if vocab % CDF_CHUNK:
+        probs = torch.nn.functional.pad(probs, (0, chunks * CDF_CHUNK - vocab))
+    blocks = probs.view(n, chunks, CDF_CHUNK)
+    mass = blocks.sum(dim=2).double()  # float32 sums of CDF_CHUNK (pairwise: exact to a few ulps)
+    outer = mass.cumsum(dim=1)
+    target = uniform * outer[:, -1:]
+    chunk = torch.searchsorted(outer, target, right=True).clamp_(max=chunks - 1)
+    rows = torch.arange(n, device=probs.device)
+    inner = blocks[rows, chunk.flatten()].cumsum(dim=1)  # (n, CDF_CHUNK), float32
+    before = torch.where(chunk > 0, outer.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(target))
+    chunk_mass = mass[rows, chunk.flatten()].unsqueeze(1)
+    # where u falls inside the chunk, on the scale of the chunk's own running sum
+    rest = ((target - before) / chunk_mass * inner[:, -1:].double()).float()
+    token = torch.searchsorted(inner, rest.contiguous(), right=True)
+    # a rest rounded up to the chunk's whole mass falls past its last token; the last one with mass is meant
+    token = torch.minimum(token, torch.searchsorted(inner, inner[:, -1:].contiguous(), right=False))
+    return (chunk * CDF_CHUNK + token).flatten()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

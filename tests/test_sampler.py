@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.sampler import filter_logits, sample
+from engine import sampler
+from engine.sampler import filter_logits, invert_cdf, sample
 from tests.conftest import assert_all_blocks_free
 
 NEG_INF = float("-inf")
@@ -215,6 +216,115 @@ def test_draws_stay_in_a_large_vocabulary_support():
     g = torch.Generator().manual_seed(9)
     draws = sample(logits.expand(2000, -1), [p] * 2000, [g] * 2000)
     assert set(draws) <= support and len(set(draws)) > 1
+
+
+# ---- the sampler's fast paths: the same answers as the plain way, without its work ---------------------
+
+def reference_filter(logits, temperature, top_k, top_p, min_p):
+    """The plain way, one full sort per row: what every fast path must agree with."""
+    logits = logits / temperature.unsqueeze(1)
+    vocab = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= torch.where(top_k > 0, top_k, vocab).clamp(max=vocab).unsqueeze(1)
+    probs = sorted_logits.softmax(dim=1)
+    drop |= ((probs.cumsum(dim=1) - probs) >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1)
+    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits.masked_fill(drop, NEG_INF))
+
+
+@pytest.mark.parametrize("candidates", [(256, 4096), (4, 16), (1,), ()])
+def test_fast_filters_agree_with_one_full_sort_per_row(monkeypatch, candidates):
+    """Random batches of random settings, peaked and flat rows: with few candidates most rows look further, some
+    to the whole sorted row, so every tier of top-p and every row mix (all rows, some rows) is crossed."""
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        n, vocab = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(2, 700, (1,), generator=gen))
+        sharpness = torch.rand(n, 1, generator=gen) * 8
+        logits = torch.randn(n, vocab, generator=gen) * sharpness
+        temperature = torch.rand(n, generator=gen) * 1.5 + 0.1
+        top_k = torch.where(torch.rand(n, generator=gen) < 0.5, torch.randint(1, vocab + 2, (n,), generator=gen), -1)
+        top_p = torch.where(torch.rand(n, generator=gen) < 0.5, torch.rand(n, generator=gen), torch.ones(n))
+        min_p = torch.where(torch.rand(n, generator=gen) < 0.3, torch.rand(n, generator=gen) * 0.5, torch.zeros(n))
+        top_p = top_p.clamp(min=1e-3)
+        got = filter_logits(logits, temperature, top_k, top_p, min_p)
+        want = reference_filter(logits, temperature, top_k, top_p, min_p)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), f"trial {trial}"
+        assert torch.allclose(got[torch.isfinite(got)], want[torch.isfinite(want)])
+
+
+def test_no_sort_when_no_row_needs_one(monkeypatch):
+    """Temperature alone, top-k, min-p, and a top-p whose nucleus lies among the first candidates: none sorts the
+    vocabulary (the plain way sorted every sampled row every step)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the vocabulary was sorted")
+    monkeypatch.setattr(torch.Tensor, "sort", refuse)
+    monkeypatch.setattr(torch, "sort", refuse)
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0))
+    logits[:, :10] += 30  # a peaked distribution: ten tokens hold nearly all the mass, as a language model's do
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    for params in (dict(temperature=1.0), dict(temperature=0.7, top_k=50), dict(temperature=1.0, min_p=0.05),
+                   dict(temperature=0.7, top_p=0.95), dict(temperature=1.0, top_k=40, top_p=0.9, min_p=0.01)):
+        assert all(0 <= t < 10 for t in sample(logits, [SamplingParams(**params)] * 4, gens)), params
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 256, 300, 49152])
+def test_inverting_the_cdf_lands_on_tokens_with_mass_only(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(3, vocab, generator=gen)
+    probs[:, ::2] = 0  # every other token removed by a filter
+    probs[:, vocab // 2] = 0.5  # one token always has mass
+    probs /= probs.sum(dim=1, keepdim=True)
+    first = (probs > 0).float().argmax(dim=1)
+    last = vocab - 1 - (probs > 0).flip(1).float().argmax(dim=1)
+    edges = torch.tensor([[0.0], [1 - 2 ** -53], [1 - 2 ** -53]], dtype=torch.float64)
+    tokens = invert_cdf(probs, edges)
+    assert tokens[0] == first[0] and tokens[1] == last[1] and tokens[2] == last[2]
+    uniform = torch.rand(3, 1, dtype=torch.float64, generator=gen)
+    for _ in range(200):
+        uniform = torch.rand(3, 1, dtype=torch.float64, generator=gen)
+        tokens = invert_cdf(probs, uniform)
+        assert (probs[torch.arange(3), tokens] > 0).all()
+
+
+def test_inverting_the_cdf_draws_each_token_with_its_probability():
+    """Chunk boundaries included (a vocabulary of 3 chunks and a bit): counts within 5 sigma of n x p."""
+    probs = torch.zeros(1, 3 * 256 + 5)
+    picks = {0: 0.3, 255: 0.2, 256: 0.1, 511: 0.15, 700: 0.05, 3 * 256 + 4: 0.2}
+    for token, p in picks.items():
+        probs[0, token] = p
+    n = 20000
+    tokens = invert_cdf(probs.expand(n, -1).contiguous(),
+                        torch.rand(n, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+    counts = Counter(tokens.tolist())
+    assert set(counts) == set(picks)
+    for token, p in picks.items():
+        assert abs(counts[token] / n - p) < 5 * math.sqrt(p * (1 - p) / n), (token, counts[token] / n, p)
+
+
+def test_a_seeded_row_draws_one_number_a_step_however_the_batch_is_made():
+    """The batched draw still gives each seeded request its own stream: over 30 steps of changing batches (its
+    row's place, its neighbours, greedy and unseeded rows sharing one generator) a seeded row's tokens are those it
+    draws alone."""
+    gen = torch.Generator().manual_seed(8)
+    steps = [torch.randn(1, 3000, generator=gen) for _ in range(30)]
+    p = SamplingParams(temperature=1.0, top_k=500, seed=3)
+    alone_gen = torch.Generator().manual_seed(3)
+    alone = [sample(row, [p], [alone_gen])[0] for row in steps]
+    mixed_gen, shared = torch.Generator().manual_seed(3), torch.Generator().manual_seed(99)
+    mixed = []
+    for i, row in enumerate(steps):
+        others = torch.randn(i % 5, 3000, generator=gen)
+        place = i % (len(others) + 1)
+        batch = torch.cat([others[:place], row, others[place:]])
+        params = [SamplingParams(temperature=(0 if j % 2 else 0.9)) for j in range(len(others))]
+        params.insert(place, p)
+        gens = [shared] * len(others)
+        gens.insert(place, mixed_gen)
+        mixed.append(sample(batch, params, gens)[place])
+    assert mixed == alone
 
 
 # ---- seeded requests through the engine ---------------------------------------------------------------
