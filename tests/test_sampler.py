@@ -11,8 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine import sampler
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, sampler
 from engine.sampler import filter_logits, invert_cdf, sample
 from tests.conftest import assert_all_blocks_free
 
