@@ -14,6 +14,8 @@
     python -m engine.bench quality --set quantization=int8      # top-1 agreement and perplexity vs fp32
     python -m engine.bench serve --url http://127.0.0.1:7860 --concurrency 8 --requests 32   # any OpenAI server
     python -m engine.bench serve-overhead --rounds 3            # the HTTP path vs LLM.generate, side by side
+    python -m engine.bench versus --server engine=http://127.0.0.1:7860 --server vllm=http://127.0.0.1:8011
+                                                                # two servers alternately, same fresh prompts
     python -m engine.bench gpu-check --out DIR                  # the GPU engine, checked on one GPU
 
 A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such as "prefix_caching=false".
@@ -34,7 +36,7 @@ from .runs import load_llm
 from .specs import parse_assignments
 
 COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "decode", "quality", "serve",
-            "serve-overhead")
+            "serve-overhead", "versus")
 
 
 def _int_list(text: str) -> list[int]:
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{' '.join(ex.QUALITY_SPECS)})")
     qu.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced prompt")
     _serve_parsers(sub)
+    _versus_parser(sub)
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -148,6 +151,35 @@ def _serve_parsers(sub) -> None:
     over.add_argument("--model", default=None, help="model folder, GGUF file or hub id (default: embedded)")
     over.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                       help="EngineConfig fields for both sides (max_num_seqs defaults to --concurrency)")
+
+
+def _versus_parser(sub) -> None:
+    vs = sub.add_parser("versus", help="two OpenAI-compatible servers alternately, the same fresh prompts: ratios")
+    vs.add_argument("--server", dest="servers", action="append", default=[], metavar="LABEL=URL", required=True,
+                    help="given twice: the first is the numerator of every ratio")
+    vs.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
+    vs.add_argument("--temperature", type=_float_list, default=[0.0, 1.0])
+    vs.add_argument("--rounds", type=_positive, default=2, help="alternating rounds per cell (order swapped each)")
+    vs.add_argument("--requests", type=_positive, default=32)
+    vs.add_argument("--prompt-len", type=_positive, default=128)
+    vs.add_argument("--output-len", type=_positive, default=64)
+    vs.add_argument("--api", choices=("chat", "completions"), default="completions")
+    vs.add_argument("--tag", default="", help="what both servers run, e.g. fp32 or bf16 (they choose it)")
+    vs.add_argument("--seed", type=int, default=0)
+    vs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    vs.add_argument("--tokenizer", default=None, help="turns the random tokens into text (default: the embedded "
+                                                      "model's)")
+    vs.add_argument("--json", type=Path, default=None, metavar="PATH")
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from exc
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected temperatures >= 0, got {text!r}")
+    return values
 
 
 def _positive(text: str) -> int:
@@ -265,6 +297,23 @@ def run_serve_command(args: argparse.Namespace) -> int:
     return 0 if args.command != "serve" or not result.failures else 1
 
 
+def run_versus_command(args: argparse.Namespace) -> int:
+    from . import versus as vs
+    try:
+        result = vs.versus([vs.Server.parse(s) for s in args.servers], _tokenizer(args.tokenizer), args.concurrency,
+                           args.temperature, args.rounds, args.requests, args.prompt_len, args.output_len,
+                           api=args.api, tag=args.tag, seed=args.seed, timeout_s=args.timeout,
+                           progress=vs.print_progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(vs.render(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        print(f"\nresults written to {args.json}")
+    return 0
+
+
 def _tokenizer(name: str | None):
     from ..models.loader import load_tokenizer, resolve_model
     return load_tokenizer(resolve_model(name))
@@ -278,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command in ("serve", "serve-overhead"):
         return run_serve_command(args)
+    if args.command == "versus":
+        return run_versus_command(args)
     try:
         report = run_command(args)
     except ValueError as exc:
