@@ -41,6 +41,8 @@ from playground.access import OPEN, OWNER_ENV, PUBLIC, TOKEN, TOKEN_ENV, Access,
 from playground.chat import ChatSession
 from playground.features_tab import build_features_tab
 from playground.handlers import Playground, feature_presets, workloads
+from playground.lessons_tab import TAB_ID as LESSONS_TAB
+from playground.lessons_tab import build_lessons_tab
 from playground.remote_tab import build_remote_tab
 from playground.serialised import SerialisedFigures
 from playground.settings import NO_QUANTIZATION, form_value
@@ -375,10 +377,14 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
         gr.Markdown(INTRO)
         role = build_presenter_box(access)
         status = gr.Markdown(pg.status(), elem_id="status")
+        back = gr.Button("Back to the lesson", visible=False, size="sm", elem_id="lesson-back")
         clock = gr.Timer(1.0)
+        # the lesson run this visitor's page last followed to the Lessons tab, and whether its back button shows
+        seen = gr.State({"run": 0, "back": False})
         with gr.Tabs() as tabs:
             build_chat_tab(pg, serialised, access)
             plots = build_dashboard_tab(pg, serialised)
+            lesson = build_lessons_tab(pg, pg.lessons, serialised)
             build_settings_tab(pg, serialised)
             build_ablation_tab(pg, serialised)
             build_features_tab(pg, serialised)
@@ -388,11 +394,21 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
         tabs.select(None, None, None, js=RESIZE_CHARTS)
 
         @audience
-        def refresh():
+        def refresh(picked: str | None, followed: dict):
             f = pg.dashboard()
-            return pg.status(), *map(serialised.payload, (f.blocks, f.queues, f.prefix, f.throughput, f.memory))
-        clock.tick(refresh, None, [status, *plots], concurrency_limit=4, show_progress="hidden", api_name="dashboard",
-                   postprocess=False)
+            run = pg.lessons.run
+            # a lesson the presenter started brings every page to it, once; a visitor may then step away, and
+            # "Back to the lesson" (shown while one is open) brings them back
+            follow = run is not None and run.run_id != followed["run"]
+            show_back = run is not None
+            now = {"run": run.run_id if follow else followed["run"], "back": show_back}
+            return (pg.status(), *map(serialised.payload, (f.blocks, f.queues, f.prefix, f.throughput, f.memory)),
+                    *lesson["view"](picked), gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
+                    gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip())
+        clock.tick(refresh, [lesson["pick"], seen], [status, *plots, *lesson["outputs"], tabs, seen, back],
+                   concurrency_limit=4, show_progress="hidden", api_name="dashboard", postprocess=False)
+        back.click(audience(lambda: gr.Tabs(selected=LESSONS_TAB)), None, tabs, api_name="back_to_lesson",
+                   show_progress="hidden")
         wire_roles(demo, access, role)
     access.guard(demo, gr.Error)  # last: every event registered above, gated unless marked audience
     return demo
@@ -502,6 +518,9 @@ def main() -> None:
                         help="the longest reply an audience member may ask for (public and token modes)")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY, as vLLM)")
+    parser.add_argument("--lesson-seconds", type=float, default=None, metavar="S",
+                        help="every lesson's before and after phases this long (a rehearsal, a short workshop; "
+                             "default: each lesson's own)")
     parser.add_argument("--attach", default=None, metavar="URL",
                         help="watch another server (OpenAI API + vLLM's /metrics, e.g. vllm serve) instead of this "
                              "engine: the dashboard's charts and the chat (docs/api.md: Watch a vLLM deployment)")
@@ -521,6 +540,10 @@ def main() -> None:
     pg = Playground(LLM(args.model, **{"device": args.device, **fields}),
                     max_waiting_requests=args.max_waiting_requests)
     pg.seats = seats
+    if args.lesson_seconds is not None:
+        if args.lesson_seconds <= 0:
+            parser.error(f"--lesson-seconds must be > 0, got {args.lesson_seconds}")
+        pg.lessons.seconds = args.lesson_seconds
     if args.attach:  # a wrong address is said on the page and here; the page still starts
         print(pg.attach(args.attach), flush=True)
     launch(pg, args.served_model_name or served_model_name(args.model), access=access,

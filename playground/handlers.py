@@ -23,6 +23,7 @@ from viz.dashboard import DashboardFigures, FigureCache
 from .access import Seats
 from .chat import ChatHandlers
 from .conversation import WARNING
+from .lessons import LessonRunner
 from .measurements import Measurement, MeasurementHandlers, ablation_store
 from .remote import NOT_REMOTE, RemoteServer
 from .room import Room, plain
@@ -53,6 +54,7 @@ class Playground(ChatHandlers, SettingsHandlers, MeasurementHandlers):
         self._engine_up.set()
         self.room = Room()  # who changed what, for every visitor's status line
         self.seats = Seats()  # the audience's fair shares of the engine (public and token modes)
+        self.lessons = LessonRunner(self)  # the course, run live on this engine (presets/lessons/)
 
     # ---- another server ------------------------------------------------------------------------------------
     def attach(self, url: str) -> str:

@@ -444,8 +444,9 @@ def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
     finally:
         del playground.service.submit
     assert playground.settings()["prefix_caching"] is False and playground.settings()["max_num_seqs"] == 32
-    status, *plots = client.predict(api_name="/dashboard")
-    assert "step" in status and len(plots) == 5 and all(p for p in plots)
+    status, *outputs = client.predict(api_name="/dashboard")
+    plots = outputs[:5]  # then the Lessons tab's view, which tab to show, and the back-to-the-lesson button
+    assert "step" in status and all(p for p in plots) and "No lesson is running" in outputs[5]
     # the chat's live view reads this client's session: its last request is the one highlighted
     plot, summary, _timer = client.predict(api_name="/chat_view")
     spec = json.loads(plot["plot"])

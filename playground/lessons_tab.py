@@ -1,0 +1,121 @@
+"""The Lessons tab: layout and wiring only (the lessons, their runs and the record: playground/lessons.py).
+
+Everyone sees the lesson the presenter runs: its text, where it is (before / after the switch), the chart it
+watches and, once done, its numbers. The presenter's buttons (Start, Flip now, Stop, Previous, Next) change the
+shared engine, so they are not marked `audience` (access.guard refuses them to anyone else); reading a lesson
+and downloading the session's record are everyone's.
+"""
+from __future__ import annotations
+
+import platform
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+
+from .access import audience
+from .lessons import METRICS, Lesson, LessonRunner, write_record
+from .room import plain
+
+TAB_ID = "lessons"
+INTRO = """The course, taught live on this engine: each lesson sets the engine up, starts simulated users, flips
+one switch half-way and measures before and after, **now, on this machine**. When the presenter starts a lesson,
+everyone's page comes here; go and chat meanwhile (your request shows in the block table), and come back with
+**Back to the lesson** at the top."""
+
+
+LONG = 2000  # a lesson's texts are the project's own files, shown whole (and still escaped)
+
+
+def lesson_text(lesson: Lesson) -> str:
+    metric = METRICS[lesson.metric]
+    parts = [f"### {plain(lesson.title)}", plain(lesson.idea, LONG),
+             f"**Workload:** {plain(lesson.workload)}, {lesson.users} simulated users · **the switch:** "
+             f"{plain(lesson.describe_switch())} · **watch:** the {plain(lesson.chart)} chart",
+             f"**Look for:** {plain(lesson.look_for, LONG)}",
+             f"**Question for the room:** {plain(lesson.question, LONG)} (the number: {plain(metric.label)})"]
+    if lesson.needs:
+        measured = plain(lesson.measured, LONG)
+        parts.append(f"**Needs a {lesson.needs.upper()} GPU.** Last measured: {measured}")
+    return "\n\n".join(parts)
+
+
+def machine_line(runner: LessonRunner) -> str:
+    return (f"{platform.processor() or platform.machine()} · {runner.device_type} · "
+            f"{runner.pg.service.snapshot().precision} · measured with watch-llm's Lessons tab")
+
+
+def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
+    """Returns the components the page's clock refreshes and the follow button's target."""
+    titles = [(f"{i + 1}. {x.title}", x.slug) for i, x in enumerate(runner.lessons)]
+    with gr.Tab("Lessons", id=TAB_ID):
+        gr.Markdown(INTRO)
+        with gr.Row():
+            pick = gr.Dropdown(titles, value=titles[0][1] if titles else None, label="lesson", scale=3,
+                               elem_id="lesson-pick")
+            start = gr.Button("Start", variant="primary", scale=1, min_width=80, elem_id="lesson-start")
+            flip = gr.Button("Flip now", scale=1, min_width=80, elem_id="lesson-flip")
+            stop = gr.Button("Stop", scale=1, min_width=80, elem_id="lesson-stop")
+            prev = gr.Button("◀ Previous", scale=1, min_width=80, elem_id="lesson-prev")
+            nxt = gr.Button("Next ▶", scale=1, min_width=80, elem_id="lesson-next")
+        said = gr.Markdown(elem_id="lesson-said")
+        phase = gr.Markdown(runner.phase_line(), elem_id="lesson-phase")
+        with gr.Row():
+            with gr.Column(scale=2):
+                text = gr.Markdown(lesson_text(runner.lessons[0]) if runner.lessons else "", elem_id="lesson-text")
+                numbers = gr.Markdown(elem_id="lesson-numbers")
+            with gr.Column(scale=3):
+                plot = gr.Plot(label="the chart to watch", show_label=False)
+        with gr.Accordion("The session's record", open=False):
+            gr.Markdown("Every lesson finished in this session, its before/after numbers and its chart: one "
+                        "self-contained HTML page (and the same as JSON) to hand out.")
+            make = gr.Button("Prepare the record", elem_id="lesson-record")
+            files = gr.File(label="download", file_count="multiple", interactive=False)
+            records = gr.Markdown()
+
+    def shown(slug: str | None) -> Lesson | None:
+        """What this visitor's tab shows: the running lesson, else the one picked."""
+        if runner.run is not None:
+            return runner.run.lesson
+        try:
+            return runner.lessons[runner.index(slug)] if slug else None
+        except ValueError:
+            return None
+
+    @audience
+    def view(slug: str | None):
+        lesson, run = shown(slug), runner.run
+        result = run.result if run is not None else None
+        chart = pg.dashboard()
+        return (runner.phase_line(), lesson_text(lesson) if lesson else "",
+                runner.result_table(result) if result else "",
+                serialised.payload(getattr(chart, lesson.chart)) if lesson else None)
+
+    @audience
+    def read(slug: str | None):
+        return view(slug)
+
+    @audience
+    def prepare_record():
+        folder = Path(tempfile.mkdtemp(prefix="lessons-record-"))
+        done = len(runner.records)
+        return write_record(runner.records, machine_line(runner), folder), (
+            f"{done} lesson(s) in the record." if done else "No lesson has finished yet: the record is empty.")
+
+    def start_lesson(slug: str | None):
+        if not slug:
+            return "Pick a lesson first."
+        return runner.start(slug)
+
+    pick.change(read, pick, [phase, text, numbers, plot], api_name="lesson_read", postprocess=False,
+                show_progress="hidden")
+    start.click(start_lesson, pick, said, api_name="lesson_start")
+    flip.click(runner.flip, None, said, api_name="lesson_flip")
+    stop.click(runner.leave, None, said, api_name="lesson_stop")
+    def walk(offset: int):
+        said = runner.step(offset)
+        return said, runner.run.lesson.slug if runner.run is not None else gr.skip()
+    prev.click(lambda: walk(-1), None, [said, pick], api_name="lesson_previous")
+    nxt.click(lambda: walk(+1), None, [said, pick], api_name="lesson_next")
+    make.click(prepare_record, None, [files, records], api_name="lesson_record")
+    return {"view": view, "pick": pick, "outputs": [phase, text, numbers, plot]}
