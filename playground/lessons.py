@@ -17,7 +17,7 @@ import json
 import threading
 import time
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,8 +72,8 @@ class Lesson:
     expect: str  # "up" or "down": the direction the lesson expects that number to move when the switch flips
     preset: str | None = None  # a feature preset (presets/features/) to start from
     start: dict = field(default_factory=dict)  # EngineConfig fields over the defaults and the preset
-    before_s: float = 40.0
-    after_s: float = 40.0
+    before_s: float = 30.0  # the whole course in about 15 minutes, each effect on the chart within a minute
+    after_s: float = 30.0
     needs: str | None = None  # "cuda": what this machine may lack
     measured: str = ""  # with `needs`: the last measured result, and where it was measured
 
@@ -511,6 +511,12 @@ def svg_chart(points: list, flip_at_s: float, label: str, width: int = 640, heig
             f"y='{height - 8}' font-size='11'>{x_max:.0f} s</text></svg>")
 
 
+def machine_name(runner: LessonRunner) -> str:
+    """What the record says the numbers were measured on."""
+    from .results import machine_description
+    return f"{machine_description(runner.pg.llm)}, {runner.pg.service.snapshot().precision}: measured with watch-llm"
+
+
 def write_record(records: list[dict], machine: str, folder: Path) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     page, data = folder / "lessons-record.html", folder / "lessons-record.json"
@@ -518,3 +524,59 @@ def write_record(records: list[dict], machine: str, folder: Path) -> list[str]:
     data.write_text(record_json(records, machine), encoding="utf-8")
     return [str(page), str(data)]
 
+
+
+# ---- `python -m playground.lessons`: rehearse the course on this machine, without a page ----------------------
+
+def rehearse(pg: Playground, slugs: Sequence[str] | None = None, seconds: float | None = None,
+             say: Callable[[str], None] = print) -> list[dict]:
+    """Every lesson (or those named) run in turn on the playground's engine, as Start would run it; the engine
+    is put back after each. Returns the records of those that finished."""
+    runner = LessonRunner(pg, seconds=seconds)
+    pg.lessons = runner
+    for lesson in runner.lessons:
+        if slugs and lesson.slug not in slugs:
+            continue
+        say(f"{lesson.slug}: {runner.start(lesson.slug)}")
+        while runner.run is not None and runner.run.active:
+            time.sleep(0.5)
+        run = runner.run
+        say(f"{lesson.slug}: {run.phase}" + (f" ({run.note})" if run.note and run.phase == "failed" else ""))
+        runner.leave()
+    return runner.records
+
+
+def rehearsal_table(records: list[dict]) -> str:
+    rows = ["| lesson | switch | the number | before | after | as expected |", "|---|---|---|---:|---:|---|"]
+    for r in records:
+        m = METRICS[r["metric"]]
+        rows.append(f"| {r['title']} | {_switch_text(r['switch'])} | {m.label} | {_fmt(m, r['before'][r['metric']])} "
+                    f"| {_fmt(m, r['after'][r['metric']])} | {'yes' if r['as_expected'] else 'no'} |")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(description="Run the lessons on this machine (no page): what each measures.")
+    parser.add_argument("slugs", nargs="*", help="lessons to run (default: all), e.g. 05-prefix-caching")
+    parser.add_argument("--seconds", type=float, default=None, help="each phase this long (default: the lesson's)")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--out", type=Path, default=None, help="also write the record (HTML and JSON) here")
+    args = parser.parse_args(argv)
+    from engine import LLM
+
+    from .handlers import Playground
+    pg = Playground(LLM(args.model))
+    try:
+        records = rehearse(pg, args.slugs, args.seconds, lambda line: print(line, flush=True))
+    finally:
+        pg.traffic.stop()
+        pg.service.shutdown()
+    print(rehearsal_table(records))
+    if args.out is not None:
+        print("\n".join(write_record(records, machine_name(pg.lessons), args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,14 +7,13 @@ and downloading the session's record are everyone's.
 """
 from __future__ import annotations
 
-import platform
 import tempfile
 from pathlib import Path
 
 import gradio as gr
 
 from .access import audience
-from .lessons import METRICS, Lesson, LessonRunner, write_record
+from .lessons import METRICS, Lesson, LessonRunner, machine_name, write_record
 from .room import plain
 
 TAB_ID = "lessons"
@@ -38,11 +37,6 @@ def lesson_text(lesson: Lesson) -> str:
         measured = plain(lesson.measured, LONG)
         parts.append(f"**Needs a {lesson.needs.upper()} GPU.** Last measured: {measured}")
     return "\n\n".join(parts)
-
-
-def machine_line(runner: LessonRunner) -> str:
-    return (f"{platform.processor() or platform.machine()} · {runner.device_type} · "
-            f"{runner.pg.service.snapshot().precision} · measured with watch-llm's Lessons tab")
 
 
 def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
@@ -99,7 +93,7 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
     def prepare_record():
         folder = Path(tempfile.mkdtemp(prefix="lessons-record-"))
         done = len(runner.records)
-        return write_record(runner.records, machine_line(runner), folder), (
+        return write_record(runner.records, machine_name(runner), folder), (
             f"{done} lesson(s) in the record." if done else "No lesson has finished yet: the record is empty.")
 
     def start_lesson(slug: str | None):

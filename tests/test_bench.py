@@ -211,6 +211,17 @@ def test_sched_cost(tiny_llm):
     assert rows[0]["count"] == 4
 
 
+def test_sampling_cost_runs_every_mode_batched_and_times_the_sampler(tiny_llm):
+    from engine.bench.experiments import SAMPLING_MODES, sampling_cost
+    from engine.bench.report import sampling_cost_report
+    rows = sampling_cost(tiny_llm, batch=3, prompt_len=5, tokens=4, rounds=2, settings=SMALL_POOL)
+    assert [r.mode for r in rows] == [m for m, _ in SAMPLING_MODES] and rows[0].mode == "greedy"
+    assert rows[0].vs_greedy == [1.0, 1.0] and all(len(r.tok_s) == 2 and min(r.tok_s) > 0 for r in rows)
+    assert all(min(r.sample_ms) > 0 for r in rows)
+    table = sampling_cost_report(rows, 3, 5, 4).tables["per mode"]
+    assert table[1]["mode"] == "temperature 1" and table[1]["vs greedy (median)"] > 0
+
+
 def test_sched_cost_raises_max_num_seqs(tiny_llm):
     result = bench.sched_cost(tiny_llm, running=6, prompt_len=4, decode_steps=2,
                               settings={**SMALL_POOL, "max_num_seqs": 2})

@@ -53,6 +53,7 @@ def test_versus_sends_both_servers_the_same_fresh_prompts_and_tabulates_ratios(t
     prompts = [r["one"]["total_input_tokens"] for c in data["cells"] for r in c["rounds"]]
     assert prompts == [r["two"]["total_input_tokens"] for c in data["cells"] for r in c["rounds"]]
     assert len(set(prompts)) > 1  # fresh per round: not one prompt set replayed (a prefix-cache hit otherwise)
+    assert f"--seed {data['seed']}" in captured.out  # a seed of its own each run, said so it can be replayed
     table = captured.out
     assert "one / two (fp32)" in table and "| 2 | temperature 1 |" in table
     rows = [line for line in table.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]

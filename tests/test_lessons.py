@@ -170,3 +170,17 @@ def test_a_lesson_does_not_start_over_a_running_traffic_run_or_while_attached(pg
     assert "simulated users are running" in runner.start("05-prefix-caching")
     pg.stop_traffic()
     assert isinstance(runner.lessons[0], Lesson)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slug", ["02-paged-kv", "04-preemption", "05-prefix-caching"])
+def test_a_lesson_whose_number_is_a_count_moves_the_way_it_says(pg, slug):
+    """Quick mode (8 s phases) on a tiny model. Only lessons whose number counts something (requests running,
+    preemptions, prefix hits) are asserted here: a timing's direction is never asserted in a test; those lessons'
+    numbers are measured by `python -m playground.lessons` and recorded in docs/measurements.md."""
+    runner = LessonRunner(pg, seconds=8)
+    pg.lessons = runner
+    runner.start(slug)
+    wait_phase(runner, ("done", "failed"), timeout_s=120)
+    result = runner.run.result
+    assert runner.run.phase == "done" and result["as_expected"] is True, (result["before"], result["after"])

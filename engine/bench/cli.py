@@ -4,6 +4,7 @@
     python -m engine.bench compare --workload mixed-lengths --a naive --b full
     python -m engine.bench hf-static --workload mixed-lengths   # or --fixed: 16 x (48 prompt, 64 new)
     python -m engine.bench sched-cost --running 64
+    python -m engine.bench sampling-cost --batch 8               # each sampling mode's cost over greedy
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
@@ -36,7 +37,7 @@ from .runs import load_llm
 from .specs import parse_assignments
 
 COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "decode", "quality", "serve",
-            "serve-overhead", "versus")
+            "serve-overhead", "versus", "sampling-cost")
 
 
 def _int_list(text: str) -> list[int]:
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     qu.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced prompt")
     _serve_parsers(sub)
     _versus_parser(sub)
+    sp = sub.add_parser("sampling-cost", parents=common, help="what each sampling mode adds over greedy, batched")
+    sp.add_argument("--batch", type=_positive, default=8)
+    sp.add_argument("--prompt-len", type=_positive, default=128)
+    sp.add_argument("--tokens", type=_positive, default=64)
+    sp.add_argument("--rounds", type=_positive, default=3)
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -165,7 +171,8 @@ def _versus_parser(sub) -> None:
     vs.add_argument("--output-len", type=_positive, default=64)
     vs.add_argument("--api", choices=("chat", "completions"), default="completions")
     vs.add_argument("--tag", default="", help="what both servers run, e.g. fp32 or bf16 (they choose it)")
-    vs.add_argument("--seed", type=int, default=0)
+    vs.add_argument("--seed", type=int, default=None, help="replay an earlier run's prompts (default: fresh ones, "
+                                                            "never served from a prefix cache)")
     vs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     vs.add_argument("--tokenizer", default=None, help="turns the random tokens into text (default: the embedded "
                                                       "model's)")
@@ -245,6 +252,9 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         workload = load_workload("fixed-16" if args.fixed else args.workload, args.quick)
         batch = len(workload.requests) if args.fixed else args.batch_size
         return rp.hf_static_report(ex.hf_static(llm, workload, batch, settings))
+    if args.command == "sampling-cost":
+        rows = ex.sampling_cost(llm, args.batch, args.prompt_len, args.tokens, args.rounds, settings)
+        return rp.sampling_cost_report(rows, args.batch, args.prompt_len, args.tokens)
     if args.command == "ablate":
         workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
         if args.concurrency:

@@ -196,6 +196,46 @@ def sched_cost(llm: LLM, running: int = 64, prompt_len: int = 16, decode_steps: 
                            summarize_steps(tracker.records), wall)
 
 
+# ---- `sampling-cost`: what sampling adds to a decode step, over greedy -------------------------------------
+# (label, SamplingParams fields): greedy first, the reference of every ratio
+SAMPLING_MODES = (("greedy", {"temperature": 0.0}), ("temperature 1", {"temperature": 1.0}),
+                  ("temperature 0.7, top-p 0.95", {"temperature": 0.7, "top_p": 0.95}),
+                  ("temperature 0.8, top-k 50", {"temperature": 0.8, "top_k": 50}),
+                  ("temperature 1, min-p 0.05", {"temperature": 1.0, "min_p": 0.05}))
+
+
+@dataclass
+class SamplingCostRow:
+    mode: str
+    tok_s: list[float]  # one per round
+    sample_ms: list[float]  # the sampler's own mean time per step, one per round
+    vs_greedy: list[float]  # tok/s over greedy's in the same round
+
+
+def sampling_cost(llm: LLM, batch: int = 8, prompt_len: int = 128, tokens: int = 64, rounds: int = 3,
+                  settings: dict[str, Any] | None = None, seed: int = 0) -> list[SamplingCostRow]:
+    """`batch` requests decoding together in each sampling mode, the modes alternating within each round on one
+    engine, fresh prompts every run: tokens/s and the sampler's own time per step."""
+    engine = build_engine(llm, dict(settings or {}))
+    warm_up(engine)
+    rows = [SamplingCostRow(label, [], [], []) for label, _ in SAMPLING_MODES]
+    draw = seed
+    for _ in range(rounds):
+        for row, (_, fields) in zip(rows, SAMPLING_MODES, strict=True):
+            draw += 1
+            tracker = StepTracker(engine)
+            for prompt in random_prompts(batch, prompt_len, draw):
+                engine.add_request(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, seed=draw, **fields))
+            start = time.perf_counter()
+            while engine.has_unfinished():
+                tracker.step()
+            row.tok_s.append(batch * tokens / (time.perf_counter() - start))
+            row.sample_ms.append(summarize_steps(tracker.records).mean_ms["sample_ms"])
+        for row in rows:
+            row.vs_greedy.append(row.tok_s[-1] / rows[0].tok_s[-1])
+    return rows
+
+
 # ---- `kernels`: one decode step's projections in each weight format --------------------------------------
 # What `kernels` compares by default: the model's dtype, bf16, and each quantization scheme
 KERNEL_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,4 +240,16 @@ def quality_report(rows: list[QualityRow], window: int) -> Report:
          "perplexity change": f"{r.perplexity_change:+.2%}", "seconds": r.seconds} for r in rows]
     report.notes.append("top-1 agreement: positions where both sides' most likely next token is the same; logprob "
                         "differences and perplexity are of the text's own tokens (prose, code and dialogue).")
+    return report
+
+
+def sampling_cost_report(rows, batch: int, prompt_len: int, tokens: int) -> Report:
+    report = Report(f"sampling's cost: {batch} requests decoding together, prompts of {prompt_len} tokens, "
+                    f"{tokens} new each, the modes alternating on one engine ({len(rows[0].tok_s)} rounds)")
+    report.tables["per mode"] = [
+        {"mode": r.mode, "tok/s (median)": statistics.median(r.tok_s),
+         "vs greedy (median)": statistics.median(r.vs_greedy),
+         "vs greedy (runs)": ", ".join(f"{x:.3f}" for x in r.vs_greedy),
+         "sampler ms / step (median)": statistics.median(r.sample_ms)} for r in rows]
+    report.rows = rows
     return report

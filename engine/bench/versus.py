@@ -64,10 +64,11 @@ class VersusResult:
     output_len: int
     num_requests: int
     cells: list[Cell]
+    seed: int = 0  # the first round's prompts are seed + 1: give it back (--seed) to replay them
 
     def to_json(self) -> dict[str, Any]:
         return {"servers": [s.__dict__ for s in self.servers], "tag": self.tag, "prompt_len": self.prompt_len,
-                "output_len": self.output_len, "num_requests": self.num_requests,
+                "output_len": self.output_len, "num_requests": self.num_requests, "seed": self.seed,
                 "cells": [{"concurrency": c.concurrency, "temperature": c.temperature, "rounds": c.rounds}
                           for c in self.cells]}
 
@@ -80,7 +81,7 @@ def fresh_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[str]:
 
 def versus(servers: Sequence[Server], tokenizer: Any, concurrencies: Sequence[int], temperatures: Sequence[float],
            rounds: int = 2, num_requests: int = 32, prompt_len: int = 128, output_len: int = 64,
-           api: str = "completions", tag: str = "", seed: int = 0, timeout_s: float = 600.0,
+           api: str = "completions", tag: str = "", seed: int | None = None, timeout_s: float = 600.0,
            progress: Callable[[str], None] | None = None) -> VersusResult:
     if len(servers) != 2:
         raise ValueError(f"versus compares two servers, got {len(servers)}")
@@ -90,6 +91,9 @@ def versus(servers: Sequence[Server], tokenizer: Any, concurrencies: Sequence[in
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
     for s in servers:  # a warm-up each, not counted: first requests pay for lazy initialisation
         _check(run_serve(s.url, [ServeRequest("Hello", 4, True)], 1, api=api, timeout_s=timeout_s), s, "warm-up")
+    # None: a seed of its own, so that a second run against the same servers is not served from their prefix
+    # caches (each round's prompts are `seed + 1`, `seed + 2`, ...: a fixed seed replays the same prompts)
+    seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     cells, draw = [], seed
     for c in concurrencies:
         for t in temperatures:
@@ -107,7 +111,7 @@ def versus(servers: Sequence[Server], tokenizer: Any, concurrencies: Sequence[in
                     summaries[s.label] = _check(result, s, f"c={c} temperature={t:g}").summary()
                 cell.rounds.append(summaries)
             cells.append(cell)
-    return VersusResult(list(servers), tag, prompt_len, output_len, num_requests, cells)
+    return VersusResult(list(servers), tag, prompt_len, output_len, num_requests, cells, seed)
 
 
 def _check(result: ServeResult, server: Server, what: str) -> ServeResult:
@@ -129,7 +133,7 @@ def render(result: VersusResult) -> str:
     a, b = (s.label for s in result.servers)
     head = (f"## {a} / {b}{f' ({result.tag})' if result.tag else ''}: {result.num_requests} requests, "
             f"{result.prompt_len} random prompt tokens, {result.output_len} output tokens, "
-            f"{len(result.cells[0].rounds) if result.cells else 0} alternating rounds\n\n"
+            f"{len(result.cells[0].rounds) if result.cells else 0} alternating rounds (--seed {result.seed})\n\n"
             f"Ratios are {a}'s over {b}'s, per round (min-max over rounds); above 1 is better for tok/s, below 1 "
             f"for the latencies.\n\n")
     cols = ["concurrency", "sampling", f"{a} tok/s", f"{b} tok/s", *(f"{m} {a}/{b}" for m in METRICS)]
