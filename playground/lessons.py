@@ -17,7 +17,7 @@ import json
 import threading
 import time
 import tomllib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,7 +82,7 @@ class Lesson:
         return {**(load_feature_preset(self.preset) if self.preset else {}), **self.start}
 
     def describe_switch(self) -> str:
-        return _switch_text(self.switch)
+        return switch_text(self.switch)
 
 
 def _word(value) -> str:
@@ -437,11 +437,11 @@ class LessonRunner:
         for name, metric in METRICS.items():
             b, a = result["before"][name], result["after"][name]
             mark = " ◀" if name == result["metric"] else ""
-            rows.append(f"| {metric.label}{mark} | {_fmt(metric, b)} | {_fmt(metric, a)} |")
+            rows.append(f"| {metric.label}{mark} | {format_value(metric, b)} | {format_value(metric, a)} |")
         return "\n".join(rows) + "\n\n" + verdict(result)
 
 
-def _fmt(metric: Metric, value: float | None) -> str:
+def format_value(metric: Metric, value: float | None) -> str:
     return "–" if value is None else metric.fmt.format(value) + (f" {metric.unit}" if metric.unit else "")
 
 
@@ -472,12 +472,12 @@ def record_html(records: list[dict], machine: str) -> str:
     for r in records:
         metric = METRICS[r["metric"]]
         parts.append(f"<h2>{html.escape(r['title'])}</h2><p>Workload {html.escape(r['workload'])}, "
-                     f"{r['users']} simulated users; switch: {html.escape(_switch_text(r['switch']))}; "
+                     f"{r['users']} simulated users; switch: {html.escape(switch_text(r['switch']))}; "
                      f"{html.escape(r['precision'])} on {html.escape(r['device'])}.</p><table>"
                      "<tr><th></th><th>before</th><th>after</th></tr>")
         for name, m in METRICS.items():
-            parts.append(f"<tr><td>{html.escape(m.label)}</td><td>{html.escape(_fmt(m, r['before'][name]))}</td>"
-                         f"<td>{html.escape(_fmt(m, r['after'][name]))}</td></tr>")
+            parts.append(f"<tr><td>{html.escape(m.label)}</td><td>{html.escape(format_value(m, r['before'][name]))}</td>"
+                         f"<td>{html.escape(format_value(m, r['after'][name]))}</td></tr>")
         parts.append(f"</table><p>{html.escape(verdict(r).replace('**', ''))}</p>")
         parts.append(svg_chart(r["chart"], r["flip_at_s"], f"{metric.label}" + (f" ({metric.unit})" if metric.unit
                                                                                else "")))
@@ -485,7 +485,7 @@ def record_html(records: list[dict], machine: str) -> str:
     return "\n".join(parts)
 
 
-def _switch_text(switch: dict) -> str:
+def switch_text(switch: dict) -> str:
     return ", ".join(f"{k} → {_word(v)}" for k, v in switch.items())
 
 
@@ -525,58 +525,3 @@ def write_record(records: list[dict], machine: str, folder: Path) -> list[str]:
     return [str(page), str(data)]
 
 
-
-# ---- `python -m playground.lessons`: rehearse the course on this machine, without a page ----------------------
-
-def rehearse(pg: Playground, slugs: Sequence[str] | None = None, seconds: float | None = None,
-             say: Callable[[str], None] = print) -> list[dict]:
-    """Every lesson (or those named) run in turn on the playground's engine, as Start would run it; the engine
-    is put back after each. Returns the records of those that finished."""
-    runner = LessonRunner(pg, seconds=seconds)
-    pg.lessons = runner
-    for lesson in runner.lessons:
-        if slugs and lesson.slug not in slugs:
-            continue
-        say(f"{lesson.slug}: {runner.start(lesson.slug)}")
-        while runner.run is not None and runner.run.active:
-            time.sleep(0.5)
-        run = runner.run
-        say(f"{lesson.slug}: {run.phase}" + (f" ({run.note})" if run.note and run.phase == "failed" else ""))
-        runner.leave()
-    return runner.records
-
-
-def rehearsal_table(records: list[dict]) -> str:
-    rows = ["| lesson | switch | the number | before | after | as expected |", "|---|---|---|---:|---:|---|"]
-    for r in records:
-        m = METRICS[r["metric"]]
-        rows.append(f"| {r['title']} | {_switch_text(r['switch'])} | {m.label} | {_fmt(m, r['before'][r['metric']])} "
-                    f"| {_fmt(m, r['after'][r['metric']])} | {'yes' if r['as_expected'] else 'no'} |")
-    return "\n".join(rows)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(description="Run the lessons on this machine (no page): what each measures.")
-    parser.add_argument("slugs", nargs="*", help="lessons to run (default: all), e.g. 05-prefix-caching")
-    parser.add_argument("--seconds", type=float, default=None, help="each phase this long (default: the lesson's)")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--out", type=Path, default=None, help="also write the record (HTML and JSON) here")
-    args = parser.parse_args(argv)
-    from engine import LLM
-
-    from .handlers import Playground
-    pg = Playground(LLM(args.model))
-    try:
-        records = rehearse(pg, args.slugs, args.seconds, lambda line: print(line, flush=True))
-    finally:
-        pg.traffic.stop()
-        pg.service.shutdown()
-    print(rehearsal_table(records))
-    if args.out is not None:
-        print("\n".join(write_record(records, machine_name(pg.lessons), args.out)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

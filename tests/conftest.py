@@ -106,3 +106,15 @@ def assert_all_blocks_free(engine) -> None:
     ref_counts, _ = engine.kv.block_states()
     assert all(rc == 0 for rc in ref_counts)
     assert engine.kv.stats().kv_blocks_used == 0
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium per test module (Debian's, never `playwright install`), for pages in contexts of
+    their own: tests/test_e2e_browser.py's open_page."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from tests.test_e2e_browser import CHROMIUM, FLAGS
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()

@@ -19,9 +19,19 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
-                                 reason="no chromium: apt-get install -y chromium")]
+# every browser test file's marks: slow, and skipped without chromium
+BROWSER_MARKS = [pytest.mark.slow,
+                 pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
+                                    reason="no chromium: apt-get install -y chromium")]
+pytestmark = BROWSER_MARKS
+
+
+def open_page(browser, url, **context):
+    """A page at 1600x1200 in a fresh context (a visitor of its own), once the app has drawn."""
+    page = browser.new_context(viewport={"width": 1600, "height": 1200}, **context).new_page()
+    page.goto(url)
+    page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
+    return page
 
 
 @pytest.fixture(scope="module")

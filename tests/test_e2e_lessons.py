@@ -8,17 +8,14 @@ Phases are shortened (LessonRunner.seconds) so the test takes a minute, not ten.
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
 from playground.access import TOKEN, Access
 from tests.conftest import serve_app
-from tests.test_e2e_browser import CHROMIUM, DOCS, FLAGS
+from tests.test_e2e_browser import BROWSER_MARKS, DOCS, open_page
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
-                                 reason="no chromium: apt-get install -y chromium")]
+pytestmark = BROWSER_MARKS
 SECRET = "lesson-secret-7"
 PHASE = "() => document.querySelector('#lesson-phase')?.innerText || ''"
 
@@ -32,20 +29,7 @@ def served(tiny_models, tmp_path_factory):
         yield url, pg
 
 
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield b
-        b.close()
 
-
-def open_page(browser, url):
-    page = browser.new_context(viewport={"width": 1600, "height": 1200}, accept_downloads=True).new_page()
-    page.goto(url)
-    page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
-    return page
 
 
 def phase_has(page, text: str, timeout_ms: int = 120_000) -> None:
@@ -56,7 +40,8 @@ def test_two_lessons_with_a_presenter_and_an_attendee(served, browser, tmp_path_
     url, pg = served
     shots = tmp_path_factory.mktemp("lessons")
     docs = DOCS if os.environ.get("UPDATE_SCREENSHOTS") else shots  # the one docs/playground.md shows
-    attendee, presenter = open_page(browser, url), open_page(browser, url)
+    attendee = open_page(browser, url, accept_downloads=True)
+    presenter = open_page(browser, url)
     presenter.get_by_text("Presenter", exact=True).first.click()
     presenter.locator("#presenter-token input").first.fill(SECRET)
     presenter.get_by_role("button", name="Unlock").click()

@@ -7,18 +7,15 @@ audience still chats. Screenshots go to a temporary folder (docs/ with UPDATE_SC
 from __future__ import annotations
 
 import os
-import shutil
 import time
 
 import pytest
 
 from playground.access import TOKEN, Access
 from tests.conftest import serve_app
-from tests.test_e2e_browser import CHROMIUM, DOCS, FLAGS
+from tests.test_e2e_browser import BROWSER_MARKS, DOCS, open_page
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
-                                 reason="no chromium: apt-get install -y chromium")]
+pytestmark = BROWSER_MARKS
 SECRET = "workshop-secret-42"
 STATUS = "() => document.querySelector('#status')?.innerText || ''"
 
@@ -31,21 +28,7 @@ def served(tiny_models, tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield b
-        b.close()
 
-
-def open_page(browser, url):
-    context = browser.new_context(viewport={"width": 1600, "height": 1200})
-    page = context.new_page()
-    page.goto(url)
-    page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
-    return page
 
 
 def test_the_audience_watches_the_presenter_steer(served, browser, tmp_path_factory):

@@ -177,7 +177,7 @@ def test_a_lesson_does_not_start_over_a_running_traffic_run_or_while_attached(pg
 def test_a_lesson_whose_number_is_a_count_moves_the_way_it_says(pg, slug):
     """Quick mode (8 s phases) on a tiny model. Only lessons whose number counts something (requests running,
     preemptions, prefix hits) are asserted here: a timing's direction is never asserted in a test; those lessons'
-    numbers are measured by `python -m playground.lessons` and recorded in docs/measurements.md."""
+    numbers are measured by `python -m playground.rehearse` and recorded in docs/measurements.md."""
     runner = LessonRunner(pg, seconds=8)
     pg.lessons = runner
     runner.start(slug)

@@ -40,14 +40,22 @@ COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "
             "serve-overhead", "versus", "sampling-cost")
 
 
-def _int_list(text: str) -> list[int]:
+def _number_list(text: str, kind: type, minimum: float, what: str) -> list:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from exc
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what} >= {minimum:g}, got {text!r}")
     return values
+
+
+def _int_list(text: str) -> list[int]:
+    return _number_list(text, int, 1, "integers")
+
+
+def _float_list(text: str) -> list[float]:
+    return _number_list(text, float, 0, "temperatures")
 
 
 def _common_parser() -> argparse.ArgumentParser:
@@ -177,16 +185,6 @@ def _versus_parser(sub) -> None:
     vs.add_argument("--tokenizer", default=None, help="turns the random tokens into text (default: the embedded "
                                                       "model's)")
     vs.add_argument("--json", type=Path, default=None, metavar="PATH")
-
-
-def _float_list(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from exc
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected temperatures >= 0, got {text!r}")
-    return values
 
 
 def _positive(text: str) -> int:
