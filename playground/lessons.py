@@ -476,8 +476,8 @@ def record_html(records: list[dict], machine: str) -> str:
                      f"{html.escape(r['precision'])} on {html.escape(r['device'])}.</p><table>"
                      "<tr><th></th><th>before</th><th>after</th></tr>")
         for name, m in METRICS.items():
-            parts.append(f"<tr><td>{html.escape(m.label)}</td><td>{html.escape(format_value(m, r['before'][name]))}</td>"
-                         f"<td>{html.escape(format_value(m, r['after'][name]))}</td></tr>")
+            cells = (m.label, format_value(m, r["before"][name]), format_value(m, r["after"][name]))
+            parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
         parts.append(f"</table><p>{html.escape(verdict(r).replace('**', ''))}</p>")
         parts.append(svg_chart(r["chart"], r["flip_at_s"], f"{metric.label}" + (f" ({metric.unit})" if metric.unit
                                                                                else "")))

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .lessons import METRICS, LessonRunner, format_value, switch_text, machine_name, write_record
+from .lessons import METRICS, LessonRunner, format_value, machine_name, switch_text, write_record
 
 if TYPE_CHECKING:
     from .handlers import Playground
@@ -34,8 +34,9 @@ def rehearsal_table(records: list[dict]) -> str:
     rows = ["| lesson | switch | the number | before | after | as expected |", "|---|---|---|---:|---:|---|"]
     for r in records:
         m = METRICS[r["metric"]]
-        rows.append(f"| {r['title']} | {switch_text(r['switch'])} | {m.label} | {format_value(m, r['before'][r['metric']])} "
-                    f"| {format_value(m, r['after'][r['metric']])} | {'yes' if r['as_expected'] else 'no'} |")
+        before, after = (format_value(m, r[side][r["metric"]]) for side in ("before", "after"))
+        rows.append(f"| {r['title']} | {switch_text(r['switch'])} | {m.label} | {before} | {after} "
+                    f"| {'yes' if r['as_expected'] else 'no'} |")
     return "\n".join(rows)
 
 
