@@ -47,7 +47,7 @@ class Metric:
 METRICS = {
     "tokens_per_s": Metric("tokens/s", "tok/s", "up"),
     "ttft_s": Metric("mean time to first token", "s", "down", "{:.2f}"),
-    "tpot_s": Metric("mean time per output token", "s", "down", "{:.3f}"),
+    "tpot_s": Metric("time per output token (mean step)", "s", "down", "{:.3f}"),
     "max_step_ms": Metric("longest step (the longest gap between two tokens)", "ms", "down", "{:.0f}"),
     "prefix_hit_rate": Metric("prefix-cache hit rate", "", "up", "{:.0%}"),
     "kv_blocks_used": Metric("KV blocks in use (mean)", "blocks", "down", "{:.0f}"),
@@ -179,7 +179,11 @@ def window_metrics(history: Iterable, t0: float, t1: float) -> dict[str, float |
     return {
         "tokens_per_s": generated / span if counted else None,
         "ttft_s": mean(s.ttft_s for s in inside),
-        "tpot_s": mean(s.tpot_s for s in inside),
+        # a request decoding gets one token a step, so its time per output token is the step's time: the mean of
+        # the steps that produced tokens (finished requests' TPOT alone says nothing while none finishes)
+        "tpot_s": mean(b.step_ms / 1e3 for a, b in zip(counted, counted[1:])
+                       if b.time >= t0 and (b.generation_tokens_total > a.generation_tokens_total
+                                            or 0 < b.generation_tokens_total < a.generation_tokens_total)),
         "max_step_ms": max((s.step_ms for s in inside), default=None),
         "prefix_hit_rate": hit_rate,
         "kv_blocks_used": mean(s.kv_blocks_used for s in inside),
@@ -514,7 +518,8 @@ def svg_chart(points: list, flip_at_s: float, label: str, width: int = 640, heig
 def machine_name(runner: LessonRunner) -> str:
     """What the record says the numbers were measured on."""
     from .results import machine_description
-    return f"{machine_description(runner.pg.llm)}, {runner.pg.service.snapshot().precision}: measured with watch-llm"
+    weights = runner.pg.service.snapshot().precision
+    return f"{machine_description(runner.pg.llm)}, weights {weights}: measured with watch-llm"
 
 
 def write_record(records: list[dict], machine: str, folder: Path) -> list[str]:

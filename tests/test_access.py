@@ -148,7 +148,7 @@ def public(tiny_models, tmp_path_factory):
 def engine_state(pg) -> dict:
     return {"config": pg.service.config_view().requested, "paused": pg.service.paused, "remote": pg.remote,
             "traffic": pg.traffic.running, "measurement": pg.measurement, "service": pg.service,
-            "precision": pg.service.snapshot().precision}
+            "precision": pg.service.snapshot().precision, "lesson": pg.lessons.run}
 
 
 def named_endpoints(url: str) -> dict:
@@ -167,8 +167,10 @@ def test_no_shared_state_endpoint_answers_an_anonymous_visitor(public):
     allowed = {f.api_name for f in demo_fns if getattr(f.fn, "audience", False)}
     assert not presenter_functions(demo)  # every function is marked one way or the other
     assert {"apply_settings", "restart", "do_reset", "traffic", "stop_traffic", "do_ablate", "compare", "attach",
-            "detach", "cancel_measurement"} <= gated
-    assert {"chat", "dashboard", "settings", "chat_view", "unlock"} <= allowed
+            "detach", "cancel_measurement", "lesson_start", "lesson_flip", "lesson_stop", "lesson_next",
+            "lesson_previous"} <= gated
+    assert {"chat", "dashboard", "settings", "chat_view", "unlock", "lesson_read", "lesson_record",
+            "back_to_lesson"} <= allowed
     before = engine_state(pg)
     client = Client(url, verbose=False)
     endpoints = named_endpoints(url)
