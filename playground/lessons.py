@@ -48,6 +48,7 @@ METRICS = {
     "tokens_per_s": Metric("tokens/s", "tok/s", "up"),
     "ttft_s": Metric("mean time to first token", "s", "down", "{:.2f}"),
     "tpot_s": Metric("time per output token (mean step)", "s", "down", "{:.3f}"),
+    "time_per_token_ms": Metric("engine time per generated token (busy time / tokens)", "ms", "down", "{:.1f}"),
     "max_step_ms": Metric("longest step (the longest gap between two tokens)", "ms", "down", "{:.0f}"),
     "prefix_hit_rate": Metric("prefix-cache hit rate", "", "up", "{:.0%}"),
     "kv_blocks_used": Metric("KV blocks in use (mean)", "blocks", "down", "{:.0f}"),
@@ -184,6 +185,9 @@ def window_metrics(history: Iterable, t0: float, t1: float) -> dict[str, float |
         "tpot_s": mean(b.step_ms / 1e3 for a, b in zip(counted, counted[1:])
                        if b.time >= t0 and (b.generation_tokens_total > a.generation_tokens_total
                                             or 0 < b.generation_tokens_total < a.generation_tokens_total)),
+        # what a token costs the engine: its steps' time over the tokens they made (a step of a speculating
+        # request makes several; a naive one recomputes the whole text for one)
+        "time_per_token_ms": sum(s.step_ms for s in inside) / generated if generated and inside else None,
         "max_step_ms": max((s.step_ms for s in inside), default=None),
         "prefix_hit_rate": hit_rate,
         "kv_blocks_used": mean(s.kv_blocks_used for s in inside),

@@ -231,11 +231,16 @@ def _text(content) -> str:
     return "" if content is None else str(content)
 
 
+# what a browser tab sends with each poll: one value per input, a state's as None (the server keeps its own).
+# /chat_view reads the tab's chat state; /dashboard the Lessons tab's pick and the tab's followed-lesson state.
+POLL_INPUTS = {"/chat_view": [None], "/dashboard": [None, None]}
+
+
 def poll(session, api_name: str, kind: str, stop: threading.Event, tally: Tally) -> None:
     while not stop.is_set():
         t = time.perf_counter()
         try:
-            session.predict(api_name, [None] if api_name == "/chat_view" else [])
+            session.predict(api_name, POLL_INPUTS[api_name])
             tally.polled(kind, time.perf_counter() - t)
         except Exception as exc:  # a session that errors keeps going, and the error is counted
             tally.error(api_name, f"{type(exc).__name__}: {exc}")

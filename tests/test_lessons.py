@@ -63,6 +63,7 @@ def test_window_numbers_come_from_the_history_and_survive_a_restart():
     assert m["prefix_hit_rate"] == pytest.approx((50 + 10 + 20) / (100 + 20 + 20))
     assert m["preemptions"] == 3 and m["peak_kv_blocks"] == 8 and m["kv_blocks_used"] == pytest.approx(6)
     assert m["max_step_ms"] == 90 and m["running"] == pytest.approx(3)
+    assert m["time_per_token_ms"] == pytest.approx((10 + 90 + 10) / (20 + 5 + 20))
     assert m["ttft_s"] == pytest.approx(0.4)
     assert m["tpot_s"] == pytest.approx((10 + 90 + 10) / 3 / 1e3)  # the steps that produced tokens, a restart's too
     empty = window_metrics(history, 10, 11)

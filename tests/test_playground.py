@@ -234,9 +234,14 @@ def test_polls_send_the_shared_payloads_as_gradio_would_without_postprocessing_t
     serialised = SerialisedFigures()
     plots = [figures.blocks, figures.queues, figures.prefix, figures.throughput, figures.memory]
     state = SessionState(demo)
-    sent = asyncio.run(demo.postprocess_data(fns["dashboard"], ["status", *map(serialised.payload, plots)], state))
+    # what the clock's event returns: the status, the five charts, the Lessons tab's view (its chart the lesson's
+    # own), which tab to show, the followed-lesson state and the back button
+    returned = list(fns["dashboard"].fn(None, {"run": 0, "back": False}))
+    sent = asyncio.run(demo.postprocess_data(fns["dashboard"], returned, state))
     fns["dashboard"].postprocess = True  # the same event as gradio would postprocess it
-    expected = asyncio.run(demo.postprocess_data(fns["dashboard"], ["status", *map(serialised, plots)], state))
+    unserialised = ["status", *map(serialised, plots), *returned[6:]]
+    unserialised[0] = returned[0]
+    expected = asyncio.run(demo.postprocess_data(fns["dashboard"], unserialised, state))
     assert sent == expected and json.loads(sent[1]["plot"]) == figures.blocks
 
 
