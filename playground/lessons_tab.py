@@ -7,6 +7,7 @@ and downloading the session's record are everyone's.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
 
     @audience
     def prepare_record():
-        folder = Path(tempfile.mkdtemp(prefix="lessons-record-"))
+        # one folder for the process, rewritten: anyone may press this, so it must not add files with each press
+        folder = Path(tempfile.gettempdir()) / f"watch-llm-lessons-record-{os.getpid()}"
         done = len(runner.records)
         return write_record(runner.records, machine_name(runner), folder), (
             f"{done} lesson(s) in the record." if done else "No lesson has finished yet: the record is empty.")
