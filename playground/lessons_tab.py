@@ -87,10 +87,6 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
                 serialised.payload(getattr(chart, lesson.chart)) if lesson else None)
 
     @audience
-    def read(slug: str | None):
-        return view(slug)
-
-    @audience
     def prepare_record():
         # one folder for the process, rewritten: anyone may press this, so it must not add files with each press
         folder = Path(tempfile.gettempdir()) / f"watch-llm-lessons-record-{os.getpid()}"
@@ -103,7 +99,7 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
             return "Pick a lesson first."
         return runner.start(slug)
 
-    pick.change(read, pick, [phase, text, numbers, plot], api_name="lesson_read", postprocess=False,
+    pick.change(view, pick, [phase, text, numbers, plot], api_name="lesson_read", postprocess=False,
                 show_progress="hidden")
     start.click(start_lesson, pick, said, api_name="lesson_start")
     flip.click(runner.flip, None, said, api_name="lesson_flip")
