@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from .cache import cache_dir
 from .quant import quantize_uint8
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
@@ -80,7 +81,6 @@ def _build_key() -> str:
 def _build():
     if os.environ.get("WATCHLLM_CPU_EXTENSIONS", "1") == "0":
         return None
-    from .models.loader import cache_dir  # (the loader's package imports this module's users)
     name = f"watchllm_cpu_kernels_{_build_key()}"
     build = cache_dir() / "extensions" / name
     try:

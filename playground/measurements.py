@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine import bench
-from engine.models.loader import cache_dir
+from engine.cache import cache_dir
 from engine.workloads import load_workload
 
 from .conversation import WARNING

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from engine.cache import cache_dir
 from engine.models import loader
 
 
@@ -13,7 +14,7 @@ def test_default_model_comes_from_the_embedded_gguf_via_a_safetensors_cache():
     assert gguf is not None and gguf.suffix == ".gguf"
     folder = loader.resolve_model(None)
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
-    assert folder.is_relative_to(loader.cache_dir())
+    assert folder.is_relative_to(cache_dir())
     assert loader.resolve_model(str(gguf)) == folder  # the GGUF path reuses the same conversion
     assert loader.resolve_model(loader.DEFAULT_HUB_ID) == folder  # the hub id is served offline too
 

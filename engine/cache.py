@@ -1,0 +1,15 @@
+"""Where the engine keeps what it makes once and reuses: converted checkpoints, calibration scales, the compiled C++
+kernels, per-machine kernel timings. One small module that the loader, the kernel build, the quantization package and
+the playground all import, so none of them reaches into another for it.
+
+WATCHLLM_CACHE names the folder; else $XDG_CACHE_HOME/watch-llm (~/.cache/watch-llm)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("WATCHLLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "watch-llm")
+    return Path(root)
