@@ -30,12 +30,11 @@ from engine import LLM
 from engine.bench import Cancelled, compare_report, load_feature_preset, parse_assignments
 from engine.config import (
     BUILT_SWITCHES,
-    INT4_GROUP_SIZES,
     KV_CACHE_DTYPES,
     NOT_YET_BUILT,
-    QUANTIZATION_SCHEMES,
     WEIGHT_FIELDS,
 )
+from engine.quant.format import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.access import OPEN, OWNER_ENV, PUBLIC, TOKEN, TOKEN_ENV, Access, Seats, audience, presenter_controls
 from playground.chat import ChatSession

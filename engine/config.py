@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .quant.format import WeightFormat, check_scheme
+
 # Switches declared now and built by later issues: asking for one is an error, never a silent no-op.
 NOT_YET_BUILT: tuple[str, ...] = ()
 FEATURE_SWITCHES = ("kv_cache", "paged_kv", "continuous_batching", "prefix_caching", "chunked_prefill",
@@ -23,8 +25,6 @@ WEIGHT_FIELDS = ("dtype", "quantization", "quantization_group_size", "quantize_l
 # These need a new model load and cannot change while serving.
 LOAD_TIME_FIELDS = ("model", "device", *WEIGHT_FIELDS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
-QUANTIZATION_SCHEMES = ("int8", "int4", "w8a8")  # see engine/models/linear.py
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernel accepts
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 ATTENTION_BACKENDS = ("sdpa", "triton")  # None: triton on CUDA (with a KV cache), sdpa elsewhere
 DEFAULT_CPU_KV_CACHE_GB = 0.5
@@ -72,14 +72,14 @@ class EngineConfig:
     # top-1 agreement with fp32 0.85 vs 0.70 at 64 (whose perplexity rose 44%); 128 does not divide its 576
     quantization_group_size: int = 32
     quantize_lm_head: bool = True
-    # calibrated at load over presets/quality/calibration.txt (engine/calibrate.py): each projection's input channels
+    # calibrated at load over presets/quality/calibration.txt (quant/calibrate.py): each projection's input channels
     # rescaled before rounding (SmoothQuant / AWQ), and the weights rounded by GPTQ instead of to the nearest level
     quantization_smoothing: bool = False
     quantization_gptq: bool = False
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (a scale per token and KV head)
     # int8 KV only: each key channel divided by a scale calibrated once per model when the KV pool is first built
     # (the queries multiplied by it, so q . k is unchanged), so that a few large channels no longer take a token's
-    # whole int8 range (engine/calibrate.py)
+    # whole int8 range (engine/quant/calibrate.py)
     kv_cache_smoothing: bool = False
 
     @classmethod
@@ -122,15 +122,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
-            raise ValueError(f"quantization must be None or one of {QUANTIZATION_SCHEMES}, got {self.quantization!r}")
-        if self.quantization is None and (self.quantization_smoothing or self.quantization_gptq):
-            raise ValueError("quantization_smoothing and quantization_gptq calibrate how weights are quantized: they "
-                             "need a quantization scheme (int8, int4 or w8a8); with quantization=None turn them off")
-        g = self.quantization_group_size
-        if isinstance(g, bool) or not isinstance(g, int) or g not in INT4_GROUP_SIZES:
-            raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} (what the int4 kernel "
-                             f"accepts), got {self.quantization_group_size!r}")
+        check_scheme(self.quantization, self.quantization_group_size, self.quantization_smoothing,
+                     self.quantization_gptq)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not (self.device in ("cpu", "cuda", "auto") or str(self.device).startswith("cuda:")):
@@ -174,10 +167,7 @@ class EngineConfig:
         precision: every feature switch keeps it, a change of precision does not."""
         parts = [self.dtype]
         if self.quantization is not None:
-            group = f" (groups of {self.quantization_group_size})" if self.quantization == "int4" else ""
-            parts.append(f"{self.quantization} weights{group}" + ("" if self.quantize_lm_head else " but the LM head")
-                         + (", smoothed" if self.quantization_smoothing else "")
-                         + (", GPTQ" if self.quantization_gptq else ""))
+            parts.append(WeightFormat.of(self).describe())
         if self.kv_cache_dtype != "auto":
             parts.append(f"{self.kv_cache_dtype} KV" + (", keys smoothed" if self.key_smoothing_active else ""))
         return ", ".join(parts)

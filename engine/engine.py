@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .blocks import KVCacheManager, NoKVCache
-from .calibrate import key_scales_for
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
 from .cuda_graphs import DecodeGraphs, check_cuda_graphs
 from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory, resolve_attention_backend, resolve_dtype
 from .memory import check_kv_pool_fits
-from .models.linear import WeightFormat
+from .quant.calibrate import key_scales_for
+from .quant.format import WeightFormat
 from .request import Request, RequestOutput, RequestStatus
 from .runner import Batch, ModelRunner
 from .sampler import SamplingParams, TokenLogprobs, draw, processed_logits, token_logprobs

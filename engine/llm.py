@@ -7,9 +7,9 @@ from .config import EngineConfig
 from .engine import LLMEngine, stored_as
 from .gpu import resolve_dtype
 from .models import LlamaFamilyModel, load_model
-from .models.linear import WeightFormat
 from .models.loader import load_weights
 from .models.random_models import random_name
+from .quant.format import WeightFormat
 from .request import RequestOutput
 from .sampler import SamplingParams
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from engine import EngineConfig, bench
 from engine.config import BUILT_SWITCHES, WEIGHT_FIELDS
 from engine.gpu import resolve_dtype
-from engine.models.linear import WeightFormat
+from engine.quant.format import WeightFormat
 
 from .room import describe_changes, plain
 from .stepmode import plural

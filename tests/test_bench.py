@@ -493,7 +493,7 @@ def test_cli_decode_times_llama_cpp_in_the_same_rounds_or_says_what_it_needs(tin
 def test_a_random_model_loads_in_another_precision_for_the_benchmarks():
     """bench kernels / decode load each precision from the model loaded: a random: model too (its seeded weights)."""
     from engine import LLM
-    from engine.models.linear import Int8Linear
+    from engine.quant.linear import Int8Linear
     llm = LLM("random:smollm2-135m", max_model_len=64, kv_cache=False)
     model = llm.load_weights(llm.config.replace(quantization="int8"))
     assert isinstance(model.layers[0].qkv, Int8Linear) and model.shape == llm.engine.model.shape

@@ -1,4 +1,4 @@
-"""Calibrated quantization (engine/calibrate.py, GPTQ in engine/quant.py): smoothing must leave the unquantized
+"""Calibrated quantization (quant/calibrate.py, GPTQ in quant/numerics.py): smoothing must leave the unquantized
 model's function unchanged (only where the rounding happens moves), GPTQ must keep every weight on the scheme's
 grid with the same scales while erring less over the calibration inputs, and a calibrated model must load and
 serve through the engine."""
@@ -9,10 +9,11 @@ import torch
 
 from engine import LLM
 from engine.attention import AttentionMetadata, PrefillSeq
-from engine.calibrate import HEAD_KEY, Fake, Inputs, best_scale, calibrate
-from engine.models.linear import W8A8Linear, w8a8_weight_max
 from engine.models.loader import build_model, load_hf_config, load_state_dict, resolve_model, ties_head
 from engine.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from engine.quant.calibrate import HEAD_KEY, Fake, Inputs, best_scale, calibrate
+from engine.quant.kernels import w8a8_weight_max
+from engine.quant.linear import W8A8Linear
 
 
 def correlated(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +75,7 @@ def test_smoothing_leaves_the_unquantized_model_unchanged(tiny_models, arch, mon
     """Random scales (not the searched ones, which may be 1) folded into the norms, v, up and the LM head:
     the fp32 model must compute the same logits. Covers GQA (a scale shared by a group's query heads), a tied
     head (llama: its own smoothed copy, the embedding kept), q/k norms (qwen3) and biases (qwen2)."""
-    import engine.calibrate as calibrate_module
+    import engine.quant.calibrate as calibrate_module
     folder = resolve_model(tiny_models[arch][0])
     config, state = load_hf_config(folder), load_state_dict(folder)
     state = {k.removeprefix("model."): v for k, v in state.items()}
@@ -130,7 +131,7 @@ def test_calibration_without_a_scheme_is_refused(field):
 def test_smoothing_scales_are_cached_and_give_the_same_weights(tiny_models, tmp_path, monkeypatch):
     """A second load with smoothing finds its scales in the cache: no calibration pass, the same quantized weights.
     Another format (group size, LM head) or a changed calibration text would be another file."""
-    import engine.calibrate as calibrate_module
+    import engine.quant.calibrate as calibrate_module
     monkeypatch.setenv("WATCHLLM_CACHE", str(tmp_path))
     folder = tiny_models["llama"][0]
     first = LLM(folder, quantization="int8", quantization_smoothing=True, max_model_len=64)

@@ -137,8 +137,8 @@ def test_decode_kernel_matches_sdpa_in_half_precision(group):
 @needs_cuda
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_kernel_matches_the_dequantized_weights_on_cuda(group):
-    from engine.models.linear import Int4Linear
     from engine.quant import dequantize_int4, quantize_int4
+    from engine.quant.linear import Int4Linear
     gen = torch.Generator(device="cuda").manual_seed(group)
     w = torch.randn(512, 1024, device="cuda", generator=gen) * 0.05
     x = torch.randn(5, 1024, device="cuda", generator=gen).bfloat16()

@@ -12,18 +12,9 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams, cpu_kernels
 from engine.attention import AttentionMetadata, KeyScale, LayerKV, PrefillSeq, attention
 from engine.bench import weight_bytes
-from engine.calibrate import _KeyRecorder
 from engine.config import BUILT_SWITCHES
 from engine.engine import LLMEngine
-from engine.models.linear import (
-    Int4Linear,
-    Int8Linear,
-    Linear,
-    W8A8Linear,
-    WeightFormat,
-    require_kernel,
-    w8a8_weight_max,
-)
+from engine.models.linear import Linear, make_projection
 from engine.quant import (
     dequantize_int4,
     dequantize_int8,
@@ -32,6 +23,10 @@ from engine.quant import (
     quantize_int8,
     quantize_uint8,
 )
+from engine.quant.calibrate import _KeyRecorder
+from engine.quant.format import WeightFormat
+from engine.quant.kernels import choose_kernel, w8a8_weight_max
+from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
 from tests.conftest import assert_all_blocks_free
 from tests.test_features import engine_like, run, shared_prefix_prompts
 from tests.test_parity import random_prompts
@@ -170,7 +165,7 @@ WEIGHT_ONLY_KERNELS = [pytest.param("C++", marks=NEEDS_OWN), "torch"]
 
 def torch_kernels_only(monkeypatch) -> None:
     """The weight-only projections built on torch's kernels, as on a CPU without AVX-512."""
-    monkeypatch.setattr("engine.models.linear.own_kernel", lambda weight, scheme: None)
+    monkeypatch.setattr("engine.quant.kernels.cpu_features", lambda: frozenset({"avx2", "fma"}))
 
 
 def int8_linear(w: torch.Tensor, kernel: str, monkeypatch) -> Int8Linear:
@@ -333,7 +328,7 @@ def test_w8a8_runs_the_same_without_the_cpp_helpers(monkeypatch):
                                           *((s, torch.float32) for s in SCHEMES)])
 def test_a_row_gets_the_same_result_in_any_batch(scheme, dtype):
     """What a request computes must not depend on who it is batched with, in every weight format."""
-    lin = WeightFormat(scheme).make(weight(64, 128).to(dtype), "test")
+    lin = make_projection(WeightFormat(scheme), weight(64, 128).to(dtype), "test")
     if scheme is None and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         assert lin.kernel == "oneDNN"
     x = torch.randn(24, 128).to(dtype)
@@ -346,7 +341,7 @@ def test_a_row_gets_the_same_result_in_any_batch(scheme, dtype):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_quantized_projection_stores_fewer_bytes(scheme):
     w = weight(256, 512)
-    lin = WeightFormat(scheme).make(w, "test")
+    lin = make_projection(WeightFormat(scheme), w, "test")
     assert isinstance(lin, QUANTIZED[scheme])
     fp32 = w.numel() * 4
     assert lin.nbytes < fp32 * (0.16 if scheme == "int4" else 0.27)  # 1/8 or 1/4 of fp32, plus the scales
@@ -626,6 +621,9 @@ def test_int4_group_size_that_does_not_divide_a_layer_is_refused(tiny_models):
 
 def test_a_missing_kernel_is_refused_not_run_in_fp32(tiny_models, monkeypatch):
     monkeypatch.delattr(torch, "_weight_int4pack_mm_for_cpu")
+    if OWN_KERNELS:  # the engine's own int4 kernel does not need torch's
+        assert choose_kernel("int4", "cpu").own
+    torch_kernels_only(monkeypatch)  # as on a CPU without AVX-512, where torch's is the only one
     with pytest.raises(ValueError, match="needs torch._weight_int4pack_mm_for_cpu, which torch .* does not ship"):
         LLM(tiny_models["llama"][0], quantization="int4")
 
@@ -633,12 +631,12 @@ def test_a_missing_kernel_is_refused_not_run_in_fp32(tiny_models, monkeypatch):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_device_without_the_kernel_is_refused(scheme):
     if scheme == "int4":  # CUDA has torch's int4 kernel (tests/test_gpu.py runs it there)
-        assert require_kernel(scheme, torch.device("cuda")) == "torch._weight_int4pack_mm"
+        assert choose_kernel(scheme, torch.device("cuda")).kernel == "torch._weight_int4pack_mm"
     else:  # refused there, with the measured reason
         with pytest.raises(ValueError, match=f"quantization='{scheme}' has no kernel on cuda .*slower than bf16"):
-            require_kernel(scheme, torch.device("cuda"))
+            choose_kernel(scheme, torch.device("cuda"))
     with pytest.raises(ValueError, match="lm_head: quantization=.* has no kernel on meta"):
-        WeightFormat(scheme).make(torch.empty(64, 64, device="meta"), "lm_head")
+        make_projection(WeightFormat(scheme), torch.empty(64, 64, device="meta"), "lm_head")
 
 
 def test_weights_cannot_change_while_serving(fp32):

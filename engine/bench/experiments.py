@@ -18,7 +18,7 @@ import torch
 from ..config import BUILT_SWITCHES, EngineConfig
 from ..engine import LLMEngine, stored_as
 from ..llm import LLM
-from ..models.linear import WeightFormat
+from ..quant.format import WeightFormat
 from ..sampler import SamplingParams
 from ..workloads import Workload
 from .hf import hf_generate, hf_pad_id, hf_static_batches, hf_warm_up, load_hf_model

@@ -78,8 +78,8 @@ def random_engine(model: str, dtype: str, device: str, overrides: dict, fields: 
     from ..config import EngineConfig
     from ..engine import LLMEngine
     from ..llm import DTYPES
-    from ..models.linear import WeightFormat
     from ..models.random_models import load_random_model
+    from ..quant.format import WeightFormat
     config = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device, **fields)
     net, tok, cfg, _ = load_random_model(model, DTYPES[dtype], torch.device(device), fields.get("max_model_len"),
                                          weight_format=WeightFormat.of(config), **overrides)

@@ -1,98 +1,23 @@
-"""A projection's weight, stored once at load for the fastest kernel this machine has: `Linear(w)(x)` is x @ w.T.
+"""A projection's weight, stored once at load for the fastest kernel this machine has: `Linear(w)(x)` is x @ w.T,
+or one of its quantized siblings (engine/quant/linear.py) when the model's weight format asks for one. Which kernel
+runs is engine/quant/kernels.py's choose_kernel, asked by every projection here.
 
 On CPU in float32, oneDNN's linear over a weight reordered once at load beats MKL's `x @ W` for the few rows a
 decode batch or a speculative verify has (the 30 layers' projections plus the LM head of SmolLM2-135M, min of 7,
 same process: 2 rows 56 ms vs 79, 5 rows 69 vs 158, 9 rows 77 vs 127, 16 rows 85 vs 159, 32 rows 106 vs 187;
 one row 55 vs 52), and each row's result does not depend on how many rows share the call (MKL's does for
 one or two rows), so a request's tokens are the same whoever it is batched with. So in bf16 on a CPU with bf16
-instructions (see onednn_available). Elsewhere (CUDA, bf16 without them, a torch without oneDNN) it is `x @ W`
-over the weight stored transposed.
-
-Quantized siblings (`quantization=` in EngineConfig), each quantized once at load (engine/quant.py) and packed for
-the fastest kernel this torch ships for it on CPU, chosen by measurement (docs/measurements.md,
-`python -m engine.bench kernels`); each gives a row the same result whatever else shares the call:
-  int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul (AVX-512),
-                                                             else torch._weight_int8pack_mm
-  int4  weight-only, asymmetric per group of input features  the engine's C++ int4_matmul (AVX-512),
-                                                             else torch._weight_int4pack_mm_for_cpu
-                                                             (CUDA: torch._weight_int4pack_mm, bf16 activations)
-  w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums,
-                                                             each row quantized and scaled back in C++ (cpu_kernels.py)
-torch's two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path: 5-70x
-slower, measured on AVX2 and on AVX-512), so an fp32 model's activations enter them as bf16 and come back fp32.
-torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI: fbgemm was 10-100x faster on AVX2, and
-with VNNI _int_mm is still slower (one 3072 x 576 projection: 288 us at 32 rows; fbgemm 107 us at 16).
-A scheme with no kernel on the device is refused, never run unquantized. On CUDA (an H200, torch 2.11, the matmuls of
-Qwen3-0.6B's shapes, bf16 x @ W 13-16 us at 1-64 rows): int4's kernel takes 7-8 us at 1-16 rows (the LM head 56 vs
-78 us at one row), so it is offered there; int8's `_weight_int8pack_mm` took 40-2,400 us and w8a8's `_int_mm` needs
-more than 16 rows and took 100 us with the activations' quantization, so both are refused on CUDA, saying so.
+instructions. Elsewhere (CUDA, bf16 without them, a torch without oneDNN) it is `x @ W` over the weight stored
+transposed. Quantized formats are chosen by measurement (docs/measurements.md, `python -m engine.bench kernels`;
+quant/speed.py says, per machine, whether one is faster than fp32 here at all).
 """
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
-from functools import cache
-
 import torch
 
-from ..config import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES, EngineConfig
-from ..cpu_kernels import W8A8_ZERO_POINT, compiled, row_helpers
-from ..quant import quantize_int4, quantize_int8
-
-INT4_PACK_ROWS = 16  # the int4 kernel packs output features in tiles of 16
-W8A8_OP = "linear_with_input_q_dq_qweight_dq_output_fp32"
-# scheme -> {device type: the kernel}; a device not listed has no kernel in this engine
-KERNELS = {"int8": {"cpu": "torch._weight_int8pack_mm"},
-           "int4": {"cpu": "torch._weight_int4pack_mm_for_cpu", "cuda": "torch._weight_int4pack_mm"},
-           "w8a8": {"cpu": f"torch.ops.quantized.{W8A8_OP}"}}
-# why a scheme has no kernel on a device, measured (the module docstring), for the refusal to say
-NO_KERNEL_BECAUSE = {("int8", "cuda"): "torch's _weight_int8pack_mm was 3-700x slower than bf16 there",
-                     ("w8a8", "cuda"): "torch's _int_mm needs more than 16 rows and was 7x slower than bf16 there"}
-# the dtype the weight-only kernels are fast with (CUDA's int4 kernel takes nothing else), by device
-WEIGHT_ONLY_ACTIVATIONS = {"cpu": torch.bfloat16, "cuda": torch.bfloat16}
-INT4_INNER_K_TILES = (8, 4, 2)  # CUDA's int4 packing: the largest tiling (16 input features each) that divides K
-# fbgemm multiplies uint8 activations by int8 weights. On AVX2 it adds pairs of products in int16, which overflows
-# when both use 8 bits (measured: 52% error at full range; exact with either side at 7 bits); with AVX-512 VNNI the
-# products go straight into int32 sums and 8 bits on both sides are exact. So the weights get all 8 bits,
-# [-127, 127], where a probe at load finds the sums exact at full range (w8a8_weight_max), else 7, [-63, 63].
-# SmolLM2's top-1 agreement with fp32 over the 2,518-token quality text, smoothed and GPTQ-rounded with its LM head in
-# fp32: 93.8% with 7-bit weights, 94.9% with 8-bit (perplexity +1.6% -> +0.9%). On AVX2, 7-bit weights measured
-# better than the other split fbgemm allows there (8-bit weights, 7-bit activations). Activations: per token,
-# asymmetric over all 256 uint8 levels (quant.quantize_uint8), which took the top-1 agreement of plain w8a8 (7-bit
-# weights) from 88.1% (symmetric, [-127, 127]) to 90.9% and its perplexity change from +4.7% to +2.5%. fbgemm takes
-# one zero point for the whole input, so it is given 128 and each row's own is corrected after:
-# y -= (zero - 128) * w_scale * sum(w_q) per output channel.
-W8A8_WEIGHT_MAX_BY_SUMS = {"int32": 127, "int16 pairs": 63}
-FBGEMM_ENGINES = ("x86", "fbgemm")
-@cache
-def fbgemm_sums() -> str:
-    """How this machine's fbgemm adds uint8 x int8 products, found by trying the case that overflows int16 pair sums
-    (255 x 127 twice): "int32" if the result is exact (AVX-512 VNNI), else "int16 pairs" (AVX2)."""
-    weight = torch.full((2, 64), 127, dtype=torch.int8)
-    weight[1] = -127
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        packed = torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(
-            weight, torch.ones(2, dtype=torch.double), torch.zeros(2, dtype=torch.long), 0), None)
-    x = torch.full((1, 64), 255.0 - W8A8_ZERO_POINT)  # uint8 255 once the kernel adds its zero point
-    exact = torch.equal(getattr(torch.ops.quantized, W8A8_OP)(x, 1.0, W8A8_ZERO_POINT, packed), x @ weight.float().T)
-    return "int32" if exact else "int16 pairs"
-
-
-def w8a8_weight_max() -> int:
-    """The largest |q| w8a8's weights may take on this machine (see W8A8_WEIGHT_MAX_BY_SUMS)."""
-    return W8A8_WEIGHT_MAX_BY_SUMS[fbgemm_sums()]
-
-
-def onednn_available(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's linear takes this weight: fp32 on any x86 CPU; bf16 on one with bf16 instructions (AVX-512
-    BF16 / AMX), where it beat bf16 `x @ W` at every size measured (SmolLM2's shapes: 1.2-2.8x at one row, 1.1-1.4x
-    at 16 and 64); without them oneDNN refuses bf16."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() \
-            or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
-                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+from ..quant.format import WeightFormat
+from ..quant.kernels import choose_kernel
+from ..quant.linear import QUANTIZED_TYPES, Int4Linear, Int8Linear, W8A8Linear
 
 
 class Linear:
@@ -104,7 +29,8 @@ class Linear:
         self.nbytes = weight.numel() * weight.element_size()
         self.dtype, self.device = weight.dtype, weight.device
         self.packed = self.weight_t = None
-        if onednn_available(weight):
+        self.choice = choose_kernel(None, weight.device, weight.dtype)
+        if self.choice.kernel == "oneDNN":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:
             self.weight_t = weight.t().contiguous()  # [in, out]: x @ W reads it row by row
@@ -125,265 +51,27 @@ class Linear:
 
     @property
     def kernel(self) -> str:
-        return "oneDNN" if self.packed is not None else "x @ W"
+        return self.choice.kernel
 
     def __repr__(self) -> str:
         return f"Linear({self.in_features} -> {self.out_features}, {self.dtype}, {self.kernel})"
 
 
-def _ships(path: str) -> bool:
-    """Whether this torch has the function at a dotted path such as 'torch.ops.quantized.linear_prepack'."""
-    obj = torch
-    for part in path.split(".")[1:]:
-        try:
-            obj = getattr(obj, part)
-        except (AttributeError, RuntimeError):
-            return False
-    return True
-
-
-def require_kernel(scheme: str, device: torch.device) -> str:
-    """The kernel scheme runs on device; ValueError if this engine has none there or this torch lacks it."""
-    if scheme not in KERNELS:
-        raise ValueError(f"unknown quantization scheme {scheme!r}; one of {', '.join(QUANTIZATION_SCHEMES)}")
-    name = KERNELS[scheme].get(device.type)
-    if name is None:
-        why = NO_KERNEL_BECAUSE.get((scheme, device.type))
-        raise ValueError(f"quantization={scheme!r} has no kernel on {device.type} in this engine (it runs on "
-                         f"{', '.join(KERNELS[scheme])}{': ' + why if why else ''}); it is refused rather than run "
-                         f"unquantized")
-    if not _ships(name):
-        raise ValueError(f"quantization={scheme!r} needs {name}, which torch {torch.__version__} does not ship; "
-                         f"it is refused rather than run unquantized")
-    if scheme == "w8a8" and torch.backends.quantized.engine not in FBGEMM_ENGINES:
-        raise ValueError(f"quantization='w8a8' needs torch's fbgemm quantized engine (one of {FBGEMM_ENGINES}), but "
-                         f"torch.backends.quantized.engine is {torch.backends.quantized.engine!r}")
-    return name
-
-
-class _Quantized:
-    """What the quantized projections share: shapes, dtypes, an empty batch."""
-    scheme: str
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.kernel = require_kernel(self.scheme, weight.device).rsplit(".", 1)[-1]
-        self.out_features, self.in_features = weight.shape
-        self.dtype, self.device = weight.dtype, weight.device  # the model's: what comes in and goes out
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.raw(x).to(x.dtype)
-
-    def raw(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T, left in the kernel's own dtype (bf16 from the weight-only kernels on CPU) when x is fp32, for a
-        caller whose next operation widens it to fp32 anyway, exactly: the model saves a cast per projection so.
-        Otherwise in x's dtype, so that no sum of the two ever promotes past the model's dtype."""
-        if x.shape[0] == 0:
-            return x.new_empty(0, self.out_features)
-        y = self._matmul(x)
-        # (each cast skipped in Python where it would do nothing: a torch call costs ~1 us even then, 121 a token)
-        return y if x.dtype == torch.float32 or y.dtype == x.dtype else y.to(x.dtype)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.in_features} -> {self.out_features}, {self.scheme}, {self.kernel})"
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in dtype: x itself when it already is (without the torch call a no-op cast still costs)."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
-def _bytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's returns garbage off it: measured)
-
-
-def own_kernel(weight: torch.Tensor, scheme: str):
-    """The engine's C++ weight-only matmul for scheme ("int8" or "int4"; cpu_kernels.py) where this CPU's build has
-    it (AVX-512); else None (torch's kernel then). One choice per machine, whatever the rows: a row's result never
-    depends on its batch."""
-    if weight.device.type != "cpu":
-        return None
-    ext = compiled()
-    return getattr(ext, f"{scheme}_matmul") if ext is not None and ext.weight_only_available() else None
-
-
-class _WeightOnly(_Quantized):
-    """int8 and int4: the engine's own C++ kernel where this CPU's build has it (own_kernel; the activations as
-    they come, fp32 sums; speeds in cpu_kernels.py), else torch's, which takes the activations in bf16."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__(weight)
-        self._own = own_kernel(weight, self.scheme)
-        if self._own is not None:
-            self.kernel, self.activation_dtype = f"{self.scheme}_matmul (C++)", self.dtype
-        else:
-            self.activation_dtype = WEIGHT_ONLY_ACTIVATIONS.get(self.device.type, self.dtype)
-        self.input_dtype = self.activation_dtype
-
-
-class Int8Linear(_WeightOnly):
-    """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T,
-    widening the weights as it reads them. The C++ kernel keeps the scales in fp32; torch's _weight_int8pack_mm
-    wants them in bf16, like its activations."""
-    scheme = "int8"
-
-    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
-        super().__init__(weight)
-        if self.device.type == "cpu" and self.in_features % INT8_K_MULTIPLE:
-            raise ValueError(f"int8 on CPU needs input features in multiples of {INT8_K_MULTIPLE} (its kernels step "
-                             f"over them 16 at a time; torch's returns garbage otherwise), got {self.in_features}")
-        scale_dtype = None if self._own is not None else self.activation_dtype
-        self.qweight, scale = quantize_int8(weight, scale_dtype=scale_dtype, hessian=hessian)
-        self.scales = scale if scale_dtype is None else scale.to(scale_dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.qweight, self.scales)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._own is not None:
-            return self._own(x.contiguous(), self.qweight, self.scales)
-        return torch._weight_int8pack_mm(_as(x, self.activation_dtype), self.qweight, self.scales)
-
-
-class Int4Linear(_WeightOnly):
-    """Weight-only int4 in groups of `group_size` input features, asymmetric: two values per byte, with each group's
-    scale and mid in bf16. The C++ kernel's layout: [N, K / 2] bytes, in each run of 32 features c in a low nibble
-    and c + 16 in the high one, and [N, K / g, 2] pairs; torch's: packed once by torch for it, pairs [K / g, N, 2]."""
-    scheme = "int4"
-
-    def __init__(self, weight: torch.Tensor, group_size: int, hessian: torch.Tensor | None = None) -> None:
-        super().__init__(weight)
-        if group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} for int4, got {group_size}")
-        if self.in_features % group_size:
-            raise ValueError(f"quantization_group_size={group_size} does not divide its {self.in_features} "
-                             f"input features")
-        self.group_size = group_size
-        q, scale, mid = quantize_int4(weight, group_size, torch.bfloat16, hessian)
-        if self._own is not None:
-            runs = q.reshape(self.out_features, -1, 2, 16)  # runs of 32 features: c in a low nibble, c + 16 high
-            self.packed = (runs[:, :, 0] | runs[:, :, 1] << 4).reshape(self.out_features, -1).contiguous()
-            self.scales_and_zeros = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).contiguous()
-            return
-        if self.out_features % INT4_PACK_ROWS:
-            raise ValueError(f"int4 with {self.kernel} needs output features in multiples of {INT4_PACK_ROWS}, "
-                             f"got {self.out_features}")
-        if self.device.type == "cuda":  # two values per byte, the even feature in the high nibble, then tiled
-            tiles = next((t for t in INT4_INNER_K_TILES if self.in_features % (16 * t) == 0), None)
-            if tiles is None:
-                raise ValueError(f"int4 on CUDA needs input features in multiples of 32, got {self.in_features}")
-            self.packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), tiles)
-        else:
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        # the kernel computes (q - 8) * scale + zero, its "zero" being our mid
-        self.scales_and_zeros = torch.stack([scale.t(), mid.t()], dim=-1).to(self.activation_dtype).contiguous()
-        self._kernel = getattr(torch, self.kernel)  # the device's, as KERNELS names it: looked up once, not per call
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.packed, self.scales_and_zeros)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._own is not None:
-            return self._own(x.contiguous(), self.packed, self.scales_and_zeros, self.group_size)
-        return self._kernel(_as(x, self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
-
-
-class W8A8Linear(_Quantized):
-    """int8 weights per output channel (8-bit values, or 7 where fbgemm's sums need it: w8a8_weight_max) and uint8
-    activations quantized per token on the fly (asymmetric, each with its zero point), multiplied in integers with
-    int32 sums by fbgemm, then scaled back: y = (x_q - zero) @ w_q.T * w_scale * x_scale. Integer sums are exact, so
-    a row's result is the same in any batch."""
-    scheme = "w8a8"
-    input_dtype = torch.float32  # each row is quantized from fp32
-
-    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
-        super().__init__(weight)
-        q, scales = quantize_int8(weight, w8a8_weight_max(), hessian=hessian)
-        zeros = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():  # torch deprecates its quantized tensors; fbgemm's kernels still ship
-            warnings.simplefilter("ignore", UserWarning)
-            qweight = torch._make_per_channel_quantized_tensor(q, scales.double(), zeros, 0)
-            self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm's packed layout
-        stored_q, stored_scales = self.int8_weight()
-        # what one unit of zero point adds to each output: the correction for a row's own zero point
-        self.zero_point_unit = stored_q.double().sum(1).mul_(stored_scales.double()).float()
-        self._quantize_rows, self._dequantize_rows, helpers = row_helpers()
-        self.kernel = f"{self.kernel} (rows quantized by {helpers})"
-        # the op's one overload, called directly: the packet's Python dispatch checks cost ~5 us a call
-        self._kernel = getattr(torch.ops.quantized, W8A8_OP).default
-
-    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [N, K] int8, scales [N]) as packed: read back from fbgemm's layout."""
-        qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
-        return qweight.int_repr(), qweight.q_per_channel_scales().float()
-
-    @property
-    def nbytes(self) -> int:
-        # int8 weights, plus fbgemm's scale and column offset per output channel (its packing padding not counted),
-        # and the zero-point correction
-        return self.out_features * (self.in_features + 12)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # each row's q - 128 (as floats), its scale and its zero point - 128 (engine/cpu_kernels.py)
-        xq, x_scale, shifted = self._quantize_rows(_as(x, torch.float32).contiguous())
-        # the kernel quantizes its input with scale 1 and zero point 128: integers in, so that step is exact
-        y = self._kernel(xq, 1.0, W8A8_ZERO_POINT, self.packed)
-        return _as(self._dequantize_rows(y, x_scale, shifted, self.zero_point_unit), x.dtype)
-
-
 Projection = Linear | Int8Linear | Int4Linear | W8A8Linear
-PROJECTION_TYPES = (Linear, Int8Linear, Int4Linear, W8A8Linear)
+PROJECTION_TYPES = (Linear, *QUANTIZED_TYPES)
 
 
-@dataclass(frozen=True)
-class WeightFormat:
-    """How a model's projections are stored: unquantized, or one of QUANTIZATION_SCHEMES."""
-    quantization: str | None = None
-    group_size: int = 32  # int4 only (EngineConfig.quantization_group_size's default)
-    lm_head: bool = True  # quantize the LM head too
-    smooth: bool = False  # inputs rescaled per channel before rounding (engine/calibrate.py)
-    gptq: bool = False  # rounded by GPTQ over calibration inputs (engine/quant.py)
-
-    @classmethod
-    def of(cls, config: EngineConfig) -> WeightFormat:
-        """The format config asks for, with fields that do not apply at their defaults (so equal formats compare
-        equal: int8 with any group size is the same int8)."""
-        if config.quantization is None:
-            return cls()
-        group = config.quantization_group_size if config.quantization == "int4" else cls.group_size
-        return cls(config.quantization, group, config.quantize_lm_head, config.quantization_smoothing,
-                   config.quantization_gptq)
-
-    def describe(self) -> str:
-        if self.quantization is None:
-            return "unquantized"
-        group = f", groups of {self.group_size}" if self.quantization == "int4" else ""
-        return (f"{self.quantization}{group}" + ("" if self.lm_head else ", LM head unquantized")
-                + (", smoothed" if self.smooth else "") + (", GPTQ" if self.gptq else ""))
-
-    @property
-    def calibrated(self) -> bool:
-        """Whether quantizing needs calibration inputs (engine/calibrate.py)."""
-        return self.quantization is not None and (self.smooth or self.gptq)
-
-    def make(self, weight: torch.Tensor, name: str, is_lm_head: bool = False,
-             hessian: torch.Tensor | None = None) -> Projection:
-        """The projection for weight [out, in]; name says which layer a refusal is about; hessian: X.T @ X over
-        its calibration inputs, for GPTQ's rounding."""
-        scheme = self.quantization
-        if scheme is None or (is_lm_head and not self.lm_head):
-            return Linear(weight)
-        try:
-            if scheme == "int4":
-                return Int4Linear(weight, self.group_size, hessian)
-            require_kernel(scheme, weight.device)  # an unknown scheme is refused here
-            return {"int8": Int8Linear, "w8a8": W8A8Linear}[scheme](weight, hessian)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-
-
-UNQUANTIZED = WeightFormat()
+def make_projection(weight_format: WeightFormat, weight: torch.Tensor, name: str, is_lm_head: bool = False,
+                    hessian: torch.Tensor | None = None) -> Projection:
+    """The projection for weight [out, in] stored as weight_format; name says which layer a refusal is about;
+    hessian: X.T @ X over its calibration inputs, for GPTQ's rounding."""
+    scheme = weight_format.quantization
+    if scheme is None or (is_lm_head and not weight_format.lm_head):
+        return Linear(weight)
+    try:
+        if scheme == "int4":
+            return Int4Linear(weight, weight_format.group_size, hessian)
+        choose_kernel(scheme, weight.device, weight.dtype)  # an unknown scheme is refused here
+        return {"int8": Int8Linear, "w8a8": W8A8Linear}[scheme](weight, hessian)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None

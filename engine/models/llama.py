@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from .. import cpu_kernels
 from ..attention import AttentionMetadata, LayerKV, PagedMetadata, attention
 from ..quant import SCALE_DTYPE
-from .linear import UNQUANTIZED, Projection, WeightFormat
+from ..quant.format import UNQUANTIZED, WeightFormat
+from .linear import Projection
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 

@@ -18,8 +18,10 @@ from types import SimpleNamespace
 import torch
 
 from ..cache import cache_dir
-from ..calibrate import CALIBRATION_TEXT, HEAD_KEY, MAX_TOKENS, SEARCH_VERSION, Fake, calibrate
-from .linear import UNQUANTIZED, Projection, WeightFormat, w8a8_weight_max
+from ..quant.calibrate import CALIBRATION_TEXT, HEAD_KEY, MAX_TOKENS, SEARCH_VERSION, Fake, calibrate
+from ..quant.format import UNQUANTIZED, WeightFormat
+from ..quant.kernels import w8a8_weight_max
+from .linear import Projection, make_projection
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
 from .random_models import load_random_model, random_name
 
@@ -146,7 +148,7 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
                 max_len: int, weight_format: WeightFormat = UNQUANTIZED,
                 hessians: dict[str, torch.Tensor] | None = None) -> LlamaFamilyModel:
     """Fuse, transpose and cast HF weights into our decoder's layout, each projection quantized once if asked
-    (with GPTQ's rounding for those `hessians` names: see engine/calibrate.py)."""
+    (with GPTQ's rounding for those `hessians` names: see engine/quant/calibrate.py)."""
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     shape = ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
@@ -167,7 +169,7 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
     hessians = hessians or {}
 
     def make(weight: torch.Tensor, name: str, is_lm_head: bool = False) -> Projection:
-        return weight_format.make(weight, name, is_lm_head, hessians.get(name))
+        return make_projection(weight_format, weight, name, is_lm_head, hessians.get(name))
     layers = []
     for i in range(shape.num_layers):
         p = f"layers.{i}."
@@ -206,7 +208,7 @@ def calibrated_state(state: dict[str, torch.Tensor], hf_config, tokenizer, devic
                      weight_format: WeightFormat,
                      folder: Path | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The checkpoint with each projection's input smoothed for weight_format's scheme, and the projections'
-    X.T @ X for GPTQ, as weight_format asks (engine/calibrate.py), found with the unquantized fp32 model over the
+    X.T @ X for GPTQ, as weight_format asks (engine/quant/calibrate.py), found with the unquantized fp32 model over the
     calibration text. The smoothing scales are kept in the cache, keyed by the checkpoint's files, the format and
     the text, so a second load with smoothing alone skips the calibration."""
     state = {k.removeprefix("model."): v for k, v in state.items()}

@@ -107,6 +107,7 @@ class TokenIdTokenizer:
     """Stands in for a tokenizer where there is none: prompts must be token ids, tokens print as `<id>`."""
 
     eos_token_id = None
+    token_ids_only = True  # no text to calibrate over (quant/calibrate.py)
 
     def __init__(self, name: str) -> None:
         self.name = name

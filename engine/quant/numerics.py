@@ -1,6 +1,6 @@
 """Quantization arithmetic, in one place: int8 rows (weights per output channel, K/V per token and head), uint8
 rows (w8a8's activations per token) and int4 groups. Pure functions over tensors; the kernels that use them live in
-models/linear.py and attention/sdpa.py.
+quant/linear.py and attention/sdpa.py.
 
 int8 is symmetric: x ~ q * scale, q in [-127, 127], scale = max|x| / 127 over the row, so the error of one element
 is at most scale / 2. uint8 is asymmetric: x ~ (q - zero) * scale, q in [0, 255] over the row's [min, max]. int4 is

@@ -35,9 +35,10 @@ from pathlib import Path
 
 import torch
 
-from .quant import dequantize_int4, dequantize_int8, dequantize_uint8, quantize_int4, quantize_int8, quantize_uint8
+from ..attention import AttentionMetadata, PrefillSeq
+from .numerics import dequantize_int4, dequantize_int8, dequantize_uint8, quantize_int4, quantize_int8, quantize_uint8
 
-CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "presets" / "quality" / "calibration.txt"
+CALIBRATION_TEXT = Path(__file__).resolve().parents[2] / "presets" / "quality" / "calibration.txt"
 ALPHAS = tuple(a / 10 for a in range(1, 10))  # the grid searched, besides no smoothing
 SEARCH_ROWS = 256  # calibration tokens the error is measured over (statistics use them all)
 SEARCH_OUTPUTS = 4096  # output channels it is measured over (the LM head has 49,152)
@@ -147,7 +148,7 @@ class Inputs:
 def calibration_inputs(model, token_ids: list[int], gram: bool = True) -> dict[tuple[int, str], Inputs]:
     """Every projection's inputs over the calibration tokens (one forward pass of an unquantized model):
     {(layer, name): Inputs}, layer -1 being the LM head's; X.T @ X only when `gram`."""
-    from .attention import AttentionMetadata, PrefillSeq
+
     owners = {(i, name): w for i, w in enumerate(model.layers) for name in ("qkv", "o", "gate_up", "down")}
     owners[-1, "lm_head"] = model
     recorders = {}
@@ -273,8 +274,7 @@ class _KeyRecorder:
 def calibration_token_ids(tokenizer, vocab_size: int) -> list[int]:
     """The calibration text's tokens (at most MAX_TOKENS); a model without a tokenizer (random:...) has no text,
     so seeded random tokens stand in."""
-    from .models.random_models import TokenIdTokenizer
-    if isinstance(tokenizer, TokenIdTokenizer):
+    if getattr(tokenizer, "token_ids_only", False):  # models/random_models.TokenIdTokenizer
         rng = random.Random(0)
         return [rng.randrange(vocab_size) for _ in range(MAX_TOKENS)]
     return tokenizer(CALIBRATION_TEXT.read_text()).input_ids[:MAX_TOKENS]
@@ -283,7 +283,7 @@ def calibration_token_ids(tokenizer, vocab_size: int) -> list[int]:
 def key_scales(model, token_ids: list[int]) -> torch.Tensor:
     """Each layer's key smoothing scales for an int8 KV cache, [num_layers, num_kv_heads, head_dim] fp32, found over
     token_ids by the model as it is (its own weights and dtype), in windows its RoPE table covers."""
-    from .attention import AttentionMetadata, PrefillSeq
+
     recorders = [_KeyRecorder() for _ in model.layers]
     for start in range(0, len(token_ids), model.max_len):
         ids = torch.tensor(token_ids[start:start + model.max_len], device=model.device)

@@ -1,0 +1,56 @@
+"""How a model's projections are stored: the quantization schemes, their settings, and the checks on them. Pure data:
+which kernel runs a format is quant/kernels.py's choice, its arithmetic quant/numerics.py's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUANTIZATION_SCHEMES = ("int8", "int4", "w8a8")  # quant/linear.py
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernel accepts
+
+
+def check_scheme(quantization, group_size, smoothing: bool, gptq: bool) -> None:
+    """ValueError naming the problem when a configuration's quantization fields cannot go together."""
+    if quantization is not None and quantization not in QUANTIZATION_SCHEMES:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATION_SCHEMES}, got {quantization!r}")
+    if quantization is None and (smoothing or gptq):
+        raise ValueError("quantization_smoothing and quantization_gptq calibrate how weights are quantized: they "
+                         "need a quantization scheme (int8, int4 or w8a8); with quantization=None turn them off")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} (what the int4 kernel "
+                         f"accepts), got {group_size!r}")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a model's projections are stored: unquantized, or one of QUANTIZATION_SCHEMES."""
+    quantization: str | None = None
+    group_size: int = 32  # int4 only (EngineConfig.quantization_group_size's default)
+    lm_head: bool = True  # quantize the LM head too
+    smooth: bool = False  # inputs rescaled per channel before rounding (quant/calibrate.py)
+    gptq: bool = False  # rounded by GPTQ over calibration inputs (quant/numerics.py)
+
+    @classmethod
+    def of(cls, config) -> WeightFormat:
+        """The format an EngineConfig asks for, with fields that do not apply at their defaults (so equal formats
+        compare equal: int8 with any group size is the same int8)."""
+        if config.quantization is None:
+            return cls()
+        group = config.quantization_group_size if config.quantization == "int4" else cls.group_size
+        return cls(config.quantization, group, config.quantize_lm_head, config.quantization_smoothing,
+                   config.quantization_gptq)
+
+    def describe(self) -> str:
+        """In words, as the engine's precision says it: "int4 weights (groups of 32) but the LM head, GPTQ"."""
+        if self.quantization is None:
+            return "unquantized"
+        group = f" (groups of {self.group_size})" if self.quantization == "int4" else ""
+        return (f"{self.quantization} weights{group}" + ("" if self.lm_head else " but the LM head")
+                + (", smoothed" if self.smooth else "") + (", GPTQ" if self.gptq else ""))
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether quantizing needs calibration inputs (quant/calibrate.py)."""
+        return self.quantization is not None and (self.smooth or self.gptq)
+
+
+UNQUANTIZED = WeightFormat()

@@ -1,0 +1,200 @@
+"""Which kernel runs a projection: one function, `choose_kernel`, decides it for a (scheme, device, dtype, CPU
+features, built C++ kernels) and says why; the projections (quant/linear.py, models/linear.py), the loader, the
+engine's snapshot, the status line and the benchmarks all ask it, and none decides on its own.
+
+  scheme  device  kernel                                          when
+  None    cpu     oneDNN's linear (weight reordered once)         fp32; bf16 with AVX-512 BF16 / AMX
+          cpu     x @ W                                           bf16 without them, a torch without oneDNN
+          cuda    x @ W
+  int8    cpu     the engine's C++ int8_matmul (AVX-512)          AVX-512 here and the C++ kernels built
+          cpu     torch._weight_int8pack_mm (bf16 activations)    otherwise
+  int4    cpu     the engine's C++ int4_matmul (AVX-512)          AVX-512 here and the C++ kernels built
+          cpu     torch._weight_int4pack_mm_for_cpu (bf16)        otherwise
+          cuda    torch._weight_int4pack_mm (bf16)
+  w8a8    cpu     fbgemm's int8 linear, rows quantized in C++ or by torch calls; 8-bit weights with VNNI, else 7
+An int8 or w8a8 model on CUDA is refused (measured: slower than bf16 there, NO_KERNEL_BECAUSE), never run
+unquantized. Whether a scheme's kernel is faster than fp32 on the CPU at hand is measured, not assumed: quant/speed.py.
+"""
+from __future__ import annotations
+
+import platform
+import warnings
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from .. import cpu_kernels
+from .format import QUANTIZATION_SCHEMES
+
+W8A8_OP = "linear_with_input_q_dq_qweight_dq_output_fp32"
+W8A8_ZERO_POINT = cpu_kernels.W8A8_ZERO_POINT
+# scheme -> {device type: torch's kernel}; a device not listed has no kernel in this engine
+TORCH_KERNELS = {"int8": {"cpu": "torch._weight_int8pack_mm"},
+                 "int4": {"cpu": "torch._weight_int4pack_mm_for_cpu", "cuda": "torch._weight_int4pack_mm"},
+                 "w8a8": {"cpu": f"torch.ops.quantized.{W8A8_OP}"}}
+# why a scheme has no kernel on a device, measured (quant/linear.py's docstring), for the refusal to say
+NO_KERNEL_BECAUSE = {("int8", "cuda"): "torch's _weight_int8pack_mm was 3-700x slower than bf16 there",
+                     ("w8a8", "cuda"): "torch's _int_mm needs more than 16 rows and was 7x slower than bf16 there"}
+# the activations' dtype torch's weight-only kernels are fast with (5-70x slower with fp32 ones, measured)
+TORCH_WEIGHT_ONLY_ACTIVATIONS = torch.bfloat16
+FBGEMM_ENGINES = ("x86", "fbgemm")
+# fbgemm multiplies uint8 activations by int8 weights; on AVX2 it adds pairs of products in int16, which overflows
+# when both use 8 bits (measured: 52% error at full range), so weights get 7 bits there (see quant/linear.py)
+W8A8_WEIGHT_MAX_BY_SUMS = {"int32": 127, "int16 pairs": 63}
+
+
+@cache
+def cpu_features() -> frozenset[str]:
+    """This CPU's instruction-set flags (/proc/cpuinfo's "flags"; empty where there is none to read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        line = ""
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for saying where a kernel ran or a speed was measured."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return name or platform.processor() or platform.machine()
+
+
+def isa(features: frozenset[str]) -> str:
+    """The widest vector instructions a CPU has, in the words the page uses."""
+    if "amx_tile" in features:
+        return "AMX"
+    if "avx512f" in features:
+        return "AVX-512"
+    if "avx2" in features:
+        return "AVX2"
+    return "no AVX2"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel a projection of `scheme` runs on `device`, and why that one."""
+    scheme: str | None  # None: unquantized
+    device: str
+    kernel: str  # the function called: "int4_matmul (C++)", "torch._weight_int4pack_mm_for_cpu", "oneDNN", ...
+    why: str
+    activations: torch.dtype | None = None  # what the kernel takes its inputs in (None: the model's dtype)
+    own: bool = False  # the engine's C++ kernel
+    weight_max: int = 127  # w8a8: the largest |q| its weights may take here
+
+    @property
+    def short(self) -> str:
+        """The kernel in a few words, as the status line and the tables show it."""
+        if self.own:
+            return f"C++ {self._isa()} kernel"
+        if self.kernel in ("oneDNN", "x @ W"):
+            return f"{self.kernel} kernel"
+        if self.scheme == "w8a8":
+            return "fbgemm kernel" + (", rows in C++" if "C++" in self.kernel else "")
+        return "torch kernel"
+
+    def _isa(self) -> str:
+        return "AVX-512" if self.device == "cpu" else self.device
+
+    def describe(self) -> str:
+        """"int4 weights · C++ AVX-512 kernel", "float32 weights · oneDNN kernel"."""
+        return f"{self.scheme or 'unquantized'} weights · {self.short}"
+
+    def to_dict(self) -> dict:
+        return {"scheme": self.scheme, "device": self.device, "kernel": self.kernel, "short": self.short,
+                "why": self.why, "own": self.own}
+
+
+def _ships(path: str) -> bool:
+    """Whether this torch has the function at a dotted path such as 'torch.ops.quantized.linear_prepack'."""
+    obj = torch
+    for part in path.split(".")[1:]:
+        try:
+            obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            return False
+    return True
+
+
+@cache
+def fbgemm_sums() -> str:
+    """How this machine's fbgemm adds uint8 x int8 products, found by trying the case that overflows int16 pair sums
+    (255 x 127 twice): "int32" if the result is exact (AVX-512 VNNI), else "int16 pairs" (AVX2)."""
+    weight = torch.full((2, 64), 127, dtype=torch.int8)
+    weight[1] = -127
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        packed = torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(
+            weight, torch.ones(2, dtype=torch.double), torch.zeros(2, dtype=torch.long), 0), None)
+    x = torch.full((1, 64), 255.0 - W8A8_ZERO_POINT)  # uint8 255 once the kernel adds its zero point
+    exact = torch.equal(getattr(torch.ops.quantized, W8A8_OP)(x, 1.0, W8A8_ZERO_POINT, packed), x @ weight.float().T)
+    return "int32" if exact else "int16 pairs"
+
+
+def w8a8_weight_max() -> int:
+    """The largest |q| w8a8's weights may take on this machine (see W8A8_WEIGHT_MAX_BY_SUMS)."""
+    return W8A8_WEIGHT_MAX_BY_SUMS[fbgemm_sums()]
+
+
+def _unquantized(device: str, dtype: torch.dtype) -> KernelChoice:
+    onednn = device == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                                                  "_linear_pointwise")
+    if onednn and dtype == torch.float32:
+        return KernelChoice(None, device, "oneDNN", "fp32 on CPU: oneDNN's linear over a weight reordered once at "
+                            "load beat MKL's x @ W at 2-32 rows, and a row's result does not depend on its batch")
+    if onednn and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return KernelChoice(None, device, "oneDNN", "bf16 with bf16 instructions: oneDNN beat bf16 x @ W at every "
+                            "size measured (1.2-2.8x at one row)")
+    why = ("bf16 without AVX-512 BF16 / AMX: oneDNN refuses it" if onednn and dtype == torch.bfloat16
+           else "oneDNN's linear is CPU-only" if device != "cpu" else "this torch has no oneDNN linear")
+    return KernelChoice(None, device, "x @ W", why)
+
+
+def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.dtype = torch.float32,
+                  features: frozenset[str] | None = None, extension=...) -> KernelChoice:
+    """The kernel for scheme's projections on device (a model of dtype), and why; ValueError when this engine has
+    none there (never run unquantized instead). features: the CPU's flags (this one's by default); extension: the
+    engine's compiled C++ module or None (cpu_kernels.compiled() by default)."""
+    device = torch.device(device).type
+    if scheme is None:
+        return _unquantized(device, dtype)
+    if scheme not in TORCH_KERNELS:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; one of {', '.join(QUANTIZATION_SCHEMES)}")
+    name = TORCH_KERNELS[scheme].get(device)
+    if name is None:
+        why = NO_KERNEL_BECAUSE.get((scheme, device))
+        raise ValueError(f"quantization={scheme!r} has no kernel on {device} in this engine (it runs on "
+                         f"{', '.join(TORCH_KERNELS[scheme])}{': ' + why if why else ''}); it is refused rather than "
+                         f"run unquantized")
+    if device == "cpu":
+        features = cpu_features() if features is None else features
+        ext = cpu_kernels.compiled() if extension is ... else extension
+    else:
+        features, ext = frozenset(), None
+    if scheme in ("int8", "int4") and device == "cpu":
+        if ext is not None and "avx512f" in features and ext.weight_only_available():
+            return KernelChoice(scheme, device, f"{scheme}_matmul (C++)", "AVX-512 here and the engine's C++ kernels "
+                                "built: its own kernel widens the weights in registers and takes the activations as "
+                                "they come (torch's takes bf16 only)", own=True)
+        why = ("the engine's C++ kernels are not built here (make kernels)" if ext is None else
+               f"{isa(features)} on this CPU: the engine's own {scheme} kernel is AVX-512 only")
+    else:
+        why = f"the only {scheme} kernel this engine has on {device}"
+    if not _ships(name):
+        raise ValueError(f"quantization={scheme!r} needs {name}, which torch {torch.__version__} does not ship; "
+                         f"it is refused rather than run unquantized")
+    if scheme == "w8a8":
+        if torch.backends.quantized.engine not in FBGEMM_ENGINES:
+            raise ValueError(f"quantization='w8a8' needs torch's fbgemm quantized engine (one of {FBGEMM_ENGINES}), "
+                             f"but torch.backends.quantized.engine is {torch.backends.quantized.engine!r}")
+        rows = "C++" if ext is not None else "torch calls"
+        weight_max = w8a8_weight_max()
+        bits = "8-bit weights (VNNI: int32 sums)" if weight_max == 127 else "7-bit weights (int16 pair sums)"
+        return KernelChoice(scheme, device, f"{W8A8_OP} (rows quantized by {rows})", f"{why}; {bits}",
+                            activations=torch.float32, weight_max=weight_max)
+    return KernelChoice(scheme, device, name, why, activations=TORCH_WEIGHT_ONLY_ACTIVATIONS)

@@ -1,0 +1,209 @@
+"""The quantized projections, each quantized once at load (quant/numerics.py) and packed for the kernel
+quant/kernels.py's choose_kernel picks on this device; each gives a row the same result whatever else shares the
+call:
+  int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul (AVX-512),
+                                                             else torch._weight_int8pack_mm
+  int4  weight-only, asymmetric per group of input features  the engine's C++ int4_matmul (AVX-512),
+                                                             else torch._weight_int4pack_mm_for_cpu
+                                                             (CUDA: torch._weight_int4pack_mm, bf16 activations)
+  w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums,
+                                                             each row quantized and scaled back in C++ (cpu_kernels.py)
+torch's two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path: 5-70x
+slower, measured on AVX2 and on AVX-512), so an fp32 model's activations enter them as bf16 and come back fp32.
+torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI: fbgemm was 10-100x faster on AVX2, and
+with VNNI _int_mm is still slower (one 3072 x 576 projection: 288 us at 32 rows; fbgemm 107 us at 16).
+On CUDA (an H200, torch 2.11, the matmuls of Qwen3-0.6B's shapes, bf16 x @ W 13-16 us at 1-64 rows): int4's kernel
+takes 7-8 us at 1-16 rows (the LM head 56 vs 78 us at one row), so it is offered there; int8's `_weight_int8pack_mm`
+took 40-2,400 us and w8a8's `_int_mm` needs more than 16 rows and took 100 us with the activations' quantization,
+so both are refused on CUDA, saying so.
+
+w8a8: fbgemm multiplies uint8 activations by int8 weights. On AVX2 it adds pairs of products in int16, which
+overflows when both use 8 bits (measured: 52% error at full range; exact with either side at 7 bits); with AVX-512
+VNNI the products go straight into int32 sums and 8 bits on both sides are exact. So the weights get all 8 bits,
+[-127, 127], where a probe at load finds the sums exact at full range (kernels.w8a8_weight_max), else 7, [-63, 63].
+SmolLM2's top-1 agreement with fp32 over the 2,518-token quality text, smoothed and GPTQ-rounded with its LM head in
+fp32: 93.8% with 7-bit weights, 94.9% with 8-bit (perplexity +1.6% -> +0.9%). On AVX2, 7-bit weights measured
+better than the other split fbgemm allows there (8-bit weights, 7-bit activations). Activations: per token,
+asymmetric over all 256 uint8 levels (numerics.quantize_uint8), which took the top-1 agreement of plain w8a8 (7-bit
+weights) from 88.1% (symmetric, [-127, 127]) to 90.9% and its perplexity change from +4.7% to +2.5%. fbgemm takes
+one zero point for the whole input, so it is given 128 and each row's own is corrected after:
+y -= (zero - 128) * w_scale * sum(w_q) per output channel.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import cpu_kernels
+from .format import INT4_GROUP_SIZES
+from .kernels import W8A8_OP, W8A8_ZERO_POINT, choose_kernel
+from .numerics import quantize_int4, quantize_int8
+
+INT4_PACK_ROWS = 16  # torch's CPU int4 kernel packs output features in tiles of 16
+INT4_INNER_K_TILES = (8, 4, 2)  # CUDA's int4 packing: the largest tiling (16 input features each) that divides K
+
+
+class _Quantized:
+    """What the quantized projections share: shapes, dtypes, an empty batch."""
+    scheme: str
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.choice = choose_kernel(self.scheme, weight.device, weight.dtype)  # ValueError where none runs here
+        self.kernel = self.choice.kernel.rsplit(".", 1)[-1]
+        self.out_features, self.in_features = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device  # the model's: what comes in and goes out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.raw(x).to(x.dtype)
+
+    def raw(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T, left in the kernel's own dtype (bf16 from the weight-only kernels on CPU) when x is fp32, for a
+        caller whose next operation widens it to fp32 anyway, exactly: the model saves a cast per projection so.
+        Otherwise in x's dtype, so that no sum of the two ever promotes past the model's dtype."""
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        y = self._matmul(x)
+        # (each cast skipped in Python where it would do nothing: a torch call costs ~1 us even then, 121 a token)
+        return y if x.dtype == torch.float32 or y.dtype == x.dtype else y.to(x.dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.in_features} -> {self.out_features}, {self.scheme}, {self.kernel})"
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype: x itself when it already is (without the torch call a no-op cast still costs)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's returns garbage off it: measured)
+
+
+class _WeightOnly(_Quantized):
+    """int8 and int4: the engine's own C++ kernel where choose_kernel picks it (the activations as they come, fp32
+    sums; speeds in cpu_kernels.py), else torch's, which takes the activations in bf16. One choice per machine,
+    whatever the rows: a row's result never depends on its batch."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self._own = getattr(cpu_kernels.compiled(), f"{self.scheme}_matmul") if self.choice.own else None
+        self.activation_dtype = self.dtype if self.choice.own else self.choice.activations
+        self.input_dtype = self.activation_dtype
+
+
+class Int8Linear(_WeightOnly):
+    """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T,
+    widening the weights as it reads them. The C++ kernel keeps the scales in fp32; torch's _weight_int8pack_mm
+    wants them in bf16, like its activations."""
+    scheme = "int8"
+
+    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
+        super().__init__(weight)
+        if self.device.type == "cpu" and self.in_features % INT8_K_MULTIPLE:
+            raise ValueError(f"int8 on CPU needs input features in multiples of {INT8_K_MULTIPLE} (its kernels step "
+                             f"over them 16 at a time; torch's returns garbage otherwise), got {self.in_features}")
+        scale_dtype = None if self._own is not None else self.activation_dtype
+        self.qweight, scale = quantize_int8(weight, scale_dtype=scale_dtype, hessian=hessian)
+        self.scales = scale if scale_dtype is None else scale.to(scale_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.qweight, self.scales)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._own is not None:
+            return self._own(x.contiguous(), self.qweight, self.scales)
+        return torch._weight_int8pack_mm(_as(x, self.activation_dtype), self.qweight, self.scales)
+
+
+class Int4Linear(_WeightOnly):
+    """Weight-only int4 in groups of `group_size` input features, asymmetric: two values per byte, with each group's
+    scale and mid in bf16. The C++ kernel's layout: [N, K / 2] bytes, in each run of 32 features c in a low nibble
+    and c + 16 in the high one, and [N, K / g, 2] pairs; torch's: packed once by torch for it, pairs [K / g, N, 2]."""
+    scheme = "int4"
+
+    def __init__(self, weight: torch.Tensor, group_size: int, hessian: torch.Tensor | None = None) -> None:
+        super().__init__(weight)
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES} for int4, got {group_size}")
+        if self.in_features % group_size:
+            raise ValueError(f"quantization_group_size={group_size} does not divide its {self.in_features} "
+                             f"input features")
+        self.group_size = group_size
+        q, scale, mid = quantize_int4(weight, group_size, torch.bfloat16, hessian)
+        if self._own is not None:
+            runs = q.reshape(self.out_features, -1, 2, 16)  # runs of 32 features: c in a low nibble, c + 16 high
+            self.packed = (runs[:, :, 0] | runs[:, :, 1] << 4).reshape(self.out_features, -1).contiguous()
+            self.scales_and_zeros = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).contiguous()
+            return
+        if self.out_features % INT4_PACK_ROWS:
+            raise ValueError(f"int4 with {self.kernel} needs output features in multiples of {INT4_PACK_ROWS}, "
+                             f"got {self.out_features}")
+        if self.device.type == "cuda":  # two values per byte, the even feature in the high nibble, then tiled
+            tiles = next((t for t in INT4_INNER_K_TILES if self.in_features % (16 * t) == 0), None)
+            if tiles is None:
+                raise ValueError(f"int4 on CUDA needs input features in multiples of 32, got {self.in_features}")
+            self.packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), tiles)
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # the kernel computes (q - 8) * scale + zero, its "zero" being our mid
+        self.scales_and_zeros = torch.stack([scale.t(), mid.t()], dim=-1).to(self.activation_dtype).contiguous()
+        self._kernel = getattr(torch, self.kernel)  # the device's, as KERNELS names it: looked up once, not per call
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.packed, self.scales_and_zeros)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._own is not None:
+            return self._own(x.contiguous(), self.packed, self.scales_and_zeros, self.group_size)
+        return self._kernel(_as(x, self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
+
+
+class W8A8Linear(_Quantized):
+    """int8 weights per output channel (8-bit values, or 7 where fbgemm's sums need it: w8a8_weight_max) and uint8
+    activations quantized per token on the fly (asymmetric, each with its zero point), multiplied in integers with
+    int32 sums by fbgemm, then scaled back: y = (x_q - zero) @ w_q.T * w_scale * x_scale. Integer sums are exact, so
+    a row's result is the same in any batch."""
+    scheme = "w8a8"
+    input_dtype = torch.float32  # each row is quantized from fp32
+
+    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
+        super().__init__(weight)
+        q, scales = quantize_int8(weight, self.choice.weight_max, hessian=hessian)
+        zeros = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():  # torch deprecates its quantized tensors; fbgemm's kernels still ship
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch._make_per_channel_quantized_tensor(q, scales.double(), zeros, 0)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm's packed layout
+        stored_q, stored_scales = self.int8_weight()
+        # what one unit of zero point adds to each output: the correction for a row's own zero point
+        self.zero_point_unit = stored_q.double().sum(1).mul_(stored_scales.double()).float()
+        self._quantize_rows, self._dequantize_rows, _ = cpu_kernels.row_helpers()
+        # the op's one overload, called directly: the packet's Python dispatch checks cost ~5 us a call
+        self._kernel = getattr(torch.ops.quantized, W8A8_OP).default
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, K] int8, scales [N]) as packed: read back from fbgemm's layout."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return qweight.int_repr(), qweight.q_per_channel_scales().float()
+
+    @property
+    def nbytes(self) -> int:
+        # int8 weights, plus fbgemm's scale and column offset per output channel (its packing padding not counted),
+        # and the zero-point correction
+        return self.out_features * (self.in_features + 12)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # each row's q - 128 (as floats), its scale and its zero point - 128 (engine/cpu_kernels.py)
+        xq, x_scale, shifted = self._quantize_rows(_as(x, torch.float32).contiguous())
+        # the kernel quantizes its input with scale 1 and zero point 128: integers in, so that step is exact
+        y = self._kernel(xq, 1.0, W8A8_ZERO_POINT, self.packed)
+        return _as(self._dequantize_rows(y, x_scale, shifted, self.zero_point_unit), x.dtype)
+
+
+QUANTIZED_TYPES = (Int8Linear, Int4Linear, W8A8Linear)
