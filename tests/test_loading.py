@@ -1,7 +1,9 @@
 """Finding weights: the embedded default, a GGUF path, an HF folder, a hub id; clear errors otherwise."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 
 import pytest
 
@@ -43,3 +45,38 @@ def test_unsupported_architecture_and_missing_paths(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="no config.json"):
         loader.resolve_model(str(empty))
+
+
+def test_a_gguf_is_keyed_by_its_content_hashed_once_per_file_version(tmp_path, monkeypatch):
+    """The converted folder follows the GGUF's bytes, not its path: copies anywhere (under any name) share one
+    conversion, a changed byte gets its own; the hash is remembered per (path, size, mtime_ns), so it is read once."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("WATCHLLM_CACHE", str(cache))
+    data = os.urandom(3 * (1 << 20) + 5)  # more than one chunk
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "renamed.gguf"
+    for path in (a, b, c):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    sha256, hashed = hashlib.sha256, []
+    monkeypatch.setattr(loader.hashlib, "sha256", lambda *args: hashed.append(1) or sha256(*args))
+    key = loader.gguf_sha256(a)
+    assert key == sha256(data).hexdigest() and len(hashed) == 1
+    assert loader.gguf_sha256(a) == key and len(hashed) == 1  # the second time from the index
+    assert loader.gguf_sha256(b) == key and len(hashed) == 2  # another path: hashed once, the same key
+    index = json.loads((cache / loader.GGUF_HASHES).read_text())
+    assert index[str(a.resolve())] == {"size": len(data), "mtime_ns": a.stat().st_mtime_ns, "sha256": key}
+    assert sorted(p.name for p in cache.iterdir()) == [loader.GGUF_HASHES]  # written by replace: no temporary left
+    # the conversion: made here by hand, so that no transformers run; each copy finds it
+    converted = cache / f"m-{key[:12]}"
+    converted.mkdir()
+    (converted / "model.safetensors").write_bytes(b"")
+    assert loader.gguf_to_safetensors(a) == loader.gguf_to_safetensors(b) == converted
+    assert loader.gguf_to_safetensors(c) == converted and len(hashed) == 3  # renamed too (a new path: hashed)
+    # a changed byte (a new version of the file: another mtime): hashed again, another key
+    changed = bytearray(data)
+    changed[len(data) // 2] ^= 1
+    stat = a.stat()
+    a.write_bytes(bytes(changed))
+    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert loader.gguf_sha256(a) == sha256(bytes(changed)).hexdigest() != key and len(hashed) == 4
+    assert loader.gguf_sha256(b) == key and len(hashed) == 4

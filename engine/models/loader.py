@@ -76,13 +76,61 @@ def _from_hub(repo_id: str) -> Path:
     return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
 
 
+GGUF_HASHES = "gguf-sha256.json"  # under cache_dir(): resolved path -> {"size", "mtime_ns", "sha256"}
+
+
+def gguf_sha256(gguf: Path) -> str:
+    """The sha256 of the file's bytes (read in 1 MiB chunks), computed once per version of a file: remembered in a
+    small JSON index under cache_dir() by resolved path, size and mtime_ns, written atomically."""
+    path = gguf.resolve()
+    stat = path.stat()
+    index_file = cache_dir() / GGUF_HASHES
+
+    def read_index() -> dict:
+        try:
+            index = json.loads(index_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return index if isinstance(index, dict) else {}
+
+    known = read_index().get(str(path))
+    if (isinstance(known, dict) and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns
+            and isinstance(known.get("sha256"), str)):
+        return known["sha256"]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    sha = digest.hexdigest()
+    try:
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        index = read_index()  # read again: another process may have added its files meanwhile
+        index[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha}
+        fd, tmp = tempfile.mkstemp(dir=index_file.parent, prefix=f".{GGUF_HASHES}-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(index, f, indent=1, sort_keys=True)
+            os.replace(tmp, index_file)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    except OSError:  # a read-only cache: hashed again next time
+        pass
+    return sha
+
+
 def gguf_to_safetensors(gguf: Path) -> Path:
-    """Dequantize a GGUF once through transformers and keep an HF folder in the cache."""
-    stat = gguf.stat()
-    tag = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    """Dequantize a GGUF once through transformers and keep an HF folder in the cache, named <stem>-<sha256[:12]> of
+    the file's content: a copy at another path (or under another name) reuses the conversion, an edited file gets
+    its own."""
+    tag = gguf_sha256(gguf)[:12]
+    for out in sorted(cache_dir().glob(f"*-{tag}")):  # this content, converted before under any name
+        if (out / "model.safetensors").is_file():
+            return out
     out = cache_dir() / f"{gguf.stem}-{tag}"
-    if (out / "model.safetensors").is_file():
-        return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
