@@ -109,6 +109,9 @@ class EngineSnapshot:
     kv_bytes_per_block: int = 0
     gpu_memory: dict | None = None  # CUDA: the KV pool's sizing (gpu.GpuMemoryPlan: formula and its numbers)
     precision: str = ""  # EngineConfig.precision: what the engine computes with, in words
+    # what runs it here, in words: {"weights": "int4 weights · C++ AVX-512 kernel", "weights_why", "lm_head",
+    # "layer_ops", "attention"} (quant/kernels.py's choice, the model's and the runner's)
+    kernels: dict = field(default_factory=dict)
 
     @property
     def block_owners(self) -> dict[int, list[str]]:
@@ -510,8 +513,13 @@ class LLMEngine:
             last_reconfig=self.last_reconfig, speculation=self._speculation(),
             kv_bytes_per_block=self.kv_bytes_per_block(self.config),
             gpu_memory=None if self.gpu_memory is None else self.gpu_memory.to_dict(),
-            precision=self.config.precision,
+            precision=self.config.precision, kernels=self.kernels(),
         )
+
+    def kernels(self) -> dict[str, str]:
+        """What runs this engine's steps here, in words (the snapshot's `kernels`)."""
+        return {**self.model.kernels(), "attention": self.runner.attention_kernel if self.config.kv_cache else
+                "torch SDPA (no KV cache: the whole sequence each step)"}
 
     def _speculation(self) -> dict:
         c, stats = self.config, self.spec_stats

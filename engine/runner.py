@@ -67,6 +67,13 @@ class ModelRunner:
                 self.write_kv_int8 = ext.write_kv_int8
 
     @property
+    def attention_kernel(self) -> str:
+        """What attends a decode step here, in words."""
+        if self.attention_backend == "triton":
+            return "Triton paged kernels"
+        return "C++ over the paged pool" if self.decode_attention is not None else "torch SDPA over gathered K/V"
+
+    @property
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales) if t is not None)
 

@@ -106,7 +106,9 @@ class Playground(ChatHandlers, SettingsHandlers, MeasurementHandlers):
         users = (f" · traffic: {traffic.num_users} users, " + (f"{traffic.elapsed_s:.0f}/{traffic.duration_s:.0f} s"
                  if traffic.duration_s else "each once") + f", {traffic.requests_done} done"
                  if traffic is not None and traffic.running else "")
-        return (f"**{state}** · {snap.precision} · steps done: {snap.step} · running {snap.num_running} · "
+        kernel = snap.kernels.get("weights_kernel")
+        return (f"**{state}** · {snap.precision}" + (f" · {kernel}" if kernel else "")
+                + f" · steps done: {snap.step} · running {snap.num_running} · "
                 f"waiting {snap.num_waiting} · preemptions {snap.num_preemptions} · "
                 f"KV {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks · "
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "

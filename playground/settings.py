@@ -10,6 +10,7 @@ from engine import EngineConfig, bench
 from engine.config import BUILT_SWITCHES, WEIGHT_FIELDS
 from engine.gpu import resolve_dtype
 from engine.quant.format import WeightFormat
+from engine.quant.speed import model_speeds
 
 from .room import describe_changes, plain
 from .stepmode import plural
@@ -36,16 +37,32 @@ class SettingsHandlers:
         return {k: cfg[k] for k in (*BUILT_SWITCHES, *SIZE_FIELDS, *KV_DTYPE_FIELDS, *WEIGHT_FIELDS)}
 
     def weights_note(self) -> str:
-        """What the weights are now, and what changing them does."""
-        return (f"**Weights: {self.service.snapshot().precision}.** Changing the dtype or the quantization rebuilds "
-                f"the model: the new weights are loaded from the same checkpoint (and quantized) while this engine "
-                f"keeps serving, then the engine is rebuilt with its KV pool and warmed up. Requests running or "
-                f"waiting at that moment are ended with a message (send them again); a chat sent during the "
-                f"rebuild waits for the new engine. A change that is refused (a group size that does not divide a "
-                f"layer, a scheme without a kernel here) leaves the engine and its requests as they were. The KV "
-                f"cache's dtype changes without a rebuild: int8 holds ~4x the blocks of fp32 in the same memory; "
-                f"kv_cache_smoothing (int8 only) rescales its keys per channel, calibrated once (about 2 s), which "
-                f"halves what the int8 cache costs in quality.")
+        """What the weights are now, what runs them here, whether each scheme is faster than fp32 on this CPU at all,
+        and what changing them does."""
+        snap = self.service.snapshot()
+        kernel = snap.kernels.get("weights")
+        runs = f" Its projections run on the {snap.kernels['weights_kernel']}: {snap.kernels['weights_why']}." \
+            if kernel else ""
+        return (f"**Weights: {snap.precision}.**{runs}{self.speed_note()}\n\n"
+                "Changing the dtype or the quantization rebuilds the model: the new weights are loaded from the same "
+                "checkpoint (and quantized) while this engine keeps serving, then the engine is rebuilt with its KV "
+                "pool and warmed up. Requests running or waiting at that moment are ended with a message (send them "
+                "again); a chat sent during the rebuild waits for the new engine. A change that is refused (a group "
+                "size that does not divide a layer, a scheme without a kernel here) leaves the engine and its "
+                "requests as they were. The KV cache's dtype changes without a rebuild: int8 holds ~4x the blocks of "
+                "fp32 in the same memory; kv_cache_smoothing (int8 only) rescales its keys per channel, calibrated "
+                "once (about 2 s), which halves what the int8 cache costs in quality.")
+
+    def speed_note(self) -> str:
+        """Each scheme against fp32 on this CPU, as measured here once (quant/speed.py), so that a scheme slower
+        than fp32 on this machine is not offered as the faster one."""
+        speeds = model_speeds(self.llm.engine.model)
+        if not speeds:
+            return ""
+        cpu = next(iter(speeds.values())).cpu
+        lines = "; ".join(f"**{v.scheme}** ({v.kernel}) {v.describe()}" for v in speeds.values())
+        return (f"\n\nOn this CPU ({cpu}; one layer's projections timed once and kept in the cache), the "
+                f"quantized weights against fp32: {lines}.")
 
     def settings_hints(self) -> dict[str, str]:
         """For each size that may be left empty: what empty means, with the number the engine would use."""

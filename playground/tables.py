@@ -38,11 +38,23 @@ def same_output(row: Any, rows: list) -> str:
     return cell(row.same_output_as_full) + (f" ({precision}: not expected to match)" if other else "")
 
 
+def kernel_note(row: Any, rows: list) -> str:
+    """A row's error, or, where its projections ran on another kernel than the first row's (a quantized row), that
+    kernel and what its scheme measured against fp32 on this CPU: a "faster" precision that is slower here says so."""
+    if getattr(row, "error", None):
+        return row.error
+    kernel, base = getattr(row, "kernel", None), getattr(rows[0], "kernel", None)
+    if not kernel or kernel == base:
+        return ""
+    speed = getattr(row, "speed_vs_fp32", None)
+    return kernel + (f": projections {speed}" if speed else "")
+
+
 def ablation_table(rows: list) -> dict:
     """One line per AblationRow; an empty table (with its headers) before any ablation ran."""
     data = [[r.feature, cell(r.throughput_tok_s), _ratio(r.ratio), cell(r.mean_ttft_s), cell(r.mean_tpot_s),
              cell(r.peak_kv_blocks), cell(r.preemptions), cell(r.acceptance_rate), same_output(r, rows),
-             r.error or ""]
+             kernel_note(r, rows)]
             for r in rows]
     return {"headers": ABLATION_HEADERS, "data": data}
 
@@ -51,7 +63,7 @@ def cumulative_table(rows: list) -> dict:
     """One line per AblationRow of a cumulative ablation: what each feature added, and the total."""
     data = [[r.feature, cell(r.throughput_tok_s), _ratio(r.step_ratio), _ratio(r.ratio), cell(r.mean_ttft_s),
              cell(r.mean_tpot_s), cell(r.peak_kv_blocks), cell(r.preemptions), cell(r.prefix_hits),
-             cell(r.acceptance_rate), same_output(r, rows), r.error or ""] for r in rows]
+             cell(r.acceptance_rate), same_output(r, rows), kernel_note(r, rows)] for r in rows]
     return {"headers": CUMULATIVE_HEADERS, "data": data}
 
 
@@ -84,14 +96,15 @@ def memory_table(rows: list) -> dict:
 
 
 QUALITY_HEADERS = ["precision", "top-1 agreement with fp32", "mean |logprob diff|", "perplexity", "change vs fp32",
-                   "goal"]
+                   "kernel here", "speed vs fp32 here", "goal"]
 
 
 def quality_table(rows: list) -> dict:
     """One line per QualityRow: how close each precision stays to fp32, and its goal if it has one
     (fp32's own perplexity and each row's spec are in the section's note and command)."""
     data = [[r.precision, _percent(r.top1_agreement, 1), f"{r.mean_abs_logprob_diff:.3f}", f"{r.perplexity:.2f}",
-             _signed_percent(r.perplexity_change), goal.verdict(r) if (goal := goal_for(r.spec)) else "-"]
+             _signed_percent(r.perplexity_change), r.kernel or "-", r.speed_vs_fp32 or "-",
+             goal.verdict(r) if (goal := goal_for(r.spec)) else "-"]
             for r in rows]
     return {"headers": QUALITY_HEADERS, "data": data}
 

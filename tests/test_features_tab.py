@@ -339,9 +339,11 @@ def test_quality_goals_and_table():
     assert goal_for("kv_cache_dtype=int8") is KV_GOAL
     assert goal_for("quantization=int8,kv_cache_dtype=int8") is None and goal_for("dtype=bfloat16") is None
     assert goal_for("no_such_preset") is None
-    row = bench.QualityRow("quantization=w8a8", "float32, w8a8 weights", 100, 0.9, 0.2, 1.0, 15.9, 15.2, 1.0)
+    row = bench.QualityRow("quantization=w8a8", "float32, w8a8 weights", 100, 0.9, 0.2, 1.0, 15.9, 15.2, 1.0,
+                           "w8a8 weights · fbgemm kernel", "0.61x fp32 at 16 rows (slower than fp32 here)")
     table = quality_table([row])
     assert table["data"][0] == ["float32, w8a8 weights", "90.0%", "0.200", "15.90", "+4.61%",
+                                "w8a8 weights · fbgemm kernel", "0.61x fp32 at 16 rows (slower than fp32 here)",
                                 "top-1 ≥ 95%, ppl ≤ +4%: top-1 and ppl short"]
     met = bench.QualityRow("kv_cache_dtype=int8", "float32, int8 KV", 100, 0.99, 0.02, 0.1, 15.2, 15.2, 1.0)
     assert quality_table([met])["data"][0][-1] == "top-1 ≥ 98%: met"

@@ -14,7 +14,6 @@ from engine.attention import AttentionMetadata, KeyScale, LayerKV, PrefillSeq, a
 from engine.bench import weight_bytes
 from engine.config import BUILT_SWITCHES
 from engine.engine import LLMEngine
-from engine.models.linear import Linear, make_projection
 from engine.quant import (
     dequantize_int4,
     dequantize_int8,
@@ -26,7 +25,7 @@ from engine.quant import (
 from engine.quant.calibrate import _KeyRecorder
 from engine.quant.format import WeightFormat
 from engine.quant.kernels import choose_kernel, w8a8_weight_max
-from engine.quant.linear import Int4Linear, Int8Linear, W8A8Linear
+from engine.quant.linear import Int4Linear, Int8Linear, Linear, W8A8Linear, make_projection
 from tests.conftest import assert_all_blocks_free
 from tests.test_features import engine_like, run, shared_prefix_prompts
 from tests.test_parity import random_prompts

@@ -9,8 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import BUILT_SWITCHES
-from engine.models.linear import Linear
-from engine.quant.linear import Int4Linear, Int8Linear
+from engine.quant.linear import Int4Linear, Int8Linear, Linear
 from playground import Playground
 from playground.settings import NO_QUANTIZATION, REBUILD_STAGES
 

@@ -19,6 +19,7 @@ from ..config import BUILT_SWITCHES, EngineConfig
 from ..engine import LLMEngine, stored_as
 from ..llm import LLM
 from ..quant.format import WeightFormat
+from ..quant.speed import model_speeds
 from ..sampler import SamplingParams
 from ..workloads import Workload
 from .hf import hf_generate, hf_pad_id, hf_static_batches, hf_warm_up, load_hf_model
@@ -455,6 +456,8 @@ class AblationRow:
     concurrency: int | None = None  # requests at a time (max_num_seqs), when swept
     step_ratio: float | None = None  # cumulative: throughput / the previous row's (what this feature added)
     acceptance_rate: float | None = None  # speculative decoding's accepted / drafted tokens
+    kernel: str | None = None  # what ran its projections here ("int4 weights · C++ AVX-512 kernel")
+    speed_vs_fp32: str | None = None  # a quantized row's scheme against fp32 on this CPU (quant/speed.py)
 
 
 def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list[tuple[str, str | None, dict]],
@@ -481,6 +484,9 @@ def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list
         row.preemptions, row.prefix_hits, row.acceptance_rate = r.preemptions, r.prefix_hits, r.acceptance_rate
         row.same_output_as_full = r.output_token_ids == base.output_token_ids
         row.precision = EngineConfig(**r.config).precision
+        row.kernel = r.kernels.get("weights")
+        speed = model_speeds(llm.engine.model).get(r.config["quantization"]) if r.config["quantization"] else None
+        row.speed_vs_fp32 = speed.describe() if speed is not None else None
         previous = r
     if progress is not None:
         progress(len(plan), len(plan), "done")
@@ -604,6 +610,8 @@ class QualityRow:
     perplexity: float  # exp(-mean logprob of the text's tokens)
     reference_perplexity: float
     seconds: float  # wall time of this side's teacher-forced pass
+    kernel: str = ""  # what ran its projections here ("int4 weights · C++ AVX-512 kernel": quant/kernels.py)
+    speed_vs_fp32: str = ""  # its scheme's projections against fp32's on this CPU (quant/speed.py), "" unquantized
 
     @property
     def perplexity_change(self) -> float:
@@ -660,8 +668,10 @@ def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, 
         engine = build_engine(llm, fields)
         start = time.perf_counter()
         got = teacher_forced(engine, windows)
+        speed = model_speeds(engine.model).get(engine.config.quantization)
         rows.append(QualityRow(spec, engine.config.precision, **compare_logprobs(windows, ref, got),
-                               seconds=time.perf_counter() - start))
+                               seconds=time.perf_counter() - start, kernel=engine.kernels()["weights"],
+                               speed_vs_fp32=speed.describe() if speed is not None else ""))
     if progress is not None:
         progress(total, total, "done")
     return rows

@@ -237,7 +237,8 @@ def quality_report(rows: list[QualityRow], window: int) -> Report:
         {"spec": r.spec, "precision": r.precision, "top-1 agreement": r.top1_agreement,
          "mean abs logprob diff": r.mean_abs_logprob_diff, "max abs logprob diff": r.max_abs_logprob_diff,
          "perplexity": r.perplexity, "fp32 perplexity": r.reference_perplexity,
-         "perplexity change": f"{r.perplexity_change:+.2%}", "seconds": r.seconds} for r in rows]
+         "perplexity change": f"{r.perplexity_change:+.2%}", "seconds": r.seconds, "kernel": r.kernel,
+         "projections vs fp32 here": r.speed_vs_fp32 or "-"} for r in rows]
     report.notes.append("top-1 agreement: positions where both sides' most likely next token is the same; logprob "
                         "differences and perplexity are of the text's own tokens (prose, code and dialogue).")
     return report

@@ -19,7 +19,7 @@ from ..config import LOAD_TIME_FIELDS, WEIGHT_FIELDS, EngineConfig
 from ..engine import LLMEngine, StepRecord
 from ..llm import LLM
 from ..models import LlamaFamilyModel
-from ..models.linear import PROJECTION_TYPES, Projection
+from ..quant.linear import PROJECTION_TYPES, Projection
 from ..request import RequestOutput
 from ..sampler import SamplingParams
 from ..workloads import TOKEN_RANGE, Workload, WorkloadRequest
@@ -160,6 +160,7 @@ class RunResult:
     num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted
     num_accepted_tokens: int = 0
     memory_efficiency: float | None = None  # mean over steps of KV slots holding live tokens / slots reserved
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # what ran it here (LLMEngine.kernels)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -274,6 +275,7 @@ def _run_result(engine: LLMEngine, workload: Workload, outputs: list[RequestOutp
         max_token_gap_s=gaps[-1] if gaps else None, p95_token_gap_s=gaps[int(0.95 * (len(gaps) - 1))] if gaps else None,
         num_draft_tokens=drafted, num_accepted_tokens=accepted,
         memory_efficiency=_mean(tracker.efficiency) if tracker.track_efficiency else None,
+        kernels=engine.kernels(),
     )
 
 

@@ -17,7 +17,7 @@ from .. import cpu_kernels
 from ..attention import AttentionMetadata, LayerKV, PagedMetadata, attention
 from ..quant import SCALE_DTYPE
 from ..quant.format import UNQUANTIZED, WeightFormat
-from .linear import Projection
+from ..quant.linear import Projection
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -122,6 +122,14 @@ class LlamaFamilyModel:
         # the engine's C++ layer steps (cpu_kernels.py) where they apply: a float32 or bf16 model on CPU
         cpu_model = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         self.cpu_ops = cpu_kernels.compiled() if cpu_model else None
+
+    def kernels(self) -> dict[str, str]:
+        """What runs this model's steps here, in words (each projection's choice is quant/kernels.py's): the
+        decoder's projections, the LM head's, and the layers' elementwise steps."""
+        choice = self.layers[0].qkv.choice
+        return {"weights": choice.describe(), "weights_kernel": choice.short, "weights_why": choice.why,
+                "lm_head": self.lm_head.choice.describe(),
+                "layer_ops": "C++ (RMSNorm, RoPE, SiLU fused)" if self.cpu_ops is not None else "torch calls"}
 
     @property
     def max_len(self) -> int:

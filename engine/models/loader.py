@@ -21,7 +21,7 @@ from ..cache import cache_dir
 from ..quant.calibrate import CALIBRATION_TEXT, HEAD_KEY, MAX_TOKENS, SEARCH_VERSION, Fake, calibrate
 from ..quant.format import UNQUANTIZED, WeightFormat
 from ..quant.kernels import w8a8_weight_max
-from .linear import Projection, make_projection
+from ..quant.linear import Projection, make_projection
 from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
 from .random_models import load_random_model, random_name
 

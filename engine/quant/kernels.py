@@ -1,5 +1,5 @@
 """Which kernel runs a projection: one function, `choose_kernel`, decides it for a (scheme, device, dtype, CPU
-features, built C++ kernels) and says why; the projections (quant/linear.py, models/linear.py), the loader, the
+features, built C++ kernels) and says why; the projections (quant/linear.py), the loader, the
 engine's snapshot, the status line and the benchmarks all ask it, and none decides on its own.
 
   scheme  device  kernel                                          when
@@ -86,6 +86,7 @@ class KernelChoice:
     activations: torch.dtype | None = None  # what the kernel takes its inputs in (None: the model's dtype)
     own: bool = False  # the engine's C++ kernel
     weight_max: int = 127  # w8a8: the largest |q| its weights may take here
+    model_dtype: str = "float32"  # what comes in and goes out
 
     @property
     def short(self) -> str:
@@ -103,11 +104,11 @@ class KernelChoice:
 
     def describe(self) -> str:
         """"int4 weights · C++ AVX-512 kernel", "float32 weights · oneDNN kernel"."""
-        return f"{self.scheme or 'unquantized'} weights · {self.short}"
+        return f"{self.scheme or self.model_dtype} weights · {self.short}"
 
     def to_dict(self) -> dict:
         return {"scheme": self.scheme, "device": self.device, "kernel": self.kernel, "short": self.short,
-                "why": self.why, "own": self.own}
+                "why": self.why, "own": self.own, "describe": self.describe()}
 
 
 def _ships(path: str) -> bool:
@@ -142,17 +143,20 @@ def w8a8_weight_max() -> int:
 
 
 def _unquantized(device: str, dtype: torch.dtype) -> KernelChoice:
+    name = str(dtype).removeprefix("torch.")
     onednn = device == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                                                   "_linear_pointwise")
     if onednn and dtype == torch.float32:
-        return KernelChoice(None, device, "oneDNN", "fp32 on CPU: oneDNN's linear over a weight reordered once at "
-                            "load beat MKL's x @ W at 2-32 rows, and a row's result does not depend on its batch")
+        return KernelChoice(None, device, "oneDNN", model_dtype=name,
+                            why="fp32 on CPU: oneDNN's linear over a weight reordered once at load beat MKL's x @ W at "
+                                "2-32 rows, and a row's result does not depend on its batch")
     if onednn and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return KernelChoice(None, device, "oneDNN", "bf16 with bf16 instructions: oneDNN beat bf16 x @ W at every "
-                            "size measured (1.2-2.8x at one row)")
+        return KernelChoice(None, device, "oneDNN", model_dtype=name,
+                            why="bf16 with bf16 instructions: oneDNN beat bf16 x @ W at every size measured (1.2-2.8x "
+                                "at one row)")
     why = ("bf16 without AVX-512 BF16 / AMX: oneDNN refuses it" if onednn and dtype == torch.bfloat16
            else "oneDNN's linear is CPU-only" if device != "cpu" else "this torch has no oneDNN linear")
-    return KernelChoice(None, device, "x @ W", why)
+    return KernelChoice(None, device, "x @ W", why, model_dtype=name)
 
 
 def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.dtype = torch.float32,
@@ -160,13 +164,13 @@ def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.d
     """The kernel for scheme's projections on device (a model of dtype), and why; ValueError when this engine has
     none there (never run unquantized instead). features: the CPU's flags (this one's by default); extension: the
     engine's compiled C++ module or None (cpu_kernels.compiled() by default)."""
-    device = torch.device(device).type
+    device, name = torch.device(device).type, str(dtype).removeprefix("torch.")
     if scheme is None:
         return _unquantized(device, dtype)
     if scheme not in TORCH_KERNELS:
         raise ValueError(f"unknown quantization scheme {scheme!r}; one of {', '.join(QUANTIZATION_SCHEMES)}")
-    name = TORCH_KERNELS[scheme].get(device)
-    if name is None:
+    kernel = TORCH_KERNELS[scheme].get(device)
+    if kernel is None:
         why = NO_KERNEL_BECAUSE.get((scheme, device))
         raise ValueError(f"quantization={scheme!r} has no kernel on {device} in this engine (it runs on "
                          f"{', '.join(TORCH_KERNELS[scheme])}{': ' + why if why else ''}); it is refused rather than "
@@ -180,13 +184,13 @@ def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.d
         if ext is not None and "avx512f" in features and ext.weight_only_available():
             return KernelChoice(scheme, device, f"{scheme}_matmul (C++)", "AVX-512 here and the engine's C++ kernels "
                                 "built: its own kernel widens the weights in registers and takes the activations as "
-                                "they come (torch's takes bf16 only)", own=True)
+                                "they come (torch's takes bf16 only)", own=True, model_dtype=name)
         why = ("the engine's C++ kernels are not built here (make kernels)" if ext is None else
                f"{isa(features)} on this CPU: the engine's own {scheme} kernel is AVX-512 only")
     else:
         why = f"the only {scheme} kernel this engine has on {device}"
-    if not _ships(name):
-        raise ValueError(f"quantization={scheme!r} needs {name}, which torch {torch.__version__} does not ship; "
+    if not _ships(kernel):
+        raise ValueError(f"quantization={scheme!r} needs {kernel}, which torch {torch.__version__} does not ship; "
                          f"it is refused rather than run unquantized")
     if scheme == "w8a8":
         if torch.backends.quantized.engine not in FBGEMM_ENGINES:
@@ -196,5 +200,5 @@ def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.d
         weight_max = w8a8_weight_max()
         bits = "8-bit weights (VNNI: int32 sums)" if weight_max == 127 else "7-bit weights (int16 pair sums)"
         return KernelChoice(scheme, device, f"{W8A8_OP} (rows quantized by {rows})", f"{why}; {bits}",
-                            activations=torch.float32, weight_max=weight_max)
-    return KernelChoice(scheme, device, name, why, activations=TORCH_WEIGHT_ONLY_ACTIVATIONS)
+                            activations=torch.float32, weight_max=weight_max, model_dtype=name)
+    return KernelChoice(scheme, device, kernel, why, activations=TORCH_WEIGHT_ONLY_ACTIVATIONS, model_dtype=name)

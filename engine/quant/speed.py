@@ -1,0 +1,146 @@
+"""Whether a quantization scheme is faster than fp32 on the CPU at hand: measured, once per machine, and cached.
+
+What pays on one CPU costs on another: w8a8 at 16 rows measured 1.62x fp32 on an Intel Xeon with AMX and 0.61x
+(slower than no quantization) on a 2-core AMD EPYC with AVX-512 VNNI, where int8 weight-only was 4.98x and int4
+5.79x at one row. So the page and the quality table do not assume a scheme is faster: they show what this
+function measured here. It times one decoder layer's projections of the model at hand (their shapes, random
+weights: speed does not depend on the values) at 1 and 16 rows, each scheme on the kernel quant/kernels.py picks,
+against the fp32 projections on theirs, the best of a few repeats, interleaved so a busy machine slows both.
+
+The result is kept in the cache (kernel-speed.json) under a key of everything the timing depends on (the CPU's
+flags, torch's version, the kernel chosen, the shapes), so it is measured once per machine and kernel build, in
+about a second per scheme.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..cache import cache_dir
+from .format import QUANTIZATION_SCHEMES, WeightFormat
+from .kernels import choose_kernel, cpu_features, cpu_name, isa
+from .linear import make_projection
+
+ROWS = (1, 16)  # a lone chat's decode step, and a busy one
+REPEATS = 5  # best of
+CALLS = 8  # per timing
+CACHE_FILE = "kernel-speed.json"
+SLOWER = 0.95  # a scheme under this ratio at every row count measured is "slower than fp32 here"
+
+
+@dataclass(frozen=True)
+class SchemeSpeed:
+    """One scheme's projections against fp32's on this machine: speedup[i] = fp32's time / its time at rows[i]."""
+    scheme: str
+    kernel: str  # its kernel, in a few words (KernelChoice.short)
+    rows: tuple[int, ...]
+    speedup: tuple[float, ...]
+    cpu: str
+
+    @property
+    def slower(self) -> bool:
+        """Slower than fp32 at every row count measured: quantizing buys memory here, not speed."""
+        return all(x < SLOWER for x in self.speedup)
+
+    def describe(self) -> str:
+        """"1.92x fp32 at 1 row, 0.61x at 16 (slower than fp32 here)"."""
+        parts = [f"{x:.2f}x fp32 at {n} row{'s' if n > 1 else ''}" if i == 0 else f"{x:.2f}x at {n}"
+                 for i, (n, x) in enumerate(zip(self.rows, self.speedup))]
+        return ", ".join(parts) + (" (slower than fp32 here)" if self.slower else "")
+
+
+def layer_shapes(model) -> list[tuple[int, int]]:
+    """(out_features, in_features) of one decoder layer's projections of a loaded model."""
+    layer = model.layers[0]
+    return [(p.out_features, p.in_features) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+
+def _time(projections, x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        for p in projections:
+            p(x[:, :p.in_features])
+    return (time.perf_counter() - start) / CALLS
+
+
+def measure(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, rows=ROWS,
+            dtype: torch.dtype = torch.float32) -> dict[str, SchemeSpeed]:
+    """Each scheme's speed against fp32 over projections of these shapes, on this CPU now (no cache)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen).to(dtype) * 0.02 for n, k in shapes]
+    fp32 = [make_projection(WeightFormat(), w, "speed") for w in weights]
+    out = {}
+    for scheme in schemes:
+        fmt = WeightFormat(scheme)
+        try:
+            quantized = [make_projection(fmt, w, "speed") for w in weights]
+        except ValueError:  # no kernel here for this scheme or these shapes: nothing to time
+            continue
+        ratios = []
+        for n in rows:
+            x = torch.randn(n, max(k for _, k in shapes), generator=gen).to(dtype)
+            _time(fp32, x), _time(quantized, x)  # warm both (oneDNN's first call plans)
+            base, mine = [], []
+            for _ in range(REPEATS):  # interleaved: a busy moment slows both sides
+                base.append(_time(fp32, x))
+                mine.append(_time(quantized, x))
+            ratios.append(round(min(base) / min(mine), 3))
+        choice = choose_kernel(scheme, "cpu", dtype)
+        out[scheme] = SchemeSpeed(scheme, choice.short, tuple(rows), tuple(ratios),
+                                  f"{cpu_name()} ({isa(cpu_features())})")
+    return out
+
+
+def _key(shapes, schemes, rows, dtype) -> str:
+    kernels = []
+    for scheme in schemes:
+        try:
+            kernels.append(choose_kernel(scheme, "cpu", dtype).kernel)
+        except ValueError as exc:
+            kernels.append(str(exc))
+    text = json.dumps([sorted(cpu_features()), torch.__version__, kernels, shapes, list(schemes), list(rows),
+                       str(dtype), os.cpu_count()])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def scheme_speeds(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, rows=ROWS,
+                  dtype: torch.dtype = torch.float32, refresh: bool = False) -> dict[str, SchemeSpeed]:
+    """measure()'s result, from the cache when this machine measured the same thing before (refresh: measure
+    again). A cache that cannot be read or written only costs the measurement."""
+    shapes = [tuple(s) for s in shapes]
+    key = _key(shapes, schemes, rows, dtype)
+    path = cache_dir() / CACHE_FILE
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if not refresh and isinstance(known.get(key), dict):
+        try:
+            return {s: SchemeSpeed(**{**v, "rows": tuple(v["rows"]), "speedup": tuple(v["speedup"])})
+                    for s, v in known[key].items()}
+        except (TypeError, KeyError):
+            pass  # an older layout: measure again
+    speeds = measure(shapes, schemes, rows, dtype)
+    known[key] = {s: asdict(v) for s, v in speeds.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return speeds
+
+
+def model_speeds(model, refresh: bool = False) -> dict[str, SchemeSpeed]:
+    """scheme_speeds over a loaded model's layer shapes; empty off the CPU (measured only where the CPU runs it)."""
+    if model.device.type != "cpu":
+        return {}
+    return scheme_speeds(layer_shapes(model), refresh=refresh)
