@@ -36,6 +36,15 @@ CHUNKED_PREFILL_BUDGET = {"cpu": 256, "cuda": 2048}
 MAX_SPECULATIVE_TOKENS = 16
 
 
+@dataclass(frozen=True)
+class FeatureState:
+    """One feature as asked for and as it runs: they differ where another switch rules it out (prefix caching
+    asked for with paged KV off shares no blocks), and `why` then says which."""
+    requested: bool
+    active: bool
+    why: str = ""  # "" when they agree
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
@@ -191,6 +200,26 @@ class EngineConfig:
     @property
     def speculative_decoding_active(self) -> bool:
         return self.speculative_decoding and self.kv_cache
+
+    def feature_states(self) -> dict[str, FeatureState]:
+        """Every switch as asked for and as it runs (the snapshot's `features`: what /metrics, the dashboard and the
+        benchmarks read, rather than each deriving it again from the requested fields)."""
+        no_cache = "needs a KV cache (kv_cache is off)"
+        rules = {
+            "kv_cache": (self.kv_cache, ""),
+            "paged_kv": (self.paged_kv and self.kv_cache, no_cache),
+            "continuous_batching": (self.continuous_batching, ""),
+            "prefix_caching": (self.prefix_caching_active, no_cache if not self.kv_cache else
+                               "needs a paged KV cache to share blocks (paged_kv is off)"),
+            "chunked_prefill": (self.chunked_prefill_active, no_cache),
+            "speculative_decoding": (self.speculative_decoding_active, no_cache),
+            "cuda_graphs": (self.cuda_graphs, ""),
+            "kv_cache_smoothing": (self.key_smoothing_active, "rescales an int8 KV cache only (kv_cache_dtype is "
+                                                              f"{self.kv_cache_dtype!r})"),
+        }
+        return {name: FeatureState(bool(getattr(self, name)), bool(active),
+                                   why if bool(getattr(self, name)) != bool(active) else "")
+                for name, (active, why) in rules.items()}
 
     def default_max_num_batched_tokens(self, max_model_len: int, device_type: str = "cpu") -> int:
         """With chunked prefill, a step's budget bounds how long one step (and so every stream's gap between

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .blocks import KVCacheManager, NoKVCache
-from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
+from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig, FeatureState
 from .cuda_graphs import DecodeGraphs, check_cuda_graphs
 from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory, resolve_attention_backend, resolve_dtype
 from .memory import check_kv_pool_fits
@@ -112,6 +112,8 @@ class EngineSnapshot:
     # what runs it here, in words: {"weights": "int4 weights · C++ AVX-512 kernel", "weights_why", "lm_head",
     # "layer_ops", "attention"} (quant/kernels.py's choice, the model's and the runner's)
     kernels: dict = field(default_factory=dict)
+    # every switch as asked for and as it runs, and why they differ (EngineConfig.feature_states)
+    features: dict[str, FeatureState] = field(default_factory=dict)
 
     @property
     def block_owners(self) -> dict[int, list[str]]:
@@ -513,7 +515,7 @@ class LLMEngine:
             last_reconfig=self.last_reconfig, speculation=self._speculation(),
             kv_bytes_per_block=self.kv_bytes_per_block(self.config),
             gpu_memory=None if self.gpu_memory is None else self.gpu_memory.to_dict(),
-            precision=self.config.precision, kernels=self.kernels(),
+            precision=self.config.precision, kernels=self.kernels(), features=self.config.feature_states(),
         )
 
     def kernels(self) -> dict[str, str]:

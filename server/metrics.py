@@ -107,5 +107,5 @@ class CacheConfigInfo:
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                    labels=[*LABELS, "block_size", "num_gpu_blocks", "enable_prefix_caching"])
         family.add_metric([*self.labels, str(snap.block_size), str(snap.kv_blocks_total),
-                           str(bool(snap.config.get("prefix_caching")))], 1.0)
+                           str(snap.features["prefix_caching"].active)], 1.0)  # what runs, not what is asked
         yield family

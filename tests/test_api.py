@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
@@ -455,3 +456,22 @@ def test_a_burst_of_mixed_good_bad_and_abandoned_requests(server):
     wait_until_idle_and_free(pg, timeout_s=30)
     assert pg.service.alive
     assert threading.active_count() < 200  # no thread left behind per request
+
+
+def test_metrics_say_prefix_caching_is_off_when_paged_kv_is(tiny_models):
+    """Prefix caching asked for over a contiguous KV cache never hits: /metrics says it is not enabled, as the
+    Dashboard does (both read the snapshot's effective state)."""
+    from engine import LLM
+    from server import OpenAIApi
+    llm = LLM(tiny_models["llama"][0], num_kv_blocks=16, max_model_len=64, paged_kv=False, prefix_caching=True)
+    service = SimpleNamespace(snapshot=llm.engine.snapshot)
+    text, _ = OpenAIApi(lambda: service, llm.tokenizer, "contiguous").metrics.exposition()
+    [info] = [s for f in parser.text_string_to_metric_families(text.decode()) for s in f.samples
+              if s.name == "vllm:cache_config_info"]
+    assert info.labels["enable_prefix_caching"] == "False"
+    assert llm.engine.snapshot().config["prefix_caching"] is True  # asked for, not running
+    on = LLM(tiny_models["llama"][0], num_kv_blocks=16, prefix_caching=True)
+    service = SimpleNamespace(snapshot=on.engine.snapshot)
+    text, _ = OpenAIApi(lambda: service, on.tokenizer, "paged").metrics.exposition()
+    assert 'enable_prefix_caching="True"' in text.decode()
+

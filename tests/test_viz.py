@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.bench import AblationRow, MemoryRow
+from engine.config import EngineConfig, FeatureState
 from engine.service import ConfigChange
 from viz import figures
 from viz.dashboard import FigureCache
@@ -19,7 +20,8 @@ def snapshot(**kw):
                                 "num_output_tokens": 2},
                           "b": {"status": "running", "num_computed_tokens": 14, "num_prompt_tokens": 14,
                                 "num_output_tokens": 5}},
-                config={"prefix_caching": True, "kv_cache": True, "paged_kv": True}, num_running=2, num_waiting=0)
+                config={"prefix_caching": True, "kv_cache": True, "paged_kv": True}, num_running=2, num_waiting=0,
+                features={"prefix_caching": FeatureState(True, True)})
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -182,9 +184,20 @@ def test_prefix_chart_says_when_prefix_caching_is_off():
     assert figures.prefix_cache_figure(hist)["layout"]["annotations"] == []
     off = figures.to_figure(figures.prefix_cache_figure(hist, active=False))
     assert [a.text for a in off.layout.annotations] == ["prefix caching is off"]
-    on = dict(prefix_caching=True, kv_cache=True, paged_kv=True)
-    assert figures.prefix_caching_active(on)
-    assert not any(figures.prefix_caching_active({**on, k: False}) for k in on)
+
+
+def test_each_feature_as_asked_and_as_it_runs():
+    """One answer to "is it on?": the snapshot's features, with the reason where what runs differs from the ask."""
+    on = EngineConfig(prefix_caching=True, kv_cache=True, paged_kv=True).feature_states()
+    assert on["prefix_caching"] == FeatureState(True, True)
+    for off in ("kv_cache", "paged_kv"):
+        state = EngineConfig(prefix_caching=True, kv_cache=True, paged_kv=True).replace(
+            **{off: False}).feature_states()["prefix_caching"]
+        assert state.requested and not state.active and f"{off} is off" in state.why
+    assert not EngineConfig(prefix_caching=False).feature_states()["prefix_caching"].active
+    smoothing = EngineConfig(kv_cache_smoothing=True).feature_states()["kv_cache_smoothing"]
+    assert smoothing.requested and not smoothing.active and "int8" in smoothing.why
+    assert EngineConfig(kv_cache_smoothing=True, kv_cache_dtype="int8").feature_states()["kv_cache_smoothing"].active
 
 
 def test_hit_rate_stops_at_the_switch_instead_of_drawing_old_hits_on():

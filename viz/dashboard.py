@@ -98,7 +98,7 @@ class FigureCache:
             self._cached = DashboardFigures(
                 snapshot.step, figures.block_table_figure(snapshot, cells=cells),
                 figures.queues_figure(recent, changes=marks),
-                figures.prefix_cache_figure(recent, active=figures.prefix_caching_active(snapshot.config),
+                figures.prefix_cache_figure(recent, active=snapshot.features["prefix_caching"].active,
                                             changes=marks),
                 figures.throughput_figure(recent, changes=marks),
                 figures.memory_figure(snapshot, system_memory()))

@@ -371,11 +371,6 @@ def _whole_ticks(top: int) -> dict:
     return dict(tick0=0, dtick=max(1, -(-top // 5)))
 
 
-def prefix_caching_active(config: dict) -> bool:
-    """The engine matches prefixes only with all three on (a contiguous or absent KV cache has no shared blocks)."""
-    return all(config.get(k) for k in ("prefix_caching", "kv_cache", "paged_kv"))
-
-
 def _after_changes(history: Sequence, changes: Sequence, starts: Sequence[bool]) -> list[bool]:
     """`starts`, plus the first sample after each configuration change the engine applied."""
     times = [h.time for h in history]
@@ -389,7 +384,7 @@ def _after_changes(history: Sequence, changes: Sequence, starts: Sequence[bool])
 
 def prefix_cache_figure(history: Sequence, window: int = 20, active: bool = True,
                         idle_gap_s: float = IDLE_GAP_S, changes: Sequence = ()) -> dict:
-    """`active`: whether prefix caching is on now (see prefix_caching_active); when off, the chart says so."""
+    """`active`: whether prefix caching is on now (the snapshot's features); when off, the chart says so."""
     t, starts = _times(history), _busy_starts(history, idle_gap_s)
     # The recent rate is the last `window` steps' (counters only move at steps), never reaching back across a
     # configuration change: with caching switched off no prompt is looked up, so the line stops at the change
