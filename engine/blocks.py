@@ -112,18 +112,18 @@ class KVCacheStats:
 
 
 class KVCacheManager:
-    """Gives requests block tables. Paged: blocks on demand. Contiguous: max_model_len reserved up front."""
+    """Gives requests block tables from one pool, and keeps its counters: what every layout with a pool shares.
+    The layouts are its subclasses (PagedKVCache, ContiguousKVCache); NoKVCache has the same interface and no
+    pool. The scheduler asks them for room and never touches the pool itself."""
 
     keeps_kv = True
+    paged = False
+    prefix_caching = False
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, paged: bool,
-                 prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         self.pool = BlockPool(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.paged = paged
-        self.prefix_caching = prefix_caching and paged
-        self.blocks_per_reservation = cdiv(max_model_len, block_size)
         self.prefix_cache_queries = 0  # prompt tokens looked up (first admission only)
         self.prefix_cache_hits = 0  # of those, tokens served from cache
 
@@ -147,17 +147,75 @@ class KVCacheManager:
         self.prefix_cache_queries, self.prefix_cache_hits = old.prefix_cache_queries, old.prefix_cache_hits
 
     def mark_computed(self, request: Request, num_tokens: int) -> None:
-        """The first num_tokens tokens' K/V now sit in the request's blocks. Blocks past them held only the
-        slots of rejected draft tokens (never registered in the prefix cache): they go back to the pool."""
+        """The first num_tokens tokens' K/V now sit in the request's blocks."""
         request.num_computed_tokens = num_tokens
-        if self.paged:
-            keep = cdiv(num_tokens, self.block_size)
-            while len(request.block_table) > keep:
-                self.pool.release(request.block_table.pop())
 
     def set_prefix_caching(self, on: bool) -> None:
-        self.prefix_caching = on and self.paged
-        if not self.prefix_caching:
+        """Prefix caching needs shared blocks: only the paged layout has them."""
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        return []
+
+    def count_query(self, request: Request, num_hit_tokens: int) -> None:
+        pass
+
+    def count_skipped_chunk(self, num_hit_tokens: int) -> None:
+        pass
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        pass
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Make room for num_new_tokens more tokens. False (and nothing changed) if the pool is short."""
+        raise NotImplementedError
+
+    def free(self, request: Request) -> None:
+        # Release the tail first: it is the least likely to be shared, so it is evicted first.
+        for block_id in reversed(request.block_table):
+            self.pool.release(block_id)
+        request.block_table = []
+        request.num_cached_blocks = 0
+
+
+class ContiguousKVCache(KVCacheManager):
+    """Before paging: each request reserves max_model_len's worth of consecutive blocks at admission, whatever it
+    will use (the memory a paged cache saves), and nothing is shared."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.blocks_per_reservation = cdiv(max_model_len, block_size)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        if request.block_table:
+            return True
+        ids = self.pool.allocate_contiguous(self.blocks_per_reservation)
+        if ids is None:
+            return False
+        request.block_table = ids
+        return True
+
+
+class PagedKVCache(KVCacheManager):
+    """Blocks on demand, anywhere in the pool; with prefix caching, full blocks named by their hash chain and shared
+    by every request whose prompt starts the same way."""
+
+    paged = True
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
+        super().__init__(num_blocks, block_size)
+        self.prefix_caching = prefix_caching
+
+    def mark_computed(self, request: Request, num_tokens: int) -> None:
+        """Blocks past the first num_tokens held only the slots of rejected draft tokens (never registered in the
+        prefix cache): they go back to the pool."""
+        request.num_computed_tokens = num_tokens
+        keep = cdiv(num_tokens, self.block_size)
+        while len(request.block_table) > keep:
+            self.pool.release(request.block_table.pop())
+
+    def set_prefix_caching(self, on: bool) -> None:
+        self.prefix_caching = on
+        if not on:
             self.pool.clear_cache()
 
     def _hash_keys(self, request: Request) -> list[tuple]:
@@ -201,14 +259,6 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more tokens. False (and nothing changed) if the pool is short."""
-        if not self.paged:
-            if request.block_table:
-                return True
-            ids = self.pool.allocate_contiguous(self.blocks_per_reservation)
-            if ids is None:
-                return False
-            request.block_table = ids
-            return True
         total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         num_needed = cdiv(total, self.block_size) - len(request.block_table) - len(cached_blocks)
         # cached blocks that sit in the free queue leave it when touched: they count against the free pool
@@ -240,13 +290,6 @@ class KVCacheManager:
         for i in range(request.num_cached_blocks, min(num_full, len(keys))):
             self.pool.register(request.block_table[i], keys[i])
         request.num_cached_blocks = num_full
-
-    def free(self, request: Request) -> None:
-        # Release the tail first: it is the least likely to be shared, so it is evicted first.
-        for block_id in reversed(request.block_table):
-            self.pool.release(block_id)
-        request.block_table = []
-        request.num_cached_blocks = 0
 
 
 class NoKVCache:
@@ -299,3 +342,13 @@ class NoKVCache:
 
     def free(self, request: Request) -> None:
         request.block_table = []
+
+
+def kv_cache_for(kv_cache: bool, paged: bool, prefix_caching: bool, num_blocks: int, block_size: int,
+                 max_model_len: int) -> KVCacheManager | NoKVCache:
+    """The manager for a configuration's KV layout: none (the naive loop), contiguous, or paged."""
+    if not kv_cache:
+        return NoKVCache(block_size)
+    if not paged:
+        return ContiguousKVCache(num_blocks, block_size, max_model_len)
+    return PagedKVCache(num_blocks, block_size, prefix_caching)

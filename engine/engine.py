@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import KVCacheManager, NoKVCache
+from .blocks import KVCacheManager, NoKVCache, kv_cache_for
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig, FeatureState
 from .cuda_graphs import DecodeGraphs, check_cuda_graphs
 from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory, resolve_attention_backend, resolve_dtype
@@ -217,10 +217,8 @@ class LLMEngine:
 
     def _build_kv(self, c: EngineConfig) -> tuple[KVCacheManager | NoKVCache, ModelRunner]:
         """A pool and runner for config c. Changes nothing in the engine, so a failure here leaves it serving."""
-        if c.kv_cache:
-            kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.max_model_len, c.paged_kv, c.prefix_caching_active)
-        else:
-            kv = NoKVCache(c.block_size)
+        kv = kv_cache_for(c.kv_cache, c.paged_kv, c.prefix_caching_active, c.num_kv_blocks, c.block_size,
+                          c.max_model_len)
         key_scales = key_scales_for(self.model, self.tokenizer) if c.key_smoothing_active else None
         runner = ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache, c.kv_cache_dtype,
                              c.attention_backend, scratch_block=c.cuda_graphs, key_scales=key_scales)

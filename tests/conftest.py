@@ -14,13 +14,23 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 TINY_ARCHS = ("llama", "qwen3", "qwen2")
 
 
-def pytest_report_header(config):
+def kernels_line() -> str:
     """Which of the engine's C++ CPU kernels the run uses (`python -m engine.cpu_kernels status`)."""
     try:
         from engine import cpu_kernels
         return cpu_kernels.status()
-    except Exception as exc:  # the header never stops a run; the tests that need the kernels say what is wrong
+    except Exception as exc:  # the line never stops a run; the tests that need the kernels say what is wrong
         return f"C++ CPU kernels: unknown ({type(exc).__name__}: {exc})"
+
+
+def pytest_report_header(config):
+    return kernels_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The same line at the end, where `pytest -q` (make test) shows it: the header is hidden under -q."""
+    if terminalreporter.config.get_verbosity() < 0:
+        terminalreporter.write_line(kernels_line())
 
 
 def build_tiny_model(arch: str, folder, seed: int = 0, vocab_size: int = 49152):

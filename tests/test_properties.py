@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.blocks import KVCacheManager
+from engine.blocks import KVCacheManager, PagedKVCache
 from engine.request import Request, RequestStatus
 from tests.conftest import assert_all_blocks_free, build_tiny_model
 
@@ -99,7 +99,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 16), block_size=st.sampled_from([1, 2, 4]),
                 prefix_caching=st.sampled_from([True, True, False]))
     def setup(self, num_blocks, block_size, prefix_caching):
-        self.kv = KVCacheManager(num_blocks, block_size, max_model_len=64, paged=True, prefix_caching=prefix_caching)
+        self.kv = PagedKVCache(num_blocks, block_size, prefix_caching=prefix_caching)
 
     def _state(self):
         pool = self.kv.pool
@@ -218,7 +218,7 @@ TestKVCacheMachine.settings = settings(max_examples=40, stateful_step_count=100,
 
 
 def test_release_below_zero_is_an_error():
-    kv = KVCacheManager(4, 2, max_model_len=8, paged=True, prefix_caching=True)
+    kv = PagedKVCache(4, 2, prefix_caching=True)
     with pytest.raises(RuntimeError, match="ref_count"):
         kv.pool.release(0)
     assert kv.pool.blocks[0].ref_count == 0 and kv.pool.num_free == 4

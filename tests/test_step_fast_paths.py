@@ -16,9 +16,8 @@ import torch
 
 from engine import LLM, SamplingParams, cpu_kernels
 from engine.attention import AttentionMetadata, LayerKV, attention
-from engine.models import linear
 from engine.models.llama import apply_rope, rms_norm
-from engine.quant import quantize_int8
+from engine.quant import linear, quantize_int8
 from engine.runner import ModelRunner
 from tests.test_parity import random_prompts
 
