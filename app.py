@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # gradio's queue recomputes its monitoring summary (a pandas groupby over its last 10,000 events) after every event
@@ -536,8 +537,15 @@ def main() -> None:
         seats = Seats(args.audience_replies, args.audience_max_tokens)
     except ValueError as exc:
         parser.error(str(exc))
+    print(f"Loading {args.model or 'SmolLM2-135M-Instruct (the embedded GGUF)'}: the first time, the checkpoint is "
+          f"converted once (about 30 s); then seconds", flush=True)
+    started = time.perf_counter()
     pg = Playground(LLM(args.model, **{"device": args.device, **fields}),
                     max_waiting_requests=args.max_waiting_requests)
+    kernels = pg.service.snapshot().kernels
+    print(f"Loaded in {time.perf_counter() - started:.0f} s: {pg.service.snapshot().precision} on the "
+          f"{kernels.get('weights_kernel', '?')}; attention: {kernels.get('attention', '?')}. Building the page…",
+          flush=True)
     pg.seats = seats
     if args.lesson_seconds is not None:
         if args.lesson_seconds <= 0:

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -131,6 +132,8 @@ def gguf_to_safetensors(gguf: Path) -> Path:
         if (out / "model.safetensors").is_file():
             return out
     out = cache_dir() / f"{gguf.stem}-{tag}"
+    print(f"watch-llm: converting {gguf.name} to safetensors once, into {out} (about 30 s)", file=sys.stderr,
+          flush=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
