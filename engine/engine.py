@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from .sampler import SamplingParams, TokenLogprobs, draw, processed_logits, toke
 from .scheduler import Phase, ScheduledRequest, Scheduler
 from .spec import SpecDecodeStats, verify
 from .utils import cdiv
+from .workloads import TOKEN_RANGE
 
 
 class ContextLengthError(ValueError):
@@ -290,6 +292,15 @@ class LLMEngine:
         self.last_reconfig = {"step": self.step_count, "changes": changes,
                               "action": "re-prefill running requests" if structural else "applied in place",
                               "requests_re_prefilled": moved[::-1]}
+
+    def warm_up(self) -> None:
+        """One tiny greedy request run to the end, so what follows does not pay first-call costs (and a
+        configuration that builds but cannot run a step fails here, not on someone's request)."""
+        rng = random.Random(-1)
+        self.add_request([rng.randrange(*TOKEN_RANGE) for _ in range(8)],
+                         SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        while self.has_unfinished():
+            self.step()
 
     # ---- requests ------------------------------------------------------------------------------------
     def _check_fits(self, num_prompt: int, params: SamplingParams, config: EngineConfig) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import EngineConfig
+from .config import LOAD_TIME_FIELDS, WEIGHT_FIELDS, EngineConfig
 from .engine import LLMEngine, stored_as
 from .gpu import resolve_dtype
 from .models import LlamaFamilyModel, load_model
@@ -41,6 +41,28 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.config, net, tokenizer, hf_config)
         self._variant: tuple[tuple, LlamaFamilyModel] | None = None
+
+    # ---- the one factory: every engine over this checkpoint (the benchmarks', the playground's rebuilds) ----
+    def config_for(self, fields: dict) -> EngineConfig:
+        """EngineConfig for an engine over this checkpoint: the model and device must be the loaded ones; the
+        weights' dtype and quantization (WEIGHT_FIELDS) may differ (build_engine then loads that variant once)."""
+        fields = dict(fields)
+        for name in LOAD_TIME_FIELDS:
+            loaded = getattr(self.config, name)
+            if name in WEIGHT_FIELDS:
+                fields.setdefault(name, loaded)
+            elif name in fields and fields[name] != loaded:
+                raise ValueError(f"{name}={fields[name]!r} differs from the loaded model's {name}={loaded!r}: "
+                                 f"the checkpoint is loaded once, so give it with --model / --set for the whole run")
+            else:
+                fields[name] = loaded
+        return EngineConfig.from_kwargs(**fields)
+
+    def build_engine(self, fields: dict) -> LLMEngine:
+        """A fresh engine with these fields over this checkpoint's weights (loaded in another format once if the
+        fields ask for one: weights_for). Nothing of this LLM's own engine changes."""
+        config = self.config_for(fields)
+        return LLMEngine(config, self.weights_for(config), self.tokenizer, self.engine.hf_config)
 
     def weights_for(self, config: EngineConfig) -> LlamaFamilyModel:
         """The model with config's dtype and quantization (WEIGHT_FIELDS), over the same checkpoint, device and

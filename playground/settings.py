@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine import EngineConfig, bench
+from engine import EngineConfig
 from engine.config import BUILT_SWITCHES, WEIGHT_FIELDS
 from engine.gpu import resolve_dtype
 from engine.quant.format import WeightFormat
@@ -140,7 +140,7 @@ class SettingsHandlers:
         weights = {k: v for k, v in changes.items() if k in WEIGHT_FIELDS}
         kept = f"⚠️ Not applied: the engine keeps its weights ({before}) and its requests"
         try:
-            now, new = (bench.engine_config(self.llm, fields) for fields in (view.requested,
+            now, new = (self.llm.config_for(fields) for fields in (view.requested,
                                                                              {**view.requested, **changes}))
         except ValueError as exc:
             return f"{kept}: {exc}"
@@ -207,9 +207,9 @@ class SettingsHandlers:
             for label, fields in attempts:
                 try:
                     self._stage(progress, 1, what)
-                    engine = bench.build_engine(self.llm, fields)
+                    engine = self.llm.build_engine(fields)
                     self._stage(progress, 2, what)
-                    bench.warm_up(engine)  # a configuration that builds but cannot run a step is not back
+                    engine.warm_up()  # a configuration that builds but cannot run a step is not back
                 except Exception as exc:  # whatever went wrong, the next attempt may still work
                     failures.append(f"{label}: {exc}")
                     continue

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from engine import bench
+from engine import bench, cpu_kernels
 from engine.bench import cli
 from engine.config import EngineConfig
 from engine.workloads import build_workload
@@ -83,8 +83,8 @@ def test_spec_can_change_the_weights_precision(tiny_llm):
     result = bench.compare(tiny_llm, tiny_workload(), "full", "int8", SMALL_POOL)
     int8 = result.results[1].config
     assert (int8["quantization"], int8["kv_cache_dtype"]) == ("int8", "int8")
-    assert tiny_llm.weights_for(bench.engine_config(tiny_llm, {"quantization": "int8"})).lm_head.scheme == "int8"
-    assert tiny_llm.weights_for(bench.engine_config(tiny_llm, {})) is tiny_llm.engine.model
+    assert tiny_llm.weights_for(tiny_llm.config_for({"quantization": "int8"})).lm_head.scheme == "int8"
+    assert tiny_llm.weights_for(tiny_llm.config_for({})) is tiny_llm.engine.model
 
 
 def test_config_order_workload_then_settings_then_spec():
@@ -448,6 +448,42 @@ def test_cli_kernels_and_decode_time_each_precision(tiny_models, tmp_path, capsy
     rows = json.loads(out.read_text())
     assert [r["spec"] for r in rows] == ["dtype=float32", "quantization=int8"] and "int8" in rows[1]["kernel"]
     assert rows[1]["weight_mb"] < rows[0]["weight_mb"]
+
+
+@pytest.mark.skipif(cpu_kernels.compiled() is None or not cpu_kernels.compiled().weight_only_available(),
+                    reason="the engine's C++ CPU kernels (with AVX-512's weight-only matmuls) are not built here")
+def test_kernel_worth_times_each_kernel_off_and_puts_it_back(tiny_models, tmp_path):
+    """`kernel-worth`: a row per (precision, kernel, rows) with a time per round on each side; each kernel really
+    switched to its torch path while its side runs (seen from inside the step), and back on after."""
+    from engine.bench import cli
+    from engine.bench import kernel_worth as kw
+    seen = []
+    real = kw._decode_ms
+
+    def spy(engine, rows, prompt_len, tokens, seed):
+        layer = engine.model.layers[0]
+        seen.append((engine.runner.decode_attention is not None, engine.model.cpu_ops is not None,
+                     getattr(layer.qkv, "_own", None) is not None,
+                     getattr(layer.qkv, "_quantize_rows", None) is not cpu_kernels.quantize_rows_python))
+        return real(engine, rows, prompt_len, tokens, seed)
+    kw._decode_ms = spy
+    try:
+        out = tmp_path / "worth.json"
+        assert cli.main(["kernel-worth", "--model", tiny_models["llama"][0], "--spec", "quantization=int8",
+                         "--spec", "quantization=w8a8", "--rows", "1,2", "--tokens", "2", "--rounds", "1",
+                         "--json", str(out)]) == 0
+    finally:
+        kw._decode_ms = real
+    rows = json.loads(out.read_text())
+    assert [(r["spec"], r["kernel"], r["rows"]) for r in rows] == [
+        (f"quantization={q}", k, n) for q, ks in (("int8", ("attention", "layer ops", "matmul")),
+                                                   ("w8a8", ("attention", "layer ops", "w8a8 rows")))
+        for k in ks for n in (1, 2)]
+    assert all(len(r["on_ms"]) == len(r["off_ms"]) == 1 and min(r["on_ms"] + r["off_ms"]) > 0 for r in rows)
+    index = {"attention": 0, "layer ops": 1, "matmul": 2, "w8a8 rows": 3}
+    for i, r in enumerate(rows):  # each row's one round: the kernel on, then off; nothing else differs
+        on, off, j = seen[2 * i], seen[2 * i + 1], index[r["kernel"]]
+        assert on[j] and not off[j] and on[:j] + on[j + 1:] == off[:j] + off[j + 1:], (r, on, off)
 
 
 def test_cli_decode_times_llama_cpp_in_the_same_rounds_or_says_what_it_needs(tiny_models, tmp_path, capsys,

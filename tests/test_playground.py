@@ -368,14 +368,14 @@ def test_restart_and_apply_work_after_the_engine_thread_died(pg, monkeypatch):
     assert pg.settings()["max_num_seqs"] == 7
     assert "finished" in list(pg.chat("hi", [], 0.0, 4))[-1][1]
     kill_engine()
-    real, calls = bench.build_engine, []
+    real, calls = type(pg.llm).build_engine, []
 
     def no_room_for_the_last_pool(llm, fields):
         calls.append(fields)
         if len(calls) == 1:
             raise MemoryError("simulated: no room")
         return real(llm, fields)
-    monkeypatch.setattr(bench, "build_engine", no_room_for_the_last_pool)
+    monkeypatch.setattr(type(pg.llm), "build_engine", no_room_for_the_last_pool)
     msg = pg.restart()
     assert msg.startswith("Engine restarted with the defaults") and "no room" in msg and calls[-1] == {}
     assert "finished" in list(pg.chat("hi", [], 0.0, 4))[-1][1]

@@ -67,13 +67,10 @@ from .runs import (
                           Cancelled,
                           RunResult,
                           StepBreakdown,
-                          build_engine,
                           config_fields,
-                          engine_config,
                           load_llm,
                           run_config,
                           run_workload,
-                          warm_up,
                           weight_bytes,
 )
 from .specs import list_feature_presets, load_feature_preset, parse_assignments, parse_value, resolve_spec
@@ -82,11 +79,11 @@ __all__ = [
     "ABLATIONS", "FEATURES", "FULL_ENGINE", "FULL_FIELDS", "GIB", "KV_CACHE_DTYPES_SWEPT", "NAIVE_LOOP", "PHASES",
     "AblationRow", "Cancelled", "CompareResult", "Feature", "HFStaticResult", "KernelRow", "MemoryRow", "Report",
     "RunResult", "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_concurrency", "ablate_cumulative",
-    "ablate_report", "build_engine", "compare", "compare_report", "config_fields", "engine_config", "hf_static",
+    "ablate_report", "compare", "compare_report", "config_fields", "hf_static",
     "hf_static_report", "kernel_timings", "kernels_report", "list_feature_presets", "load_feature_preset",
     "load_llm", "markdown_table", "memory_report", "memory_sweep", "quality", "quality_report",
     "QUALITY_SPECS", "QUALITY_TEXT", "QualityRow", "compare_logprobs", "text_windows", "parse_assignments",
     "parse_value", "DECODE_SPECS", "DecodeRow", "decode_timings", "decode_report",
     "render_report", "resolve_spec", "run_config", "run_table", "run_workload", "sched_cost", "sched_cost_report",
-    "table_report", "to_jsonable", "warm_up", "weight_bytes",
+    "table_report", "to_jsonable", "weight_bytes",
 ]

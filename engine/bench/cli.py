@@ -10,6 +10,7 @@
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
     python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting (fp32 vs int8 KV)
     python -m engine.bench kernels --rows 1,16,64               # one step's matmuls in each weight format
+    python -m engine.bench kernel-worth --rows 1,16            # each C++ kernel against its torch path, end to end
     python -m engine.bench decode --rounds 3                    # batch-1 time per token in each precision
     python -m engine.bench decode --spec dtype=float32 --spec quantization=int4 --llama-cpp   # and llama.cpp's
     python -m engine.bench quality --set quantization=int8      # top-1 agreement and perplexity vs fp32
@@ -36,8 +37,8 @@ from . import report as rp
 from .runs import load_llm
 from .specs import parse_assignments
 
-COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "decode", "quality", "serve",
-            "serve-overhead", "versus", "sampling-cost")
+COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "kernel-worth", "decode",
+            "quality", "serve", "serve-overhead", "versus", "sampling-cost")
 
 
 def _number_list(text: str, kind: type, minimum: float, what: str) -> list:
@@ -106,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     kn.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
                     help=f"weights to time (repeatable; default: {' '.join(ex.KERNEL_SPECS)})")
     kn.add_argument("--repeat", type=int, default=5)
+    kw = sub.add_parser("kernel-worth", parents=common,
+                        help="each of the engine's C++ CPU kernels against its torch path, decode steps end to end")
+    kw.add_argument("--rows", type=_int_list, default=[1, 16], help="requests decoding together")
+    kw.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
+                    help="precisions (repeatable; default: dtype=float32 quantization=int8 quantization=int4 "
+                         "quantization=w8a8)")
+    kw.add_argument("--tokens", type=_positive, default=24, help="decode steps timed per round")
+    kw.add_argument("--rounds", type=_positive, default=3)
     de = sub.add_parser("decode", parents=common, help="batch-1 time per token of the whole engine in each precision")
     de.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
                     help="precisions to time, the first the reference (repeatable; default: "
@@ -269,6 +278,11 @@ def run_command(args: argparse.Namespace) -> rp.Report:
     if args.command == "kernels":
         rows = ex.kernel_timings(llm, args.specs or ex.KERNEL_SPECS, args.rows, args.repeat, _bar)
         return rp.kernels_report(rows, args.repeat)
+    if args.command == "kernel-worth":
+        from .kernel_worth import SPECS, kernel_worth
+        rows = kernel_worth(llm, args.specs or SPECS, args.rows, args.tokens, args.rounds,
+                            progress=lambda what: print(what, file=sys.stderr, flush=True))
+        return rp.kernel_worth_report(rows, args.tokens)
     if args.command == "decode":
         rows = ex.decode_timings(llm, args.specs or ex.DECODE_SPECS, args.prompt_len, args.tokens, args.rounds,
                                  settings, _bar, llama_cpp_gguf(args.llama_cpp))

@@ -29,16 +29,13 @@ from .runs import (
     StepBreakdown,
     StepTracker,
     StopCheck,
-    build_engine,
     config_fields,
-    engine_config,
     fixed_workload,
     kv_bytes_per_block,
     random_prompts,
     run_config,
     run_workload,
     summarize_steps,
-    warm_up,
     weight_bytes,
 )
 from .specs import FEATURE_DIR, load_feature_preset, resolve_spec
@@ -77,8 +74,8 @@ def engine_memory_gb(engine: LLMEngine, peak_blocks: int) -> float:
 def run_table_row(llm: LLM, batch: int, input_len: int, output_len: int, settings: dict[str, Any],
                   seed: int = 0) -> TableRow:
     workload = fixed_workload(table_prompts(batch, input_len, seed), output_len)
-    engine = build_engine(llm, settings)
-    warm_up(engine)
+    engine = llm.build_engine(settings)
+    engine.warm_up()
     if engine.model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.model.device)
     run = run_workload(engine, workload)
@@ -124,7 +121,7 @@ def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str, settings: di
     ratios says how much to trust it on a noisy machine)."""
     fields = [config_fields(workload, settings or {}, resolve_spec(s)) for s in (spec_a, spec_b)]
     for f in fields:  # every spec is checked before anything runs
-        engine_config(llm, f)
+        llm.config_for(f)
     plan = [(spec, f) for _ in range(max(1, repeat)) for spec, f in zip((spec_a, spec_b), fields, strict=True)]
     runs = []
     for i, (spec, f) in enumerate(plan):
@@ -182,8 +179,8 @@ def sched_cost(llm: LLM, running: int = 64, prompt_len: int = 16, decode_steps: 
                settings: dict[str, Any] | None = None, seed: int = 0) -> SchedCostResult:
     settings = dict(settings or {})
     settings["max_num_seqs"] = max(running, settings.get("max_num_seqs", EngineConfig.max_num_seqs))
-    engine = build_engine(llm, settings)
-    warm_up(engine)
+    engine = llm.build_engine(settings)
+    engine.warm_up()
     tracker = StepTracker(engine)
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
     for prompt in random_prompts(running, prompt_len, seed):
@@ -217,8 +214,8 @@ def sampling_cost(llm: LLM, batch: int = 8, prompt_len: int = 128, tokens: int =
                   settings: dict[str, Any] | None = None, seed: int = 0) -> list[SamplingCostRow]:
     """`batch` requests decoding together in each sampling mode, the modes alternating within each round on one
     engine, fresh prompts every run: tokens/s and the sampler's own time per step."""
-    engine = build_engine(llm, dict(settings or {}))
-    warm_up(engine)
+    engine = llm.build_engine(dict(settings or {}))
+    engine.warm_up()
     rows = [SamplingCostRow(label, [], [], []) for label, _ in SAMPLING_MODES]
     draw = seed
     for _ in range(rounds):
@@ -260,7 +257,7 @@ def step_projections(model: Any) -> list:
 def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -> tuple[list, list]:
     """(configs, models): each spec's engine configuration and weights, all loaded before any timing (progress
     counts the loads, then `rounds` rounds)."""
-    configs = [engine_config(llm, resolve_spec(spec)) for spec in specs]
+    configs = [llm.config_for(resolve_spec(spec)) for spec in specs]
     models = []
     for i, (spec, config) in enumerate(zip(specs, configs, strict=True)):
         if progress is not None:
@@ -375,7 +372,7 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
             progress(len(specs) + r, len(specs) + rounds, f"round {r + 1} of {rounds}")
         for i, (config, model) in enumerate(zip(configs, models, strict=True)):
             fields = {**(settings or {}), **config.to_dict(), "speculative_decoding": False}
-            engine = LLMEngine(engine_config(llm, fields), model, llm.tokenizer, llm.engine.hf_config)
+            engine = LLMEngine(llm.config_for(fields), model, llm.tokenizer, llm.engine.hf_config)
             engine.add_request(prompt, params)
             for _ in range(4):  # the prefill and a few decodes: first-call costs stay out
                 engine.step()
@@ -564,15 +561,15 @@ def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settin
         row = MemoryRow(blocks, paged, 0.0)
         rows.append(row)
         try:
-            config = engine_config(llm, fields)
+            config = llm.config_for(fields)
             model = llm.weights_for(config)
             if len(kv_cache_dtypes) > 1:  # name each dtype (the model's own too) when they sit side by side
                 row.kv_cache_dtype = str(model.kv_dtype(kv)).removeprefix("torch.")
             pool_bytes = blocks * model.kv_bytes_per_token() * config.block_size
             row.num_kv_blocks = pool_bytes // (model.kv_bytes_per_token(kv) * config.block_size)
-            engine = build_engine(llm, {**fields, "num_kv_blocks": row.num_kv_blocks})
+            engine = llm.build_engine({**fields, "num_kv_blocks": row.num_kv_blocks})
             row.kv_cache_mb = row.num_kv_blocks * kv_bytes_per_block(engine) / 2**20
-            warm_up(engine)
+            engine.warm_up()
             r = run_workload(engine, workload, should_stop, track_efficiency=True)
         except ValueError as exc:
             row.error = str(exc)
@@ -659,13 +656,13 @@ def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, 
     total = len(specs) + 1
     if progress is not None:
         progress(0, total, "fp32 reference")
-    ref = teacher_forced(build_engine(llm, {**settings, **REFERENCE_PRECISION}), windows)
+    ref = teacher_forced(llm.build_engine({**settings, **REFERENCE_PRECISION}), windows)
     rows = []
     for i, spec in enumerate(specs):
         if progress is not None:
             progress(i + 1, total, spec)
         fields = {**settings, **REFERENCE_PRECISION, **resolve_spec(spec)}
-        engine = build_engine(llm, fields)
+        engine = llm.build_engine(fields)
         start = time.perf_counter()
         got = teacher_forced(engine, windows)
         speed = model_speeds(engine.model).get(engine.config.quantization)

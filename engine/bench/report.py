@@ -205,6 +205,19 @@ def kernels_report(rows: list[KernelRow], repeat: int) -> Report:
     return report
 
 
+def kernel_worth_report(rows: list, tokens: int) -> Report:
+    report = Report(f"each C++ CPU kernel against its torch path: ms per decode step ({tokens} steps a round), the "
+                    f"rounds alternating in one process")
+    report.rows = rows
+    report.tables["ms per decode step, C++ kernel on / on its torch path"] = [
+        {"weights": r.spec, "kernel": r.kernel, "rows": r.rows,
+         "C++ ms (rounds)": ", ".join(f"{x:.1f}" for x in r.on_ms),
+         "torch ms (rounds)": ", ".join(f"{x:.1f}" for x in r.off_ms),
+         "torch / C++ (median)": round(r.speedup, 3)} for r in rows]
+    report.notes.append("> 1: the kernel pays end to end here; near 1: it buys nothing measurable on this CPU")
+    return report
+
+
 def decode_report(rows: list, prompt_len: int, tokens: int) -> Report:
     report = Report(f"batch-1 decode: one greedy request, {tokens} tokens after a {prompt_len}-token prompt, no "
                     f"speculation; ms per token in each round (rounds go round every precision)")

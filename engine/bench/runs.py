@@ -1,6 +1,7 @@
 """Running workloads: weights loaded once, an engine per configuration, every step recorded, one RunResult.
 
-Weights are loaded once (`load_llm`); each configuration gets its own engine built from them (`build_engine`).
+Weights are loaded once (`load_llm`); each configuration gets its own engine built
+from them (`LLM.build_engine`, the one factory).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..config import LOAD_TIME_FIELDS, WEIGHT_FIELDS, EngineConfig
+from ..config import LOAD_TIME_FIELDS
 from ..engine import LLMEngine, StepRecord
 from ..llm import LLM
 from ..models import LlamaFamilyModel
@@ -39,40 +40,11 @@ class Cancelled(Exception):
 def load_llm(settings: dict[str, Any] | None = None) -> LLM:
     """Load the weights once. Only load-time fields (and max_model_len, which sizes the RoPE tables) are used;
     the returned LLM's own engine keeps no KV pool (kv_cache=False), so it costs no cache memory:
-    benchmarks build their engines from it with build_engine."""
+    benchmarks build their engines from it with LLM.build_engine."""
     settings = settings or {}
     check_fields(settings, "settings")
     load = {k: settings[k] for k in (*LOAD_TIME_FIELDS, "max_model_len") if k in settings and k != "model"}
     return LLM(settings.get("model"), kv_cache=False, **load)
-
-
-def engine_config(llm: LLM, fields: dict[str, Any]) -> EngineConfig:
-    """EngineConfig for an engine over llm's checkpoint: the model and device must be the loaded ones; the weights'
-    dtype and quantization (WEIGHT_FIELDS) may differ (build_engine then loads that variant once)."""
-    fields = dict(fields)
-    for name in LOAD_TIME_FIELDS:
-        loaded = getattr(llm.config, name)
-        if name in WEIGHT_FIELDS:
-            fields.setdefault(name, loaded)
-        elif name in fields and fields[name] != loaded:
-            raise ValueError(f"{name}={fields[name]!r} differs from the loaded model's {name}={loaded!r}: "
-                             f"the checkpoint is loaded once, so give it with --model / --set for the whole run")
-        else:
-            fields[name] = loaded
-    return EngineConfig.from_kwargs(**fields)
-
-
-def build_engine(llm: LLM, fields: dict[str, Any]) -> LLMEngine:
-    config = engine_config(llm, fields)
-    return LLMEngine(config, llm.weights_for(config), llm.tokenizer, llm.engine.hf_config)
-
-
-def warm_up(engine: LLMEngine) -> None:
-    """One tiny request, so the timed run does not pay first-call costs."""
-    prompt = random_prompts(1, 8, seed=-1)[0]
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
 
 
 def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -282,8 +254,8 @@ def _run_result(engine: LLMEngine, workload: Workload, outputs: list[RequestOutp
 def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], should_stop: StopCheck | None = None,
                track_efficiency: bool = False) -> RunResult:
     """A fresh, warmed-up engine with these fields, run through the workload."""
-    engine = build_engine(llm, fields)
-    warm_up(engine)
+    engine = llm.build_engine(fields)
+    engine.warm_up()
     return run_workload(engine, workload, should_stop, track_efficiency)
 
 

@@ -1,0 +1,132 @@
+"""What each of the engine's C++ CPU kernels is worth end to end: decode steps with every kernel on, against the same
+engine with one kernel on its torch path, at 1 and 16 rows, alternating rounds in one process.
+
+  attention    decode attention straight over the paged pool (else torch SDPA over the gathered K/V)
+  layer ops    RMSNorm with its residual add, RoPE, silu(gate) * up in one call each (else the torch formulas)
+  matmul       int8 / int4 weight-only matmuls (else torch's packed kernels, bf16 activations)
+  w8a8 rows    w8a8's per-row quantization around fbgemm (else the torch calls)
+
+`python -m engine.bench kernel-worth`; its table goes to docs/measurements.md with the CPU named. A kernel that does
+not measurably pay here is a candidate for the portable path.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+
+from .. import cpu_kernels
+from ..quant import kernels as quant_kernels
+from ..sampler import SamplingParams
+from .runs import random_prompts
+
+SPECS = ("dtype=float32", "quantization=int8", "quantization=int4", "quantization=w8a8")
+
+
+@dataclass
+class KernelWorthRow:
+    spec: str
+    kernel: str
+    rows: int
+    on_ms: list[float]  # ms per decode step with the C++ kernel, per round
+    off_ms: list[float]  # with its torch path
+
+    @property
+    def speedup(self) -> float:
+        """The torch path's median step over the kernel's: > 1 where the kernel pays."""
+        return statistics.median(self.off_ms) / statistics.median(self.on_ms)
+
+
+def _kernels_for(fields: dict) -> list[str]:
+    q = fields.get("quantization")
+    own_matmul = q in ("int8", "int4") and cpu_kernels.compiled().weight_only_available()  # AVX-512 builds only
+    return ["attention", "layer ops"] + (["matmul"] if own_matmul else []) + (["w8a8 rows"] if q == "w8a8" else [])
+
+
+@contextlib.contextmanager
+def _off(engine, kernel: str, torch_model):
+    """The engine with one kernel on its torch path for the duration (restored after)."""
+    runner, model = engine.runner, engine.model
+    if kernel == "attention":
+        saved = runner.decode_attention, runner.write_kv_int8
+        runner.decode_attention = runner.write_kv_int8 = None
+        try:
+            yield engine
+        finally:
+            runner.decode_attention, runner.write_kv_int8 = saved
+    elif kernel == "layer ops":
+        saved = model.cpu_ops
+        model.cpu_ops = None
+        try:
+            yield engine
+        finally:
+            model.cpu_ops = saved
+    elif kernel == "matmul":  # the same engine's pool and schedule, over weights built for torch's kernel
+        engine.model = runner.model = torch_model
+        try:
+            yield engine
+        finally:
+            engine.model = runner.model = model
+    elif kernel == "w8a8 rows":
+        projections = [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        projections.append(model.lm_head)
+        saved = [(p._quantize_rows, p._dequantize_rows) for p in projections]
+        for p in projections:
+            p._quantize_rows, p._dequantize_rows = cpu_kernels.quantize_rows_python, cpu_kernels.dequantize_rows_python
+        try:
+            yield engine
+        finally:
+            for p, (q, d) in zip(projections, saved):
+                p._quantize_rows, p._dequantize_rows = q, d
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _decode_ms(engine, rows: int, prompt_len: int, tokens: int, seed: int) -> float:
+    """Mean ms of a decode step of `rows` requests (their prefills first, not timed)."""
+    params = SamplingParams(temperature=0, max_tokens=tokens + 2, ignore_eos=True)
+    for prompt in random_prompts(rows, prompt_len, seed=seed):
+        engine.add_request(prompt, params)
+    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(tokens):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return 1000 * elapsed / tokens
+
+
+def kernel_worth(llm, specs=SPECS, rows=(1, 16), tokens: int = 24, rounds: int = 3, prompt_len: int = 64,
+                 progress=None) -> list[KernelWorthRow]:
+    if cpu_kernels.compiled() is None:
+        raise ValueError("the engine's C++ CPU kernels are not built here (make kernels): nothing to compare")
+    out = []
+    for spec in specs:
+        fields = dict(item.split("=", 1) for item in spec.split(",")) if spec else {}
+        fields = {"num_kv_blocks": 256, "max_num_seqs": max(rows), "prefix_caching": False, **fields}
+        engine = llm.build_engine(fields)
+        torch_model = None
+        if "matmul" in _kernels_for(fields):  # weights packed for torch's kernel, as on a CPU without AVX-512
+            real = quant_kernels.cpu_features
+            quant_kernels.cpu_features = lambda: frozenset({"avx2"})
+            try:
+                torch_model = llm.load_weights(llm.config_for(fields))
+            finally:
+                quant_kernels.cpu_features = real
+        engine.warm_up()
+        for kernel in _kernels_for(fields):
+            for n in rows:
+                if progress is not None:
+                    progress(f"{spec} · {kernel} · {n} rows")
+                row = KernelWorthRow(spec, kernel, n, [], [])
+                with _off(engine, kernel, torch_model):
+                    engine.warm_up()
+                for r in range(rounds):  # alternating: a busy moment slows both sides
+                    row.on_ms.append(_decode_ms(engine, n, prompt_len, tokens, seed=r))
+                    with _off(engine, kernel, torch_model):
+                        row.off_ms.append(_decode_ms(engine, n, prompt_len, tokens, seed=r))
+                out.append(row)
+    return out
