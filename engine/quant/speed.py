@@ -9,7 +9,7 @@ against the fp32 projections on theirs, the best of a few repeats, interleaved s
 
 The result is kept in the cache (kernel-speed.json) under a key of everything the timing depends on (the CPU's
 flags, torch's version, the kernel chosen, the shapes), so it is measured once per machine and kernel build, in
-about a second per scheme.
+about half a second per scheme.
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from .kernels import choose_kernel, cpu_features, cpu_name, isa
 from .linear import make_projection
 
 ROWS = (1, 16)  # a lone chat's decode step, and a busy one
-REPEATS = 5  # best of
-CALLS = 8  # per timing
+REPEATS = 7  # best of
+CALLS = 8  # per timing, at least
+TIMING_S = 0.01  # and at least this long
 CACHE_FILE = "kernel-speed.json"
 SLOWER = 0.95  # a scheme under this ratio at every row count measured is "slower than fp32 here"
 
@@ -60,12 +61,12 @@ def layer_shapes(model) -> list[tuple[int, int]]:
     return [(p.out_features, p.in_features) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
 
-def _time(projections, x: torch.Tensor) -> float:
+def _time(projections, x: torch.Tensor, calls: int = CALLS) -> float:
     start = time.perf_counter()
-    for _ in range(CALLS):
+    for _ in range(calls):
         for p in projections:
             p(x[:, :p.in_features])
-    return (time.perf_counter() - start) / CALLS
+    return (time.perf_counter() - start) / calls
 
 
 def measure(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, rows=ROWS,
@@ -85,10 +86,11 @@ def measure(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, rows=RO
         for n in rows:
             x = torch.randn(n, max(k for _, k in shapes), generator=gen).to(dtype)
             _time(fp32, x), _time(quantized, x)  # warm both (oneDNN's first call plans)
+            calls = max(CALLS, int(TIMING_S / max(_time(fp32, x), 1e-6)))  # each timing long enough to trust
             base, mine = [], []
             for _ in range(REPEATS):  # interleaved: a busy moment slows both sides
-                base.append(_time(fp32, x))
-                mine.append(_time(quantized, x))
+                base.append(_time(fp32, x, calls))
+                mine.append(_time(quantized, x, calls))
             ratios.append(round(min(base) / min(mine), 3))
         choice = choose_kernel(scheme, "cpu", dtype)
         out[scheme] = SchemeSpeed(scheme, choice.short, tuple(rows), tuple(ratios),
