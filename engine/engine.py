@@ -15,13 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import KVCacheManager, NoKVCache, kv_cache_for
-from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig, FeatureState
-from .cuda_graphs import DecodeGraphs, check_cuda_graphs
-from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory, resolve_attention_backend, resolve_dtype
-from .memory import check_kv_pool_fits
-from .quant.calibrate import key_scales_for
+from .blocks import KVCacheManager, NoKVCache
+from .config import EngineConfig, FeatureState
+from .gpu import GpuMemoryPlan, resolve_dtype
 from .quant.format import WeightFormat
+from .reconfigure import Reconfiguration
 from .request import Request, RequestOutput, RequestStatus
 from .runner import Batch, ModelRunner
 from .sampler import SamplingParams, TokenLogprobs, draw, processed_logits, token_logprobs
@@ -137,161 +135,63 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.hf_config = hf_config
-        self.gpu_memory: GpuMemoryPlan | None = None  # CUDA: how the pool was sized (gpu.py)
-        self.requested_config = config
-        self.config = self._resolve(config)
+        self.reconfig = Reconfiguration(self, config)  # sizes filled in and checked (reconfigure.py)
+        self.config = self.reconfig.current
         self.kv: KVCacheManager | NoKVCache = NoKVCache(self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv)
-        self._use_kv(*self._build_kv(self.config))
+        self.use(self.config, *self.reconfig.build(self.config))
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
-        self._pending: dict = {}  # changes waiting for the next step boundary
-        self._pending_config = self.config  # what the engine will run with once they apply
         self._ids = itertools.count()
         self.step_count = 0
         self.prefill_tokens_total = 0
         self.generation_tokens_total = 0
         self.spec_stats = SpecDecodeStats()
         self.steps: deque[StepRecord] = deque(maxlen=256)
-        self.last_reconfig: dict | None = None
         self.generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
         self.eos_token_ids = _eos_ids(tokenizer, hf_config)
 
-    # ---- configuration -------------------------------------------------------------------------------
+    # ---- configuration (engine/reconfigure.py does the work) -------------------------------------------
+    def use(self, config: EngineConfig, kv: KVCacheManager | NoKVCache, runner: ModelRunner) -> None:
+        """Run `config` from the next step on, over this pool and runner (reconfigure.py has built and checked
+        them; the pool's prefix-cache counters carry over: they describe the engine's life)."""
+        if kv is not self.kv:
+            kv.adopt_counters(self.kv)
+        self.config, self.kv, self.runner = config, kv, runner
+        self.scheduler.use(config, kv)
+
+    @property
+    def requested_config(self) -> EngineConfig:
+        return self.reconfig.requested
+
+    @property
+    def last_reconfig(self) -> dict | None:
+        return self.reconfig.last
+
+    @property
+    def gpu_memory(self) -> GpuMemoryPlan | None:
+        return self.reconfig.gpu_memory
+
     def automatic_sizes(self, config: EngineConfig) -> dict[str, int]:
-        """What each size left empty (None) comes to, given config's other fields (the settings form says it)."""
-        max_len = config.max_model_len or self.model.max_len
-        device = self.model.device
-        per_block = self.kv_bytes_per_block(config)
-        budget_tokens = config.max_num_batched_tokens or config.default_max_num_batched_tokens(max_len, device.type)
-        if (device.type == "cuda" and config.kv_cache_memory_gb is None and config.num_kv_blocks is None
-                and config.kv_cache):
-            self._plan_gpu_memory(config, max_len, budget_tokens)
-        num_blocks = max(1, kv_budget_bytes(config, device, self.gpu_memory) // per_block)
-        # never more than every seat filled to max_model_len: beyond that the memory would sit idle
-        num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
-        return {"max_model_len": self.model.max_len,
-                "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len, device.type),
-                "num_kv_blocks": num_blocks, "attention_backend": resolve_attention_backend(config, device)}
-
-    def _plan_gpu_memory(self, config: EngineConfig, max_len: int, budget_tokens: int) -> None:
-        """Profile once per (utilization, step size); a settings change that keeps both reuses the plan."""
-        plan = self.gpu_memory
-        if plan is None or (plan.utilization, plan.profile_tokens) != (config.gpu_memory_utilization, budget_tokens):
-            pool = self.runner.kv_cache_bytes if hasattr(self, "runner") else 0
-            self.gpu_memory = profile_gpu_memory(self.model, config, max_len, budget_tokens, pool)
-
-    def _resolve(self, config: EngineConfig) -> EngineConfig:
-        """Fill the sizes left as None from the model and the memory budget, and check they fit together and
-        in the memory free now. Every way in (LLM(...), update_config, the page) passes here."""
-        auto = self.automatic_sizes(config)
-        max_len = config.max_model_len or auto["max_model_len"]
-        if max_len > self.model.max_len:
-            raise ValueError(f"max_model_len {max_len} exceeds the loaded model's limit ({self.model.max_len})")
-        budget = config.max_num_batched_tokens or auto["max_num_batched_tokens"]
-        num_blocks = config.num_kv_blocks or auto["num_kv_blocks"]
-        resolved = config.replace(max_model_len=max_len, max_num_batched_tokens=budget, num_kv_blocks=num_blocks,
-                                  attention_backend=auto["attention_backend"])
-        if resolved.cuda_graphs:
-            check_cuda_graphs(self.model.device, resolved.attention_backend, resolved.kv_cache)
-        if resolved.kv_cache and not resolved.paged_kv and cdiv(max_len, config.block_size) > num_blocks:
-            raise ValueError(
-                f"contiguous KV reserves max_model_len={max_len} tokens "
-                f"({cdiv(max_len, config.block_size)} blocks) per request, but the pool has only {num_blocks} blocks")
-        self._check_memory(config, resolved)
-        return resolved
-
-    def _check_memory(self, requested: EngineConfig, resolved: EngineConfig) -> None:
-        """A new pool must fit beside the current one (it is built before the old one is let go); keeping the
-        current pool needs nothing new, even if free memory has shrunk since."""
-        current = getattr(self, "config", None)  # None while __init__ resolves the first config
-        rebuild = current is None or any(getattr(current, f) != getattr(resolved, f) for f in STRUCTURAL_FIELDS)
-        if not (resolved.kv_cache and rebuild):
-            return
-        blocks = f"{resolved.num_kv_blocks} blocks"
-        what = (f"num_kv_blocks={requested.num_kv_blocks}" if requested.num_kv_blocks is not None else
-                f"kv_cache_memory_gb={requested.kv_cache_memory_gb} ({blocks})"
-                if requested.kv_cache_memory_gb is not None else f"the automatic pool ({blocks})")
-        check_kv_pool_fits(what, resolved.num_kv_blocks, self.kv_bytes_per_block(resolved), self.model.device)
+        """What each size left empty (None) comes to, given config's other fields."""
+        return self.reconfig.automatic_sizes(config)
 
     def kv_bytes_per_block(self, config: EngineConfig) -> int:
-        return self.model.kv_bytes_per_token(config.kv_cache_dtype) * config.block_size
-
-    def _build_kv(self, c: EngineConfig) -> tuple[KVCacheManager | NoKVCache, ModelRunner]:
-        """A pool and runner for config c. Changes nothing in the engine, so a failure here leaves it serving."""
-        kv = kv_cache_for(c.kv_cache, c.paged_kv, c.prefix_caching_active, c.num_kv_blocks, c.block_size,
-                          c.max_model_len)
-        key_scales = key_scales_for(self.model, self.tokenizer) if c.key_smoothing_active else None
-        runner = ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache, c.kv_cache_dtype,
-                             c.attention_backend, scratch_block=c.cuda_graphs, key_scales=key_scales)
-        if c.cuda_graphs:
-            runner.graphs = DecodeGraphs(self.model, runner.kv_layers, c.block_size, runner.scratch_block,
-                                         c.max_num_seqs, c.max_model_len)
-        return kv, runner
-
-    def _use_kv(self, kv: KVCacheManager | NoKVCache, runner: ModelRunner) -> None:
-        kv.adopt_counters(self.kv)
-        self.kv = kv
-        self.scheduler.kv = kv
-        self.scheduler.config = self.config
-        self.runner = runner
+        return self.reconfig.kv_bytes_per_block(config)
 
     def update_config(self, **changes) -> None:
         """Validate now (ValueError leaves everything as it was); apply at the next step boundary."""
-        if bad := [k for k in changes if k in LOAD_TIME_FIELDS]:
-            raise ValueError(f"{', '.join(bad)} cannot change while serving (the weights are loaded with it): "
-                             f"create a new LLM")
-        requested = self.requested_config.replace(**{**self._pending, **changes})
-        resolved = self._resolve(requested)
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._check_fits(req.num_prompt_tokens, req.params, resolved)
-        self._pending.update(changes)
-        self._pending_config = resolved
+        self.reconfig.update(**changes)
 
     def pending_config(self) -> tuple[EngineConfig, EngineConfig]:
         """(requested, resolved): what the engine runs once the pending changes apply (what it runs now if none
-        wait). Requested keeps None for the sizes left automatic; resolved has the numbers they come to."""
-        return self.requested_config.replace(**self._pending), self._pending_config
+        wait)."""
+        return self.reconfig.pending_view()
 
     def apply_pending(self) -> dict | None:
         """Apply waiting changes now; only between steps (the service calls it when the engine is idle, so a
         change does not wait for a step that may never come). Returns the reconfiguration record, if any."""
-        if not self._pending:
-            return None
-        self._apply_pending()
-        return self.last_reconfig
-
-    def _apply_pending(self) -> None:
-        if not self._pending:
-            return
-        changes, self._pending = self._pending, {}
-        old = self.config
-        try:
-            requested = self.requested_config.replace(**changes)
-            new = self._resolve(requested)  # checked again: free memory may have shrunk since update_config
-            structural = any(getattr(old, f) != getattr(new, f) for f in STRUCTURAL_FIELDS)
-            # The new pool is built while the old one still serves: if memory runs out, nothing has changed.
-            built = self._build_kv(new) if structural else None
-        except (ValueError, MemoryError, RuntimeError) as exc:  # torch's out-of-memory is a RuntimeError
-            self._pending_config = old
-            self.last_reconfig = {"step": self.step_count, "changes": changes,
-                                  "action": "not applied: the previous configuration keeps serving",
-                                  "requests_re_prefilled": [], "error": f"{type(exc).__name__}: {exc}"}
-            return
-        self.requested_config, self.config, self._pending_config = requested, new, new
-        moved = []
-        if built is not None:
-            # Re-prefill: free every running request's blocks in the old pool and requeue them, oldest first.
-            for req in reversed(list(self.scheduler.running)):
-                self.scheduler.preempt(req, count=False)
-                moved.append(req.request_id)
-            self._use_kv(*built)
-        else:
-            self.scheduler.config = new
-            self.kv.set_prefix_caching(new.prefix_caching_active)
-        self.last_reconfig = {"step": self.step_count, "changes": changes,
-                              "action": "re-prefill running requests" if structural else "applied in place",
-                              "requests_re_prefilled": moved[::-1]}
+        return self.reconfig.apply()
 
     def warm_up(self) -> None:
         """One tiny greedy request run to the end, so what follows does not pay first-call costs (and a
@@ -303,7 +203,7 @@ class LLMEngine:
             self.step()
 
     # ---- requests ------------------------------------------------------------------------------------
-    def _check_fits(self, num_prompt: int, params: SamplingParams, config: EngineConfig) -> None:
+    def check_fits(self, num_prompt: int, params: SamplingParams, config: EngineConfig) -> None:
         if num_prompt >= config.max_model_len:
             raise ContextLengthError(f"prompt has {num_prompt} tokens but max_model_len is {config.max_model_len} "
                                      f"(room is needed for at least one generated token)")
@@ -336,9 +236,9 @@ class LLMEngine:
         vocab = self.model.shape.vocab_size
         if bad := [t for t in token_ids if not 0 <= t < vocab]:
             raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        self._check_fits(len(token_ids), params, self.config)
-        if self._pending:  # it must also fit the configuration about to apply
-            self._check_fits(len(token_ids), params, self._pending_config)
+        self.check_fits(len(token_ids), params, self.config)
+        if self.reconfig.pending:  # it must also fit the configuration about to apply
+            self.check_fits(len(token_ids), params, self.reconfig.pending_config)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -366,7 +266,7 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._apply_pending()
+        self.reconfig.apply()
         outputs = [self._pop(r) for r in self._aborted]
         self._aborted = []
         rec = StepRecord(self.step_count, time.time())

@@ -81,6 +81,10 @@ class Scheduler:
         self._budget = 0  # tokens left in the step being scheduled
         self.spec_k = 0  # drafts per decoding request in the last step (adaptive)
 
+    def use(self, config: EngineConfig, kv: KVCacheManager | NoKVCache) -> None:
+        """Schedule with this configuration and KV manager from the next step on (a reconfiguration)."""
+        self.config, self.kv = config, kv
+
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 

@@ -107,5 +107,6 @@ def test_chat_dashboard_and_toggle_in_a_real_browser(app_url, page, tmp_path_fac
     checkbox.uncheck()
     page.get_by_role("button", name="Apply").click()
     page.get_by_text(re.compile(r"^Applied")).wait_for(timeout=30_000)
-    assert pg.service.snapshot().config["prefix_caching"] is False or "prefix_caching" in pg.service.engine._pending
+    engine = pg.service.engine
+    assert pg.service.snapshot().config["prefix_caching"] is False or "prefix_caching" in engine.reconfig.pending
     shot(page, "settings.png", tmp_path_factory)
