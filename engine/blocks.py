@@ -292,8 +292,8 @@ class PagedKVCache(KVCacheManager):
         request.num_cached_blocks = num_full
 
 
-class NoKVCache:
-    """The naive loop's cache: the KV manager's interface, keeping nothing.
+class NoKVCache(KVCacheManager):
+    """The naive loop's cache: the KV manager's interface, keeping nothing (no pool at all).
 
     Every step recomputes each sequence from its first token, because no K/V survives a step: a request's
     num_computed_tokens stays 0, allocation always succeeds, and there is nothing to share or free.
@@ -302,13 +302,10 @@ class NoKVCache:
     keeps_kv = False
     num_blocks = 0
     num_used = 0
-    paged = False
-    prefix_caching = False
-    prefix_cache_queries = 0
-    prefix_cache_hits = 0
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int) -> None:  # no pool
         self.block_size = block_size
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(0, 0, 0, 0, 0, 0)
@@ -317,25 +314,10 @@ class NoKVCache:
         return [], []
 
     def adopt_counters(self, old) -> None:
-        pass
-
-    def set_prefix_caching(self, on: bool) -> None:
-        pass
-
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        return []
-
-    def count_query(self, request: Request, num_hit_tokens: int) -> None:
-        pass
-
-    def count_skipped_chunk(self, num_hit_tokens: int) -> None:
-        pass
+        pass  # nothing is looked up, so nothing to count
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         return True
-
-    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        pass
 
     def mark_computed(self, request: Request, num_tokens: int) -> None:
         request.num_computed_tokens = 0  # nothing was kept

@@ -279,10 +279,10 @@ def _claimed(folder: Path, say, wait_s: float):
     folder.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + wait_s
     with open(folder / PID_FILE, "a+") as f:
-        if not _wait(lambda: _try_flock(f), folder, deadline, say):
-            yield False
-            return
-        if not _wait(lambda: _lock_cleared(folder, say), folder, deadline, say):
+        if not (_wait(lambda: _try_flock(f), folder, deadline, say)
+                and _wait(lambda: _lock_cleared(folder, say), folder, deadline, say)):
+            say(f"another process was still building the C++ CPU kernels in {folder} after {wait_s:.0f} s; "
+                f"{TORCH_INSTEAD}")
             yield False
             return
         f.seek(0)
@@ -309,8 +309,6 @@ def build(say=_say, verbose: bool = False, force: bool = False):
         try:
             with _claimed(folder, say, WAIT_S) as free:
                 if not free:
-                    say(f"another process was still building the C++ CPU kernels in {folder} after {WAIT_S:.0f} s; "
-                        f"{TORCH_INSTEAD}")
                     return None
                 if force:
                     for path in folder.iterdir():
@@ -344,8 +342,6 @@ def _build():
         try:
             with _claimed(folder, _say, WAIT_S) as free:
                 if not free:
-                    _say(f"another process was still building the C++ CPU kernels in {folder} after {WAIT_S:.0f} s; "
-                         f"{TORCH_INSTEAD}")
                     return None
         except OSError:  # a read-only cache: whatever is there
             pass
