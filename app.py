@@ -469,7 +469,8 @@ def launch(pg: Playground, model_name: str, access: Access | None = None, api_ke
         access = Access.for_launch(launch_kwargs.get("server_name"), bool(launch_kwargs.get("share")))
     demo = build_app(pg, access)
     # the live service, even after a restart
-    api = OpenAIApi(lambda: pg.service, pg.llm.tokenizer, model_name, api_key=api_key)
+    api = OpenAIApi(lambda: pg.service, pg.llm.tokenizer, model_name, api_key=api_key, seats=pg.seats,
+                    uncapped=access.presents_api)  # the API's audience gets the page's fair shares
     pg.stat_listeners.append(api.metrics.record)
     calm_queue(demo.queue(default_concurrency_limit=8))
     demo.launch(app_kwargs={"routes": api.routes()}, **launch_kwargs)

@@ -129,6 +129,14 @@ class Access:
         sent = headers.get(TOKEN_HEADER) if hasattr(headers, "get") else None
         return Visitor(session, bool(sent) and self._matches(sent))
 
+    def presents_api(self, request) -> bool:
+        """Whether an API request is the presenter's, uncapped by the audience's shares: everyone's at a desk (open
+        mode); in token mode, a request that sends the presenter token in the same header the page uses."""
+        if self.mode == OPEN:
+            return True
+        sent = request.headers.get(TOKEN_HEADER)
+        return self.mode == TOKEN and bool(sent) and self._matches(sent)
+
     def _matches(self, candidate: str) -> bool:
         if not isinstance(candidate, str) or self._token is None:
             return False

@@ -49,11 +49,16 @@ class ClientGone(Exception):
 
 class OpenAIApi:
     def __init__(self, service: Callable[[], EngineService], tokenizer, model_name: str, api_key: str | None = None,
-                 api_limits: ApiLimits | None = None) -> None:
+                 api_limits: ApiLimits | None = None, seats=None,
+                 uncapped: Callable[[Request], bool] | None = None) -> None:
         """`service`: the live engine service (a callable: the playground may restart the engine). `api_key`:
         required as `Authorization: Bearer` on /v1/* (None: open, as vLLM without --api-key); /metrics and
-        /health stay open. `api_limits`: what a request may be (body size, stop list)."""
+        /health stay open. `api_limits`: what a request may be (body size, stop list). `seats`: the audience's fair
+        shares of a shared engine (playground.access.Seats: replies in flight per visitor, a max_tokens cap), which
+        a generation request takes unless `uncapped(request)` says it is the presenter's; None: no shares (a
+        desk). An API visitor is its client address."""
         self.service = service
+        self.seats, self.uncapped = seats, uncapped
         self.api_key = api_key or None
         self.limits = api_limits or ApiLimits()
         self.longest_token = limits.longest_token_chars(tokenizer)
@@ -141,10 +146,19 @@ class OpenAIApi:
             req = parse(body, self.model_name)
             service, sink = self.service(), LoopSink()
             self._check_size(req, service.snapshot().config["max_model_len"])
-            rid, params = await run_in_threadpool(self._submit, service, req, sink)
+            seat = self._take_seat(request, req)
         except ApiError as exc:
             return error_response(exc)
-        abort = BackgroundTask(abort_if_open, service, rid)  # also when the stream never started
+        try:
+            rid, params = await run_in_threadpool(self._submit, service, req, sink)
+        except ApiError as exc:
+            self._give_back(seat)
+            return error_response(exc)
+
+        def done() -> None:  # also when the stream never started, or its client left
+            abort_if_open(service, rid)
+            self._give_back(seat)
+        abort = BackgroundTask(done)
         if req.stream:
             return StreamingResponse(self._stream(service, rid, sink, req, params), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"}, background=abort)
@@ -153,10 +167,34 @@ class OpenAIApi:
         except ClientGone:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         finally:
-            abort_if_open(service, rid)
+            done()
         if out.error:
             return error_response(engine_stopped(out.error))
         return JSONResponse(self._response(req, out))
+
+    def _take_seat(self, request: Request, req: GenerationRequest) -> str | None:
+        """The audience's share this request takes (the visitor it is counted against), or None when it is not
+        capped; a max_tokens above the audience's cap is refused, a missing one becomes the cap."""
+        if self.seats is None or (self.uncapped is not None and self.uncapped(request)):
+            return None
+        cap, asked = self.seats.max_tokens, req.sampling.get("max_tokens")
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked > cap:
+            raise protocol.bad_request(f"{req.max_tokens_param or 'max_tokens'}={asked} is above {cap}, the longest "
+                                       f"reply each visitor of this shared engine may ask for",
+                                       req.max_tokens_param or "max_tokens")
+        if asked is None:
+            req.sampling["max_tokens"] = cap
+        visitor = f"api:{request.client.host if request.client else 'unknown'}"
+        try:
+            self.seats.take(visitor)
+        except ValueError as exc:
+            raise ApiError(429, str(exc), "rate_limit_exceeded", None, "too_many_requests_in_flight",
+                           {"Retry-After": str(RETRY_AFTER_S)}) from exc
+        return visitor
+
+    def _give_back(self, seat: str | None) -> None:
+        if seat is not None:
+            self.seats.give_back(seat)
 
     def _check_size(self, req: GenerationRequest, max_model_len: int) -> None:
         """A prompt that cannot fit the context, refused by its length alone (no tokenizing)."""

@@ -6,6 +6,7 @@ must be as it was."""
 from __future__ import annotations
 
 import json
+import time
 import types
 
 import pytest
@@ -268,3 +269,46 @@ def test_the_workshop_loadtest_steers_as_the_presenter_while_the_audience_chats(
     assert len(result.chats) >= 2 and all(c.reply for c in result.chats)
     assert pg.settings()["prefix_caching"] == (before if result.toggles % 2 == 0 else not before)
     assert "presenter turned prefix" in pg.status()
+
+
+def test_the_api_gives_the_audience_the_pages_fair_shares(public):
+    """In token (and public) mode an API client is audience, as a page visitor is: a reply longer than the cap is
+    refused by name, a missing max_tokens becomes the cap, and a client with its share in flight is answered 429
+    until one finishes; the presenter token lifts both, and nothing is left held."""
+    import httpx
+    url, pg, _ = public
+    api = url + "v1/completions"
+    cap, share = pg.seats.max_tokens, pg.seats.per_visitor
+    too_long = httpx.post(api, json={"prompt": "hello", "max_tokens": cap + 1}, timeout=60)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    assert f"above {cap}" in too_long.json()["error"]["message"]
+    capped = httpx.post(api, json={"prompt": "hello", "ignore_eos": True}, timeout=120).json()
+    assert capped["usage"]["completion_tokens"] == cap
+    presenter = {"X-Presenter-Token": SECRET}
+    assert httpx.post(api, json={"prompt": "hi", "max_tokens": cap + 1, "ignore_eos": True}, headers=presenter,
+                      timeout=120).json()["usage"]["completion_tokens"] == cap + 1
+    pg.service.pause()  # hold the streams in flight while the next ones arrive (bounded: share + 1 requests)
+    try:
+        with httpx.Client(timeout=60) as client:
+            streams = [client.stream("POST", api, json={"prompt": "hi", "max_tokens": 2, "stream": True})
+                       for _ in range(share)]
+            responses = [s.__enter__() for s in streams]
+            assert all(r.status_code == 200 for r in responses)
+            deadline = time.monotonic() + 10
+            while pg.seats.in_flight("api:127.0.0.1") < share and time.monotonic() < deadline:
+                time.sleep(0.05)
+            busy = httpx.post(api, json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_requests_in_flight"
+            with client.stream("POST", api, json={"prompt": "hi", "max_tokens": 2, "stream": True},
+                               headers=presenter) as mine:
+                assert mine.status_code == 200  # the presenter is not counted
+            pg.service.resume()
+            for s, r in zip(streams, responses):
+                r.read()
+                s.__exit__(None, None, None)
+    finally:
+        pg.service.resume()
+    deadline = time.monotonic() + 10
+    while pg.seats.in_flight("api:127.0.0.1") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pg.seats.in_flight("api:127.0.0.1") == 0
