@@ -78,6 +78,22 @@ class StepRecord:
         return [e for e in self.entries if e.phase == Phase.VERIFY.value]
 
 
+@dataclass(frozen=True)
+class RequestView:
+    """One live request as the snapshot shows it (plain data: no tensors, no engine objects)."""
+    status: str  # RequestStatus's value: "waiting", "running", ...
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0  # of the prompt, served from the prefix cache
+    num_preemptions: int = 0
+    recent_token_ids: tuple[int, ...] = ()  # a few, not all: enough for a viewer to show the latest tokens as text
+
+    @property
+    def prefilling(self) -> bool:
+        return self.status == "running" and self.num_computed_tokens < self.num_prompt_tokens
+
+
 @dataclass
 class EngineSnapshot:
     step: int
@@ -101,7 +117,7 @@ class EngineSnapshot:
     prefix_cache_evictions: int
     prefill_tokens_total: int  # tokens computed by prefills (first ones, re-prefills, the naive loop's recompute)
     generation_tokens_total: int
-    requests: dict[str, dict]
+    requests: dict[str, RequestView]  # the live (running and waiting) requests
     steps: list[StepRecord]
     last_reconfig: dict | None
     speculation: dict  # active, k (drafts per request now), the adaptive rule, and SpecDecodeStats' counters
@@ -413,13 +429,9 @@ class LLMEngine:
             block_tables={r.request_id: list(r.block_table) for r in s.running},
             block_ref_counts=ref_counts, block_hashes=hashes, **dataclasses.asdict(self.kv.stats()),
             prefill_tokens_total=self.prefill_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            requests={r.request_id: {"status": r.status.value, "num_prompt_tokens": r.num_prompt_tokens,
-                                     "num_output_tokens": r.num_output_tokens,
-                                     "num_computed_tokens": r.num_computed_tokens,
-                                     "num_cached_tokens": r.metrics.num_cached_tokens,
-                                     "num_preemptions": r.metrics.num_preemptions,
-                                     # a few, not all: enough for a viewer to show the latest tokens as text
-                                     "recent_token_ids": r.token_ids[-8:]} for r in live},
+            requests={r.request_id: RequestView(r.status.value, r.num_prompt_tokens, r.num_output_tokens,
+                                                r.num_computed_tokens, r.metrics.num_cached_tokens,
+                                                r.metrics.num_preemptions, tuple(r.token_ids[-8:])) for r in live},
             steps=list(itertools.islice(reversed(self.steps), num_steps))[::-1],
             last_reconfig=self.last_reconfig, speculation=self._speculation(),
             kv_bytes_per_block=self.kv_bytes_per_block(self.config),
@@ -464,4 +476,5 @@ def _eos_ids(tokenizer, hf_config) -> set[int]:
     return ids
 
 
-__all__ = ["ContextLengthError", "LLMEngine", "EngineSnapshot", "StepEntry", "StepRecord", "RequestStatus"]
+__all__ = ["ContextLengthError", "LLMEngine", "EngineSnapshot", "RequestView", "StepEntry", "StepRecord",
+           "RequestStatus"]

@@ -78,9 +78,9 @@ def _recent(snap, entry, tokenizer) -> tuple[str, str]:
     """(the last few computed tokens, the tokens generated this step) as text; empty when the request has left
     the snapshot (finished in this step) or there is no tokenizer."""
     req = snap.requests.get(entry.request_id)
-    if req is None or tokenizer is None or "recent_token_ids" not in req:
+    if req is None or tokenizer is None:
         return "", ""
-    recent = req["recent_token_ids"]
+    recent = list(req.recent_token_ids)
     new = recent[len(recent) - entry.num_new_tokens:] if entry.num_new_tokens else []
     computed = recent[:len(recent) - len(new)] if entry.phase == "prefill" else []
     return token_text(tokenizer, computed[-4:]), token_text(tokenizer, new)

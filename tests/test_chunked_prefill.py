@@ -54,14 +54,14 @@ def test_decodes_go_first_and_a_long_prompt_is_chunked_beside_them(tiny):
         engine.step()
     doc = engine.add_request(long_prompts(1, 200, seed=4)[0], GREEDY)
     chunks = []
-    while engine.snapshot().requests.get(doc, {}).get("num_output_tokens", 0) == 0:
+    while (view := engine.snapshot().requests.get(doc)) is None or view.num_output_tokens == 0:
         engine.step()
         rec = engine.steps[-1]
         assert [e.request_id for e in rec.decodes] == chats  # every stream advances in every step
         (entry,) = rec.prefills
         chunks.append((entry.num_tokens, entry.num_computed_after))
         progress = engine.snapshot().requests[doc]
-        assert (progress["num_computed_tokens"], progress["num_prompt_tokens"]) == (entry.num_computed_after, 200)
+        assert (progress.num_computed_tokens, progress.num_prompt_tokens) == (entry.num_computed_after, 200)
     # 4 decodes leave 28 tokens: chunks end on block boundaries (24, then 24 ...) and the last is what is left
     assert chunks[0] == (24, 24) and all(n <= 28 for n, _ in chunks) and chunks[-1][1] == 200
     assert sum(n for n, _ in chunks) == 200

@@ -78,7 +78,7 @@ def test_prefix_hits_are_exact_and_shared_blocks_are_ref_counted(tiny):
     shared = set(snap.block_tables[first]) & set(snap.block_tables[second])
     assert len(shared) == prefix_len // bs
     assert all(snap.block_ref_counts[b] == 2 for b in shared)
-    assert snap.requests[second]["num_cached_tokens"] == (prefix_len // bs) * bs
+    assert snap.requests[second].num_cached_tokens == (prefix_len // bs) * bs
     for p in prompts[2:]:
         engine.add_request(p, GREEDY)
     while engine.has_unfinished():
@@ -209,7 +209,7 @@ def test_snapshot_has_the_fields_the_playground_draws(tiny):
     assert len(snap.block_ref_counts) == snap.kv_blocks_total == engine.config.num_kv_blocks
     assert sum(1 for h in snap.block_hashes if h is not None) >= 3
     assert snap.steps[-1].prefills and snap.steps[-1].forward_ms > 0
-    cached = [r["num_cached_tokens"] for r in snap.requests.values()]
+    cached = [r.num_cached_tokens for r in snap.requests.values()]
     assert cached == [0, 24, 24]  # admitted in one step, the later two share the first one's 3 blocks
     assert snap.prefill_tokens_total == sum(len(p) for p in shared_prefix_prompts(3, 24)) - sum(cached)
     owners = snap.block_owners
@@ -224,7 +224,7 @@ def test_requests_admitted_in_the_same_step_share_a_prefix(tiny):
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     engine.step()  # all four prefill in one forward pass; the first computes the shared blocks
     snap = engine.snapshot()
-    assert [snap.requests[i]["num_cached_tokens"] for i in ids] == [0] + [prefix_len // bs * bs] * 3
+    assert [snap.requests[i].num_cached_tokens for i in ids] == [0] + [prefix_len // bs * bs] * 3
     shared = set.intersection(*(set(snap.block_tables[i]) for i in ids))
     assert len(shared) == prefix_len // bs and all(snap.block_ref_counts[b] == 4 for b in shared)
     done = {}

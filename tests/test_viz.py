@@ -7,6 +7,7 @@ import pytest
 
 from engine.bench import AblationRow, MemoryRow
 from engine.config import EngineConfig, FeatureState
+from engine.engine import RequestView
 from engine.service import ConfigChange
 from viz import figures
 from viz.dashboard import FigureCache
@@ -16,10 +17,8 @@ def snapshot(**kw):
     base = dict(step=3, block_size=4, kv_blocks_total=8, kv_blocks_used=5, kv_blocks_cached_free=1,
                 block_tables={"a": [0, 1, 2], "b": [0, 1, 3, 4]},
                 block_ref_counts=[2, 2, 1, 1, 1, 0, 0, 0], block_hashes=[11, 22, None, None, None, 33, None, None],
-                requests={"a": {"status": "running", "num_computed_tokens": 11, "num_prompt_tokens": 9,
-                                "num_output_tokens": 2},
-                          "b": {"status": "running", "num_computed_tokens": 14, "num_prompt_tokens": 14,
-                                "num_output_tokens": 5}},
+                requests={"a": RequestView("running", 9, num_output_tokens=2, num_computed_tokens=11),
+                          "b": RequestView("running", 14, num_output_tokens=5, num_computed_tokens=14)},
                 config={"prefix_caching": True, "kv_cache": True, "paged_kv": True}, num_running=2, num_waiting=0,
                 features={"prefix_caching": FeatureState(True, True)})
     base.update(kw)
@@ -247,8 +246,8 @@ def test_empty_charts_say_why():
 
 
 def test_block_table_shows_a_partly_prefilled_request():
-    snap = snapshot(requests={"a": {"status": "running", "num_computed_tokens": 8, "num_prompt_tokens": 40},
-                              "b": {"status": "running", "num_computed_tokens": 14, "num_prompt_tokens": 14}})
+    snap = snapshot(requests={"a": RequestView("running", 40, num_computed_tokens=8),
+                              "b": RequestView("running", 14, num_computed_tokens=14)})
     fig = figures.to_figure(figures.block_table_figure(snap))
     names = [t.name for t in fig.data]
     assert "request a (prefill 8/40)" in names and "request b" in names
@@ -356,12 +355,10 @@ def test_a_chats_view_brightens_its_own_request_and_dims_the_others():
               for rid, live in (("z", True), ("z", False), (None, False))}
     assert titles == {"Your request z: sent, not scheduled yet", "Your request z: finished, blocks freed",
                       "KV pool: 5/8 blocks used"}
-    waiting = snapshot(requests={"c": {"status": "waiting", "num_computed_tokens": 0, "num_prompt_tokens": 9,
-                                       "num_output_tokens": 0}})
+    waiting = snapshot(requests={"c": RequestView("waiting", 9)})
     assert figures.highlighted_block_figure(waiting, "c")["layout"]["title"]["text"] == \
         "Your request c waits for a seat or blocks"
-    prefilling = snapshot(requests={"b": {"status": "running", "num_computed_tokens": 8, "num_prompt_tokens": 40,
-                                          "num_output_tokens": 0}})
+    prefilling = snapshot(requests={"b": RequestView("running", 40, num_computed_tokens=8)})
     assert "prefill 8/40" in figures.highlighted_block_figure(prefilling, "b")["layout"]["title"]["text"]
 
 

@@ -119,8 +119,7 @@ def block_cells(snap, cols: int = 32) -> list[dict]:
 
 def prefill_progress(snap) -> dict[str, tuple[int, int]]:
     """Running requests whose prompt is still being prefilled (in chunks): id -> (computed, prompt tokens)."""
-    return {rid: (r["num_computed_tokens"], r["num_prompt_tokens"]) for rid, r in snap.requests.items()
-            if r["status"] == "running" and r["num_computed_tokens"] < r["num_prompt_tokens"]}
+    return {rid: (r.num_computed_tokens, r.num_prompt_tokens) for rid, r in snap.requests.items() if r.prefilling}
 
 
 def grid_columns(num_blocks: int) -> int:
@@ -205,10 +204,10 @@ def _highlight_title(snap, request_id: str | None, live: bool, num_blocks: int) 
     req = snap.requests.get(request_id)
     if req is None:
         return f"Your request {request_id}: " + ("sent, not scheduled yet" if live else "finished, blocks freed")
-    if req["status"] != "running":
+    if req.status != "running":
         return f"Your request {request_id} waits for a seat or blocks"
-    done, prompt = req["num_computed_tokens"], req["num_prompt_tokens"]
-    doing = f"prefill {done}/{prompt}" if done < prompt else f"decoding, {req['num_output_tokens']} tokens out"
+    done, prompt = req.num_computed_tokens, req.num_prompt_tokens
+    doing = f"prefill {done}/{prompt}" if done < prompt else f"decoding, {req.num_output_tokens} tokens out"
     return f"Your request {request_id}: {num_blocks} of {snap.kv_blocks_total} blocks, {doing}"
 
 
