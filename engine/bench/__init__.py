@@ -3,8 +3,10 @@
     specs.py        feature presets and "key=value" flags -> EngineConfig fields
     runs.py         weights loaded once, an engine per configuration, a workload run -> RunResult
     hf.py           transformers' generate over the same weights
-    experiments.py  table, compare, hf-static, sched-cost, ablate (--cumulative, --concurrency), memory, kernels,
-                    decode, quality
+    experiments.py  table, compare, hf-static, sched-cost, sampling-cost, ablate (--cumulative, --concurrency),
+                    memory
+    precision.py    what each precision costs: kernels, decode (beside llama.cpp), quality
+    kernel_worth.py each C++ CPU kernel against its torch path, end to end
     report.py       captioned tables rendered as markdown, JSON rows
     serve.py        `serve`: an HTTP load generator for any OpenAI-compatible server (httpx; no engine)
     overhead.py     `serve-overhead`: python app.py + serve vs LLM.generate in fresh processes, side by side
@@ -14,36 +16,38 @@ The playground imports the experiments from here; only `python -m engine.bench` 
 """
 from .experiments import (
                           ABLATIONS,
-                          DECODE_SPECS,
                           FEATURES,
                           FULL_ENGINE,
                           FULL_FIELDS,
                           KV_CACHE_DTYPES_SWEPT,
                           NAIVE_LOOP,
-                          QUALITY_SPECS,
-                          QUALITY_TEXT,
                           AblationRow,
                           CompareResult,
-                          DecodeRow,
                           Feature,
                           HFStaticResult,
-                          KernelRow,
                           MemoryRow,
-                          QualityRow,
                           SchedCostResult,
                           TableRow,
                           ablate,
                           ablate_concurrency,
                           ablate_cumulative,
                           compare,
-                          compare_logprobs,
-                          decode_timings,
                           hf_static,
-                          kernel_timings,
                           memory_sweep,
-                          quality,
                           run_table,
                           sched_cost,
+)
+from .precision import (
+                          DECODE_SPECS,
+                          QUALITY_SPECS,
+                          QUALITY_TEXT,
+                          DecodeRow,
+                          KernelRow,
+                          QualityRow,
+                          compare_logprobs,
+                          decode_timings,
+                          kernel_timings,
+                          quality,
                           text_windows,
 )
 from .report import (

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..workloads import load_workload
 from . import experiments as ex
+from . import precision as pr
 from . import report as rp
 from .runs import load_llm
 from .specs import parse_assignments
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     kn = sub.add_parser("kernels", parents=common, help="one decode step's matmuls in each weight format")
     kn.add_argument("--rows", type=_int_list, default=[1, 16, 64], help="tokens in the step")
     kn.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
-                    help=f"weights to time (repeatable; default: {' '.join(ex.KERNEL_SPECS)})")
+                    help=f"weights to time (repeatable; default: {' '.join(pr.KERNEL_SPECS)})")
     kn.add_argument("--repeat", type=int, default=5)
     kw = sub.add_parser("kernel-worth", parents=common,
                         help="each of the engine's C++ CPU kernels against its torch path, decode steps end to end")
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     de = sub.add_parser("decode", parents=common, help="batch-1 time per token of the whole engine in each precision")
     de.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
                     help="precisions to time, the first the reference (repeatable; default: "
-                         f"{' '.join(ex.DECODE_SPECS)})")
+                         f"{' '.join(pr.DECODE_SPECS)})")
     de.add_argument("--prompt-len", type=_positive, default=128)
     de.add_argument("--tokens", type=_positive, default=64, help="decode steps timed per round")
     de.add_argument("--rounds", type=_positive, default=3)
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     qu = sub.add_parser("quality", parents=common, help="a precision against fp32 over a fixed text")
     qu.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
                     help="precisions to compare (repeatable; default: the --set precision if one is given, else "
-                         f"{' '.join(ex.QUALITY_SPECS)})")
+                         f"{' '.join(pr.QUALITY_SPECS)})")
     qu.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced prompt")
     _serve_parsers(sub)
     _versus_parser(sub)
@@ -224,8 +225,8 @@ def quality_specs(args: argparse.Namespace, settings: dict[str, Any]) -> list[st
     """--spec as given; else the precision fields of --set (`quality --set quantization=int8`); else every scheme."""
     if args.specs:
         return args.specs
-    given = [f"{k}={v}" for k, v in settings.items() if k in ex.REFERENCE_PRECISION]
-    return [",".join(given)] if given else list(ex.QUALITY_SPECS)
+    given = [f"{k}={v}" for k, v in settings.items() if k in pr.REFERENCE_PRECISION]
+    return [",".join(given)] if given else list(pr.QUALITY_SPECS)
 
 
 def llama_cpp_gguf(given: str | None) -> Path | None:
@@ -276,7 +277,7 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         model = llm.engine.model
         return rp.memory_report(workload, rows, model.kv_bytes_per_token(), model.kv_bytes_per_token("int8"))
     if args.command == "kernels":
-        rows = ex.kernel_timings(llm, args.specs or ex.KERNEL_SPECS, args.rows, args.repeat, _bar)
+        rows = pr.kernel_timings(llm, args.specs or pr.KERNEL_SPECS, args.rows, args.repeat, _bar)
         return rp.kernels_report(rows, args.repeat)
     if args.command == "kernel-worth":
         from .kernel_worth import SPECS, kernel_worth
@@ -284,11 +285,11 @@ def run_command(args: argparse.Namespace) -> rp.Report:
                             progress=lambda what: print(what, file=sys.stderr, flush=True))
         return rp.kernel_worth_report(rows, args.tokens)
     if args.command == "decode":
-        rows = ex.decode_timings(llm, args.specs or ex.DECODE_SPECS, args.prompt_len, args.tokens, args.rounds,
+        rows = pr.decode_timings(llm, args.specs or pr.DECODE_SPECS, args.prompt_len, args.tokens, args.rounds,
                                  settings, _bar, llama_cpp_gguf(args.llama_cpp))
         return rp.decode_report(rows, args.prompt_len, args.tokens)
     if args.command == "quality":
-        return rp.quality_report(ex.quality(llm, quality_specs(args, settings), settings, window=args.window,
+        return rp.quality_report(pr.quality(llm, quality_specs(args, settings), settings, window=args.window,
                                             progress=_bar), args.window)
     return rp.sched_cost_report(ex.sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
 

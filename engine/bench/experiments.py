@@ -1,30 +1,29 @@
 """Experiments: each returns dataclasses a UI can use; only the CLI prints.
 
 table (the reference table, with HF generate), compare (one workload, two configurations), hf-static
-(HF in static batches vs the engine), sched-cost (the scheduler's own cost), ablate (each switch off in turn).
+(HF in static batches vs the engine), sched-cost (the scheduler's own cost), sampling-cost, ablate (each switch off
+in turn), memory. What each precision costs (kernels, decode, quality) is precision.py.
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import BUILT_SWITCHES, EngineConfig
-from ..engine import LLMEngine, stored_as
+from ..engine import LLMEngine
 from ..llm import LLM
-from ..quant.format import WeightFormat
 from ..quant.speed import model_speeds
 from ..sampler import SamplingParams
 from ..workloads import Workload
 from .hf import hf_generate, hf_pad_id, hf_static_batches, hf_warm_up, load_hf_model
 from .runs import (
     GIB,
+    Progress,
     RunResult,
     StepBreakdown,
     StepTracker,
@@ -38,7 +37,7 @@ from .runs import (
     summarize_steps,
     weight_bytes,
 )
-from .specs import FEATURE_DIR, load_feature_preset, resolve_spec
+from .specs import load_feature_preset, resolve_spec
 
 
 # ---- `table`: the reference table ----------------------------------------------------------------------
@@ -234,164 +233,6 @@ def sampling_cost(llm: LLM, batch: int = 8, prompt_len: int = 128, tokens: int =
     return rows
 
 
-# ---- `kernels`: one decode step's projections in each weight format --------------------------------------
-# What `kernels` compares by default: the model's dtype, bf16, and each quantization scheme
-KERNEL_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
-
-
-@dataclass
-class KernelRow:
-    spec: str  # the flags that made these weights
-    precision: str
-    kernel: str  # the function each projection calls
-    weight_mb: float  # the projections' bytes (every layer's and the LM head)
-    ms: dict[int, float]  # rows -> one step's projections, min over repeats (ms)
-    spread: dict[int, float] = field(default_factory=dict)  # rows -> max / min over repeats
-
-
-def step_projections(model: Any) -> list:
-    """The projections one forward step runs, in order: each layer's qkv, o, gate|up, down, then the LM head."""
-    return [p for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)] + [model.lm_head]
-
-
-def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -> tuple[list, list]:
-    """(configs, models): each spec's engine configuration and weights, all loaded before any timing (progress
-    counts the loads, then `rounds` rounds)."""
-    configs = [llm.config_for(resolve_spec(spec)) for spec in specs]
-    models = []
-    for i, (spec, config) in enumerate(zip(specs, configs, strict=True)):
-        if progress is not None:
-            progress(i, len(specs) + rounds, f"loading {spec}")
-        same = (config.dtype, WeightFormat.of(config)) == stored_as(llm.engine.model)  # as LLM.weights_for
-        models.append(llm.engine.model if same else llm.load_weights(config))
-    return configs, models
-
-
-def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence[int] = (1, 16, 64),
-                   repeat: int = 5, progress: Progress = None) -> list[KernelRow]:
-    """The matmuls alone of one decode step with `rows` tokens, in each weight format (the engine's own projection
-    classes over this checkpoint's weights). Every format is loaded first and the repeats go round all of them,
-    so a busy moment on a shared machine hits every format alike; the min is reported with its spread."""
-    configs, models = load_each(llm, specs, repeat, progress)
-    times: dict[tuple[int, int], list[float]] = {}
-    with torch.inference_mode():
-        for r in range(repeat):
-            if progress is not None:
-                progress(len(specs) + r, len(specs) + repeat, f"round {r + 1} of {repeat}")
-            for i, model in enumerate(models):
-                projections = step_projections(model)
-                for m in rows:
-                    xs = {p.in_features: torch.randn(m, p.in_features, dtype=model.dtype, device=model.device)
-                          for p in projections}
-                    start = time.perf_counter()
-                    for p in projections:
-                        p(xs[p.in_features])
-                    if model.device.type == "cuda":
-                        torch.cuda.synchronize(model.device)
-                    times.setdefault((i, m), []).append((time.perf_counter() - start) * 1e3)
-    if progress is not None:
-        progress(len(specs) + repeat, len(specs) + repeat, "done")
-    out = []
-    for i, (spec, config, model) in enumerate(zip(specs, configs, models, strict=True)):
-        projections = step_projections(model)
-        out.append(KernelRow(spec, config.precision, projections[0].kernel,
-                             sum(p.nbytes for p in projections) / 2**20,
-                             {m: min(times[i, m]) for m in rows},
-                             {m: max(times[i, m]) / min(times[i, m]) for m in rows}))
-    return out
-
-
-# ---- `decode`: the whole engine's batch-1 time per token, in each precision ------------------------------------
-# each scheme as is (every projection quantized), then the int8 and int4 presets whole (LM head unquantized, int8 KV
-# with smoothed keys): what `--preset int4` runs
-DECODE_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "int8", "quantization=int4", "int4",
-                "quantization=w8a8")
-
-
-@dataclass
-class DecodeRow:
-    spec: str
-    precision: str
-    ms_per_token: list[float]  # one per round
-    ratio: float = 1.0  # median time per token over the first spec's
-
-    @property
-    def median_ms(self) -> float:
-        return statistics.median(self.ms_per_token)
-
-
-LLAMA_CPP_ROW = "llama.cpp"
-
-
-class LlamaCppDecoder:
-    """llama.cpp (through the llama-cpp-python package) on a GGUF file, timed as `decode` times the engine: greedy,
-    batch 1, the same prompt, as many threads as torch uses. The package is not a requirement: installing it builds
-    llama.cpp from source (about 10 minutes on 2 cores: `pip install llama-cpp-python`)."""
-
-    def __init__(self, gguf: Path) -> None:
-        try:
-            from llama_cpp import Llama
-        except ImportError:
-            raise ValueError("--llama-cpp needs the llama-cpp-python package (pip install llama-cpp-python; it "
-                             "compiles llama.cpp, about 10 minutes on 2 cores)") from None
-        threads = torch.get_num_threads()
-        self.gguf = gguf
-        self.llm = Llama(str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
-        self.precision = f"llama.cpp, {gguf.name}, {threads} threads"
-
-    def ms_per_token(self, prompt: list[int], tokens: int) -> float:
-        llm = self.llm
-        llm.reset()
-        llm.eval(prompt)
-        token = llm.sample(temp=0.0)
-        for _ in range(3):  # a few decodes first, as for the engine
-            llm.eval([token])
-            token = llm.sample(temp=0.0)
-        start = time.perf_counter()
-        for _ in range(tokens):
-            llm.eval([token])
-            token = llm.sample(temp=0.0)
-        return (time.perf_counter() - start) / tokens * 1e3
-
-
-def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: int = 128, tokens: int = 64,
-                   rounds: int = 3, settings: dict[str, Any] | None = None,
-                   progress: Progress = None, llama_cpp: Path | None = None) -> list[DecodeRow]:
-    """One greedy request decoding `tokens` tokens after a `prompt_len` prompt, alone (batch 1, no speculation):
-    the time per decode step of the whole engine (schedule, forward, sample) in each precision. Every precision is
-    loaded first and the rounds go round all of them, so a busy moment on a shared machine hits each alike.
-    llama_cpp: a GGUF file llama.cpp decodes in the same rounds, as a last row (LlamaCppDecoder)."""
-    other = None if llama_cpp is None else LlamaCppDecoder(llama_cpp)
-    configs, models = load_each(llm, specs, rounds, progress)
-    prompt = random_prompts(1, prompt_len, seed=5)[0]
-    params = SamplingParams(temperature=0, max_tokens=tokens + 4, ignore_eos=True)
-    times: list[list[float]] = [[] for _ in specs]
-    other_times: list[float] = []
-    for r in range(rounds):
-        if progress is not None:
-            progress(len(specs) + r, len(specs) + rounds, f"round {r + 1} of {rounds}")
-        for i, (config, model) in enumerate(zip(configs, models, strict=True)):
-            fields = {**(settings or {}), **config.to_dict(), "speculative_decoding": False}
-            engine = LLMEngine(llm.config_for(fields), model, llm.tokenizer, llm.engine.hf_config)
-            engine.add_request(prompt, params)
-            for _ in range(4):  # the prefill and a few decodes: first-call costs stay out
-                engine.step()
-            start = time.perf_counter()
-            for _ in range(tokens):
-                engine.step()
-            times[i].append((time.perf_counter() - start) / tokens * 1e3)
-        if other is not None:
-            other_times.append(other.ms_per_token(prompt, tokens))
-    if progress is not None:
-        progress(len(specs) + rounds, len(specs) + rounds, "done")
-    rows = [DecodeRow(spec, config.precision, t) for spec, config, t in zip(specs, configs, times, strict=True)]
-    if other is not None:
-        rows.append(DecodeRow(LLAMA_CPP_ROW, other.precision, other_times))
-    for row in rows:
-        row.ratio = row.median_ms / rows[0].median_ms
-    return rows
-
-
 # ---- `ablate`: the full engine, then each switch off in turn; --cumulative; --concurrency ---------------
 @dataclass(frozen=True)
 class Feature:
@@ -433,7 +274,6 @@ def features_fields(on: Callable[[Feature], bool]) -> dict[str, Any]:
 
 
 FULL_FIELDS = features_fields(lambda f: True)  # every built feature on (speculation is off by default)
-Progress = Callable[[int, int, str], None] | None
 
 
 @dataclass
@@ -578,97 +418,4 @@ def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settin
         row.mean_ttft_s, row.memory_efficiency = r.mean_ttft_s, r.memory_efficiency
     if progress is not None:
         progress(len(plan), len(plan), "done")
-    return rows
-
-
-# ---- `quality`: a quantized (or bf16) engine against the fp32 one over a fixed text --------------------------
-QUALITY_TEXT = FEATURE_DIR.parent / "quality" / "text.txt"
-# The precision every row is compared with: the model as trained, unquantized, an fp32 KV cache
-REFERENCE_PRECISION = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto",
-                       "quantization_smoothing": False, "quantization_gptq": False, "kv_cache_smoothing": False}
-# Each scheme plain (round to nearest, LM head quantized), then as calibrated and kept as measured best (the
-# int8 and int4 presets' weights; w8a8 smoothed and GPTQ-rounded), the KV cache alone (plain, then with its keys
-# smoothed as the presets have it), and the presets whole.
-QUALITY_SPECS = ("quantization=int8", "quantization=int8,quantization_smoothing=true,quantize_lm_head=false",
-                 "quantization=int4", "quantization=int4,quantization_gptq=true",
-                 "quantization=int4,quantize_lm_head=false", "quantization=w8a8",
-                 "quantization=w8a8,quantization_smoothing=true,quantization_gptq=true,quantize_lm_head=false",
-                 "kv_cache_dtype=int8", "kv_cache_dtype=int8,kv_cache_smoothing=true", "int8", "int4")
-
-
-@dataclass
-class QualityRow:
-    spec: str
-    precision: str
-    positions: int  # tokens scored (each window's first has nothing before it)
-    top1_agreement: float  # positions where both sides' most likely next token is the same
-    mean_abs_logprob_diff: float  # |logprob of the text's token, this side - fp32|, mean over positions
-    max_abs_logprob_diff: float
-    perplexity: float  # exp(-mean logprob of the text's tokens)
-    reference_perplexity: float
-    seconds: float  # wall time of this side's teacher-forced pass
-    kernel: str = ""  # what ran its projections here ("int4 weights · C++ AVX-512 kernel": quant/kernels.py)
-    speed_vs_fp32: str = ""  # its scheme's projections against fp32's on this CPU (quant/speed.py), "" unquantized
-
-    @property
-    def perplexity_change(self) -> float:
-        return self.perplexity / self.reference_perplexity - 1
-
-
-def text_windows(llm: LLM, text: str, window: int) -> list[list[int]]:
-    """The text's tokens in consecutive windows of at most `window` (each one prompt)."""
-    ids = llm.tokenizer(text).input_ids
-    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
-
-
-def teacher_forced(engine: LLMEngine, windows: list[list[int]]) -> list[list[dict[int, float] | None]]:
-    """Each window's prompt logprobs (the text's token and the most likely one at every position after the first)."""
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    ids = [engine.add_request(w, params) for w in windows]
-    done = {}
-    while engine.has_unfinished():
-        done.update((o.request_id, o.prompt_logprobs) for o in engine.step() if o.finished)
-    return [done[i] for i in ids]
-
-
-def compare_logprobs(windows: list[list[int]], ref: list[list], got: list[list]) -> dict[str, float]:
-    agree = n = 0
-    diffs, ref_lp, got_lp = [], [], []
-    for tokens, r_w, g_w in zip(windows, ref, got, strict=True):
-        for p in range(1, len(tokens)):
-            r, g, t = r_w[p], g_w[p], tokens[p]
-            agree += max(r, key=r.get) == max(g, key=g.get)
-            n += 1
-            diffs.append(abs(r[t] - g[t]))
-            ref_lp.append(r[t])
-            got_lp.append(g[t])
-    return {"positions": n, "top1_agreement": agree / n, "mean_abs_logprob_diff": statistics.fmean(diffs),
-            "max_abs_logprob_diff": max(diffs), "perplexity": math.exp(-statistics.fmean(got_lp)),
-            "reference_perplexity": math.exp(-statistics.fmean(ref_lp))}
-
-
-def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, Any] | None = None,
-            text: str | None = None, window: int = 1024, progress: Progress = None) -> list[QualityRow]:
-    """Teacher-forced over the same text (through prompt_logprobs): each spec's engine against the fp32 one,
-    position by position. settings apply to every side; each spec's precision fields replace the reference's."""
-    settings = {k: v for k, v in (settings or {}).items() if k not in (*REFERENCE_PRECISION, "model")}
-    windows = text_windows(llm, QUALITY_TEXT.read_text() if text is None else text, window)
-    total = len(specs) + 1
-    if progress is not None:
-        progress(0, total, "fp32 reference")
-    ref = teacher_forced(llm.build_engine({**settings, **REFERENCE_PRECISION}), windows)
-    rows = []
-    for i, spec in enumerate(specs):
-        if progress is not None:
-            progress(i + 1, total, spec)
-        fields = {**settings, **REFERENCE_PRECISION, **resolve_spec(spec)}
-        engine = llm.build_engine(fields)
-        start = time.perf_counter()
-        got = teacher_forced(engine, windows)
-        speed = model_speeds(engine.model).get(engine.config.quantization)
-        rows.append(QualityRow(spec, engine.config.precision, **compare_logprobs(windows, ref, got),
-                               seconds=time.perf_counter() - start, kernel=engine.kernels()["weights"],
-                               speed_vs_fp32=speed.describe() if speed is not None else ""))
-    if progress is not None:
-        progress(total, total, "done")
     return rows

@@ -12,12 +12,11 @@ from .experiments import (
     AblationRow,
     CompareResult,
     HFStaticResult,
-    KernelRow,
     MemoryRow,
-    QualityRow,
     SchedCostResult,
     TableRow,
 )
+from .precision import KernelRow, QualityRow
 from .runs import RunResult, StepBreakdown
 
 

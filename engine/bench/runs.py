@@ -33,6 +33,10 @@ MAX_IDLE_STEPS = 1000  # consecutive steps that compute nothing before run_workl
 StopCheck = Callable[[], bool]  # polled between steps: True cancels the run
 
 
+# what an experiment reports as it goes: (done, total, what now), or None
+Progress = Callable[[int, int, str], None] | None
+
+
 class Cancelled(Exception):
     """A run stopped by its should_stop check (not a ValueError: an experiment must not record it as a row)."""
 
