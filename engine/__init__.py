@@ -1,8 +1,9 @@
 """An LLM inference engine you can watch: paged KV cache, continuous batching, prefix caching."""
 from .config import EngineConfig
-from .engine import EngineSnapshot, LLMEngine
+from .engine import LLMEngine
 from .llm import LLM
 from .request import RequestOutput
 from .sampler import SamplingParams
+from .snapshot import EngineSnapshot
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "EngineSnapshot", "RequestOutput", "SamplingParams"]

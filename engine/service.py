@@ -18,9 +18,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .engine import EngineSnapshot, LLMEngine
+from .engine import LLMEngine
 from .request import RequestMetrics, RequestOutput
 from .sampler import SamplingParams
+from .snapshot import EngineSnapshot
 
 # Requests allowed to wait for a seat before new ones are refused (ServiceBusy): a burst beyond it gets "retry
 # later" at once instead of growing the queue, and its memory, without limit.

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from engine.engine import EngineSnapshot
 from engine.service import IterationStats
+from engine.snapshot import EngineSnapshot
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles mean the same here
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -7,8 +7,8 @@ import pytest
 
 from engine.bench import AblationRow, MemoryRow
 from engine.config import EngineConfig, FeatureState
-from engine.engine import RequestView
 from engine.service import ConfigChange
+from engine.snapshot import RequestView
 from viz import figures
 from viz.dashboard import FigureCache
 

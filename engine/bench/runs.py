@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from ..config import LOAD_TIME_FIELDS
-from ..engine import LLMEngine, StepRecord
+from ..engine import LLMEngine
 from ..llm import LLM
 from ..models import LlamaFamilyModel
 from ..quant.linear import PROJECTION_TYPES, Projection
 from ..request import RequestOutput
 from ..sampler import SamplingParams
+from ..snapshot import StepRecord
 from ..workloads import TOKEN_RANGE, Workload, WorkloadRequest
 from .specs import check_fields
 

@@ -1,0 +1,119 @@
+"""What the engine shows of itself: a step's record, a live request's view, and the snapshot every viewer reads
+(the Dashboard, /metrics, the benchmarks, the lessons). Plain data: no tensors, no engine objects."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import FeatureState
+from .scheduler import Phase
+
+
+@dataclass
+class StepEntry:
+    """One scheduled request in one step: its phase and what it computed."""
+    request_id: str
+    phase: str  # "prefill", "decode" or "verify"
+    num_tokens: int  # positions computed (a prefill chunk, 1 for a decode, 1 + drafts for a verify)
+    prefix_hit_tokens: int  # tokens taken from the prefix cache in this step instead of being computed
+    num_computed_after: int  # the request's tokens with K/V in the cache after the step
+    num_prompt_tokens: int
+    num_new_tokens: int = 0  # tokens generated (0 for a prefill chunk that stops short of the prompt's end)
+    num_drafts: int = 0  # draft tokens verified (speculative decoding)
+    num_accepted: int = 0  # of those, accepted
+
+
+@dataclass
+class StepRecord:
+    """What the scheduler decided in one step, and what it cost."""
+    step: int
+    time: float
+    entries: list[StepEntry] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[tuple[str, str]] = field(default_factory=list)  # (request, finish reason)
+    num_batched_tokens: int = 0
+    num_seqs: int = 0  # requests in this step's batch
+    num_running: int = 0  # after retiring
+    num_waiting: int = 0
+    schedule_ms: float = 0.0
+    prepare_ms: float = 0.0
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    retire_ms: float = 0.0
+
+    @property
+    def prefills(self) -> list[StepEntry]:
+        return [e for e in self.entries if e.phase == Phase.PREFILL.value]
+
+    @property
+    def decodes(self) -> list[StepEntry]:
+        return [e for e in self.entries if e.phase == Phase.DECODE.value]
+
+    @property
+    def verifies(self) -> list[StepEntry]:
+        return [e for e in self.entries if e.phase == Phase.VERIFY.value]
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """One live request as the snapshot shows it (plain data: no tensors, no engine objects)."""
+    status: str  # RequestStatus's value: "waiting", "running", ...
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0  # of the prompt, served from the prefix cache
+    num_preemptions: int = 0
+    recent_token_ids: tuple[int, ...] = ()  # a few, not all: enough for a viewer to show the latest tokens as text
+
+    @property
+    def prefilling(self) -> bool:
+        return self.status == "running" and self.num_computed_tokens < self.num_prompt_tokens
+
+
+@dataclass
+class EngineSnapshot:
+    step: int
+    time: float
+    config: dict
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    running: list[str]
+    waiting: list[str]
+    block_size: int
+    block_tables: dict[str, list[int]]
+    block_ref_counts: list[int]
+    block_hashes: list[int | None]
+    # KVCacheStats, field by field
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    prefill_tokens_total: int  # tokens computed by prefills (first ones, re-prefills, the naive loop's recompute)
+    generation_tokens_total: int
+    requests: dict[str, RequestView]  # the live (running and waiting) requests
+    steps: list[StepRecord]
+    last_reconfig: dict | None
+    speculation: dict  # active, k (drafts per request now), the adaptive rule, and SpecDecodeStats' counters
+    # one block's K and V in every layer (and an int8 cache's scales): the pool is kv_blocks_total of these
+    kv_bytes_per_block: int = 0
+    gpu_memory: dict | None = None  # CUDA: the KV pool's sizing (gpu.GpuMemoryPlan: formula and its numbers)
+    precision: str = ""  # EngineConfig.precision: what the engine computes with, in words
+    # what runs it here, in words: {"weights": "int4 weights · C++ AVX-512 kernel", "weights_why", "lm_head",
+    # "layer_ops", "attention"} (quant/kernels.py's choice, the model's and the runner's)
+    kernels: dict = field(default_factory=dict)
+    # every switch as asked for and as it runs, and why they differ (EngineConfig.feature_states)
+    features: dict[str, FeatureState] = field(default_factory=dict)
+
+    @property
+    def block_owners(self) -> dict[int, list[str]]:
+        owners: dict[int, list[str]] = {}
+        for rid, table in self.block_tables.items():
+            for b in table:
+                owners.setdefault(b, []).append(rid)
+        return owners
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
