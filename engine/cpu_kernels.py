@@ -42,10 +42,8 @@ import argparse
 import contextlib
 import hashlib
 import importlib.util
-import json
 import os
 import platform
-import socket
 import sys
 import threading
 import time
@@ -55,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from .build_folder import LOCK_FILE, PID_FILE, claimed, remove
 from .cache import cache_dir
 from .quant import quantize_uint8
 
@@ -66,11 +65,7 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 LIB_EXT = ".pyd" if sys.platform == "win32" else ".so"  # torch.utils.cpp_extension.LIB_EXT, without importing it
 BUILD_TIME = "about a minute, a few on a slow machine"
-PID_FILE = "builder.pid"  # who is building in a folder: {"pid", "host", "start"}, emptied when the build ends
-LOCK_FILE = "lock"  # torch's FileBaton: a build killed halfway leaves it, and torch then waits on it forever
 WAIT_S = 600.0  # how long a build or a start waits for another process's build before giving up on it
-LOCK_STALE_S = 600.0  # a lock whose builder cannot be checked (none named, another host) is left over past this age
-POLL_S = 0.2
 HOW_TO_BUILD = "`make kernels` or `python -m engine.cpu_kernels build`"
 TORCH_INSTEAD = "torch's calls run instead (the same results, more slowly)"
 _build_lock = threading.RLock()  # one build at a time in this process (other processes: builder.pid, flock)
@@ -163,141 +158,6 @@ def _compile(folder: Path, name: str, verbose: bool):
                 verbose=verbose)
 
 
-# ---- who builds in a folder --------------------------------------------------------------------------------------
-
-def _process_start(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), to tell a reused pid from the builder's."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _me() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid())}
-
-
-def _read_builder(folder: Path) -> dict | None:
-    try:
-        record = json.loads((folder / PID_FILE).read_text() or "null")
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
-
-
-def _alive(record: dict) -> bool | None:
-    """Whether the builder a record names is running: True, False, or None where this machine cannot tell (another
-    host, or Windows, where os.kill would end the process)."""
-    pid = record["pid"]
-    if os.name == "nt" or record.get("host") != socket.gethostname() or pid <= 0:
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        pass
-    except OSError:
-        return None
-    start = record.get("start")
-    return start is None or start == _process_start(pid)  # a new process under the dead builder's pid: not it
-
-
-def _age(path: Path) -> float | None:
-    try:
-        return time.time() - path.stat().st_mtime
-    except OSError:
-        return None
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
-def _lock_cleared(folder: Path, say) -> bool:
-    """True when torch's lock is not in folder, or was left by a build that no longer runs (then removed, saying
-    so); False while a build that may be running holds it."""
-    lock = folder / LOCK_FILE
-    if not lock.exists():
-        return True
-    record = _read_builder(folder)
-    alive = None if record is None else _alive(record)
-    if alive is False:
-        _remove(lock)
-        say(f"removed the build lock left in {folder} by process {record['pid']}, which is no longer running "
-            f"(a build cut short)")
-        return True
-    if alive is None:
-        age = _age(lock)
-        if age is None:
-            return True
-        if age > LOCK_STALE_S:
-            _remove(lock)
-            say(f"removed a build lock left in {folder} {age / 60:.0f} min ago by no builder this machine can see "
-                f"(a build cut short)")
-            return True
-    return False
-
-
-def _try_flock(f) -> bool:
-    try:
-        import fcntl
-    except ImportError:  # Windows: builder.pid and the lock's age only
-        return True
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-
-
-def _wait(ready, folder: Path, deadline: float, say) -> bool:
-    """Poll ready() until it holds (True) or the deadline passes (False), saying whom it waits for at the start and
-    each minute after."""
-    started, said = time.monotonic(), 0
-    while not ready():
-        waited = time.monotonic() - started
-        if time.monotonic() >= deadline:
-            return False
-        if waited >= 60 * said:
-            record = _read_builder(folder)
-            who = f"process {record['pid']}" if record else "another process"
-            say(f"waiting for {who}, which is building the C++ CPU kernels in {folder} "
-                f"({waited:.0f} s so far, at most {max(0.0, deadline - started):.0f} s)")
-            said += 1
-        time.sleep(POLL_S)
-    return True
-
-
-@contextlib.contextmanager
-def _claimed(folder: Path, say, wait_s: float):
-    """Hold folder for one build: yields True once no other process builds there (torch's lock of a build that was
-    cut short removed on the way), False if one still did after wait_s. builder.pid names the holder and carries an
-    flock, which the system drops when the holder dies, so no two builds run in one folder at once."""
-    folder.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + wait_s
-    with open(folder / PID_FILE, "a+") as f:
-        if not (_wait(lambda: _try_flock(f), folder, deadline, say)
-                and _wait(lambda: _lock_cleared(folder, say), folder, deadline, say)):
-            say(f"another process was still building the C++ CPU kernels in {folder} after {wait_s:.0f} s; "
-                f"{TORCH_INSTEAD}")
-            yield False
-            return
-        f.seek(0)
-        f.truncate()
-        json.dump(_me(), f)
-        f.flush()
-        try:
-            yield True
-        finally:
-            f.seek(0)
-            f.truncate()
-            f.flush()
-    # closing the file dropped the flock
-
-
 # ---- building and loading ----------------------------------------------------------------------------------------
 
 def build(say=_say, verbose: bool = False, force: bool = False):
@@ -307,13 +167,13 @@ def build(say=_say, verbose: bool = False, force: bool = False):
     library = folder / f"{name}{LIB_EXT}"
     with _build_lock:
         try:
-            with _claimed(folder, say, WAIT_S) as free:
+            with claimed(folder, say, WAIT_S, instead=TORCH_INSTEAD) as free:
                 if not free:
                     return None
                 if force:
                     for path in folder.iterdir():
                         if path.is_file() and path.name != PID_FILE:
-                            _remove(path)
+                            remove(path)
                 elif library.is_file():
                     try:
                         ext = _import_built(name, library)
@@ -321,7 +181,7 @@ def build(say=_say, verbose: bool = False, force: bool = False):
                         return ext
                     except Exception as exc:  # a link cut short, say: build it again
                         say(f"the build in {folder} does not load ({_last_line(exc)}); building it again")
-                        _remove(library)
+                        remove(library)
                 started = time.monotonic()
                 ext = _compile(folder, name, verbose)
                 _loaded[str(library)] = ext
@@ -340,7 +200,7 @@ def _build():
     library = folder / f"{name}{LIB_EXT}"
     if (folder / LOCK_FILE).exists():  # a build under way in another process, or one cut short: wait or clear
         try:
-            with _claimed(folder, _say, WAIT_S) as free:
+            with claimed(folder, _say, WAIT_S, instead=TORCH_INSTEAD) as free:
                 if not free:
                     return None
         except OSError:  # a read-only cache: whatever is there

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch.utils.cpp_extension
 
-from engine import cpu_kernels
+from engine import build_folder, cpu_kernels
 
 FAKE = SimpleNamespace(weight_only_available=lambda: False, quantize_rows=None, dequantize_rows=None)
 
@@ -29,8 +29,8 @@ class Compiler:
     def __call__(self, folder, name, verbose):
         said = self.capsys.readouterr() if self.capsys is not None else None
         self.calls.append(SimpleNamespace(folder=folder, name=name, verbose=verbose,
-                                          lock=(folder / cpu_kernels.LOCK_FILE).exists(),
-                                          builder=cpu_kernels._read_builder(folder), said=said))
+                                          lock=(folder / build_folder.LOCK_FILE).exists(),
+                                          builder=build_folder.read_builder(folder), said=said))
         if isinstance(self.result, Exception):
             raise self.result
         return self.result
@@ -91,7 +91,7 @@ def test_watchllm_build_kernels_builds_at_first_use_saying_so_first(cache, monke
     assert before.startswith("watch-llm: building the engine's C++ CPU kernels for this CPU and torch "
                              "(WATCHLLM_BUILD_KERNELS=1; about a minute")
     assert "built the C++ CPU kernels in" in capsys.readouterr().err
-    assert cpu_kernels._read_builder(call.folder) is None  # emptied after the build
+    assert build_folder.read_builder(call.folder) is None  # emptied after the build
 
 
 def test_a_failed_build_says_why_and_torch_calls_run(cache, monkeypatch, capsys):
@@ -150,10 +150,10 @@ def dead_pid() -> int:
 def test_a_lock_left_by_a_builder_that_is_gone_is_removed_and_the_build_runs(cache, monkeypatch, capsys, who):
     folder = cpu_kernels.build_folder()
     folder.mkdir(parents=True)
-    (folder / cpu_kernels.LOCK_FILE).touch()
+    (folder / build_folder.LOCK_FILE).touch()
     # "reused pid": a running process (this one) under the pid, started at another time than the builder was
     pid, start = (dead_pid(), None) if who == "dead" else (os.getpid(), "1")
-    (folder / cpu_kernels.PID_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "start": start}))
+    (folder / build_folder.PID_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "start": start}))
     compiler = Compiler()
     monkeypatch.setattr(cpu_kernels, "_compile", compiler)
     assert cpu_kernels.build() is FAKE
@@ -168,13 +168,13 @@ def test_a_lock_no_builder_is_named_for_is_removed_only_once_old(cache, monkeypa
     monkeypatch.setattr(cpu_kernels, "WAIT_S", 0.5)
     folder = cpu_kernels.build_folder()
     folder.mkdir(parents=True)
-    lock = folder / cpu_kernels.LOCK_FILE
+    lock = folder / build_folder.LOCK_FILE
     lock.touch()
     compiler = Compiler()
     monkeypatch.setattr(cpu_kernels, "_compile", compiler)
     assert cpu_kernels.build() is None and compiler.calls == []  # young: perhaps a build under way, waited for
     assert lock.exists() and "waiting for another process" in capsys.readouterr().err
-    old = time.time() - cpu_kernels.LOCK_STALE_S - 60
+    old = time.time() - build_folder.LOCK_STALE_S - 60
     os.utime(lock, (old, old))
     assert cpu_kernels.build() is FAKE and len(compiler.calls) == 1 and not compiler.calls[0].lock
     assert "removed a build lock left in" in capsys.readouterr().err
@@ -220,7 +220,7 @@ def test_a_live_build_is_waited_for_at_most_wait_s_then_torch_calls_run(cache, m
         assert cpu_kernels.build() is None
         assert 1.0 <= time.monotonic() - started < 10
         assert cpu_kernels.compiled() is None  # a start waits as long, then runs torch's calls
-        assert compiler.calls == [] and (cpu_kernels.build_folder() / cpu_kernels.LOCK_FILE).exists()
+        assert compiler.calls == [] and (cpu_kernels.build_folder() / build_folder.LOCK_FILE).exists()
         err = capsys.readouterr().err
         assert f"waiting for process {proc.pid}, which is building the C++ CPU kernels in" in err
         assert ("another process was still building the C++ CPU kernels in "
