@@ -64,6 +64,9 @@ class LLMEngine:
             kv.adopt_counters(self.kv)
         self.config, self.kv, self.runner = config, kv, runner
         self.scheduler.use(config, kv)
+        # what the snapshot says runs: fixed until the next configuration, so not derived again at every step
+        self._kernels: dict[str, str] | None = None
+        self._features = config.feature_states()
 
     @property
     def requested_config(self) -> EngineConfig:
@@ -325,13 +328,16 @@ class LLMEngine:
             last_reconfig=self.last_reconfig, speculation=self._speculation(),
             kv_bytes_per_block=self.kv_bytes_per_block(self.config),
             gpu_memory=None if self.gpu_memory is None else self.gpu_memory.to_dict(),
-            precision=self.config.precision, kernels=self.kernels(), features=self.config.feature_states(),
+            precision=self.config.precision, kernels=self.kernels(), features=self._features,
         )
 
     def kernels(self) -> dict[str, str]:
-        """What runs this engine's steps here, in words (the snapshot's `kernels`)."""
-        return {**self.model.kernels(), "attention": self.runner.attention_kernel if self.config.kv_cache else
-                "torch SDPA (no KV cache: the whole sequence each step)"}
+        """What runs this engine's steps here, in words (the snapshot's `kernels`), worked out once per
+        configuration."""
+        if self._kernels is None:
+            self._kernels = {**self.model.kernels(), "attention": self.runner.attention_kernel if self.config.kv_cache
+                             else "torch SDPA (no KV cache: the whole sequence each step)"}
+        return dict(self._kernels)
 
     def _speculation(self) -> dict:
         c, stats = self.config, self.spec_stats
