@@ -1,6 +1,7 @@
 """Lessons: the course taught live on the real engine. The content is data (presets/lessons/*.toml, one lesson a
-file, in the course's order); this file loads and checks it, runs a lesson on the live engine, measures its
-before and after from the engine's own time series, and keeps the session's record (HTML and JSON).
+file, in the course's order), which course.py loads and checks; this file runs a lesson on the live engine;
+lesson_numbers.py measures its before and after from the engine's own time series; lesson_record.py keeps the
+session's record (HTML and JSON).
 
 A lesson run: the engine is set to the lesson's configuration (the defaults, its feature preset and its own fields;
 the weights stay as they are unless the lesson names them), its simulated users start, "before" runs for
@@ -11,206 +12,22 @@ puts the engine back as it was before the lesson began. No gradio here: lessons_
 """
 from __future__ import annotations
 
-import dataclasses
-import html
-import json
 import threading
 import time
-import tomllib
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.bench import load_feature_preset
 from engine.config import LOAD_TIME_FIELDS, EngineConfig
-from engine.workloads import list_workloads
 
+from .course import METRICS, Lesson, format_value, from_toml, load_lessons, verdict
+from .lesson_numbers import series, window_metrics
 from .room import plain
 
 if TYPE_CHECKING:
     from .handlers import Playground
 
-LESSON_DIR = Path(__file__).resolve().parent.parent / "presets" / "lessons"
-CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # the dashboard's figures (DashboardFigures)
 SETTLE = 0.25  # share of each phase left out of its numbers: the engine filling up, or just rebuilt
 
-
-@dataclass(frozen=True)
-class Metric:
-    label: str
-    unit: str
-    better: str  # "up" or "down": which way is better, for the record's wording
-    fmt: str = "{:.1f}"
-
-
-METRICS = {
-    "tokens_per_s": Metric("tokens/s", "tok/s", "up"),
-    "ttft_s": Metric("mean time to first token", "s", "down", "{:.2f}"),
-    "tpot_s": Metric("time per output token (mean step)", "s", "down", "{:.3f}"),
-    "time_per_token_ms": Metric("engine time per generated token (busy time / tokens)", "ms", "down", "{:.1f}"),
-    "max_step_ms": Metric("longest step (the longest gap between two tokens)", "ms", "down", "{:.0f}"),
-    "prefix_hit_rate": Metric("prefix-cache hit rate", "", "up", "{:.0%}"),
-    "kv_blocks_used": Metric("KV blocks in use (mean)", "blocks", "down", "{:.0f}"),
-    "peak_kv_blocks": Metric("KV blocks in use (peak)", "blocks", "down", "{:.0f}"),
-    "preemptions": Metric("preemptions", "", "down", "{:.0f}"),
-    "running": Metric("requests running at once (mean)", "", "up", "{:.1f}"),
-}
-
-
-@dataclass(frozen=True)
-class Lesson:
-    slug: str  # the file's name without .toml
-    title: str
-    idea: str  # two or three sentences
-    workload: str  # presets/workloads/NAME.toml
-    users: int  # simulated users
-    switch: dict  # the EngineConfig fields flipped between before and after
-    chart: str  # one of CHARTS
-    look_for: str
-    question: str
-    metric: str  # one of METRICS: the number the question is about
-    expect: str  # "up" or "down": the direction the lesson expects that number to move when the switch flips
-    preset: str | None = None  # a feature preset (presets/features/) to start from
-    start: dict = field(default_factory=dict)  # EngineConfig fields over the defaults and the preset
-    before_s: float = 30.0  # the whole course in about 15 minutes, each effect on the chart within a minute
-    after_s: float = 30.0
-    needs: str | None = None  # "cuda": what this machine may lack
-    measured: str = ""  # with `needs`: the last measured result, and where it was measured
-
-    def configuration(self) -> dict:
-        """The fields the lesson starts from, over EngineConfig's defaults."""
-        return {**(load_feature_preset(self.preset) if self.preset else {}), **self.start}
-
-    def describe_switch(self) -> str:
-        return switch_text(self.switch)
-
-
-def _word(value) -> str:
-    return "on" if value is True else "off" if value is False else "none" if value is None else str(value)
-
-
-def load_lessons(folder: Path = LESSON_DIR) -> list[Lesson]:
-    """Every lesson file, in file-name order (NN-name.toml: the course's order). A malformed file is refused by
-    name: a lesson plan that silently skipped one would teach the room the wrong order."""
-    lessons = []
-    for path in sorted(folder.glob("*.toml")):
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        names = {f.name for f in dataclasses.fields(Lesson)} - {"slug"}
-        if unknown := sorted(set(data) - names):
-            raise ValueError(f"lesson {path.name}: unknown field(s) {', '.join(unknown)}")
-        try:
-            lessons.append(Lesson(slug=path.stem, **data))
-        except TypeError as exc:
-            raise ValueError(f"lesson {path.name}: {exc}") from exc
-    return lessons
-
-
-def check_lesson(lesson: Lesson) -> list[str]:
-    """What is wrong with a lesson (empty when nothing): every name it uses must exist and its configurations
-    must be ones the engine accepts."""
-    problems = []
-    if lesson.workload not in list_workloads():
-        problems.append(f"workload {lesson.workload!r} is not in presets/workloads")
-    if lesson.chart not in CHARTS:
-        problems.append(f"chart {lesson.chart!r} is not one of {', '.join(CHARTS)}")
-    if lesson.metric not in METRICS:
-        problems.append(f"metric {lesson.metric!r} is not one of {', '.join(METRICS)}")
-    if lesson.expect not in ("up", "down"):
-        problems.append(f"expect must be 'up' or 'down', got {lesson.expect!r}")
-    if not lesson.switch:
-        problems.append("switch is empty: a lesson flips one thing")
-    if not 1 <= lesson.users <= 64:
-        problems.append(f"users must be 1-64, got {lesson.users}")
-    if lesson.before_s <= 0 or lesson.after_s <= 0:
-        problems.append("before_s and after_s must be > 0")
-    if lesson.needs not in (None, "cuda"):
-        problems.append(f"needs must be 'cuda' or absent, got {lesson.needs!r}")
-    if lesson.needs and not lesson.measured:
-        problems.append("a lesson that needs what a machine may lack says what was measured where (measured)")
-    try:
-        start = EngineConfig.from_kwargs(**_typed(lesson.configuration()))
-        after = start.replace(**_typed(lesson.switch))
-        if after == start:
-            problems.append("the switch changes nothing from the starting configuration")
-    except ValueError as exc:
-        problems.append(str(exc))
-    for text, name in ((lesson.idea, "idea"), (lesson.look_for, "look_for"), (lesson.question, "question")):
-        if not text.strip():
-            problems.append(f"{name} is empty")
-    return problems
-
-
-def _typed(fields: dict) -> dict:
-    """TOML has no null: "none" is None (no quantization, an automatic size)."""
-    return {k: (None if v == "none" else v) for k, v in fields.items()}
-
-
-# ---- numbers from the engine's time series ------------------------------------------------------------------
-
-def _increase(values: Sequence[float]) -> float:
-    """How much a counter grew over consecutive readings, across a restart (where it starts again from 0)."""
-    total = 0.0
-    for a, b in zip(values, values[1:]):
-        total += b - a if b >= a else b
-    return total
-
-
-def window_metrics(history: Iterable, t0: float, t1: float) -> dict[str, float | None]:
-    """Every METRIC over the engine's history samples in [t0, t1] (wall times). The sample just before t0 is the
-    counters' baseline; a number with nothing to say in the window (no request got its first token) is None."""
-    samples = sorted(history, key=lambda s: s.time)
-    inside = [s for s in samples if t0 <= s.time <= t1]
-    before = [s for s in samples if s.time < t0][-1:]
-    span = max(t1 - t0, 1e-9)
-    counted = before + inside
-
-    def grew(name: str) -> float:
-        return _increase([getattr(s, name) for s in counted])
-
-    def mean(values):
-        values = [v for v in values if v is not None]
-        return sum(values) / len(values) if values else None
-
-    queries, generated = grew("prefix_cache_queries"), grew("generation_tokens_total")
-    # with prefix caching off nothing is looked up: an engine that served requests then hit nothing (0), and
-    # one that served none has no rate to give (None)
-    hit_rate = grew("prefix_cache_hits") / queries if queries else 0.0 if generated else None
-    return {
-        "tokens_per_s": generated / span if counted else None,
-        "ttft_s": mean(s.ttft_s for s in inside),
-        # a request decoding gets one token a step, so its time per output token is the step's time: the mean of
-        # the steps that produced tokens (finished requests' TPOT alone says nothing while none finishes)
-        "tpot_s": mean(b.step_ms / 1e3 for a, b in zip(counted, counted[1:])
-                       if b.time >= t0 and (b.generation_tokens_total > a.generation_tokens_total
-                                            or 0 < b.generation_tokens_total < a.generation_tokens_total)),
-        # what a token costs the engine: its steps' time over the tokens they made (a step of a speculating
-        # request makes several; a naive one recomputes the whole text for one)
-        "time_per_token_ms": sum(s.step_ms for s in inside) / generated if generated and inside else None,
-        "max_step_ms": max((s.step_ms for s in inside), default=None),
-        "prefix_hit_rate": hit_rate,
-        "kv_blocks_used": mean(s.kv_blocks_used for s in inside),
-        "peak_kv_blocks": max((s.kv_blocks_used for s in inside), default=None),
-        "preemptions": grew("num_preemptions") if counted else None,
-        "running": mean(s.num_running for s in inside),
-    }
-
-
-def series(history: Iterable, metric: str, t0: float, t1: float, bin_s: float = 2.0) -> list[tuple[float, float]]:
-    """(seconds since t0, the metric over that bin): what the record's chart draws. The same numbers as the
-    table's, bin by bin (window_metrics), so chart and table never disagree."""
-    samples = list(history)
-    out, t = [], t0
-    while t < t1:
-        value = window_metrics(samples, t, min(t + bin_s, t1))[metric]
-        if value is not None:
-            out.append((t - t0 + bin_s / 2, value))
-        t += bin_s
-    return out
-
-
-# ---- a run -------------------------------------------------------------------------------------------------
 
 @dataclass
 class LessonRun:
@@ -348,7 +165,7 @@ class LessonRunner:
         return said
 
     def _apply(self, run: LessonRun, changes: dict) -> bool:
-        changes = {k: self.pg._config_value(k, v) for k, v in _typed(changes).items()}
+        changes = {k: self.pg._config_value(k, v) for k, v in from_toml(changes).items()}
         now = self._current()
         changes = {k: v for k, v in changes.items() if now.get(k) != v}
         if not changes:
@@ -447,90 +264,3 @@ class LessonRunner:
             mark = " ◀" if name == result["metric"] else ""
             rows.append(f"| {metric.label}{mark} | {format_value(metric, b)} | {format_value(metric, a)} |")
         return "\n".join(rows) + "\n\n" + verdict(result)
-
-
-def format_value(metric: Metric, value: float | None) -> str:
-    return "–" if value is None else metric.fmt.format(value) + (f" {metric.unit}" if metric.unit else "")
-
-
-def verdict(result: dict) -> str:
-    metric = METRICS[result["metric"]]
-    if result["moved"] is None:
-        return f"{metric.label.capitalize()}: nothing to compare this time (no change measured)."
-    said = ("as the lesson expected" if result["as_expected"]
-            else f"not the way the lesson expected ({result['expect']})")
-    return f"**{metric.label.capitalize()} went {result['moved']}**, {said}."
-
-
-# ---- the session's record -----------------------------------------------------------------------------------
-
-def record_json(records: list[dict], machine: str) -> str:
-    return json.dumps({"machine": machine, "lessons": records}, indent=2, default=str) + "\n"
-
-
-def record_html(records: list[dict], machine: str) -> str:
-    """One self-contained page (no script, no link out): each lesson's before/after table and its chart as
-    inline SVG, every text escaped."""
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Lessons: what the room measured</title>"
-             f"<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}table{{border-collapse:collapse}}"
-             f"td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:right}}td:first-child{{text-align:left}}"
-             f"</style></head><body><h1>What the room measured</h1><p>{html.escape(machine)}</p>"]
-    if not records:
-        parts.append("<p>No lesson has finished yet.</p>")
-    for r in records:
-        metric = METRICS[r["metric"]]
-        parts.append(f"<h2>{html.escape(r['title'])}</h2><p>Workload {html.escape(r['workload'])}, "
-                     f"{r['users']} simulated users; switch: {html.escape(switch_text(r['switch']))}; "
-                     f"{html.escape(r['precision'])} on {html.escape(r['device'])}.</p><table>"
-                     "<tr><th></th><th>before</th><th>after</th></tr>")
-        for name, m in METRICS.items():
-            cells = (m.label, format_value(m, r["before"][name]), format_value(m, r["after"][name]))
-            parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-        parts.append(f"</table><p>{html.escape(verdict(r).replace('**', ''))}</p>")
-        parts.append(svg_chart(r["chart"], r["flip_at_s"], f"{metric.label}" + (f" ({metric.unit})" if metric.unit
-                                                                               else "")))
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-def switch_text(switch: dict) -> str:
-    return ", ".join(f"{k} → {_word(v)}" for k, v in switch.items())
-
-
-def svg_chart(points: list, flip_at_s: float, label: str, width: int = 640, height: int = 200) -> str:
-    if not points:
-        return "<p>(no samples)</p>"
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x_max, y_max = max(max(xs), flip_at_s, 1e-9), max(max(ys), 1e-9)
-    pad = 30
-
-    def sx(x):
-        return pad + (width - 2 * pad) * x / x_max
-
-    def sy(y):
-        return height - pad - (height - 2 * pad) * y / y_max
-    path = " ".join(f"{'M' if i == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for i, (x, y) in enumerate(points))
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' role='img'>"
-            f"<text x='{pad}' y='16' font-size='12'>{html.escape(label)}; max {y_max:.3g}</text>"
-            f"<line x1='{sx(flip_at_s):.1f}' x2='{sx(flip_at_s):.1f}' y1='{pad}' y2='{height - pad}' "
-            f"stroke='#d33' stroke-dasharray='4'/><text x='{sx(flip_at_s) + 4:.1f}' y='{pad + 10}' font-size='11' "
-            f"fill='#d33'>switch</text><path d='{path}' fill='none' stroke='#36c' stroke-width='2'/>"
-            f"<text x='{pad}' y='{height - 8}' font-size='11'>0 s</text><text x='{width - pad - 30}' "
-            f"y='{height - 8}' font-size='11'>{x_max:.0f} s</text></svg>")
-
-
-def machine_name(runner: LessonRunner) -> str:
-    """What the record says the numbers were measured on."""
-    from .results import machine_description
-    weights = runner.pg.service.snapshot().precision
-    return f"{machine_description(runner.pg.llm)}, weights {weights}: measured with watch-llm"
-
-
-def write_record(records: list[dict], machine: str, folder: Path) -> list[str]:
-    folder.mkdir(parents=True, exist_ok=True)
-    page, data = folder / "lessons-record.html", folder / "lessons-record.json"
-    page.write_text(record_html(records, machine), encoding="utf-8")
-    data.write_text(record_json(records, machine), encoding="utf-8")
-    return [str(page), str(data)]
-
-

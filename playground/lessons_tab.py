@@ -14,7 +14,9 @@ from pathlib import Path
 import gradio as gr
 
 from .access import audience
-from .lessons import METRICS, Lesson, LessonRunner, machine_name, write_record
+from .course import METRICS, Lesson
+from .lesson_record import machine_name, write_record
+from .lessons import LessonRunner
 from .room import plain
 
 TAB_ID = "lessons"

@@ -22,19 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from .page_client import Session, launch, open_sessions, reply_text
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -129,106 +125,17 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
-class Session:
-    """One browser tab, talking to gradio as the page's own script does: an event joins the queue (POST
-    queue/join with the tab's session hash, so gr.State is the tab's own) and its updates come back over the
-    session's one event stream (GET queue/data, server-sent events), which a reader thread routes to the event
-    by its id and reopens while events are pending. Plain HTTP rather than gradio_client: its jobs are read in a
-    1 ms sleep loop each, and with 8 chats and 30 polling sessions in one process that loop, not the server,
-    decided when the tokens were seen (the same 8 chats read over plain SSE: no gap above 0.44 s)."""
-
-    def __init__(self, url: str, fn_ids: dict[str, int], headers: dict | None = None) -> None:
-        import httpx
-        self.api = url + "gradio_api/"
-        self.fn_ids = fn_ids
-        self.hash = uuid.uuid4().hex[:11]
-        self.http = httpx.Client(timeout=httpx.Timeout(120.0, read=None), headers=headers)
-        self._lock = threading.Lock()
-        self._events: dict[str, queue.Queue] = {}
-        self._reader: threading.Thread | None = None
-
-    def stream(self, api_name: str, data: list) -> Iterator[list]:
-        """The event's outputs as they come (a generator's diffs applied): one list of output values each."""
-        from gradio_client.utils import apply_diff
-        with self._lock:  # the reader cannot route this event's first messages before it is registered
-            r = self.http.post(self.api + "queue/join", json={
-                "data": data, "fn_index": self.fn_ids[api_name.strip("/")], "session_hash": self.hash,
-                "event_data": None, "trigger_id": None})
-            r.raise_for_status()
-            messages = self._events[r.json()["event_id"]] = queue.Queue()
-            if self._reader is None:
-                self._reader = threading.Thread(target=self._read, daemon=True)
-                self._reader.start()
-        outputs = None
-        while True:
-            m = messages.get(timeout=300)
-            if m.get("msg") == "process_generating":
-                data = m["output"]["data"]
-                outputs = list(data) if outputs is None else [apply_diff(o, d) for o, d in zip(outputs, data)]
-                yield outputs
-            elif m.get("msg") == "process_completed":
-                if not m.get("success", False):
-                    raise RuntimeError(f"{api_name} failed: {m.get('output') or m.get('title')}")
-                if outputs is None:  # not a generator: the outputs come whole, once
-                    yield m["output"]["data"]
-                return
-
-    def predict(self, api_name: str, data: list | None = None) -> list:
-        last: list = []
-        for outputs in self.stream(api_name, data or []):
-            last = outputs
-        return last
-
-    def _read(self) -> None:
-        while True:
-            with self._lock:
-                if not self._events:
-                    self._reader = None
-                    return
-            try:
-                with self.http.stream("GET", self.api + "queue/data", params={"session_hash": self.hash}) as s:
-                    for line in s.iter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        m = json.loads(line[5:])
-                        with self._lock:
-                            target = self._events.get(m.get("event_id"))
-                            if m.get("msg") == "process_completed":
-                                self._events.pop(m.get("event_id"), None)
-                        if target is not None:
-                            target.put(m)
-            except Exception as exc:  # the stream broke: every pending event ends with the reason
-                with self._lock:
-                    pending, self._events = list(self._events.values()), {}
-                for q in pending:
-                    q.put({"msg": "process_completed", "success": False, "output": f"{type(exc).__name__}: {exc}"})
-
-
 def chat_once(session: Session, prompt: str, max_tokens: int, tally: Tally | None = None,
               view_stop: threading.Event | None = None) -> ChatTiming:
     """One chat through the /chat endpoint, as a tab sends it (its session state is the server's)."""
     timing = ChatTiming()
     start = time.perf_counter()
     for history, _stats in session.stream("/chat", [prompt, [], 0.0, max_tokens, None]):
-        timing.saw(time.perf_counter() - start, _reply(history))
+        timing.saw(time.perf_counter() - start, reply_text(history))
     reply = timing.reply
     if tally is not None and (not reply or reply.startswith("⚠️") or "[engine error" in reply):
         tally.error("chat", f"the reply was {reply[:80]!r}")
     return timing
-
-
-def _reply(history: list[dict]) -> str:
-    """The assistant's reply so far: "" while the history ends with the user's message."""
-    if not history or history[-1].get("role") != "assistant":
-        return ""
-    return _text(history[-1].get("content"))
-
-
-def _text(content) -> str:
-    """An assistant message's content comes back as [{"type": "text", "text": ...}]."""
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return "" if content is None else str(content)
 
 
 # what a browser tab sends with each poll: one value per input, a state's as None (the server keeps its own).
@@ -355,45 +262,6 @@ def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_token
     return PhaseResult(phase, len(sessions) if watch else num_chats, results, tally, wall, polling,
                        cpu_to - cpu_from if cpu_from is not None and cpu_to is not None else None, clients_cpu,
                        toggles[0])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(model: str | None, timeout_s: float = 180.0, presenter_token: str | None = None
-           ) -> tuple[subprocess.Popen, str]:
-    """`python app.py` in its own process, as a user runs it; the clients here play the browsers."""
-    port = free_port()
-    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)}
-    cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "app.py"), "--device", "cpu"]
-    if model:
-        cmd += ["--model", model]
-    if presenter_token:
-        cmd += ["--presenter-token", presenter_token]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"app.py exited with code {proc.returncode}")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"app.py did not serve {url} within {timeout_s:.0f} s")
-
-
-def open_sessions(url: str, n: int) -> list[Session]:
-    """n sessions, each its own tab."""
-    with urllib.request.urlopen(url + "config", timeout=30) as r:
-        config = json.load(r)
-    fn_ids = {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")}
-    return [Session(url, fn_ids) for _ in range(n)]
 
 
 def loadtest(num_sessions: int = 12, num_chats: int = 4, max_tokens: int = 64, model: str | None = None,

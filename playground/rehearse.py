@@ -8,7 +8,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .lessons import METRICS, LessonRunner, format_value, machine_name, switch_text, write_record
+from .course import METRICS, format_value, switch_text
+from .lesson_record import machine_name, write_record
+from .lessons import LessonRunner
 
 if TYPE_CHECKING:
     from .handlers import Playground

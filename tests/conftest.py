@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def serve_app(llm, store=None, model_name: str = "test-model", access=None, api_
     pytest.importorskip("gradio")
     import app
     from playground import Playground
-    from playground.loadtest import free_port
+    from playground.page_client import free_port
     pg = Playground(llm, store=store)
     port = free_port()
     demo = app.launch(pg, model_name, access=access, api_key=api_key, server_name="127.0.0.1", server_port=port,
@@ -111,13 +112,22 @@ def serve_app(llm, store=None, model_name: str = "test-model", access=None, api_
         pg.service.shutdown()
 
 
+_HF_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(prompt, max_new): tokens}
+
+
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' generate, batch 1, greedy: the reference our engine must match token for token."""
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, pad_token_id=hf_model.config.pad_token_id)
-    return out[0, len(prompt_ids):].tolist()
+    """transformers' generate, batch 1, greedy: the reference our engine must match token for token. Each
+    (model, prompt, length) is generated once per session: tests that check the same prompts against one HF model
+    (the default model with its usual pool and with a tiny one) share its answer, which is deterministic."""
+    known = _HF_GREEDY.setdefault(hf_model, {})
+    key = (tuple(prompt_ids), max_new_tokens)
+    if key not in known:
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False, pad_token_id=hf_model.config.pad_token_id)
+        known[key] = out[0, len(prompt_ids):].tolist()
+    return list(known[key])
 
 
 def assert_all_blocks_free(engine) -> None:

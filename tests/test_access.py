@@ -258,9 +258,9 @@ def test_an_audience_chat_is_capped_and_answered(public, monkeypatch):
 def test_the_workshop_loadtest_steers_as_the_presenter_while_the_audience_chats(public):
     """playground.loadtest --workshop in small: audience sessions chat and poll, the presenter flips a switch
     through the page's apply_settings; nothing is refused or lost."""
-    from playground import loadtest
+    from playground import loadtest, page_client
     url, pg, _ = public
-    sessions = loadtest.open_sessions(url, 3)
+    sessions = page_client.open_sessions(url, 3)
     presenter = loadtest.Presenter(url, SECRET)
     before = pg.settings()["prefix_caching"]
     result = loadtest.run_phase(sessions, "workshop smoke", 2, True, 8, duration_s=4.0, presenter=presenter,

@@ -322,8 +322,8 @@ def test_every_built_switch_has_an_ablation_row(tiny_llm):
     assert set(BUILT_SWITCHES) < {r.switch for r in rows}
     # within the full engine's precision (int4 weights, int8 KV) no switch changes greedy output; the unquantized
     # row computes in another precision and is reported as such, never claimed identical
-    full = rows[0].precision
-    assert full == "float32, int4 weights (groups of 32) but the LM head, int8 KV, keys smoothed"
+    full, asked = rows[0].precision, tiny_llm.config_for(bench.FULL_FIELDS)
+    assert (asked.quantization, asked.kv_cache_dtype) == ("int4", "int8") and full == asked.precision
     assert all(r.error is None and r.same_output_as_full for r in rows if r.precision == full)
     assert [r.switch for r in rows if r.precision != full] == ["quantization"]
     assert rows[0].ratio == 1.0 and rows[0].feature == bench.FULL_ENGINE
@@ -338,8 +338,7 @@ def test_cumulative_ablation_adds_features_back_in_the_course_order(tiny_llm):
     # greedy output never changes as features come back, until quantization changes the precision
     quantized = [f.switch for f in bench.FEATURES].index("quantization") + 1
     assert all(r.same_output_as_full for r in rows[:quantized])
-    assert {r.precision for r in rows[quantized:]} == {
-        "float32, int4 weights (groups of 32) but the LM head, int8 KV, keys smoothed"}
+    assert {r.precision for r in rows[quantized:]} == {tiny_llm.config_for(bench.FULL_FIELDS).precision}
     assert rows[1].step_ratio == pytest.approx(rows[1].ratio)
     text = bench.render_report(bench.ablate_report(tiny_workload(), rows, cumulative=True))
     assert "x previous" in text and "+ speculative decoding" in text

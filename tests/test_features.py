@@ -42,18 +42,33 @@ def tiny(tiny_models):
     return LLM(tiny_models["llama"][0], max_model_len=256)
 
 
-@pytest.mark.parametrize("off", SWITCHES_OFF, ids=lambda d: next(iter(d)))
-def test_tiny_greedy_invariant_to_each_switch(tiny, off):
-    prompts = random_prompts(8, seed=3) + shared_prefix_prompts(4, 40)
-    baseline = run(engine_like(tiny), prompts)
-    assert run(engine_like(tiny, **off), prompts) == baseline
+TINY_PROMPTS = random_prompts(8, seed=3) + shared_prefix_prompts(4, 40)
+
+
+@pytest.fixture(scope="module")
+def tiny_baseline(tiny):
+    """Every switch on: what each switch-off run must give (computed once for all of them)."""
+    return run(engine_like(tiny), TINY_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def default_prompts(default_llm):
+    return [default_llm.tokenizer(p).input_ids for p in TEXT_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def default_baseline(default_llm, default_prompts):
+    return run(engine_like(default_llm), default_prompts)
 
 
 @pytest.mark.parametrize("off", SWITCHES_OFF, ids=lambda d: next(iter(d)))
-def test_default_model_greedy_invariant_to_each_switch(default_llm, off):
-    prompts = [default_llm.tokenizer(p).input_ids for p in TEXT_PROMPTS]
-    baseline = run(engine_like(default_llm), prompts)
-    assert run(engine_like(default_llm, **off, max_model_len=256), prompts) == baseline
+def test_tiny_greedy_invariant_to_each_switch(tiny, tiny_baseline, off):
+    assert run(engine_like(tiny, **off), TINY_PROMPTS) == tiny_baseline
+
+
+@pytest.mark.parametrize("off", SWITCHES_OFF, ids=lambda d: next(iter(d)))
+def test_default_model_greedy_invariant_to_each_switch(default_llm, default_prompts, default_baseline, off):
+    assert run(engine_like(default_llm, **off, max_model_len=256), default_prompts) == default_baseline
 
 
 def test_warm_prefix_cache_gives_the_same_tokens(tiny):

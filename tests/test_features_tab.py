@@ -119,7 +119,8 @@ def test_a_measurement_from_the_tab_can_be_cancelled_and_keeps_nothing(pg, workl
     worker.start()
     assert started.wait(60)
     total = len(LEVELS) * (len(bench.FEATURES) + 1)
-    assert f"paused for a measurement (concurrency sweep: 0/{total} configurations" in pg.status()
+    measuring = pg.measurement
+    assert pg.service.paused and (measuring.name, measuring.done, measuring.total) == ("concurrency sweep", 0, total)
     with pytest.raises(ValueError, match="another measurement is running"):
         experiments.run("memory", workload, pool_sizes=POOLS)
     assert pg.cancel_measurement().startswith("Cancelling the concurrency sweep")
@@ -276,7 +277,8 @@ def test_quality_from_the_tab_can_be_cancelled_and_keeps_nothing(pg, tmp_path):
     worker = threading.Thread(target=run)
     worker.start()
     assert started.wait(60)
-    assert "paused for a measurement (quality against fp32: 0/3 configurations" in pg.status()
+    measuring = pg.measurement
+    assert pg.service.paused and (measuring.name, measuring.done, measuring.total) == ("quality against fp32", 0, 3)
     assert pg.cancel_measurement().startswith("Cancelling the quality against fp32")
     worker.join(60)
     assert "cancelled" in outcome and "quantization=int8" in str(outcome["cancelled"])

@@ -11,17 +11,10 @@ import pytest
 
 from engine import LLM
 from engine.service import HistorySample
-from playground.lessons import (
-    CHARTS,
-    METRICS,
-    Lesson,
-    LessonRunner,
-    check_lesson,
-    load_lessons,
-    record_html,
-    record_json,
-    window_metrics,
-)
+from playground.course import CHARTS, METRICS, Lesson, check_lesson, load_lessons
+from playground.lesson_numbers import window_metrics
+from playground.lesson_record import record_html, record_json
+from playground.lessons import LessonRunner
 
 COURSE = ["KV cache", "Paged KV", "Continuous", "Preemption", "Prefix caching", "Chunked prefill", "Speculative",
           "Quantization", "CUDA graphs", "Memory is still"]
@@ -177,10 +170,10 @@ def test_a_lesson_does_not_start_over_a_running_traffic_run_or_while_attached(pg
 @pytest.mark.slow
 @pytest.mark.parametrize("slug", ["02-paged-kv", "04-preemption", "05-prefix-caching"])
 def test_a_lesson_whose_number_is_a_count_moves_the_way_it_says(pg, slug):
-    """Quick mode (8 s phases) on a tiny model. Only lessons whose number counts something (requests running,
+    """Quick mode (5 s phases) on a tiny model. Only lessons whose number counts something (requests running,
     preemptions, prefix hits) are asserted here: a timing's direction is never asserted in a test; those lessons'
     numbers are measured by `python -m playground.rehearse` and recorded in docs/measurements.md."""
-    runner = LessonRunner(pg, seconds=8)
+    runner = LessonRunner(pg, seconds=5)
     pg.lessons = runner
     runner.start(slug)
     wait_phase(runner, ("done", "failed"), timeout_s=120)

@@ -48,17 +48,28 @@ def projection(pg: Playground):
     return pg.llm.engine.model.layers[0].qkv
 
 
+def rebuilt(pg, **change) -> str:
+    """Apply a weights change through the page's handler; the precision the new engine runs (a rebuild replaces
+    the service: asserted)."""
+    before = pg.service
+    pg.apply_settings(None, **change)
+    assert pg.service is not before, "no rebuild"
+    return pg.service.snapshot().precision
+
+
 def test_int8_from_the_form_rebuilds_the_model_and_back(pg, folder):
     fp32 = served(pg)
     assert fp32 == direct(folder)
     assert isinstance(projection(pg), Linear) and pg.settings()["quantization"] is None
     form = pg.settings()
     stages = []
-    msg = pg.apply_settings(form, lambda f, d: stages.append((f, d)), **{**form, "quantization": NO_QUANTIZATION,
-                                                                         "max_num_seqs": 8})
-    assert msg == "Applied: max_num_seqs=8."  # "none" is what runs: no weight change, the rest applied live
-    msg = pg.apply_settings(form, lambda f, d: stages.append((f, d)), **{**pg.settings(), "quantization": "int8"})
-    assert msg.startswith("Rebuilt the engine for float32, int8 weights"), msg
+    service = pg.service
+    pg.apply_settings(form, lambda f, d: stages.append((f, d)), **{**form, "quantization": NO_QUANTIZATION,
+                                                                   "max_num_seqs": 8})
+    # "none" is what runs: no weight change, no rebuild, the rest applied live
+    assert pg.service is service and pg.service.config_changes[-1].changes == {"max_num_seqs": 8}
+    pg.apply_settings(form, lambda f, d: stages.append((f, d)), **{**pg.settings(), "quantization": "int8"})
+    assert pg.service is not service  # rebuilt: a new engine over the int8 weights (checked below)
     # the bar went through each stage, and the status line said what was happening
     assert [f for f, _ in stages] == [i / len(REBUILD_STAGES) for i in range(len(REBUILD_STAGES))]
     assert all(d.startswith("rebuilding the engine for float32, int8 weights: ") for _, d in stages)
@@ -73,14 +84,12 @@ def test_int8_from_the_form_rebuilds_the_model_and_back(pg, folder):
     history, stats = list(pg.chat("Hello there", [], 0.0, 6))[-1]
     assert history[-1]["role"] == "assistant" and "finished" in stats
 
-    msg = pg.apply_settings(None, quantization=NO_QUANTIZATION)  # back: fp32, token for token the original's
-    assert msg.startswith("Rebuilt the engine for float32"), msg
+    assert rebuilt(pg, quantization=NO_QUANTIZATION) == "float32"  # back: fp32, token for token the original's
     assert isinstance(projection(pg), Linear) and served(pg) == fp32
 
     # bf16 and back to fp32: the LLM hands out the fp32 weights again, not the bf16 model the engine ran
-    assert pg.apply_settings(None, dtype="bfloat16").startswith("Rebuilt the engine for bfloat16")
-    assert str(projection(pg).dtype) == "torch.bfloat16" and pg.service.snapshot().precision == "bfloat16"
-    assert pg.apply_settings(None, dtype="float32").startswith("Rebuilt the engine for float32")
+    assert rebuilt(pg, dtype="bfloat16") == "bfloat16" and str(projection(pg).dtype) == "torch.bfloat16"
+    assert rebuilt(pg, dtype="float32") == "float32"
     assert served(pg) == fp32
     assert "Applied" in pg.apply_settings(None, max_num_seqs=64)
 
@@ -139,8 +148,8 @@ def test_requests_open_at_a_rebuild_are_ended_with_a_message_and_chats_sent_mean
     history, stats = list(chat)[-1]
     assert "finished" in stats and not history[-1]["content"].startswith("⚠️")
     worker.join(60)
-    assert result["msg"].startswith("Rebuilt the engine for float32, int4 weights (groups of 32)")
-    assert "1 request running or waiting was ended (their chats say so: send them again)" in result["msg"]
+    assert pg.service.snapshot().precision == "float32, int4 weights (groups of 32)"
+    assert "their chats say so: send them again" in result["msg"]  # the presenter is told what the rebuild ended
     assert isinstance(projection(pg), Int4Linear) and not pg.service.paused  # a new engine, not paused
     while not (out := q.get(timeout=10)).finished:  # the step's output, then the end
         pass
@@ -148,8 +157,8 @@ def test_requests_open_at_a_rebuild_are_ended_with_a_message_and_chats_sent_mean
     with pytest.raises(queue.Empty):
         q.get_nowait()
     assert not pg.service.is_streaming(rid)
-    assert pg.reset_settings().startswith("Rebuilt the engine for float32")
-    assert isinstance(projection(pg), Linear)
+    pg.reset_settings()
+    assert pg.service.snapshot().precision == "float32" and isinstance(projection(pg), Linear)
 
 
 def test_the_settings_api_shows_and_changes_the_weights(folder):
