@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # gradio's queue recomputes its monitoring summary (a pandas groupby over its last 10,000 events) after every event
@@ -44,6 +45,7 @@ from playground.handlers import Playground, feature_presets, workloads
 from playground.lessons_tab import TAB_ID as LESSONS_TAB
 from playground.lessons_tab import build_lessons_tab
 from playground.remote_tab import build_remote_tab
+from playground.room import plain
 from playground.serialised import SerialisedFigures
 from playground.settings import NO_QUANTIZATION, form_value
 from playground.tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
@@ -52,8 +54,24 @@ from viz.figures import ablation_figure, compare_figure, placeholder_figure, to_
 
 INTRO = """# Watch an LLM inference engine work
 A real engine (paged KV cache, continuous batching, prefix caching, chunked prefill, speculative decoding,
-int8 / int4 quantization) runs **SmolLM2-135M** on this machine. Chat with it, put it under load, switch
+int8 / int4 quantization) runs **{model}** on this machine. Chat with it, put it under load, switch
 features off, and watch what changes."""
+
+
+def intro(pg: Playground) -> str:
+    """The page's header: which model this machine's engine runs, and, while the page is attached to another
+    server, that the chat and the dashboard show that server instead."""
+    text = INTRO.format(model=plain(model_label(pg.llm.config.model), 80))
+    if (remote := pg.remote) is not None:
+        text += (f"\n\n**Attached to {plain(remote.url, 120)}**" + (f" ({plain(remote.model, 80)})" if remote.model
+                 else "") + ": the chat and the dashboard show that server; the other tabs are this machine's engine.")
+    return text
+
+
+def model_label(model: str | None) -> str:
+    """A model as the header names it: the hub id's or folder's last part, a GGUF file's stem."""
+    name = Path(served_model_name(model).rstrip("/")).name
+    return name[:-5] if name.endswith(".gguf") else name
 
 HELP = {
     "blocks": "Every square is one KV block (a fixed number of tokens' keys and values). Colour = the request "
@@ -117,30 +135,45 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access
                 live_summary = gr.Markdown()
                 gr.Markdown(HELP["live"])
         live = gr.Timer(1.0, active=False)  # polls only while this tab's reply is on its way or streaming
+        pending = gr.State("")  # the message sent, moved out of the box (below)
+        api_chat = gr.Button(visible=False)  # the chat's API endpoint (below)
 
     @audience
-    def start_view(s: ChatSession):
-        pg.chat_sent(s)
-        return gr.Timer(active=True)
-    # Registered before the chat itself: the page applies a trigger's updates in order, and a timer activated
-    # after the streaming chat on the same trigger only started once the reply had ended. (It cannot empty the
-    # message box too: the chat's own input is read later, and got the emptied box.)
-    gr.on([msg.submit, send.click], start_view, session, live, queue=False, show_progress="hidden",
-          api_visibility="private")
-    @audience
     def chat(message, history, temperature_value, max_tokens_value, s: ChatSession):
+        if not (message and message.strip()):  # an empty box sent (Enter pressed twice): nothing changes
+            yield gr.skip(), gr.skip()
+            return
         visitor = access.visitor()  # the audience's share of the engine is bounded; the presenter's is not
         key = None if visitor.presenter else (visitor.session or "anonymous")
         yield from pg.chat(message, history, temperature_value, max_tokens_value, s, audience=key)
 
-    chat_inputs = [msg, chatbot, temperature, max_tokens, session]
-    # as many chats at once as the engine has seats (and a few waiting), not gradio's default
+    # as many chats at once as the engine has seats (and a few waiting), not gradio's default; the page's chat and
+    # the API's share that limit
     seats = max(16, pg.service.config_view().resolved["max_num_seqs"] + 4)
-    # one event for Enter and Send: gradio refuses a second trigger of an event still running, so a message left
-    # in the box while its reply streams is not sent again by the other one (two events took it twice)
-    chat_event = gr.on([msg.submit, send.click], chat, chat_inputs, [chatbot, reply_info], concurrency_limit=seats,
-                       api_name="chat")
-    chat_event.then(audience(lambda: ""), None, msg)
+    # On the page (gradio's ChatInterface does the same): the message moves from the box to the tab's state at
+    # once, so the box is empty while the reply streams and Enter again sends nothing; then the chat reads it from
+    # the state. A message typed while this tab's reply is still on its way stays in the box, unsent (one reply at
+    # a time per tab: two would stream into one history). The live view's timer starts here, before the chat: the
+    # page applies a trigger's updates in order, and a timer started beside the streaming chat only ran once the
+    # reply had ended.
+    @audience
+    def take(message, s: ChatSession):
+        if not (message and message.strip()):
+            return gr.skip(), "", gr.skip(), gr.skip()
+        if s.expecting():
+            return gr.skip(), "", gr.skip(), "⏳ your reply is still on its way: press Stop, or send this after it"
+        pg.chat_sent(s)
+        return "", message, gr.Timer(active=True), ""
+
+    taken = gr.on([msg.submit, send.click], take, [msg, session], [msg, pending, live, reply_info], queue=False,
+                  show_progress="hidden", api_visibility="private")
+    chat_event = taken.then(chat, [pending, chatbot, temperature, max_tokens, session], [chatbot, reply_info],
+                            concurrency_limit=seats, concurrency_id="chat", api_name="page_chat",
+                            api_visibility="private")  # named, so that "chat" stays the API's
+    # For gradio_client (a state is no API input): the same chat, the message as its first argument, on a button
+    # nobody sees; `predict(message, history, temperature, max_tokens, api_name="/chat")` -> (history, stats)
+    api_event = api_chat.click(chat, [msg, chatbot, temperature, max_tokens, session], [chatbot, reply_info],
+                               concurrency_limit=seats, concurrency_id="chat", api_name="chat")
 
     @audience
     def refresh_view(s: ChatSession):
@@ -148,11 +181,19 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access
         return serialised.payload(view.blocks), view.summary, gr.skip() if polling else gr.Timer(active=False)
     live.tick(refresh_view, session, [live_blocks, live_summary, live], concurrency_limit=4, show_progress="hidden",
               api_name="chat_view", postprocess=False)
+    @audience
+    def stopped(s: ChatSession):
+        s.handled = s.sent  # a chat cancelled before it started never counts itself handled: the next may be sent
+        return "⏹ stopped: the reply ends here, and its KV blocks went back to the pool"
+
+    @audience
+    def cleared(s: ChatSession):
+        s.handled = s.sent
+        return [], ""
     # the reply keeps what had streamed; the chat's own cleanup aborts its request and frees its blocks
-    stop.click(audience(lambda: "⏹ stopped: the reply ends here, and its KV blocks went back to the pool"), None,
-               reply_info, cancels=[chat_event])
+    stop.click(stopped, session, reply_info, cancels=[chat_event, api_event])
     # a fresh conversation: nothing of the old one is sent again (a reply still streaming is stopped)
-    clear.click(audience(lambda: ([], "")), None, [chatbot, reply_info], cancels=[chat_event])
+    clear.click(cleared, session, [chatbot, reply_info], cancels=[chat_event, api_event])
 
 
 def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures) -> list[gr.Plot]:
@@ -374,7 +415,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
     access = access or Access()
     serialised = SerialisedFigures()  # every figure turned into JSON once, for every tab
     with gr.Blocks(title="watch-llm playground") as demo:
-        gr.Markdown(INTRO)
+        header = gr.Markdown(intro(pg))
         role = build_presenter_box(access)
         status = gr.Markdown(pg.status(), elem_id="status")
         back = gr.Button("Back to the lesson", visible=False, size="sm", elem_id="lesson-back")
@@ -404,8 +445,8 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             now = {"run": run.run_id if follow else followed["run"], "back": show_back}
             return (pg.status(), *map(serialised.payload, (f.blocks, f.queues, f.prefix, f.throughput, f.memory)),
                     *lesson["view"](picked), gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
-                    gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip())
-        clock.tick(refresh, [lesson["pick"], seen], [status, *plots, *lesson["outputs"], tabs, seen, back],
+                    gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(), intro(pg))
+        clock.tick(refresh, [lesson["pick"], seen], [status, *plots, *lesson["outputs"], tabs, seen, back, header],
                    concurrency_limit=4, show_progress="hidden", api_name="dashboard", postprocess=False)
         back.click(audience(lambda: gr.Tabs(selected=LESSONS_TAB)), None, tabs, api_name="back_to_lesson",
                    show_progress="hidden")

@@ -35,7 +35,7 @@ from .room import plain
 
 NOT_REMOTE = "not available when attached to a remote server"
 POLL_S = 1.0
-MAX_POLL_S = 30.0  # a failing scrape waits twice as long each time, up to this
+MAX_POLL_S = 30.0  # scrapes failing in a row wait twice as long each time, up to this
 DEADLINE_S = 5.0  # one fetch, connect to last byte
 MAX_METRICS_BYTES = 2 << 20  # vLLM's /metrics is ~100 KB; a bigger body is refused, not parsed every second
 MAX_SMALL_BYTES = 256 << 10  # /v1/models, an error body
@@ -204,7 +204,7 @@ class RemoteServer:
         self.model: str | None = None
         self.error: str | None = None  # the last scrape's problem, until one succeeds
         self.polls = 0
-        self.failures = 0  # scrapes failed in a row: each waits twice as long as the last, up to MAX_POLL_S
+        self.failures = 0  # scrapes failed in a row (next_wait_s backs off from the second)
         self.reserved_blocks = 0  # blocks of num_gpu_blocks no request can hold (vLLM's null block: 1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -256,15 +256,22 @@ class RemoteServer:
             self.failures += 1
 
     def next_wait_s(self) -> float:
-        return min(self.poll_s * 2 ** self.failures, max(MAX_POLL_S, self.poll_s))
+        """One missed scrape (a busy server, an answer past the deadline) is retried at the usual pace, so the
+        charts lose one point rather than seconds of them; from the second failure in a row each wait doubles,
+        up to MAX_POLL_S."""
+        return min(self.poll_s * 2 ** max(0, self.failures - 1), max(MAX_POLL_S, self.poll_s))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="remote-metrics", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.next_wait_s()):
+        # each scrape due a wait after the last one began: a slow answer does not push every later point back
+        due = time.monotonic() + self.next_wait_s()
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            began = time.monotonic()
             self.poll_once()
+            due = began + self.next_wait_s()
 
     def stop(self) -> None:
         self._stop.set()

@@ -113,6 +113,9 @@ def wait_until(condition, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+USER_MESSAGES = "() => Array.from(document.querySelectorAll('[data-testid=\"user\"]')).map(e => e.innerText.trim())"
+
+
 def test_every_tab_readable_at_1600x1200(served, page, shots):
     url, pg = served
     page.goto(url)
@@ -135,6 +138,16 @@ def test_every_tab_readable_at_1600x1200(served, page, shots):
     box.fill("Tell me about the sea")
     box.press("Enter")
     page.get_by_text("queued: the engine is paused").wait_for(timeout=30_000)
+    # the message left the box as it was sent: Enter again sends nothing, and a message typed meanwhile waits in
+    # the box for this reply to end (one reply at a time per tab)
+    assert box.input_value() == ""
+    box.press("Enter")
+    box.fill("And the mountains")
+    box.press("Enter")
+    page.get_by_text("your reply is still on its way").wait_for(timeout=30_000)
+    assert box.input_value() == "And the mountains"
+    assert page.evaluate(USER_MESSAGES) == ["Tell me about the sea"]
+    box.fill("")
     for _ in range(3):
         pg.service.step_once()
     page.wait_for_function(f"() => /^Your request \\S+: \\d+ of \\d+ blocks, decoding/.test(({LIVE_TITLE})())",
