@@ -36,6 +36,7 @@ from engine.config import (
     NOT_YET_BUILT,
     WEIGHT_FIELDS,
 )
+from engine.host import EngineHost
 from engine.quant.format import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.access import OPEN, OWNER_ENV, PUBLIC, TOKEN, TOKEN_ENV, Access, Seats, audience, presenter_controls
@@ -582,8 +583,9 @@ def main() -> None:
     print(f"Loading {args.model or 'SmolLM2-135M-Instruct (the embedded GGUF)'}: the first time, the checkpoint is "
           f"converted once (about 30 s); then seconds", flush=True)
     started = time.perf_counter()
-    pg = Playground(LLM(args.model, **{"device": args.device, **fields}),
-                    max_waiting_requests=args.max_waiting_requests)
+    host = EngineHost()  # the engine steps on this, the main thread (engine/host.py says why); the page serves
+    pg = Playground(LLM(args.model, **{"device": args.device, **fields}),  # from gradio's threads
+                    max_waiting_requests=args.max_waiting_requests, runner=host.run)
     kernels = pg.service.snapshot().kernels
     print(f"Loaded in {time.perf_counter() - started:.0f} s: {pg.service.snapshot().precision} on the "
           f"{kernels.get('weights_kernel', '?')}; attention: {kernels.get('attention', '?')}. Building the page…",
@@ -595,9 +597,16 @@ def main() -> None:
         pg.lessons.seconds = args.lesson_seconds
     if args.attach:  # a wrong address is said on the page and here; the page still starts
         print(pg.attach(args.attach), flush=True)
-    launch(pg, args.served_model_name or served_model_name(args.model), access=access,
-           api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None, server_name=server_name,
-           server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share)
+    demo = launch(pg, args.served_model_name or served_model_name(args.model), access=access,
+                  api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None, server_name=server_name,
+                  server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share,
+                  prevent_thread_lock=True)
+    try:
+        host.serve()  # until Ctrl-C
+    except KeyboardInterrupt:
+        print("Stopping: the page and the API close.", flush=True)
+    finally:
+        demo.close()
 
 
 ROLE_LINES = {OPEN: "everyone at this page may change the engine (it listens on this machine only)",

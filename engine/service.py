@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .engine import LLMEngine
+from .host import EngineLoop, on_its_own_thread
 from .request import RequestMetrics, RequestOutput
 from .sampler import SamplingParams
 from .snapshot import EngineSnapshot
@@ -111,12 +112,14 @@ class EngineService:
     def __init__(self, engine: LLMEngine, history_len: int = 3600,
                  max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
                  stat_listeners: list[Callable[[IterationStats], None]] | None = None,
-                 follows: EngineService | None = None) -> None:
+                 follows: EngineService | None = None,
+                 runner: Callable[[EngineLoop], None] = on_its_own_thread) -> None:
         """`max_waiting_requests`: beyond it submit raises ServiceBusy (None: no bound). `stat_listeners`: called
         on the engine thread after every step; the list is kept, not copied, so its owner can add to it later
         (and hand the same list to the service that replaces this one after a restart). `follows`: the service this
         one replaces: its time series and configuration changes carry on here, with a marker for the restart, so
-        the charts keep their before and after across it."""
+        the charts keep their before and after across it. `runner`: where the engine loop runs (its own thread,
+        or an EngineHost's)."""
         if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool)
                                                  or not isinstance(max_waiting_requests, int)
                                                  or max_waiting_requests < 1):
@@ -140,8 +143,8 @@ class EngineService:
             self.config_changes.extend(follows.config_changes)
             self.config_changes.append(ConfigChange(time.time(), 0, {}, RESTARTED))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
+        self._ended = threading.Event()  # the engine loop has returned (stopped, or died with self.error)
+        runner(self._run)
 
     # ---- API for any thread --------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams,
@@ -215,13 +218,12 @@ class EngineService:
         """Stop the engine thread; every request still open ends with an error saying `reason`."""
         self._stop.set()
         self._commands.put((lambda: None, None))
-        self._thread.join(timeout=30)
-        if not self._thread.is_alive():  # a stream still open would otherwise wait for a step that never comes
+        if self._ended.wait(timeout=30):  # a stream still open would otherwise wait for a step that never comes
             self._fail_all(reason)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return not self._ended.is_set() and self.error is None
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _call(self, fn: Callable, *args, **kwargs):
@@ -289,6 +291,12 @@ class EngineService:
 
     def _should_step(self) -> bool:
         return bool(self._step_waiters) or (not self.paused and self.engine.has_unfinished())
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._ended.set()
 
     def _loop(self) -> None:
         try:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine import LLM, bench
+from engine.host import EngineLoop, on_its_own_thread
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS, EngineService, IterationStats
 from engine.workloads import list_workloads, load_workload
 from viz.dashboard import DashboardFigures, FigureCache
@@ -34,10 +35,13 @@ from .traffic import TrafficGenerator, TrafficStatus
 
 class Playground(ChatHandlers, SettingsHandlers, MeasurementHandlers):
     def __init__(self, llm: LLM, store: Path | None = None,
-                 max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS) -> None:
-        """`max_waiting_requests`: beyond it a new request (chat, traffic, API) is refused as busy, to retry."""
+                 max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+                 runner: Callable[[EngineLoop], None] = on_its_own_thread) -> None:
+        """`max_waiting_requests`: beyond it a new request (chat, traffic, API) is refused as busy, to retry.
+        `runner`: where the live engine's loop runs, this one's and each after a restart (engine/host.py)."""
         self.llm = llm
         self.max_waiting_requests = max_waiting_requests
+        self.runner = runner
         # after every step (the metrics endpoint adds them up); the same list goes to the engine after a restart
         self.stat_listeners: list[Callable[[IterationStats], None]] = []
         self.service = self._new_service(llm.engine)
@@ -127,7 +131,7 @@ class Playground(ChatHandlers, SettingsHandlers, MeasurementHandlers):
 
     def _new_service(self, engine, follows: EngineService | None = None) -> EngineService:
         return EngineService(engine, max_waiting_requests=self.max_waiting_requests,
-                             stat_listeners=self.stat_listeners, follows=follows)
+                             stat_listeners=self.stat_listeners, follows=follows, runner=self.runner)
 
     # ---- traffic generator -----------------------------------------------------------------------------
     def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0) -> str:

@@ -282,3 +282,35 @@ def test_listeners_get_each_steps_tokens_latencies_and_finished_requests(tiny_mo
     finished = [f for s in got for f in s.finished]
     assert sorted((f.finish_reason, f.num_generation_tokens) for f in finished) == [("length", 12)] * 3
     assert all(f.e2e_latency >= 0 for f in finished)
+
+
+def test_a_host_steps_each_engine_on_its_own_thread_one_after_another(tiny_models):
+    """app.py's EngineHost: the engine loop runs on the thread that serves the host (here the test's, as the main
+    thread in app.py), a restarted playground's new engine runs there after the old one ended, and stop() returns."""
+    from engine.host import EngineHost
+    from playground import Playground
+    host, ran_on, results = EngineHost(), set(), {}
+    pg = Playground(LLM(tiny_models["llama"][0], max_model_len=256), runner=host.run)
+    pg.stat_listeners.append(lambda stats: ran_on.add(threading.get_ident()))
+
+    def visitor():  # the page's and the API's side: requests from other threads, a restart between them
+        try:
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            results["before"] = [o.token_ids for o in pg.service.stream([5, 6, 7, 8], params)][-1]
+            first = pg.service
+            results["restart"] = pg.restart()
+            results["after"] = [o.token_ids for o in pg.service.stream([5, 6, 7, 8], params)][-1]
+            results["old alive"], results["new alive"] = first.alive, pg.service.alive
+        finally:
+            pg.service.shutdown()
+            host.stop()
+    worker = threading.Thread(target=visitor)
+    worker.start()
+    deadline = threading.Timer(120, host.stop)  # a test that fails does not hang
+    deadline.start()
+    host.serve()
+    deadline.cancel()
+    worker.join(30)
+    assert results["restart"].startswith("Engine restarted") and results["before"] == results["after"]
+    assert len(results["before"]) == 6 and not results["old alive"] and results["new alive"]
+    assert ran_on == {threading.get_ident()}  # every step of both engines, on the host's thread
