@@ -50,6 +50,7 @@ from playground.room import plain
 from playground.serialised import SerialisedFigures
 from playground.settings import NO_QUANTIZATION, form_value
 from playground.tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
+from playground.watching import Watcher
 from server import OpenAIApi, served_model_name
 from viz.figures import ablation_figure, compare_figure, placeholder_figure, to_json
 
@@ -59,9 +60,18 @@ int8 / int4 quantization) runs **{model}** on this machine. Chat with it, put it
 features off, and watch what changes."""
 
 
-def intro(pg: Playground) -> str:
+WATCH_INTRO = """# Watch an LLM inference server work
+This page watches **{url}** (its OpenAI API and vLLM's metrics): chat with it and watch its queues, KV cache,
+prefix cache and throughput live. No model runs on this machine."""
+
+
+def intro(pg: Playground | Watcher) -> str:
     """The page's header: which model this machine's engine runs, and, while the page is attached to another
     server, that the chat and the dashboard show that server instead."""
+    if not pg.local:
+        remote = pg.remote
+        return (WATCH_INTRO.format(url=plain(remote.url, 120))
+                + (f" It serves **{plain(remote.model, 80)}**." if remote.model else ""))
     text = INTRO.format(model=plain(model_label(pg.llm.config.model), 80))
     if (remote := pg.remote) is not None:
         text += (f"\n\n**Attached to {plain(remote.url, 120)}**" + (f" ({plain(remote.model, 80)})" if remote.model
@@ -112,7 +122,16 @@ PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix
                "throughput": "throughput", "memory": "memory"}
 
 
-def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access) -> None:
+WATCHED_CHATS = 64  # a watched server's seats are not known here: it is usually a bigger machine than this one
+
+
+def chat_seats(pg: Playground | Watcher) -> int:
+    """How many chats the page streams at once: as many as the engine has seats (and a few waiting), not gradio's
+    default; the page's chat and the API's share that limit."""
+    return max(16, pg.service.config_view().resolved["max_num_seqs"] + 4) if pg.local else WATCHED_CHATS
+
+
+def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, access: Access) -> None:
     with gr.Tab("Chat"):
         # copied per tab; the chat sets its request id in place, the live view (another event) reads it at once
         session = gr.State(ChatSession())
@@ -148,9 +167,7 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access
         key = None if visitor.presenter else (visitor.session or "anonymous")
         yield from pg.chat(message, history, temperature_value, max_tokens_value, s, audience=key)
 
-    # as many chats at once as the engine has seats (and a few waiting), not gradio's default; the page's chat and
-    # the API's share that limit
-    seats = max(16, pg.service.config_view().resolved["max_num_seqs"] + 4)
+    seats = chat_seats(pg)
     # On the page (gradio's ChatInterface does the same): the message moves from the box to the tab's state at
     # once, so the box is empty while the reply streams and Enter again sends nothing; then the chat reads it from
     # the state. A message typed while this tab's reply is still on its way stays in the box, unsent (one reply at
@@ -197,11 +214,13 @@ def build_chat_tab(pg: Playground, serialised: SerialisedFigures, access: Access
     clear.click(cleared, session, [chatbot, reply_info], cancels=[chat_event, api_event])
 
 
-def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures) -> list[gr.Plot]:
-    """The live charts (returned, for the page's clock to refresh) and the traffic generator."""
+def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures) -> list[gr.Plot]:
+    """The live charts (returned, for the page's clock to refresh) and, for this machine's engine, the traffic
+    generator."""
     with gr.Tab("Dashboard"):
         gr.Markdown("Live view of the engine, refreshed every second (figures are shared by all tabs). "
-                    + HELP["markers"])
+                    + HELP["markers"] if pg.local else "Live view of the watched server, from its /metrics "
+                    "scraped every second (figures are shared by all tabs).")
         plots = {}
         for row in (("blocks", "queues"), ("prefix", "throughput"), ("memory",)):
             with gr.Row():
@@ -209,6 +228,8 @@ def build_dashboard_tab(pg: Playground, serialised: SerialisedFigures) -> list[g
                     with gr.Column():
                         plots[key] = chart(PLOT_LABELS[key])
                         gr.Markdown(HELP[key])
+        if not pg.local:
+            return [plots[k] for k in ("blocks", "queues", "prefix", "throughput", "memory")]
         with gr.Accordion("Traffic generator: put the engine under load", open=True):
             gr.Markdown("Simulated users each send a request from the workload, wait for the reply, think for a "
                         "moment (0.5-3 s) and send the next, until the time is up or you press Stop. Flip switches "
@@ -456,6 +477,34 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
     return demo
 
 
+def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks:
+    """A page that only watches another server (`--attach URL`): the chat, the dashboard and the Remote server
+    tab, with the same roles as build_app (attaching it elsewhere is the presenter's)."""
+    access = access or Access()
+    serialised = SerialisedFigures()
+    with gr.Blocks(title="watch-llm: watching a server") as demo:
+        header = gr.Markdown(intro(watcher))
+        role = build_presenter_box(access)
+        status = gr.Markdown(watcher.status(), elem_id="status")
+        clock = gr.Timer(1.0)
+        with gr.Tabs() as tabs:
+            build_chat_tab(watcher, serialised, access)
+            plots = build_dashboard_tab(watcher, serialised)
+            build_remote_tab(watcher, serialised)
+        tabs.select(None, None, None, js=RESIZE_CHARTS)
+
+        @audience
+        def refresh():
+            f = watcher.dashboard()
+            return (watcher.status(), *map(serialised.payload, (f.blocks, f.queues, f.prefix, f.throughput, f.memory)),
+                    intro(watcher))
+        clock.tick(refresh, None, [status, *plots, header], concurrency_limit=4, show_progress="hidden",
+                   api_name="dashboard", postprocess=False)
+        wire_roles(demo, access, role)
+    access.guard(demo, gr.Error)
+    return demo
+
+
 def build_presenter_box(access: Access) -> dict:
     """The visitor's role line and, in token mode, where the presenter enters the token."""
     parts = {"banner": gr.Markdown(visible=access.mode != OPEN, elem_id="role-banner")}
@@ -501,14 +550,20 @@ def wire_roles(demo: gr.Blocks, access: Access, role: dict) -> None:
             ev.then(audience(lambda: ""), None, role["token"])
 
 
-def launch(pg: Playground, model_name: str, access: Access | None = None, api_key: str | None = None,
+def launch(pg: Playground | Watcher, model_name: str, access: Access | None = None, api_key: str | None = None,
            **launch_kwargs) -> gr.Blocks:
     """The page and the OpenAI-compatible API on one server: the API's routes go into gradio's own FastAPI app,
     ahead of gradio's, so `share`, the queue and everything else of gradio's launch() keep working.
     `access`: who may change the engine (default: decided from where it listens, as main() does).
-    `api_key`: required as `Authorization: Bearer` on /v1/* (None: the API is open)."""
+    `api_key`: required as `Authorization: Bearer` on /v1/* (None: the API is open).
+    A Watcher's page has no API of its own: the watched server serves it."""
     if access is None:
         access = Access.for_launch(launch_kwargs.get("server_name"), bool(launch_kwargs.get("share")))
+    if not pg.local:
+        demo = build_watch_app(pg, access)
+        calm_queue(demo.queue(default_concurrency_limit=8))
+        demo.launch(**launch_kwargs)
+        return demo
     demo = build_app(pg, access)
     # the live service, even after a restart
     api = OpenAIApi(lambda: pg.service, pg.llm.tokenizer, model_name, api_key=api_key, seats=pg.seats,
@@ -565,8 +620,8 @@ def main() -> None:
                         help="every lesson's before and after phases this long (a rehearsal, a short workshop; "
                              "default: each lesson's own)")
     parser.add_argument("--attach", default=None, metavar="URL",
-                        help="watch another server (OpenAI API + vLLM's /metrics, e.g. vllm serve) instead of this "
-                             "engine: the dashboard's charts and the chat (docs/api.md: Watch a vLLM deployment)")
+                        help="only watch another server (OpenAI API + vLLM's /metrics, e.g. vllm serve): the chat and "
+                             "the dashboard's charts, no model loaded here (docs/api.md: Watch a vLLM deployment)")
     args = parser.parse_args()
     try:
         fields = {**(load_feature_preset(args.preset) if args.preset else {}), **parse_assignments(args.settings)}
@@ -580,6 +635,9 @@ def main() -> None:
         seats = Seats(args.audience_replies, args.audience_max_tokens)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.attach:
+        watch(args, parser, access, seats, server_name)
+        return
     print(f"Loading {args.model or 'SmolLM2-135M-Instruct (the embedded GGUF)'}: the first time, the checkpoint is "
           f"converted once (about 30 s); then seconds", flush=True)
     started = time.perf_counter()
@@ -595,8 +653,6 @@ def main() -> None:
         if args.lesson_seconds <= 0:
             parser.error(f"--lesson-seconds must be > 0, got {args.lesson_seconds}")
         pg.lessons.seconds = args.lesson_seconds
-    if args.attach:  # a wrong address is said on the page and here; the page still starts
-        print(pg.attach(args.attach), flush=True)
     demo = launch(pg, args.served_model_name or served_model_name(args.model), access=access,
                   api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None, server_name=server_name,
                   server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share,
@@ -607,6 +663,34 @@ def main() -> None:
         print("Stopping: the page and the API close.", flush=True)
     finally:
         demo.close()
+
+
+def watch(args, parser: argparse.ArgumentParser, access: Access, seats: Seats, server_name: str) -> None:
+    """`--attach URL`: a page that only watches that server; no model is loaded (a server still starting is asked
+    again until it answers)."""
+    local = [flag for flag, given in (("--model", args.model), ("--preset", args.preset), ("--set", args.settings),
+                                       ("--api-key", args.api_key), ("--lesson-seconds", args.lesson_seconds))
+             if given]
+    if local:
+        parser.error(f"--attach watches another server and loads no model here: {', '.join(local)} would configure "
+                     f"an engine this page does not run (to run one and attach it later, start without --attach and "
+                     f"use the Remote server tab)")
+    try:
+        watcher = Watcher.connect(args.attach, say=lambda line: print(line, flush=True))
+    except ValueError as exc:
+        parser.error(str(exc))
+    except KeyboardInterrupt:
+        return
+    watcher.seats = seats
+    print(f"Watching {watcher.remote.url}" + (f" ({watcher.remote.model})" if watcher.remote.model else "")
+          + ": no model is loaded here.", flush=True)
+    demo = launch(watcher, "", access=access, server_name=server_name,
+                  server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share,
+                  prevent_thread_lock=True)
+    try:
+        demo.block_thread()  # until Ctrl-C
+    finally:
+        watcher.close()
 
 
 ROLE_LINES = {OPEN: "everyone at this page may change the engine (it listens on this machine only)",

@@ -1,7 +1,8 @@
 """The playground: the shared state every tab's events work on, one Playground per page. No gradio layout here;
 functions return plain values. Split by job: chat.py (conversations and the tab's live view), settings.py (the
-form, changes, rebuilds, restart), measurements.py (ablation and comparison); this file holds the state they
-share, the dashboard and status line, the traffic generator, step mode and attaching to another server.
+form, changes, rebuilds, restart), measurements.py (ablation and comparison), watching.py (attaching to another
+server); this file holds the state they share, the dashboard and status line, the traffic generator, step mode
+and detaching.
 
 The live engine runs in an EngineService thread; ablation and comparison runs build their own engines over
 the same loaded weights, with the live engine paused meanwhile so their measurements are clean. Who may call
@@ -26,14 +27,17 @@ from .chat import ChatHandlers
 from .conversation import WARNING
 from .lessons import LessonRunner
 from .measurements import Measurement, MeasurementHandlers, ablation_store
-from .remote import NOT_REMOTE, RemoteServer
+from .remote import RemoteServer
 from .room import Room, plain
 from .settings import SettingsHandlers
 from .stepmode import describe_step, plural
 from .traffic import TrafficGenerator, TrafficStatus
+from .watching import Watching
 
 
-class Playground(ChatHandlers, SettingsHandlers, MeasurementHandlers):
+class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
+    local = True  # this process's engine: every tab (a watch-only page, watching.py's Watcher, has none)
+
     def __init__(self, llm: LLM, store: Path | None = None,
                  max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
                  runner: Callable[[EngineLoop], None] = on_its_own_thread) -> None:
@@ -60,23 +64,7 @@ class Playground(ChatHandlers, SettingsHandlers, MeasurementHandlers):
         self.seats = Seats()  # the audience's fair shares of the engine (public and token modes)
         self.lessons = LessonRunner(self)  # the course, run live on this engine (presets/lessons/)
 
-    # ---- another server ------------------------------------------------------------------------------------
-    def attach(self, url: str) -> str:
-        """Point the dashboard and the chat at another server (OpenAI API + vLLM's /metrics). A server that is
-        not there, or has no vLLM metrics, is refused with the reason, and the page keeps showing what it did."""
-        try:
-            remote = RemoteServer(url)
-            remote.connect()
-        except ValueError as exc:
-            self.attach_error = f"could not attach to {plain(url, 80)}: {plain(exc)}"
-            return f"{WARNING} {self.attach_error}"
-        self.detach()
-        remote.start()
-        self.remote, self.attach_error = remote, ""
-        self.room.note(f"attached the page to {remote.url}")
-        return (f"Attached to {plain(remote.url)}" + (f" (model {plain(remote.model)})" if remote.model else "")
-                + ": the dashboard's queue, KV, prefix and throughput charts and the chat now show that server.")
-
+    # ---- another server (attach and local_only: watching.py) --------------------------------------------
     def detach(self) -> str:
         remote, self.remote, self.attach_error = self.remote, None, ""
         if remote is None:
@@ -84,12 +72,6 @@ class Playground(ChatHandlers, SettingsHandlers, MeasurementHandlers):
         remote.stop()
         self.room.note(f"detached the page from {remote.url}")
         return f"Detached from {plain(remote.url)}: the page shows the engine in this process again."
-
-    def local_only(self, what: str) -> str | None:
-        """Why `what` cannot run now (it needs this process's engine and a remote server is attached), or None."""
-        if self.remote is None:
-            return None
-        return f"{WARNING} {what}: {NOT_REMOTE} ({self.remote.url}); detach on the Remote server tab first."
 
     # ---- dashboard -------------------------------------------------------------------------------------
     def dashboard(self) -> DashboardFigures:
@@ -118,11 +100,6 @@ class Playground(ChatHandlers, SettingsHandlers, MeasurementHandlers):
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "
                 f"generated {plural(snap.generation_tokens_total, 'token')}{users}"
                 + (f" · {WARNING} {self.attach_error}" if self.attach_error else "") + self.room_line())
-
-    def room_line(self) -> str:
-        """The latest change to the shared engine, for every visitor's status line ("" when none lately)."""
-        notice = self.room.latest()
-        return f"  \n**Latest change:** {plain(notice.describe())}" if notice else ""
 
     def _busy(self) -> str:
         running = self.measurement

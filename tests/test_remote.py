@@ -259,6 +259,62 @@ def test_what_needs_this_engine_says_so_while_attached_and_works_again_after_det
     assert watcher.pause().startswith("Paused") and watcher.resume() == "Running."
 
 
+# ---- a page that only watches (`python app.py --attach URL`) --------------------------------------------------
+
+def test_a_watch_only_page_loads_no_model_chats_with_the_watched_server_and_only_the_presenter_re_attaches(
+        watched, reference):
+    """The Watcher has no engine (no `llm`, no `service`): a page that touched one would fail to build. Public mode:
+    the audience chats and watches; attaching elsewhere is the presenter's; the page has no API of its own."""
+    import app
+    from gradio_client import Client
+    from playground.access import PUBLIC, Access
+    from playground.page_client import free_port, reply_text
+    from playground.watching import Watcher
+    url, remote_pg = watched
+    said = []
+    with pytest.raises(ValueError, match="no answer from"):  # nothing there: asked again, then given up, said each time
+        Watcher.connect(f"http://127.0.0.1:{free_port()}", say=said.append, retry_s=0.2, give_up_s=0.5)
+    assert said and all("asking again in" in line for line in said)
+    with pytest.raises(ValueError, match="not an http"):
+        Watcher.connect("ftp://example", say=said.append)
+    watcher = Watcher.connect(url, say=said.append)
+    assert not hasattr(watcher, "llm") and not hasattr(watcher, "service")
+    port = free_port()
+    demo = app.launch(watcher, "", access=Access(PUBLIC), server_name="127.0.0.1", server_port=port,
+                      prevent_thread_lock=True, quiet=True)
+    try:
+        page = f"http://127.0.0.1:{port}"
+        endpoints = set(httpx.get(page + "/gradio_api/info", timeout=30).json()["named_endpoints"])
+        assert {"/chat", "/dashboard", "/attach", "/detach"} <= endpoints
+        assert not endpoints & {"/apply_settings", "/restart", "/traffic", "/pause", "/lesson_start"}  # no engine
+        assert httpx.get(page + "/v1/models", timeout=30).status_code == 404  # the watched server serves the API
+        client = Client(page, verbose=False)
+        for name, args in (("/attach", ["http://127.0.0.1:9"]), ("/detach", [])):
+            with pytest.raises(Exception, match="Only the presenter may"):
+                client.predict(*args, api_name=name)
+        assert watcher.remote.url == url and watcher.room.latest() is None
+        header = app.intro(watcher)
+        assert plain(url) in header and MODEL in header and "No model runs on this machine" in header
+        history, stats = client.predict("Tell me about paged attention.", [], 0.0, 12, api_name="/chat")
+        expected = reference.generate([chat_token_ids(reference.tokenizer, [{"role": "user", "content":
+                                       "Tell me about paged attention."}])], SamplingParams(temperature=0, max_tokens=12))
+        assert reply_text(history) == expected[0].text and "12 tokens" in stats  # the watched app's reply
+        status, *_, shown_header = client.predict(api_name="/dashboard")  # what every visitor's clock gets
+        assert status.startswith(f"**attached to {plain(url)}**") and shown_header == header
+        assert "only watches" in watcher.detach() and watcher.remote.url == url  # nothing local to go back to
+    finally:
+        demo.close()
+        watcher.close()
+
+
+def test_attach_on_the_command_line_refuses_what_would_configure_a_local_engine(monkeypatch, capsys):
+    import app
+    monkeypatch.setattr("sys.argv", ["app.py", "--attach", "http://127.0.0.1:9", "--set", "max_num_seqs=2"])
+    with pytest.raises(SystemExit):
+        app.main()
+    assert "--attach watches another server and loads no model here: --set" in capsys.readouterr().err
+
+
 def test_a_watched_server_that_goes_away_is_reported_and_the_page_keeps_running(tiny_models, watcher, tmp_path):
     import app
     from playground import Playground

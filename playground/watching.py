@@ -1,0 +1,113 @@
+"""Watching another server (the OpenAI API and vLLM's /metrics), in two shapes:
+
+- `Watching`, a mixin of Playground (playground/handlers.py): the page of this machine's engine, attached for a
+  while to another server (the Remote server tab); Detach returns to the local engine.
+- `Watcher`: a page that only watches (`python app.py --attach URL`). No model is loaded here, no engine runs:
+  the page is the chat, the dashboard and the Remote server tab, for a deployment that lives elsewhere.
+
+What a remote server says is never shown (playground/remote.py); every address and name goes through `plain`.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from viz.dashboard import DashboardFigures
+
+from .access import Seats
+from .chat import ChatHandlers
+from .conversation import WARNING
+from .remote import NOT_REMOTE, RemoteServer
+from .room import Room, plain
+
+RETRY_S = 5.0  # `--attach` to a server that is not up yet (vllm serve takes minutes to start) asks again this often
+
+
+class Watching:
+    """attach, local_only and the room's line: what the playground and a watch-only page share."""
+    remote: RemoteServer | None
+    attach_error: str
+    room: Room
+
+    def attach(self, url: str) -> str:
+        """Point the dashboard and the chat at another server. A server that is not there, or has no vLLM
+        metrics, is refused with the reason, and the page keeps showing what it did."""
+        try:
+            remote = RemoteServer(url)
+            remote.connect()
+        except ValueError as exc:
+            self.attach_error = f"could not attach to {plain(url, 80)}: {plain(exc)}"
+            return f"{WARNING} {self.attach_error}"
+        if (old := self.remote) is not None:
+            old.stop()
+            self.room.note(f"detached the page from {old.url}")
+        remote.start()
+        self.remote, self.attach_error = remote, ""
+        self.room.note(f"attached the page to {remote.url}")
+        return (f"Attached to {plain(remote.url)}" + (f" (model {plain(remote.model)})" if remote.model else "")
+                + ": the dashboard's queue, KV, prefix and throughput charts and the chat now show that server.")
+
+    def local_only(self, what: str) -> str | None:
+        """Why `what` cannot run now (it needs this process's engine and a remote server is attached), or None."""
+        if self.remote is None:
+            return None
+        return f"{WARNING} {what}: {NOT_REMOTE} ({self.remote.url}); detach on the Remote server tab first."
+
+    def room_line(self) -> str:
+        """The latest change to the shared page, for every visitor's status line ("" when none lately)."""
+        notice = self.room.latest()
+        return f"  \n**Latest change:** {plain(notice.describe())}" if notice else ""
+
+
+class Watcher(Watching, ChatHandlers):
+    """A page that watches one server at a time and loads no model: its chat streams from that server, its
+    dashboard draws that server's metrics. The presenter may attach it to another server; there is no local
+    engine to detach to."""
+
+    local = False  # no engine in this process: the page leaves out the tabs that need one
+
+    def __init__(self, remote: RemoteServer, seats: Seats | None = None) -> None:
+        self.remote = remote
+        self.attach_error = ""
+        self.room = Room()
+        self.seats = seats or Seats()
+        self.replies: deque[str] = deque(maxlen=32)
+
+    @classmethod
+    def connect(cls, url: str, say: Callable[[str], None] = print, retry_s: float = RETRY_S,
+                give_up_s: float | None = None) -> Watcher:
+        """Watch `url` once it answers with vLLM's metrics, asking again every `retry_s` (a server still starting
+        answers nothing for a while) until `give_up_s` (None: until interrupted). A malformed address, or
+        `give_up_s` spent, is a ValueError that says why."""
+        remote = RemoteServer(url)  # a malformed address raises here, at once
+        deadline = None if give_up_s is None else time.monotonic() + give_up_s
+        while True:
+            try:
+                remote.connect()
+                break
+            except ValueError as exc:
+                if deadline is not None and time.monotonic() + retry_s > deadline:
+                    raise
+                say(f"{exc}: asking again in {retry_s:.0f} s (Ctrl-C to stop)")
+                time.sleep(retry_s)
+        remote.start()
+        return cls(remote)
+
+    def detach(self) -> str:
+        return (f"{WARNING} This page only watches {plain(self.remote.url)} (it was started with --attach and loaded "
+                f"no model): attach it to another server here, or start `python app.py` without --attach to run the "
+                f"engine on this machine.")
+
+    def close(self) -> None:
+        self.remote.stop()
+
+    def status(self) -> str:
+        return self.remote.status() + (f" · {WARNING} {self.attach_error}" if self.attach_error else "") \
+            + self.room_line()
+
+    def dashboard(self) -> DashboardFigures:
+        return self.remote.figures()
+
+    def _chat(self, message, history, temperature, max_tokens, session):  # ChatHandlers' local path: never here
+        raise AssertionError("a watch-only page always has a remote server")
