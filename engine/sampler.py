@@ -111,16 +111,20 @@ def _integer(x) -> bool:
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+                  top_p: torch.Tensor, min_p: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """Scale by temperature and mask (to -inf) what top-k / top-p / min-p exclude. Rows: requests.
 
     top_k <= 0 (or >= the vocabulary) disables top-k for that row; top_p = 1 and min_p = 0 disable the others.
     Each filter judges the tempered distribution as it is, and a token stays when every filter keeps it (an
     intersection). Only what a row asks for is computed: no filter, no sort; top-k by `topk` (exactly k kept, a
     tie at the boundary broken by topk's order); top-p first among the few most likely (_top_p_drop); min-p
-    needs the softmax and its maximum only.
+    needs the softmax and its maximum only. `in_place`: `logits` is the caller's own copy, scaled and masked where
+    it is (an allocation of 6 MB less per step at 32 rows); rows at temperature 1 are not divided at all.
     """
-    logits = logits / temperature.unsqueeze(1)
+    if bool((temperature != 1).any()):
+        logits = logits.div_(temperature.unsqueeze(1)) if in_place else logits / temperature.unsqueeze(1)
+    elif not in_place:
+        logits = logits.clone()  # the filters below mask in place: never the caller's tensor
     n, vocab = logits.shape
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1
@@ -189,12 +193,13 @@ def _top_p_drop(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The rows as the sampler draws from them (float32): greedy rows as they are, the others scaled by their
-    temperature and filtered. Both the draw and the logprobs read these, so a logprob is that of the draw."""
-    logits = logits.float()
+    """The rows as the sampler draws from them (float32 once any row samples): greedy rows as they are, the others
+    scaled by their temperature and filtered. Both the draw and the logprobs read these, so a logprob is that of
+    the draw."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return logits
+        return logits  # argmax reads them as they are: float32 changes no comparison
+    source, logits = logits, logits.float()
     dev = logits.device
     every = len(rows) == len(params)
     filtered = filter_logits(
@@ -203,10 +208,13 @@ def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torc
         torch.tensor([params[i].top_k for i in rows], device=dev),
         torch.tensor([params[i].top_p for i in rows], device=dev, dtype=torch.float32),
         torch.tensor([params[i].min_p for i in rows], device=dev, dtype=torch.float32),
+        # a copy of the rows, or the float32 copy of bf16 logits: scaled where it is; the caller's float32 logits
+        # (its logprobs read them) never
+        in_place=not every or logits.data_ptr() != source.data_ptr(),
     )
     if every:
         return filtered
-    out = logits.clone()  # the caller's tensor stays as it was
+    out = logits.clone() if logits.data_ptr() == source.data_ptr() else logits  # the caller's stays as it was
     out[rows] = filtered
     return out
 
@@ -217,16 +225,21 @@ CDF_CHUNK = 256  # vocabulary entries per chunk of the two-level cumulative sum 
 def draw(processed: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of processed logits. Greedy rows take the argmax; the rest draw from their distribution,
     all at once, by inverting its cumulative sum at one uniform number per row (binary searches, no loop over the
-    vocabulary in Python). Each generator draws the numbers of its own rows only, one per row per step, so a
+    vocabulary in Python). `processed` is the caller's to give away (processed_logits' output): a sampled batch
+    overwrites it. Each generator draws the numbers of its own rows only, one per row per step, so a
     seeded request's tokens do not depend on what else is in the batch."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return processed.argmax(dim=1).tolist()
+        return most_likely(processed).tolist()
     out = [0] * len(params)
     if greedy := [i for i, p in enumerate(params) if p.greedy]:
-        for i, token in zip(greedy, processed[greedy].argmax(dim=1).tolist()):
+        for i, token in zip(greedy, most_likely(processed[greedy]).tolist()):
             out[i] = token
-    probs = (processed if len(rows) == len(params) else processed[rows]).softmax(dim=1)
+    # each sampled row's probabilities up to a scale of its own, which is all the inversion needs: exp(x - max) in
+    # place, without softmax's division or its new tensor (32 rows of 49k: 1.4 ms instead of 5.9 ms on 2 cores,
+    # most of it the fresh 6 MB's page faults)
+    probs = processed if len(rows) == len(params) else processed[rows]
+    probs = probs.sub_(probs.amax(dim=1, keepdim=True)).exp_()
     uniform = torch.empty((len(rows), 1), dtype=torch.float64, device=probs.device)
     by_generator: dict[int, list[int]] = {}
     for j, i in enumerate(rows):
@@ -237,6 +250,12 @@ def draw(processed: torch.Tensor, params: list[SamplingParams], generators: list
     for i, token in zip(rows, invert_cdf(probs, uniform).tolist()):
         out[i] = token
     return out
+
+
+def most_likely(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first of equal maxima as argmax gives it. By max(dim=1), which takes half of argmax's
+    time on a CPU (32 rows of 49k: 2.2 ms against 4.7 ms on 2 cores, where a decode step is ~75 ms)."""
+    return logits.max(dim=1).indices
 
 
 def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampler import SamplingParams, processed_logits
+from .sampler import SamplingParams, most_likely, processed_logits
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -72,7 +72,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     drafts followed by one token from the target model (a correction, or the bonus after a full accept)."""
     logits = logits.float()
     if params.greedy:
-        target = logits.argmax(dim=1).tolist()
+        target = most_likely(logits).tolist()
         out = []
         for i, d in enumerate(drafts):
             if d != target[i]:

@@ -265,8 +265,9 @@ def test_a_watch_only_page_loads_no_model_chats_with_the_watched_server_and_only
         watched, reference):
     """The Watcher has no engine (no `llm`, no `service`): a page that touched one would fail to build. Public mode:
     the audience chats and watches; attaching elsewhere is the presenter's; the page has no API of its own."""
-    import app
     from gradio_client import Client
+
+    import app
     from playground.access import PUBLIC, Access
     from playground.page_client import free_port, reply_text
     from playground.watching import Watcher
@@ -296,8 +297,9 @@ def test_a_watch_only_page_loads_no_model_chats_with_the_watched_server_and_only
         header = app.intro(watcher)
         assert plain(url) in header and MODEL in header and "No model runs on this machine" in header
         history, stats = client.predict("Tell me about paged attention.", [], 0.0, 12, api_name="/chat")
-        expected = reference.generate([chat_token_ids(reference.tokenizer, [{"role": "user", "content":
-                                       "Tell me about paged attention."}])], SamplingParams(temperature=0, max_tokens=12))
+        asked = [{"role": "user", "content": "Tell me about paged attention."}]
+        expected = reference.generate([chat_token_ids(reference.tokenizer, asked)],
+                                      SamplingParams(temperature=0, max_tokens=12))
         assert reply_text(history) == expected[0].text and "12 tokens" in stats  # the watched app's reply
         status, *_, shown_header = client.predict(api_name="/dashboard")  # what every visitor's clock gets
         assert status.startswith(f"**attached to {plain(url)}**") and shown_header == header

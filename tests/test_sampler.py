@@ -157,6 +157,18 @@ def test_greedy_rows_take_the_argmax():
     assert torch.equal(g.get_state(), state)
 
 
+def test_greedy_takes_the_first_of_equal_maxima_as_argmax_does():
+    from engine.sampler import most_likely
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.zeros(4, 49152, dtype=dtype)
+        logits[0, [7, 300, 40000]] = 5  # ties, far apart (a vectorized reduction splits the row)
+        logits[1, 49151] = 1
+        logits[2, [0, 1]] = -1  # the maxima are the zeros after them
+        logits[3, 12345] = float("nan")  # a NaN wins, as it does for argmax
+        assert most_likely(logits).tolist() == logits.argmax(dim=1).tolist() == [7, 49151, 2, 12345]
+        assert sample(logits, [SamplingParams(temperature=0)] * 4, [None] * 4) == [7, 49151, 2, 12345]
+
+
 def test_greedy_sample_accepts_half_precision_logits():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]], dtype=torch.float16)
     assert sample(logits, [SamplingParams(temperature=0)] * 2, [None, None]) == [1, 0]
