@@ -153,7 +153,8 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
             with gr.Column(scale=2, elem_id="chat-live"):
                 live_blocks = chart("your request in the KV pool", NO_CHAT_VIEW)
                 live_summary = gr.Markdown()
-                gr.Markdown(HELP["live"])
+                if pg.local:  # a watched server's blocks are not visible from here
+                    gr.Markdown(HELP["live"])
         live = gr.Timer(1.0, active=False)  # polls only while this tab's reply is on its way or streaming
         pending = gr.State("")  # the message sent, moved out of the box (below)
         api_chat = gr.Button(visible=False)  # the chat's API endpoint (below)

@@ -39,7 +39,7 @@ SECTIONS = {
                "(its blocks taken back, recomputed later), and what that does to tokens/s."),
 }
 # column widths for the page's width, no scrolling, long cells wrapped: tables.QUALITY_HEADERS, CUMULATIVE_HEADERS
-COLUMN_WIDTHS = {"quality": ["27%", "14%", "13%", "11%", "11%", "24%"],
+COLUMN_WIDTHS = {"quality": ["22%", "11%", "10%", "9%", "9%", "14%", "11%", "14%"],
                  "cumulative": ["15%", "6%", "8%", "6%", "6%", "6%", "6%", "8%", "7%", "8%", "12%", "12%"]}
 ALL_LEVELS = "all"
 LEVEL_CHOICES = [ALL_LEVELS, *map(str, CONCURRENCY_LEVELS)]

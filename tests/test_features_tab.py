@@ -349,3 +349,13 @@ def test_quality_goals_and_table():
                                 "top-1 ≥ 95%, ppl ≤ +4%: top-1 and ppl short"]
     met = bench.QualityRow("kv_cache_dtype=int8", "float32, int8 KV", 100, 0.99, 0.02, 0.1, 15.2, 15.2, 1.0)
     assert quality_table([met])["data"][0][-1] == "top-1 ≥ 98%: met"
+
+
+def test_each_table_has_a_width_for_every_column():
+    """A column added to a table without its width squeezed the last ones out of a 1,400 px page."""
+    from playground.features_tab import COLUMN_WIDTHS
+    from playground.tables import CUMULATIVE_HEADERS, QUALITY_HEADERS
+    for kind, headers in (("quality", QUALITY_HEADERS), ("cumulative", CUMULATIVE_HEADERS)):
+        widths = COLUMN_WIDTHS[kind]
+        assert len(widths) == len(headers), kind
+        assert sum(float(w.rstrip("%")) for w in widths) == 100, kind
