@@ -255,6 +255,7 @@ def test_an_audience_chat_is_capped_and_answered(public, monkeypatch):
     pg.seats.give_back("visitor-1")
 
 
+@pytest.mark.slow
 def test_the_workshop_loadtest_steers_as_the_presenter_while_the_audience_chats(public):
     """playground.loadtest --workshop in small: audience sessions chat and poll, the presenter flips a switch
     through the page's apply_settings; nothing is refused or lost."""

@@ -401,6 +401,7 @@ def test_metrics_of_two_apps_in_one_process_are_their_own(server):
 
 # ---- a hostile burst -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_burst_of_mixed_good_bad_and_abandoned_requests(server):
     """200 requests, 16 at a time: good ones (streamed or not), bad ones, and clients that leave mid-stream or
     give up waiting. No server error, every good one answered in full, and afterwards every block is free."""

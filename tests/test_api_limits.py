@@ -47,6 +47,7 @@ def test_health_says_when_step_mode_has_paused_the_engine(server):
     assert httpx.get(url + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_every_abuse_is_refused_with_a_4xx_and_the_stream_beside_it_finishes(server):
     url, pg = server
     out = hostile.run(url, KEY, rounds=1, max_tokens=24)

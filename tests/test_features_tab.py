@@ -69,6 +69,7 @@ def measured(pg, workload, tmp_path_factory):
     return experiments, rows, progress
 
 
+@pytest.mark.slow
 def test_each_experiment_runs_through_the_measurement_and_is_kept(pg, workload, measured, tmp_path):
     experiments, rows, progress = measured
     assert [r.feature for r in rows["cumulative"]] == [bench.NAIVE_LOOP] + [f"+ {f.name}" for f in bench.FEATURES]
@@ -91,6 +92,7 @@ def test_each_experiment_runs_through_the_measurement_and_is_kept(pg, workload, 
     assert "core" in again["cumulative"].measured_on and again["cumulative"].date[:2] == "20"
 
 
+@pytest.mark.slow
 def test_each_section_shows_where_its_numbers_come_from(measured):
     experiments, rows, _ = measured
     for kind in EXPERIMENTS:
@@ -133,6 +135,7 @@ def cli_json(rows: list) -> list:
     return json.loads(json.dumps(bench.to_jsonable(rows), indent=2))
 
 
+@pytest.mark.slow
 def test_bundle_takes_the_cli_row_files_and_the_page_shows_them_as_shipped(measured, tmp_path):
     experiments, rows, _ = measured
     paths = {}
@@ -158,6 +161,7 @@ def test_bundle_takes_the_cli_row_files_and_the_page_shows_them_as_shipped(measu
                                                                   "memory": False}
 
 
+@pytest.mark.slow
 def test_bundle_refuses_files_given_for_the_wrong_experiment(measured, tmp_path):
     _, rows, _ = measured
     cumulative, concurrency, memory = (cli_json(rows[k]) for k in ("cumulative", "concurrency", "memory"))
@@ -173,6 +177,7 @@ def test_bundle_refuses_files_given_for_the_wrong_experiment(measured, tmp_path)
         parse_rows("memory", {"rows": memory})
 
 
+@pytest.mark.slow
 def test_the_bundle_command_writes_the_shipped_file(measured, tmp_path, capsys):
     _, rows, _ = measured
     args = []
@@ -234,6 +239,7 @@ def test_cumulative_and_concurrency_tables_and_the_lesson():
 
 
 # ---- quality: what each precision costs, beside the speed --------------------------------------------------------
+@pytest.mark.slow
 def test_quality_runs_from_the_page_one_row_per_precision(pg, measured):
     experiments, rows, progress = measured
     quality = rows["quality"]
@@ -290,6 +296,7 @@ def test_quality_from_the_tab_can_be_cancelled_and_keeps_nothing(pg, tmp_path):
     assert pg.measurement is None and not pg.service.paused
 
 
+@pytest.mark.slow
 def test_bundle_takes_the_quality_json_the_cli_writes(tiny_models, measured, tmp_path):
     from engine.bench.cli import main as bench_main
     experiments, rows, _ = measured

@@ -54,6 +54,7 @@ def _greedy(engine, n=24):
     return [done[i] for i in ids]
 
 
+@pytest.mark.slow
 def test_triton_backend_matches_sdpa_in_fp32():
     sdpa = _greedy(_engine(attention_backend="sdpa"))
     triton = _greedy(_engine(attention_backend="triton", max_num_batched_tokens=32))  # chunked prefills too

@@ -139,6 +139,7 @@ def test_gpu_check_refuses_without_cuda(tmp_path, capsys):
     assert not (tmp_path / "gpu_check.json").exists()
 
 
+@pytest.mark.slow
 def test_gpu_check_cpu_dry_run_runs_every_step_end_to_end(tmp_path, capsys):
     import json
 

@@ -96,6 +96,7 @@ def wait_phase(runner: LessonRunner, phases: tuple[str, ...], timeout_s: float =
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_lesson_measures_before_and_after_and_puts_the_engine_back(pg):
     assert "Applied" in pg.apply_settings(max_num_seqs=12)  # the presenter's own setting, to be restored
     runner = LessonRunner(pg, seconds=4)

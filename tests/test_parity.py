@@ -49,6 +49,7 @@ def test_tiny_model_matches_hf_under_preemption(tiny_models):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_default_model_matches_hf(default_llm, hf_default):
     prompts = [default_llm.tokenizer(p).input_ids for p in TEXT_PROMPTS]
     check_parity(default_llm, hf_default, prompts)

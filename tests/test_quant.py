@@ -550,6 +550,7 @@ REAL_MODEL_QUALITY = {"quantization=int8": (0.93, 0.02), "int4": (0.93, 0.10), "
                       "kv_cache_dtype=int8": (0.97, 0.01), "kv_cache_dtype=int8,kv_cache_smoothing=true": (0.98, 0.01)}
 
 
+@pytest.mark.slow
 def test_quality_on_the_real_model():
     from engine.bench import QUALITY_TEXT, load_llm, quality
     rows = quality(load_llm({}), list(REAL_MODEL_QUALITY), text=QUALITY_TEXT.read_text()[:1400], window=512)

@@ -218,6 +218,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert first[probs[0] == 0].sum() == 0  # filtered tokens (top-k) never appear
 
 
+@pytest.mark.slow
 def test_sampled_engine_output_has_the_same_distribution_with_speculation(tiny, monkeypatch):
     """Three sampled tokens of many seeded requests, with speculation on and off, follow the same law. The
     drafts are the greedy continuation: accepted when the sample follows it, rejected otherwise."""

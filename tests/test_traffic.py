@@ -159,6 +159,7 @@ def pg(tiny_models, tmp_path_factory):
     playground.service.shutdown()
 
 
+@pytest.mark.slow
 def test_a_run_survives_switches_pool_rebuilds_and_refusals(pg):
     # long-document: 8 chats and a 1,500-token document that max_model_len=512 refuses every time
     assert pg.start_traffic("long-document", 9, 6) == ""

@@ -63,6 +63,7 @@ def compile_all(targets) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_each_gpu_generation():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
