@@ -158,6 +158,7 @@ def named_endpoints(url: str) -> dict:
     return {**info["named_endpoints"], **info.get("unnamed_endpoints", {})}
 
 
+@pytest.mark.slow
 def test_no_shared_state_endpoint_answers_an_anonymous_visitor(public):
     """Every named endpoint the page has (enumerated from the app, so a new one cannot slip past) is either one the
     audience may call or refused without the token, and nothing shared changes."""
@@ -204,6 +205,7 @@ def settings_args(demo, pg, **changes) -> list:
     return [form_value(f, now[f]) for f in fields]
 
 
+@pytest.mark.slow
 def test_the_presenter_changes_the_engine_and_the_room_sees_who(public):
     from gradio_client import Client
     url, pg, demo = public
@@ -230,6 +232,7 @@ def test_the_presenter_changes_the_engine_and_the_room_sees_who(public):
         Client(url, verbose=False).predict(api_name="/pause")
 
 
+@pytest.mark.slow
 def test_an_audience_chat_is_capped_and_answered(public, monkeypatch):
     from gradio_client import Client
     url, pg, _ = public
@@ -272,6 +275,7 @@ def test_the_workshop_loadtest_steers_as_the_presenter_while_the_audience_chats(
     assert "presenter turned prefix" in pg.status()
 
 
+@pytest.mark.slow
 def test_the_api_gives_the_audience_the_pages_fair_shares(public):
     """In token (and public) mode an API client is audience, as a page visitor is: a reply longer than the cap is
     refused by name, a missing max_tokens becomes the cap, and a client with its share in flight is answered 429

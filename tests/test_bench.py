@@ -525,6 +525,7 @@ def test_cli_decode_times_llama_cpp_in_the_same_rounds_or_says_what_it_needs(tin
     assert calls == 2 * ["reset", 8, *[1] * 6]
 
 
+@pytest.mark.slow
 def test_a_random_model_loads_in_another_precision_for_the_benchmarks():
     """bench kernels / decode load each precision from the model loaded: a random: model too (its seeded weights)."""
     from engine import LLM

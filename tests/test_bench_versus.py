@@ -32,6 +32,7 @@ def two_servers(tiny_models, tmp_path_factory):
         yield a.rstrip("/"), b.rstrip("/"), folder
 
 
+@pytest.mark.slow
 def test_versus_sends_both_servers_the_same_fresh_prompts_and_tabulates_ratios(two_servers, capsys, tmp_path):
     from engine.bench.cli import main
     a, b, folder = two_servers

@@ -297,6 +297,7 @@ engine_configs = st.fixed_dictionaries({
 CONTIGUOUS_MAX_LEN = 40  # without paging each request reserves max_model_len up front: keep it small
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cfg=engine_configs, data=st.data())
 def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, data):

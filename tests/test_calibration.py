@@ -100,6 +100,7 @@ def test_smoothing_leaves_the_unquantized_model_unchanged(tiny_models, arch, mon
     assert torch.allclose(got, ref, atol=1e-4 * float(ref.abs().max()))
 
 
+@pytest.mark.slow
 def test_a_calibrated_model_loads_quantized_and_differs_from_the_plain_one(tiny_models):
     folder = tiny_models["qwen2"][0]
     plain = LLM(folder, quantization="w8a8", max_model_len=128)
@@ -128,6 +129,7 @@ def test_calibration_without_a_scheme_is_refused(field):
         EngineConfig(quantization="int8", **{field: "yes"}).validate()
 
 
+@pytest.mark.slow
 def test_smoothing_scales_are_cached_and_give_the_same_weights(tiny_models, tmp_path, monkeypatch):
     """A second load with smoothing finds its scales in the cache: no calibration pass, the same quantized weights.
     Another format (group size, LM head) or a changed calibration text would be another file."""

@@ -38,6 +38,7 @@ def test_greedy_output_is_identical_with_and_without_chunks(tiny, budget):
     assert any(e.num_tokens < 150 and e.phase == "prefill" for s in steps for e in s.prefills)
 
 
+@pytest.mark.slow
 def test_default_model_chunked_prefill_matches_unchunked(default_llm):
     prompts = [default_llm.tokenizer(p).input_ids for p in TEXT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12)

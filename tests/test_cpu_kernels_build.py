@@ -210,6 +210,7 @@ def start_builder(finish_after: float):
     return proc
 
 
+@pytest.mark.slow
 def test_a_live_build_is_waited_for_at_most_wait_s_then_torch_calls_run(cache, monkeypatch, capsys):
     monkeypatch.setattr(cpu_kernels, "WAIT_S", 1.0)
     compiler = Compiler()

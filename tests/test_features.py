@@ -66,6 +66,7 @@ def test_tiny_greedy_invariant_to_each_switch(tiny, tiny_baseline, off):
     assert run(engine_like(tiny, **off), TINY_PROMPTS) == tiny_baseline
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("off", SWITCHES_OFF, ids=lambda d: next(iter(d)))
 def test_default_model_greedy_invariant_to_each_switch(default_llm, default_prompts, default_baseline, off):
     assert run(engine_like(default_llm, **off, max_model_len=256), default_prompts) == default_baseline

@@ -55,6 +55,7 @@ def test_default_model_matches_hf(default_llm, hf_default):
     check_parity(default_llm, hf_default, prompts)
 
 
+@pytest.mark.slow
 def test_default_model_matches_hf_with_tiny_pool(hf_default, default_llm):
     llm = LLM(block_size=8, num_kv_blocks=24)
     prompts = [default_llm.tokenizer(p).input_ids for p in TEXT_PROMPTS]

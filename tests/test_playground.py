@@ -276,6 +276,7 @@ def test_step_mode_describes_each_decision(pg):
     assert (plural(1, "token"), plural(2, "token"), plural(0, "request")) == ("1 token", "2 tokens", "0 requests")
 
 
+@pytest.mark.slow
 def test_ablation_and_compare(pg):
     rows = pg.ablate("fixed-16", quick=True)
     assert rows[0].switch is None and rows[0].ratio == 1.0
@@ -434,6 +435,7 @@ def server(tiny_models):
         yield served
 
 
+@pytest.mark.slow
 def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
     from gradio_client import Client
     url, playground = server
@@ -489,6 +491,7 @@ def test_step_mode_explains_chunks_and_drafts(tiny_models, monkeypatch):
     assert "no KV cache: every request recomputes its whole sequence" in describe_step(naive.snapshot())
 
 
+@pytest.mark.slow
 def test_loadtest_sessions_poll_chat_and_count_errors(server):
     """The workshop load in small: open sessions polling the page, some chatting; errors are counted, not lost."""
     from playground import loadtest, page_client

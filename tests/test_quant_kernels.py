@@ -96,6 +96,7 @@ def test_a_slower_scheme_says_so():
 SHAPES = [(96, 64), (64, 64), (256, 64), (64, 128)]
 
 
+@pytest.mark.slow
 def test_speed_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("WATCHLLM_CACHE", str(tmp_path))
     calls = []

@@ -176,6 +176,7 @@ def test_attaching_to_nothing_or_to_a_server_without_vllm_metrics_says_why_and_t
 
 # ---- attached to a second app ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_dashboard_attached_to_a_second_app_draws_its_metrics_and_they_move(watched, watcher):
     url, remote_pg = watched
     wait_idle(remote_pg)
@@ -261,6 +262,7 @@ def test_what_needs_this_engine_says_so_while_attached_and_works_again_after_det
 
 # ---- a page that only watches (`python app.py --attach URL`) --------------------------------------------------
 
+@pytest.mark.slow
 def test_a_watch_only_page_loads_no_model_chats_with_the_watched_server_and_only_the_presenter_re_attaches(
         watched, reference):
     """The Watcher has no engine (no `llm`, no `service`): a page that touched one would fail to build. Public mode:
@@ -317,6 +319,7 @@ def test_attach_on_the_command_line_refuses_what_would_configure_a_local_engine(
     assert "--attach watches another server and loads no model here: --set" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_watched_server_that_goes_away_is_reported_and_the_page_keeps_running(tiny_models, watcher, tmp_path):
     import app
     from playground import Playground

@@ -62,6 +62,7 @@ def test_greedy_output_is_identical_with_speculation(tiny):
     assert sum(e.num_drafts for s in engine.steps for e in s.verifies) == spec["num_draft_tokens"]
 
 
+@pytest.mark.slow
 def test_default_model_copies_with_speculation(default_llm):
     """A prompt whose answer copies from it: drafts are accepted, tokens identical to plain decoding."""
     text = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single "
@@ -116,6 +117,7 @@ def test_stop_token_and_eos_inside_an_accepted_run(tiny, monkeypatch):
     assert got == free[0][:free[0].index(free[0][7]) + 1]
 
 
+@pytest.mark.slow
 def test_stop_string_inside_an_accepted_run(default_llm, monkeypatch):
     prompt = default_llm.tokenizer(TEXT_PROMPTS[0]).input_ids
     free_engine = engine_like(default_llm, max_model_len=256)
@@ -194,6 +196,7 @@ def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
+@pytest.mark.slow
 def test_rejection_sampling_keeps_the_target_distribution():
     """Whatever the draft, the first token verify() emits is distributed as p; the second, given that the
     first draft was accepted, as the next row's p."""

@@ -188,6 +188,7 @@ def _prompts():
     return [shared + [11, 12, 13], shared + [200, 3], list(range(20, 51)), [9]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen3", {"speculative_decoding": True})])
 def test_engine_with_triton_backend_generates_exactly_what_sdpa_does(tiny_models, monkeypatch, arch, extra):
     from engine import LLM, SamplingParams

@@ -161,6 +161,7 @@ def test_requests_open_at_a_rebuild_are_ended_with_a_message_and_chats_sent_mean
     assert pg.service.snapshot().precision == "float32" and isinstance(projection(pg), Linear)
 
 
+@pytest.mark.slow
 def test_the_settings_api_shows_and_changes_the_weights(folder):
     from gradio_client import Client
 
