@@ -1,0 +1,192 @@
+"""The tabs that change or measure this machine's engine: Engine settings, What is each feature worth?, Compare
+two configurations, Step mode. Layout and wiring only: what each does is playground/settings.py's,
+measurements.py's and handlers.py's. A watch-only page has none of them."""
+from __future__ import annotations
+
+import gradio as gr
+
+from engine.bench import Cancelled, compare_report
+from engine.config import BUILT_SWITCHES, KV_CACHE_DTYPES, NOT_YET_BUILT, WEIGHT_FIELDS
+from engine.quant.format import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES
+from viz.figures import ablation_figure, compare_figure, placeholder_figure
+
+from .access import audience
+from .handlers import Playground, feature_presets, workloads
+from .live_tabs import chart
+from .serialised import SerialisedFigures
+from .settings import NO_QUANTIZATION, form_value
+from .tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
+
+NO_ABLATION = "Press Run ablation: the full engine, then each switch off in turn, measured on this machine"
+
+WEIGHT_DTYPES = ("float32", "bfloat16")  # what the form offers; LLM(dtype=...) and the API take any EngineConfig dtype
+WEIGHTS_HELP = {
+    "quantization": "int8 / int4: weight-only; w8a8: int8 weights and activations",
+    "quantization_group_size": "int4 only: input features per scale (must divide each layer)",
+    "quantize_lm_head": "the LM head too (unticked: it keeps the dtype)",
+    "dtype": "CPU: bf16 is fast only with bf16 instructions (docs/measurements.md: kernels)",
+    "quantization_smoothing": "calibrated at load over a text: each projection's input channels rescaled before "
+                              "rounding (SmoothQuant / AWQ); a slower load, no slower steps",
+    "quantization_gptq": "calibrated at load: weights rounded by GPTQ instead of to the nearest level; the slowest "
+                         "load (docs/measurements.md: quality), no slower steps",
+}
+
+
+def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
+    with gr.Tab("Engine settings"):
+        gr.Markdown("An idle engine applies a change at once; a busy one at its next step boundary. Pool or "
+                    "paging changes rebuild the KV pool: running requests are re-prefilled, nothing is lost. "
+                    "A change of the weights rebuilds the model (below). Only the fields you change are sent; an "
+                    "empty size is chosen by the engine. Each change applied is marked on the Dashboard's "
+                    "time-series charts.")
+        with gr.Row():
+            switches = {s: gr.Checkbox(label=s) for s in BUILT_SWITCHES}
+        with gr.Row():
+            for s in NOT_YET_BUILT:
+                gr.Checkbox(label=f"{s} (not built yet)", value=False, interactive=False)
+        with gr.Row():
+            sizes = {"block_size": gr.Dropdown([1, 2, 4, 8, 16, 32, 64, 128, 256], label="block_size"),
+                     "num_kv_blocks": gr.Number(label="num_kv_blocks (pool size)", precision=0),
+                     "max_num_seqs": gr.Number(label="max_num_seqs", precision=0),
+                     "max_num_batched_tokens": gr.Number(label="max_num_batched_tokens", precision=0),
+                     "max_model_len": gr.Number(label="max_model_len (tokens per request)", precision=0),
+                     "kv_cache_dtype": gr.Dropdown(list(KV_CACHE_DTYPES), label="kv_cache_dtype"),
+                     "kv_cache_smoothing": gr.Checkbox(label="kv_cache_smoothing (int8 KV: keys rescaled)")}
+        now = {k: form_value(k, v) for k, v in pg.settings().items()}  # also what an API call leaves out means
+        with gr.Row(elem_id="weights"):
+            dtypes = list(dict.fromkeys([*WEIGHT_DTYPES, now["dtype"]]))  # the running one, even if not offered
+            weights = {
+                "quantization": gr.Dropdown([NO_QUANTIZATION, *QUANTIZATION_SCHEMES], value=now["quantization"],
+                                            label="quantization (weights)", info=WEIGHTS_HELP["quantization"], scale=2),
+                "quantization_group_size": gr.Dropdown(list(INT4_GROUP_SIZES), value=now["quantization_group_size"],
+                                                       label="int4 group size",
+                                                       info=WEIGHTS_HELP["quantization_group_size"], scale=2),
+                "quantize_lm_head": gr.Checkbox(value=now["quantize_lm_head"], label="quantize_lm_head",
+                                                info=WEIGHTS_HELP["quantize_lm_head"]),
+                "dtype": gr.Dropdown(dtypes, value=now["dtype"], label="dtype", info=WEIGHTS_HELP["dtype"], scale=2)}
+        with gr.Row(elem_id="calibration"):
+            for name in WEIGHT_FIELDS:  # the calibration switches, and any weight switch added to EngineConfig later
+                if name not in weights and isinstance(now[name], bool):
+                    weights[name] = gr.Checkbox(value=now[name], label=name, info=WEIGHTS_HELP.get(name))
+        weights_note = gr.Markdown(pg.weights_note())
+        with gr.Row():
+            apply = gr.Button("Apply", variant="primary")
+            reset = gr.Button("Reset to defaults")
+            restart = gr.Button("Restart the engine")
+        settings_out = gr.Markdown()
+        settings_note = gr.Markdown()
+        loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
+
+    inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
+    names = list(switches) + list(sizes) + list(weights)
+    for name, component in zip(names, inputs):
+        component.elem_id = f"setting-{name}"  # the field each input sets, for scripts and tests
+
+    @audience
+    def load_settings():
+        cfg, hints = pg.settings(), pg.settings_hints()
+        fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n]) if n in hints else form_value(n, cfg[n])
+                  for n in names]
+        return *fields, cfg, pg.settings_note(), pg.weights_note()
+    form = [*inputs, loaded, settings_note, weights_note]
+
+    # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
+    def do_apply(progress=gr.Progress(), *args):
+        loaded_values, *values = args
+        return pg.apply_settings(loaded_values, lambda f, d: progress(f, desc=d), **dict(zip(names, values)))
+
+    def do_reset(progress=gr.Progress()):
+        return pg.reset_settings(lambda f, d: progress(f, desc=d))
+    # a rebuild's bar over the weights' note, next to the controls (the empty message line shows none)
+    apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings",
+                show_progress_on=weights_note).then(load_settings, None, form)
+    reset.click(do_reset, None, settings_out, show_progress_on=weights_note).then(load_settings, None, form)
+    def do_restart(progress=gr.Progress()):
+        return pg.restart(progress=lambda f, d: progress(f, desc=d))
+    restart.click(do_restart, None, settings_out, api_name="restart", show_progress_on=weights_note) \
+        .then(load_settings, None, form)
+    gr.on(None, load_settings, None, form, api_name="settings")  # on page load
+
+
+def build_ablation_tab(pg: Playground, serialised: SerialisedFigures) -> None:
+    with gr.Tab("What is each feature worth?"):
+        gr.Markdown("Runs a workload through the full engine, then with each switch off in turn, on this "
+                    "machine. The live engine pauses meanwhile so the numbers are clean.")
+        with gr.Row():
+            workload = gr.Dropdown(workloads(), value="ablation", label="workload")
+            quick = gr.Checkbox(value=True, label="quick (a quarter of the requests)")
+            go = gr.Button("Run ablation", variant="primary")
+            cancel = gr.Button("Cancel")
+        full_note = gr.Markdown()
+        note = gr.Markdown()
+        plot = chart("tokens/s per configuration", NO_ABLATION)
+        table = gr.Dataframe(ablation_table([]), headers=ABLATION_HEADERS, label="results")
+
+    def do_ablate(workload_name, quick_run, progress=gr.Progress()):
+        try:
+            rows = pg.ablate(workload_name, quick_run, lambda f, d: progress(f, desc=d))
+        except (ValueError, Cancelled) as exc:
+            return gr.skip(), gr.skip(), f"⚠️ {exc}"
+        return serialised(ablation_figure(rows)), ablation_table(rows), ""
+
+    @audience
+    def last_ablation():
+        rows = pg.last_ablation()
+        return (serialised(ablation_figure(rows) if rows else placeholder_figure(NO_ABLATION)), ablation_table(rows),
+                pg.full_engine_note())
+    go.click(do_ablate, [workload, quick], [plot, table, note])
+    cancel.click(pg.cancel_measurement, None, note)
+    # on page load: the last results, kept across restarts, and what "full engine" means against the live one
+    gr.on(None, last_ablation, None, [plot, table, full_note])
+
+
+def build_compare_tab(pg: Playground, serialised: SerialisedFigures) -> None:
+    with gr.Tab("Compare two configurations"):
+        with gr.Row():
+            workload = gr.Dropdown(workloads(), value="mixed-lengths", label="workload")
+            a = gr.Dropdown(feature_presets(), value="naive", label="A (preset, or type flags)",
+                            allow_custom_value=True)
+            b = gr.Dropdown(feature_presets(), value="full", label="B (preset, or type flags)",
+                            allow_custom_value=True)
+            quick = gr.Checkbox(value=True, label="quick")
+            go = gr.Button("Compare", variant="primary")
+            cancel = gr.Button("Cancel")
+        plot = chart("side by side", "Press Compare: both configurations run the workload, side by side")
+        # shown once there are numbers: twelve empty columns squeezed their headers out of sight; wrapped, so that
+        # all twelve fit the page's width instead of the last ones scrolling out of view
+        table = gr.Dataframe({"headers": COMPARE_HEADERS, "data": []}, headers=COMPARE_HEADERS, label="the numbers",
+                             visible=False, wrap=True)
+        note = gr.Markdown()
+
+    def do_compare(workload_name, spec_a, spec_b, quick_run, progress=gr.Progress(track_tqdm=False)):
+        try:
+            result = pg.compare(workload_name, spec_a, spec_b, quick_run, lambda f, d: progress(f, desc=d))
+        except (ValueError, Cancelled) as exc:
+            return gr.skip(), gr.skip(), f"⚠️ {exc}"
+        report = compare_report(result)
+        return (serialised(compare_figure(result)), gr.Dataframe(compare_table(report), visible=True),
+                "\n\n".join(report.notes))
+    go.click(do_compare, [workload, a, b, quick], [plot, table, note], api_name="compare")
+    cancel.click(pg.cancel_measurement, None, note)
+
+
+def build_step_tab(pg: Playground, serialised: SerialisedFigures) -> None:
+    with gr.Tab("Step mode"):
+        gr.Markdown("Pause the engine and advance one step at a time: read what the scheduler decided.")
+        with gr.Row():
+            pause = gr.Button("Pause")
+            step = gr.Button("Step", variant="primary")
+            resume = gr.Button("Resume")
+        with gr.Row():
+            text = gr.Markdown()
+            blocks = chart("KV block table after the step",
+                           "Press Pause, then Step: the block table after each step shows here")
+
+    def pause_engine():
+        return pg.pause(), serialised(pg.dashboard().blocks)
+
+    def step_engine():
+        return pg.step(), serialised(pg.dashboard().blocks)
+    pause.click(pause_engine, None, [text, blocks], api_name="pause")
+    resume.click(pg.resume, None, text, api_name="resume")
+    step.click(step_engine, None, [text, blocks], api_name="step")
