@@ -67,11 +67,11 @@ class Watcher(Watching, ChatHandlers):
 
     local = False  # no engine in this process: the page leaves out the tabs that need one
 
-    def __init__(self, remote: RemoteServer, seats: Seats | None = None) -> None:
+    def __init__(self, remote: RemoteServer) -> None:
         self.remote = remote
         self.attach_error = ""
         self.room = Room()
-        self.seats = seats or Seats()
+        self.seats = Seats()  # the audience's fair shares of the chat (public and token modes), as a Playground's
         self.replies: deque[str] = deque(maxlen=32)
 
     @classmethod
