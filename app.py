@@ -40,7 +40,7 @@ from playground.features_tab import build_features_tab
 from playground.handlers import Playground
 from playground.lessons_tab import TAB_ID as LESSONS_TAB
 from playground.lessons_tab import build_lessons_tab
-from playground.live_tabs import build_chat_tab, build_dashboard_tab
+from playground.live_tabs import build_chat_tab, build_dashboard_tab, chart_payloads
 from playground.remote_tab import build_remote_tab
 from playground.room import plain
 from playground.serialised import SerialisedFigures
@@ -119,7 +119,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             follow = run is not None and run.run_id != followed["run"]
             show_back = run is not None
             now = {"run": run.run_id if follow else followed["run"], "back": show_back}
-            return (pg.status(), *map(serialised.payload, (f.blocks, f.queues, f.prefix, f.throughput, f.memory)),
+            return (pg.status(), *chart_payloads(serialised, f),
                     *lesson["view"](picked), gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
                     gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(), intro(pg))
         clock.tick(refresh, [lesson["pick"], seen], [status, *plots, *lesson["outputs"], tabs, seen, back, header],
@@ -150,8 +150,7 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
         @audience
         def refresh():
             f = watcher.dashboard()
-            return (watcher.status(), *map(serialised.payload, (f.blocks, f.queues, f.prefix, f.throughput, f.memory)),
-                    intro(watcher))
+            return watcher.status(), *chart_payloads(serialised, f), intro(watcher)
         clock.tick(refresh, None, [status, *plots, header], concurrency_limit=4, show_progress="hidden",
                    api_name="dashboard", postprocess=False)
         wire_roles(demo, access, role)

@@ -42,6 +42,7 @@ def chart(label: str, empty: str | None = None) -> gr.Plot:
 
 
 NO_CHAT_VIEW = "Send a message: your request's KV blocks light up here"
+DASHBOARD_CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # the clock refreshes them in this order
 PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix": "prefix cache",
                "throughput": "throughput", "memory": "memory"}
 
@@ -154,7 +155,7 @@ def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures)
                         plots[key] = chart(PLOT_LABELS[key])
                         gr.Markdown(HELP[key])
         if not pg.local:
-            return [plots[k] for k in ("blocks", "queues", "prefix", "throughput", "memory")]
+            return [plots[k] for k in DASHBOARD_CHARTS]
         with gr.Accordion("Traffic generator: put the engine under load", open=True):
             gr.Markdown("Simulated users each send a request from the workload, wait for the reply, think for a "
                         "moment (0.5-3 s) and send the next, until the time is up or you press Stop. Flip switches "
@@ -177,4 +178,9 @@ def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures)
     go.click(launch, [workload, users, duration], traffic_out, concurrency_limit=4, show_progress="hidden",
              api_name="traffic")
     halt.click(pg.stop_traffic, None, traffic_out)
-    return [plots[k] for k in ("blocks", "queues", "prefix", "throughput", "memory")]
+    return [plots[k] for k in DASHBOARD_CHARTS]
+
+
+def chart_payloads(serialised: SerialisedFigures, figures) -> list:
+    """The dashboard's figures (DashboardFigures) as the page's clock sends them, in build_dashboard_tab's order."""
+    return [serialised.payload(getattr(figures, k)) for k in DASHBOARD_CHARTS]
