@@ -133,14 +133,16 @@ def test_the_runner_masks_only_decodes_of_different_lengths(tiny_models, monkeyp
 @pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
                                            (torch.bfloat16, True)])
 @pytest.mark.parametrize("d", [64, 40])  # 64: the AVX-512 loops where the CPU has them; 40: the portable ones
-def test_cpp_decode_attention_over_the_pool_matches_sdpa_over_the_gathered_batch(dtype, kv_int8, d):
+# query heads per KV head: 3 (SmolLM2), 1 (no grouping), 5 and 8 (the AVX-512 loops take a group in chunks of 4)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (10, 2), (8, 1)])
+def test_cpp_decode_attention_over_the_pool_matches_sdpa_over_the_gathered_batch(dtype, kv_int8, d, heads, kv_heads):
     """The engine's C++ decode attention (cpu_kernels.py) reads each row's own slots of the pool; the SDPA path
     gathers them into a padded batch with a mask. Same result to float rounding, for rows of different lengths,
     grouped-query heads and q as the strided view the model passes; an int8 pool read with its scales."""
     ext = cpu_kernels.compiled()
     assert ext is not None, "the engine's C++ CPU kernels did not build"
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, lens = 9, 3, torch.tensor([1, 9, 40, 17])
+    lens = torch.tensor([1, 9, 40, 17])
     b, width = len(lens), 48
     pair = torch.randn(2, 256, kv_heads, d, generator=g).to(dtype)
     scale_pair = None

@@ -200,6 +200,118 @@ void values_avx512(const float* weight, const P* vp, const int64_t* at, int64_t 
 #endif
 
 #if defined(__AVX512F__)
+// fast_exp on 16 lanes, operation for operation (no fused multiply-adds, as the scalar one is built): the same floats
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// s[0, n) -> exp(s - max s) in place; returns 1 / their sum
+inline float softmax_in_place(float* s, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(-INFINITY);
+  __m512 top = lowest;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+  if (j < n) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(lowest, tail, s + j));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < n) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(m, tail, s + j), m));
+    _mm512_mask_storeu_ps(s + j, tail, e);
+    sum = _mm512_mask_add_ps(sum, tail, sum, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// GB query heads of one KV head (a grouped-query group, or part of one) against its n keys, and the weighted sums of
+// its values: each key and value is loaded (and widened from bf16 or int8) once for all GB heads, not once per head,
+// and the scores' exponentials are taken 16 at a time. query: GB rows of 16 * C floats (already scaled); s: GB * n
+// scratch; out: GB rows of 16 * C floats. Per head the arithmetic is scores_avx512's and values_avx512's.
+template <int C, int GB, typename P>
+void heads_avx512(const float* query, const P* kp, const P* vp, const int64_t* at, int64_t n, const float* k_scale,
+                  const float* v_scale, float* s, float* out) {
+  __m512 qv[GB][C];
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < C; ++c) qv[h][c] = _mm512_loadu_ps(query + h * 16 * C + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const P* key = kp + at[j] * (16 * C);
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(key + 16 * c);
+    const float ks = std::is_same_v<P, int8_t> ? k_scale[at[j]] : 1.f;
+    for (int h = 0; h < GB; ++h) {
+      __m512 sum = _mm512_mul_ps(qv[h][0], kv[0]);
+      for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[h][c], kv[c], sum);
+      s[h * n + j] = _mm512_reduce_add_ps(sum) * ks;
+    }
+  }
+  float inv[GB];
+  for (int h = 0; h < GB; ++h) inv[h] = softmax_in_place(s + h * n, n);
+  __m512 acc[GB][C];
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const P* value = vp + at[j] * (16 * C);
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(value + 16 * c);
+    const float vs = std::is_same_v<P, int8_t> ? v_scale[at[j]] : 1.f;
+    for (int h = 0; h < GB; ++h) {
+      const __m512 p = _mm512_set1_ps(s[h * n + j] * vs);
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(out + h * 16 * C + 16 * c, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
+}
+
+// heads_avx512 for `heads` query heads (any number), in chunks of up to 4; false where dim is not 16-128
+template <typename P>
+bool heads_vectorized(const float* query, int64_t heads, int64_t dim, const P* kp, const P* vp, const int64_t* at,
+                      int64_t n, const float* k_scale, const float* v_scale, float* s, float* out) {
+  auto chunks = [&](auto c) {
+    constexpr int C = decltype(c)::value;
+    for (int64_t h = 0; h < heads;) {
+      const int64_t take = std::min<int64_t>(4, heads - h);
+      const float* qh = query + h * dim;
+      float* oh = out + h * dim;
+      switch (take) {
+        case 4: heads_avx512<C, 4>(qh, kp, vp, at, n, k_scale, v_scale, s, oh); break;
+        case 3: heads_avx512<C, 3>(qh, kp, vp, at, n, k_scale, v_scale, s, oh); break;
+        case 2: heads_avx512<C, 2>(qh, kp, vp, at, n, k_scale, v_scale, s, oh); break;
+        default: heads_avx512<C, 1>(qh, kp, vp, at, n, k_scale, v_scale, s, oh); break;
+      }
+      h += take;
+    }
+  };
+  switch (dim) {
+    case 16: chunks(std::integral_constant<int, 1>{}); return true;
+    case 32: chunks(std::integral_constant<int, 2>{}); return true;
+    case 64: chunks(std::integral_constant<int, 4>{}); return true;
+    case 128: chunks(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
 // calls run(std::integral_constant<int, C>) with C = dim / 16 where the AVX-512 loops take that head size (16-128);
 // false where they do not
 template <typename F>
@@ -254,8 +366,23 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
       const int64_t row = i / kv_heads, kvh = i % kv_heads, n = lp[row];
       const int64_t* row_slots = sp + row * width;
       at.resize(n);
-      s.resize(n);
       for (int64_t j = 0; j < n; ++j) at[j] = row_slots[j] * kv_heads + kvh;
+#if defined(__AVX512F__)
+      if (dim % 16 == 0 && dim <= 128 && (dim & (dim - 1)) == 0) {  // the whole group at once (heads_vectorized)
+        query.resize(group * dim);
+        acc.resize(group * dim);
+        s.resize(std::min<int64_t>(group, 4) * n);
+        for (int64_t h = 0; h < group; ++h) {
+          const T* src = qp + row * qs_row + (kvh * group + h) * qs_head;
+          for (int64_t d = 0; d < dim; ++d) query[h * dim + d] = static_cast<float>(src[d]) * scale;
+        }
+        heads_vectorized(query.data(), group, dim, kp, vp, at.data(), n, k_scale, v_scale, s.data(), acc.data());
+        T* dst = op + (row * heads + kvh * group) * dim;
+        for (int64_t d = 0; d < group * dim; ++d) dst[d] = static_cast<T>(acc[d]);
+        continue;
+      }
+#endif
+      s.resize(n);
       for (int64_t h = 0; h < group; ++h) {
         const T* src = qp + row * qs_row + (kvh * group + h) * qs_head;
         for (int64_t d = 0; d < dim; ++d) query[d] = static_cast<float>(src[d]) * scale;
