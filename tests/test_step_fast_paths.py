@@ -225,7 +225,9 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cpp_kv_write(tiny_model
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_cpp
 
 
-def test_cpp_layer_steps_match_the_torch_formulas():
+# widths the AVX-512 loops take whole (16 lanes at a time), and ones that leave a scalar tail or none for them
+@pytest.mark.parametrize("hidden,inter,head", [(576, 1536, 64), (100, 1000, 40)])
+def test_cpp_layer_steps_match_the_torch_formulas(hidden, inter, head):
     """The C++ layer steps the model takes on CPU (models/llama.py, cpu_kernels.py): RoPE bit for bit; the norm and
     silu(gate) * up to float rounding (a row's sum of squares and exp's last bits run another way); the residual
     added in place exactly as x + residual; a result handed over in bf16 is the bf16 cast of the other."""
@@ -235,8 +237,8 @@ def test_cpp_layer_steps_match_the_torch_formulas():
     g = torch.Generator().manual_seed(3)
     for x_dtype, r_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                              (torch.bfloat16, torch.bfloat16)):
-        x = (torch.randn(7, 576, generator=g) * 4).to(x_dtype)
-        residual, weight = torch.randn(7, 576, generator=g).to(r_dtype), torch.rand(576, generator=g).to(x_dtype)
+        x = (torch.randn(7, hidden, generator=g) * 4).to(x_dtype)
+        residual, weight = torch.randn(7, hidden, generator=g).to(r_dtype), torch.rand(hidden, generator=g).to(x_dtype)
         summed = x + residual
         h = ext.add_rms_norm(x, residual, weight, 1e-5)
         assert torch.equal(x, summed) and h.dtype == x_dtype
@@ -246,15 +248,15 @@ def test_cpp_layer_steps_match_the_torch_formulas():
                            ext.add_rms_norm(x.clone(), None, weight, 1e-5).to(torch.bfloat16))
     for x_dtype, table_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                  (torch.bfloat16, torch.bfloat16)):
-        qkv = torch.randn(4, 15 * 64, generator=g).to(x_dtype)
-        qk = qkv[:, :12 * 64].view(4, 12, 64)  # the strided view the model passes
-        cos, sin = torch.randn(50, 64, generator=g).to(table_dtype), torch.randn(50, 64, generator=g).to(table_dtype)
+        qkv = torch.randn(4, 15 * head, generator=g).to(x_dtype)
+        qk = qkv[:, :12 * head].view(4, 12, head)  # the strided view the model passes
+        cos, sin = torch.randn(50, head, generator=g).to(table_dtype), torch.randn(50, head, generator=g).to(table_dtype)
         positions = torch.tensor([3, 7, 49, 0])
         assert torch.equal(ext.rope(qk, cos, sin, positions),
                            apply_rope(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))
     for in_dtype, dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                             (torch.bfloat16, torch.bfloat16)):
-        gate_up = (torch.randn(3, 2 * 1536, generator=g) * 4).to(in_dtype)
+        gate_up = (torch.randn(3, 2 * inter, generator=g) * 4).to(in_dtype)
         gate, up = gate_up.chunk(2, dim=-1)
         out = ext.silu_mul(gate_up, dtype)
         torch.testing.assert_close(out, F.silu(gate.to(dtype)) * up, rtol=1e-5 if dtype == torch.float32 else 1e-2,

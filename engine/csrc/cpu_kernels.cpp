@@ -461,15 +461,45 @@ inline O round_to(float value) {
   return static_cast<O>(value);  // float -> float is nothing; float -> bf16 rounds to nearest even, as torch does
 }
 
+#if defined(__AVX512F__)
+// round_to on 16 lanes: bf16's bits (round to nearest even, NaN to 0x7fc0: c10::BFloat16's own conversion) in the
+// low half of each lane; round16<O> the float they stand for; store16 writes 16 results as O
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7fff));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, bias), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+template <typename O>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<O, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+  }
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+#endif
+
 template <typename X, typename R, typename H>
 void add_rms_norm_rows(X* xp, const R* rp, const X* wp, H* hp, int64_t rows, int64_t cols, float eps) {
   at::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(cols);
     for (int64_t t = begin; t < end; ++t) {
       X* x = xp + t * cols;
+      int64_t k0 = 0;  // where the scalar loops take over from the 16-lane ones (the same floats)
       if (rp != nullptr) {
         const R* r = rp + t * cols;
-        for (int64_t k = 0; k < cols; ++k) x[k] = round_to<X>(static_cast<float>(x[k]) + static_cast<float>(r[k]));
+#if defined(__AVX512F__)
+        for (; k0 + 16 <= cols; k0 += 16) store16(x + k0, round16<X>(_mm512_add_ps(load16(x + k0), load16(r + k0))));
+#endif
+        for (int64_t k = k0; k < cols; ++k) x[k] = round_to<X>(static_cast<float>(x[k]) + static_cast<float>(r[k]));
       }
       for (int64_t k = 0; k < cols; ++k) xf[k] = static_cast<float>(x[k]);
       float squares = 0.f;
@@ -477,7 +507,14 @@ void add_rms_norm_rows(X* xp, const R* rp, const X* wp, H* hp, int64_t rows, int
       for (int64_t k = 0; k < cols; ++k) squares += xf[k] * xf[k];
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(cols) + eps);
       H* h = hp + t * cols;
-      for (int64_t k = 0; k < cols; ++k) {
+      k0 = 0;
+#if defined(__AVX512F__)
+      for (const __m512 by = _mm512_set1_ps(inv); k0 + 16 <= cols; k0 += 16) {
+        const __m512 normed = round16<X>(_mm512_mul_ps(_mm512_loadu_ps(xf.data() + k0), by));
+        store16(h + k0, round16<X>(_mm512_mul_ps(load16(wp + k0), normed)));
+      }
+#endif
+      for (int64_t k = k0; k < cols; ++k) {
         const float normed = static_cast<float>(round_to<X>(xf[k] * inv));
         h[k] = round_to<H>(static_cast<float>(round_to<X>(static_cast<float>(wp[k]) * normed)));
       }
@@ -496,7 +533,18 @@ void rope_rows(const X* xp, int64_t row_stride, int64_t head_stride, const C* cp
       for (int64_t h = 0; h < heads; ++h) {
         const X* x = xp + t * row_stride + h * head_stride;
         O* o = op + (t * heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) {
+        int64_t d0 = 0;
+#if defined(__AVX512F__)
+        if (half % 16 == 0) {  // 16 lanes never straddle the halves
+          for (; d0 < dim; d0 += 16) {
+            const __m512 straight = round16<O>(_mm512_mul_ps(load16(x + d0), load16(cos + d0)));
+            const __m512 turned = round16<O>(_mm512_mul_ps(load16(x + (d0 < half ? d0 + half : d0 - half)),
+                                                           load16(sin + d0)));
+            store16(o + d0, round16<O>(_mm512_add_ps(straight, turned)));
+          }
+        }
+#endif
+        for (int64_t d = d0; d < dim; ++d) {
           const float straight = static_cast<float>(round_to<O>(static_cast<float>(x[d]) * static_cast<float>(cos[d])));
           const float rotated = static_cast<float>(x[d < half ? d + half : d - half]);
           const float turned = static_cast<float>(round_to<O>(rotated * static_cast<float>(sin[d])));
@@ -514,7 +562,16 @@ void silu_mul_rows(const X* gp, O* op, int64_t rows, int64_t inter) {
       const X* g = gp + t * 2 * inter;
       const X* u = g + inter;
       O* o = op + t * inter;
-      for (int64_t k = 0; k < inter; ++k) {
+      int64_t k0 = 0;
+#if defined(__AVX512F__)
+      for (const __m512 one = _mm512_set1_ps(1.f); k0 + 16 <= inter; k0 += 16) {
+        const __m512 x = load16(g + k0);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 activated = round16<M>(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+        store16(o + k0, round16<M>(_mm512_mul_ps(activated, load16(u + k0))));
+      }
+#endif
+      for (int64_t k = k0; k < inter; ++k) {
         const float x = static_cast<float>(g[k]);
         const float activated = static_cast<float>(round_to<M>(x / (1.f + fast_exp(-x))));
         o[k] = round_to<O>(static_cast<float>(round_to<M>(activated * static_cast<float>(u[k]))));
