@@ -250,7 +250,8 @@ def test_cpp_layer_steps_match_the_torch_formulas(hidden, inter, head):
                                  (torch.bfloat16, torch.bfloat16)):
         qkv = torch.randn(4, 15 * head, generator=g).to(x_dtype)
         qk = qkv[:, :12 * head].view(4, 12, head)  # the strided view the model passes
-        cos, sin = torch.randn(50, head, generator=g).to(table_dtype), torch.randn(50, head, generator=g).to(table_dtype)
+        cos = torch.randn(50, head, generator=g).to(table_dtype)
+        sin = torch.randn(50, head, generator=g).to(table_dtype)
         positions = torch.tensor([3, 7, 49, 0])
         assert torch.equal(ext.rope(qk, cos, sin, positions),
                            apply_rope(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))
