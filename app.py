@@ -193,14 +193,13 @@ def wire_roles(demo: gr.Blocks, access: Access, role: dict) -> None:
     demo.unload(audience(lambda: access.forget()))
     if "unlock" in role:
         def unlock(token: str):
-            return view(access.unlock(token))
-        # one unlock at a time, a wrong token answering a second late: guessing the token is slow
-        unlock_click = role["unlock"].click(audience(unlock), role["token"], outputs, concurrency_limit=1,
-                                            concurrency_id="unlock", api_name="unlock")
-        unlock_enter = role["token"].submit(audience(unlock), role["token"], outputs, concurrency_limit=1,
-                                            concurrency_id="unlock", api_visibility="private")
-        for ev in (unlock_click, unlock_enter):
-            ev.then(audience(lambda: ""), None, role["token"])
+            return (*view(access.unlock(token)), "")  # the token never stays in the box
+        # one unlock at a time, a wrong token answering a second late: guessing the token is slow. The box is
+        # emptied in the same answer: a chained event emptied it a round trip later, over a token typed since
+        role["unlock"].click(audience(unlock), role["token"], [*outputs, role["token"]], concurrency_limit=1,
+                             concurrency_id="unlock", api_name="unlock")
+        role["token"].submit(audience(unlock), role["token"], [*outputs, role["token"]], concurrency_limit=1,
+                             concurrency_id="unlock", api_visibility="private")
 
 
 def launch(pg: Playground | Watcher, model_name: str, access: Access | None = None, api_key: str | None = None,
