@@ -245,14 +245,27 @@ def reference_filter(logits, temperature, top_k, top_p, min_p):
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits.masked_fill(drop, NEG_INF))
 
 
-@pytest.mark.parametrize("candidates", [(256, 4096), (4, 16), (1,), ()])
-def test_fast_filters_agree_with_one_full_sort_per_row(monkeypatch, candidates):
+def use_native(monkeypatch, native: bool) -> None:
+    """The C++ rows (asserted built: make install builds them), or torch's calls as without them."""
+    if native:
+        assert sampler._native(torch.zeros(1, 2)) is not None, "the engine's C++ CPU kernels did not build"
+    else:
+        monkeypatch.setattr(sampler, "_native", lambda logits: None)
+
+
+@pytest.mark.parametrize("native,candidates", [(True, (256, 4096)), (False, (256, 4096)), (False, (4, 16)),
+                                               (False, (1,)), (False, ())])
+def test_fast_filters_agree_with_one_full_sort_per_row(monkeypatch, native, candidates):
     """Random batches of random settings, peaked and flat rows: with few candidates most rows look further, some
-    to the whole sorted row, so every tier of top-p and every row mix (all rows, some rows) is crossed."""
+    to the whole sorted row, so every tier of top-p and every row mix (all rows, some rows) is crossed; in C++,
+    both the candidates' path and the exponent buckets' (flat rows, k past the candidates, p near 1)."""
+    use_native(monkeypatch, native)
     monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
     gen = torch.Generator().manual_seed(11)
-    for trial in range(40):
+    for trial in range(48):
         n, vocab = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(2, 700, (1,), generator=gen))
+        if trial >= 40:  # the model's vocabulary
+            n, vocab = 4, 49152
         sharpness = torch.rand(n, 1, generator=gen) * 8
         logits = torch.randn(n, vocab, generator=gen) * sharpness
         temperature = torch.rand(n, generator=gen) * 1.5 + 0.1
@@ -264,6 +277,32 @@ def test_fast_filters_agree_with_one_full_sort_per_row(monkeypatch, candidates):
         want = reference_filter(logits, temperature, top_k, top_p, min_p)
         assert torch.equal(torch.isfinite(got), torch.isfinite(want)), f"trial {trial}"
         assert torch.allclose(got[torch.isfinite(got)], want[torch.isfinite(want)])
+
+
+def test_cpp_filters_break_ties_at_a_boundary_by_token_id_and_keep_exactly_k():
+    """bf16 logits tie often: top-k keeps exactly k, the lowest ids among the tied; top-p keeps the tied tokens up to
+    the one that crosses p, in id order; every tied maximum survives min-p 1."""
+    assert sampler._native(torch.zeros(1, 2)) is not None, "the engine's C++ CPU kernels did not build"
+    logits = torch.full((3, 1000), -5.0)
+    logits[:, [900, 10, 500, 70, 300]] = 2.0  # five tied maxima, far apart
+    one = torch.ones(3)
+    got = filter_logits(logits.clone(), one, torch.tensor([3, -1, -1]), torch.tensor([1.0, 0.5, 1.0]),
+                        torch.tensor([0.0, 0.0, 1.0]))
+    kept = [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in got]
+    assert kept[0] == {10, 70, 300}
+    # each tied token holds ~0.2 of the mass: before the third it is ~0.4 < 0.5, so three stay
+    assert kept[1] == {10, 70, 300}
+    assert kept[2] == {10, 70, 300, 500, 900}
+
+
+def test_cpp_argmax_takes_the_first_nan_and_the_first_of_equal_maxima():
+    from engine.sampler import most_likely
+    assert sampler._native(torch.zeros(1, 2)) is not None, "the engine's C++ CPU kernels did not build"
+    logits = torch.zeros(3, 49157)  # not a multiple of 16: the scalar tail too
+    logits[0, [49156, 3]] = 1.0
+    logits[1, [20000, 5]] = float("nan")
+    logits[2] = float("-inf")
+    assert most_likely(logits).tolist() == [3, 5, 0] == logits.argmax(dim=1).tolist()
 
 
 def test_no_sort_when_no_row_needs_one(monkeypatch):
@@ -502,3 +541,22 @@ def test_a_vanishing_temperature_is_greedy(llm):
     tiny = llm.generate([PROMPT], SamplingParams(temperature=1e-40, max_tokens=5, ignore_eos=True))[0]
     greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert tiny.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_draws_exponentials_are_zero_for_dropped_tokens_and_exp_elsewhere(monkeypatch, native):
+    """exp(x - max) as the draw takes it: exactly 0 for a token a filter dropped (-inf), the float exp in range, and
+    the far tail (where float32's exp underflows, and torch's exp_ is slow) at most the floor's ~1e-38."""
+    use_native(monkeypatch, native)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 49157, generator=gen) * 3
+    x[:, 1::11] = -500.0
+    x[:, ::7] = float("-inf")
+    x[:, 3] = 20.0  # a finite top in every row
+    want = torch.exp(x - x.amax(dim=1, keepdim=True))
+    got = sampler.shifted_exp(x.clone())
+    assert torch.equal(got[:, ::7], torch.zeros_like(got[:, ::7]))
+    tail = x == -500.0
+    assert (got[tail] <= 2e-38).all() and (got >= 0).all()
+    normal = want > 1e-30
+    torch.testing.assert_close(got[normal], want[normal], rtol=2e-6, atol=0)

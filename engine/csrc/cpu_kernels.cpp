@@ -16,8 +16,10 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -950,6 +952,293 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
 #endif
 }
 
+// ---- The sampler's row work (engine/sampler.py) over a step's float32 logits [rows, vocabulary]: each row in one
+// or two passes, where torch's calls cost several full passes and fresh tensors each (a topk over 49k entries took
+// ~150 us a row on 2 cores; a softmax, a boolean mask and a masked fill each a few milliseconds for 32 rows).
+namespace {
+constexpr int64_t kSampleRowsPerTask = 1;
+
+// the first index of the row's maximum; the first NaN where there is one (as torch's argmax and max(dim) give)
+int64_t argmax_row(const float* x, int64_t n) {
+  float top = -INFINITY;
+  bool nan = false;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 tv = _mm512_set1_ps(-INFINITY);
+  __mmask16 any_nan = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    any_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    tv = _mm512_max_ps(tv, v);
+  }
+  nan = any_nan != 0;
+  top = _mm512_reduce_max_ps(tv);
+#endif
+  for (; j < n; ++j) {
+    nan = nan || std::isnan(x[j]);
+    top = std::max(top, x[j]);
+  }
+  for (j = 0; j < n; ++j) {
+    if (nan ? std::isnan(x[j]) : x[j] == top) return j;
+  }
+  return 0;  // a row of -inf only: its first entry, as argmax gives
+}
+
+// The tokens a row's filters keep, as a full sort would decide them, over e[i] = exp(x[i] - max): the tempered
+// probabilities times the row's sum, each in (0, 1]. Ties are broken by token id (a sort's order is not defined for
+// them). Three ways, each only where a filter needs it:
+// - min-p: e[i] >= min_p (p_i >= min_p * p_max), no sort at all;
+// - the candidates, e >= kCandidate (a logit within ~8.3 of the row's top), gathered in the exponentials' own
+//   vector pass: a language model's next token nearly always lies among a few hundred of them, and a filter whose
+//   boundary falls among them (top-k: at least k of them; top-p: their mass reaches p) is settled by them alone,
+//   exactly as a full sort settles it (every other token is less likely than all of them): top-k by nth_element,
+//   top-p by sorting them;
+// - otherwise (a flat row, a k past the candidates, a p near 1) buckets of e's float bits (exponent and three bits of
+//   mantissa: 1,024 buckets, each a factor of 2^(1/8) wide) counted and summed in one pass, the boundary's bucket
+//   found from the top and only its members ranked.
+constexpr float kCandidate = 1.f / 4096.f;
+constexpr int kBuckets = 1024;
+constexpr int64_t kMostSorted = 4096;  // candidates sorted for top-p at most; more: the buckets
+
+using Ranked = std::vector<std::pair<float, int64_t>>;
+
+inline bool before_in_rank(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& c) {
+  return a.first > c.first || (a.first == c.first && a.second < c.second);  // most likely first; ties: lower id
+}
+
+inline int bucket_of(float e) {
+  uint32_t bits;
+  std::memcpy(&bits, &e, sizeof bits);
+  return static_cast<int>(bits >> 20);  // e in [0, 1]: 0 ... 1016
+}
+
+struct Buckets {
+  std::vector<double> mass = std::vector<double>(kBuckets, 0.0);
+  std::vector<int64_t> count = std::vector<int64_t>(kBuckets, 0);
+  explicit Buckets(const float* e, int64_t n) {
+    std::vector<double> odd(kBuckets, 0.0);  // two sums a bucket: half the chains of dependent additions
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const int a = bucket_of(e[j]), b = bucket_of(e[j + 1]);
+      mass[a] += e[j];
+      odd[b] += e[j + 1];
+      count[a] += 1;
+      count[b] += 1;
+    }
+    if (j < n) {
+      mass[bucket_of(e[j])] += e[j];
+      count[bucket_of(e[j])] += 1;
+    }
+    for (int k = 0; k < kBuckets; ++k) mass[k] += odd[k];
+  }
+};
+
+Ranked bucket_members(const float* e, int64_t n, int b) {
+  Ranked members;
+  for (int64_t i = 0; i < n; ++i) {
+    if (bucket_of(e[i]) == b) members.emplace_back(e[i], i);
+  }
+  return members;
+}
+
+// (threshold e, last id kept at it) of the k-th most likely
+std::pair<float, int64_t> kth_most_likely(Ranked& cand, const float* e, int64_t n, int64_t k) {
+  if (static_cast<int64_t>(cand.size()) >= k) {
+    std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), before_in_rank);
+    return cand[k - 1];
+  }
+  const Buckets h(e, n);
+  int64_t seen = 0;
+  int b = kBuckets - 1;
+  for (; b > 0 && seen + h.count[b] < k; --b) seen += h.count[b];
+  Ranked members = bucket_members(e, n, b);
+  const int64_t at = std::min<int64_t>(k - seen, members.size()) - 1;
+  std::nth_element(members.begin(), members.begin() + at, members.end(), before_in_rank);
+  return members[at];
+}
+
+// (threshold e, last id kept at it) of the token that crosses p; (0, n): nothing dropped (p not reached in rounding)
+std::pair<float, int64_t> top_p_boundary(Ranked& cand, double cand_mass, const float* e, int64_t n, double want) {
+  double before = 0.0;
+  Ranked members;
+  if (cand_mass >= want && static_cast<int64_t>(cand.size()) <= kMostSorted) {
+    members.swap(cand);
+  } else {
+    const Buckets h(e, n);
+    int b = kBuckets - 1;
+    for (; b > 0 && before + h.mass[b] < want; --b) before += h.mass[b];
+    members = bucket_members(e, n, b);
+  }
+  std::sort(members.begin(), members.end(), before_in_rank);
+  for (const auto& [value, id] : members) {
+    if (before + value >= want) return {value, id};  // the token that crosses p: the last one kept
+    before += value;
+  }
+  return members.empty() ? std::make_pair(0.f, n) : members.back();
+}
+
+void filter_row(float* x, float* e, int64_t n, int64_t top_k, float top_p, float min_p) {
+  const bool use_k = top_k > 0 && top_k < n, use_p = top_p < 1.f, use_m = min_p > 0.f;
+  if (!use_k && !use_p && !use_m) return;
+  float top = -INFINITY;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 tv = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) tv = _mm512_max_ps(tv, _mm512_loadu_ps(x + i));
+  top = _mm512_reduce_max_ps(tv);
+#endif
+  for (; i < n; ++i) top = std::max(top, x[i]);
+  if (!std::isfinite(top)) return;  // nothing to judge (every entry -inf, or NaN): left as it is
+  const bool gather = use_k || use_p;
+  Ranked cand;
+  double total = 0.0, cand_mass = 0.0;
+  i = 0;
+#if defined(__AVX512F__)
+  {
+    std::vector<float> cv(gather ? n : 0);
+    std::vector<int32_t> ci(gather ? n : 0);
+    int64_t nc = 0;
+    const __m512 m = _mm512_set1_ps(top), lowest = _mm512_set1_ps(-INFINITY), floor = _mm512_set1_ps(kCandidate);
+    __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    while (i + 16 <= n) {  // chunks of up to 256 summed in float, the chunks in double
+      __m512 part = _mm512_setzero_ps();
+      for (int c = 0; c < 16 && i + 16 <= n; ++c, i += 16, ids = _mm512_add_epi32(ids, step)) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __m512 ev = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lowest, _CMP_NEQ_OQ),
+                                              exp16(_mm512_sub_ps(v, m)));
+        _mm512_storeu_ps(e + i, ev);
+        part = _mm512_add_ps(part, ev);
+        if (gather) {
+          const __mmask16 keep = _mm512_cmp_ps_mask(ev, floor, _CMP_GE_OQ);
+          _mm512_mask_compressstoreu_ps(cv.data() + nc, keep, ev);
+          _mm512_mask_compressstoreu_epi32(ci.data() + nc, keep, ids);
+          nc += __builtin_popcount(keep);
+        }
+      }
+      total += _mm512_reduce_add_ps(part);
+    }
+    cand.reserve(nc + 16);
+    for (int64_t c = 0; c < nc; ++c) cand.emplace_back(cv[c], ci[c]);
+  }
+#endif
+  for (; i < n; ++i) {
+    e[i] = x[i] == -INFINITY ? 0.f : fast_exp(x[i] - top);
+    total += e[i];
+    if (gather && e[i] >= kCandidate) cand.emplace_back(e[i], i);
+  }
+  for (const auto& c : cand) cand_mass += c.first;
+  // each filter as (threshold e, last id kept at that value): a token is kept when it is more likely than the
+  // threshold, or as likely and not after the last id kept
+  float k_at = 0.f, p_at = 0.f;
+  int64_t k_last = n, p_last = n;
+  if (use_p) {  // first: kth_most_likely reorders the candidates
+    Ranked mine = use_k ? cand : Ranked();
+    std::tie(p_at, p_last) = top_p_boundary(use_k ? mine : cand, cand_mass, e, n, static_cast<double>(top_p) * total);
+  }
+  if (use_k) std::tie(k_at, k_last) = kth_most_likely(cand, e, n, top_k);
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 mv = _mm512_set1_ps(use_m ? min_p : 0.f), kv = _mm512_set1_ps(use_k ? k_at : 0.f),
+                 pv = _mm512_set1_ps(use_p ? p_at : 0.f);
+    const __m512i k_last_v = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(k_last, INT32_MAX))),
+                  p_last_v = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(p_last, INT32_MAX)));
+    const __m512 lowest = _mm512_set1_ps(-INFINITY);
+    __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; j + 16 <= n; j += 16, ids = _mm512_add_epi32(ids, _mm512_set1_epi32(16))) {
+      const __m512 v = _mm512_loadu_ps(e + j);
+      __mmask16 drop = _mm512_cmp_ps_mask(v, mv, _CMP_LT_OQ);  // min_p 0 (off) drops nothing
+      if (use_k) {
+        drop |= _mm512_cmp_ps_mask(v, kv, _CMP_LT_OQ) |
+                (_mm512_cmp_ps_mask(v, kv, _CMP_EQ_OQ) & _mm512_cmpgt_epi32_mask(ids, k_last_v));
+      }
+      if (use_p) {
+        drop |= _mm512_cmp_ps_mask(v, pv, _CMP_LT_OQ) |
+                (_mm512_cmp_ps_mask(v, pv, _CMP_EQ_OQ) & _mm512_cmpgt_epi32_mask(ids, p_last_v));
+      }
+      _mm512_mask_storeu_ps(x + j, drop, lowest);
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    const float v = e[j];
+    const bool drop = (use_m && v < min_p) || (use_k && (v < k_at || (v == k_at && j > k_last))) ||
+                      (use_p && (v < p_at || (v == p_at && j > p_last)));
+    if (drop) x[j] = -INFINITY;
+  }
+}
+}  // namespace
+
+// x [T, V] float32, in place: exp(x - the row's max), 0 where x is -inf (a filtered token), each row's masses up to a
+// scale (what the draw's inversion needs). torch's exp_ takes a slow path below ~-87: 8 ms for 32 rows of -inf, 60 ms
+// at -100, against 0.7 ms in range; here fast_exp's floor (~1e-38) stands for what underflows, and a filtered token
+// gets exactly 0. A row without a finite maximum (NaN, or all -inf) is left as it is.
+at::Tensor exp_shifted_rows(at::Tensor x) {
+  check(x, 2, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* r = xp + t * n;
+      float top = -INFINITY;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 tv = _mm512_set1_ps(-INFINITY);
+      for (; i + 16 <= n; i += 16) tv = _mm512_max_ps(tv, _mm512_loadu_ps(r + i));
+      top = _mm512_reduce_max_ps(tv);
+#endif
+      for (; i < n; ++i) top = std::max(top, r[i]);
+      if (!std::isfinite(top)) continue;
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 m = _mm512_set1_ps(top), lowest = _mm512_set1_ps(-INFINITY);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(r + i);
+        _mm512_storeu_ps(r + i, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lowest, _CMP_NEQ_OQ),
+                                                    exp16(_mm512_sub_ps(v, m))));
+      }
+#endif
+      for (; i < n; ++i) r[i] = r[i] == -INFINITY ? 0.f : fast_exp(r[i] - top);
+    }
+  });
+  return x;
+}
+
+// logits [T, V] float32 -> int64 [T]: each row's argmax (the first of equal maxima; the first NaN)
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check(logits, 2, "logits");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* xp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) op[t] = argmax_row(xp + t * n, n);
+  });
+  return out;
+}
+
+// logits [T, V] float32 (tempered), in place: what top-k (top_k [T] int64, <= 0 or >= V: off), top-p (top_p [T]
+// float32, 1: off) and min-p (min_p [T] float32, 0: off) drop set to -inf, each judging the row's softmax as it is
+at::Tensor filter_rows(at::Tensor logits, const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p) {
+  check(logits, 2, "logits");
+  check(top_p, 1, "top_p");
+  check(min_p, 1, "min_p");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.dim() == 1 && top_k.is_contiguous() && top_k.size(0) == rows &&
+                  top_p.size(0) == rows && min_p.size(0) == rows,
+              "top_k (int64), top_p and min_p must hold one value per row");
+  float* xp = logits.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const float* pp = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  at::parallel_for(0, rows, kSampleRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(n);
+    for (int64_t t = begin; t < end; ++t) filter_row(xp + t * n, e.data(), n, kp[t], pp[t], mp[t]);
+  });
+  return logits;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "w8a8's activations, quantized per row");
   m.def("dequantize_rows", &dequantize_rows, "int32 sums scaled back per row, in place");
@@ -963,6 +1252,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matmul", &int8_matmul, "x @ (q * scale).T, int8 weights widened as they are read");
   m.def("int4_matmul", &int4_matmul, "x @ W.T, W int4 in groups (scale, mid), widened as it is read");
   m.def("rope", &rope, "rotary embedding of q and k by their positions");
+  m.def("exp_shifted_rows", &exp_shifted_rows, "exp(x - row max) in place, 0 where x is -inf");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax (the first of equal maxima, the first NaN)");
+  m.def("filter_rows", &filter_rows, "top-k / top-p / min-p of tempered logits, in place (dropped: -inf)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a joined gate|up projection", py::arg("gate_up"),
         py::arg("dtype"), py::arg("out_dtype") = py::none());
 }
