@@ -136,9 +136,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // One query head against the n keys of its KV head, and the weighted sum of their values. A key or value of slot j
-// starts at at[j] * dim of the pool; an int8 pool's element is q * its slot's scale. Two versions: the portable
-// loops, and AVX-512 for head sizes of 16-128 (C vectors of 16 floats), whose query and sums stay in registers (the
-// portable loops spent most of their time adding a dot product's lanes one by one and moving sums through memory).
+// starts at at[j] * dim of the pool; an int8 pool's element is q * its slot's scale. Two versions: these portable
+// loops, and AVX-512 for head sizes of 16-128 (heads_avx512: C vectors of 16 floats, a whole grouped-query group at
+// once), whose queries and sums stay in registers (the portable loops spend most of their time adding a dot
+// product's lanes one by one and moving sums through memory).
 template <typename P>
 void scores_portable(const float* query, const P* kp, const int64_t* at, int64_t n, int64_t dim,
                      const float* k_scale, float* s) {
@@ -175,30 +176,6 @@ inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-template <int C, typename P>
-void scores_avx512(const float* query, const P* kp, const int64_t* at, int64_t n, const float* k_scale, float* s) {
-  __m512 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(query + 16 * c);
-  for (int64_t j = 0; j < n; ++j) {
-    const P* key = kp + at[j] * (16 * C);
-    __m512 sum = _mm512_mul_ps(qv[0], load16(key));
-    for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], load16(key + 16 * c), sum);
-    s[j] = _mm512_reduce_add_ps(sum) * (std::is_same_v<P, int8_t> ? k_scale[at[j]] : 1.f);
-  }
-}
-
-template <int C, typename P>
-void values_avx512(const float* weight, const P* vp, const int64_t* at, int64_t n, const float* v_scale,
-                   float* out) {
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const P* value = vp + at[j] * (16 * C);
-    const __m512 p = _mm512_set1_ps(weight[j] * (std::is_same_v<P, int8_t> ? v_scale[at[j]] : 1.f));
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(value + 16 * c), acc[c]);
-  }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
-}
 #endif
 
 #if defined(__AVX512F__)
@@ -246,7 +223,7 @@ inline float softmax_in_place(float* s, int64_t n) {
 // GB query heads of one KV head (a grouped-query group, or part of one) against its n keys, and the weighted sums of
 // its values: each key and value is loaded (and widened from bf16 or int8) once for all GB heads, not once per head,
 // and the scores' exponentials are taken 16 at a time. query: GB rows of 16 * C floats (already scaled); s: GB * n
-// scratch; out: GB rows of 16 * C floats. Per head the arithmetic is scores_avx512's and values_avx512's.
+// scratch; out: GB rows of 16 * C floats. Per head: a dot product in 16 lanes, one fused multiply-add a vector.
 template <int C, int GB, typename P>
 void heads_avx512(const float* query, const P* kp, const P* vp, const int64_t* at, int64_t n, const float* k_scale,
                   const float* v_scale, float* s, float* out) {
@@ -284,6 +261,19 @@ void heads_avx512(const float* query, const P* kp, const P* vp, const int64_t* a
       _mm512_storeu_ps(out + h * 16 * C + 16 * c, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
 }
 
+// calls run(std::integral_constant<int, C>) with C = dim / 16 where the AVX-512 loops take that head size (16-128);
+// false where they do not
+template <typename F>
+bool with_vectors(int64_t dim, F&& run) {
+  switch (dim) {
+    case 16: run(std::integral_constant<int, 1>{}); return true;
+    case 32: run(std::integral_constant<int, 2>{}); return true;
+    case 64: run(std::integral_constant<int, 4>{}); return true;
+    case 128: run(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
 // heads_avx512 for `heads` query heads (any number), in chunks of up to 4; false where dim is not 16-128
 template <typename P>
 bool heads_vectorized(const float* query, int64_t heads, int64_t dim, const P* kp, const P* vp, const int64_t* at,
@@ -303,46 +293,20 @@ bool heads_vectorized(const float* query, int64_t heads, int64_t dim, const P* k
       h += take;
     }
   };
-  switch (dim) {
-    case 16: chunks(std::integral_constant<int, 1>{}); return true;
-    case 32: chunks(std::integral_constant<int, 2>{}); return true;
-    case 64: chunks(std::integral_constant<int, 4>{}); return true;
-    case 128: chunks(std::integral_constant<int, 8>{}); return true;
-    default: return false;
-  }
+  return with_vectors(dim, chunks);
 }
 #endif
 
-#if defined(__AVX512F__)
-// calls run(std::integral_constant<int, C>) with C = dim / 16 where the AVX-512 loops take that head size (16-128);
-// false where they do not
-template <typename F>
-bool with_vectors(int64_t dim, F&& run) {
-  switch (dim) {
-    case 16: run(std::integral_constant<int, 1>{}); return true;
-    case 32: run(std::integral_constant<int, 2>{}); return true;
-    case 64: run(std::integral_constant<int, 4>{}); return true;
-    case 128: run(std::integral_constant<int, 8>{}); return true;
-    default: return false;
-  }
-}
-#endif
-
+// the portable loops: head sizes the AVX-512 ones do not take (heads_vectorized), and builds without AVX-512
 template <typename P>
 void scores(const float* query, const P* kp, const int64_t* at, int64_t n, int64_t dim, const float* k_scale,
             float* s) {
-#if defined(__AVX512F__)
-  if (with_vectors(dim, [&](auto c) { scores_avx512<decltype(c)::value>(query, kp, at, n, k_scale, s); })) return;
-#endif
   scores_portable(query, kp, at, n, dim, k_scale, s);
 }
 
 template <typename P>
 void weighted_values(const float* weight, const P* vp, const int64_t* at, int64_t n, int64_t dim,
                      const float* v_scale, float* out) {
-#if defined(__AVX512F__)
-  if (with_vectors(dim, [&](auto c) { values_avx512<decltype(c)::value>(weight, vp, at, n, v_scale, out); })) return;
-#endif
   values_portable(weight, vp, at, n, dim, v_scale, out);
 }
 
@@ -370,7 +334,7 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
       at.resize(n);
       for (int64_t j = 0; j < n; ++j) at[j] = row_slots[j] * kv_heads + kvh;
 #if defined(__AVX512F__)
-      if (dim % 16 == 0 && dim <= 128 && (dim & (dim - 1)) == 0) {  // the whole group at once (heads_vectorized)
+      {  // the whole group at once, where the head size has the vector loops (heads_vectorized)
         query.resize(group * dim);
         acc.resize(group * dim);
         s.resize(std::min<int64_t>(group, 4) * n);
@@ -378,10 +342,12 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
           const T* src = qp + row * qs_row + (kvh * group + h) * qs_head;
           for (int64_t d = 0; d < dim; ++d) query[h * dim + d] = static_cast<float>(src[d]) * scale;
         }
-        heads_vectorized(query.data(), group, dim, kp, vp, at.data(), n, k_scale, v_scale, s.data(), acc.data());
-        T* dst = op + (row * heads + kvh * group) * dim;
-        for (int64_t d = 0; d < group * dim; ++d) dst[d] = static_cast<T>(acc[d]);
-        continue;
+        if (heads_vectorized(query.data(), group, dim, kp, vp, at.data(), n, k_scale, v_scale, s.data(),
+                             acc.data())) {
+          T* dst = op + (row * heads + kvh * group) * dim;
+          for (int64_t d = 0; d < group * dim; ++d) dst[d] = static_cast<T>(acc[d]);
+          continue;
+        }
       }
 #endif
       s.resize(n);
