@@ -950,6 +950,27 @@ int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // a row of -inf only: its first entry, as argmax gives
 }
 
+// the row's maximum (-inf for an empty row; NaN propagation as _mm512_max_ps / std::max give it)
+inline float row_max(const float* x, int64_t n) {
+  float top = -INFINITY;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 tv = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) tv = _mm512_max_ps(tv, _mm512_loadu_ps(x + i));
+  top = _mm512_reduce_max_ps(tv);
+#endif
+  for (; i < n; ++i) top = std::max(top, x[i]);
+  return top;
+}
+
+#if defined(__AVX512F__)
+// exp(v - m) on 16 lanes, exactly 0 where v is -inf (a dropped token): fast_exp's own floor would give it ~1e-38
+inline __m512 exp_or_zero16(__m512 v, __m512 m) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                             exp16(_mm512_sub_ps(v, m)));
+}
+#endif
+
 // The tokens a row's filters keep, as a full sort would decide them, over e[i] = exp(x[i] - max): the tempered
 // probabilities times the row's sum, each in (0, 1]. Ties are broken by token id (a sort's order is not defined for
 // them). Three ways, each only where a filter needs it:
@@ -1046,15 +1067,9 @@ std::pair<float, int64_t> top_p_boundary(Ranked& cand, double cand_mass, const f
 void filter_row(float* x, float* e, int64_t n, int64_t top_k, float top_p, float min_p) {
   const bool use_k = top_k > 0 && top_k < n, use_p = top_p < 1.f, use_m = min_p > 0.f;
   if (!use_k && !use_p && !use_m) return;
-  float top = -INFINITY;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 tv = _mm512_set1_ps(-INFINITY);
-  for (; i + 16 <= n; i += 16) tv = _mm512_max_ps(tv, _mm512_loadu_ps(x + i));
-  top = _mm512_reduce_max_ps(tv);
-#endif
-  for (; i < n; ++i) top = std::max(top, x[i]);
+  const float top = row_max(x, n);
   if (!std::isfinite(top)) return;  // nothing to judge (every entry -inf, or NaN): left as it is
+  int64_t i = 0;
   const bool gather = use_k || use_p;
   Ranked cand;
   double total = 0.0, cand_mass = 0.0;
@@ -1064,15 +1079,14 @@ void filter_row(float* x, float* e, int64_t n, int64_t top_k, float top_p, float
     std::vector<float> cv(gather ? n : 0);
     std::vector<int32_t> ci(gather ? n : 0);
     int64_t nc = 0;
-    const __m512 m = _mm512_set1_ps(top), lowest = _mm512_set1_ps(-INFINITY), floor = _mm512_set1_ps(kCandidate);
+    const __m512 m = _mm512_set1_ps(top), floor = _mm512_set1_ps(kCandidate);
     __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i step = _mm512_set1_epi32(16);
     while (i + 16 <= n) {  // chunks of up to 256 summed in float, the chunks in double
       __m512 part = _mm512_setzero_ps();
       for (int c = 0; c < 16 && i + 16 <= n; ++c, i += 16, ids = _mm512_add_epi32(ids, step)) {
         const __m512 v = _mm512_loadu_ps(x + i);
-        const __m512 ev = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lowest, _CMP_NEQ_OQ),
-                                              exp16(_mm512_sub_ps(v, m)));
+        const __m512 ev = exp_or_zero16(v, m);
         _mm512_storeu_ps(e + i, ev);
         part = _mm512_add_ps(part, ev);
         if (gather) {
@@ -1147,22 +1161,14 @@ at::Tensor exp_shifted_rows(at::Tensor x) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* r = xp + t * n;
-      float top = -INFINITY;
+      const float top = row_max(r, n);
+      if (!std::isfinite(top)) continue;
       int64_t i = 0;
 #if defined(__AVX512F__)
-      __m512 tv = _mm512_set1_ps(-INFINITY);
-      for (; i + 16 <= n; i += 16) tv = _mm512_max_ps(tv, _mm512_loadu_ps(r + i));
-      top = _mm512_reduce_max_ps(tv);
-#endif
-      for (; i < n; ++i) top = std::max(top, r[i]);
-      if (!std::isfinite(top)) continue;
-      i = 0;
-#if defined(__AVX512F__)
-      const __m512 m = _mm512_set1_ps(top), lowest = _mm512_set1_ps(-INFINITY);
+      const __m512 m = _mm512_set1_ps(top);
       for (; i + 16 <= n; i += 16) {
         const __m512 v = _mm512_loadu_ps(r + i);
-        _mm512_storeu_ps(r + i, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lowest, _CMP_NEQ_OQ),
-                                                    exp16(_mm512_sub_ps(v, m))));
+        _mm512_storeu_ps(r + i, exp_or_zero16(v, m));
       }
 #endif
       for (; i < n; ++i) r[i] = r[i] == -INFINITY ? 0.f : fast_exp(r[i] - top);
