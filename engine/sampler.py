@@ -274,7 +274,7 @@ def shifted_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x - each row's max) in place, exactly 0 where x is -inf (a token a filter dropped: never drawn). torch's
     exp_ is 10-90x slower below ~-87 (a filtered row's -inf; a low temperature's far tail), so what lies below is
     taken at the floor, ~1e-38 of the top token's mass, where the float would underflow anyway."""
-    if (ext := _native(x)) is not None and hasattr(ext, "exp_shifted_rows"):
+    if (ext := _native(x)) is not None:
         return ext.exp_shifted_rows(x)
     dropped = x == float("-inf")
     return x.sub_(x.amax(dim=1, keepdim=True)).clamp_(min=EXP_FLOOR).exp_().masked_fill_(dropped, 0.0)
