@@ -80,3 +80,18 @@ def test_a_gguf_is_keyed_by_its_content_hashed_once_per_file_version(tmp_path, m
     os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert loader.gguf_sha256(a) == sha256(bytes(changed)).hexdigest() != key and len(hashed) == 4
     assert loader.gguf_sha256(b) == key and len(hashed) == 4
+
+
+def test_a_folders_tokenizer_is_read_once_and_again_when_its_files_change(tmp_path, tiny_models):
+    import shutil
+    folder = tmp_path / "tok"
+    shutil.copytree(tiny_models["llama"][0], folder)
+    first = loader.load_tokenizer(folder)
+    assert loader.load_tokenizer(folder) is first  # the engines built over one folder share it
+    template = folder / "chat_template.jinja"  # where transformers keeps it; older folders: tokenizer_config.json
+    assert template.is_file()
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    os.utime(template, ns=(1, 1))  # a different modification time even on a coarse clock
+    again = loader.load_tokenizer(folder)
+    assert again is not first
+    assert again.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -175,13 +176,29 @@ def load_hf_config(folder: Path) -> SimpleNamespace:
     return config
 
 
+_TOKENIZERS: dict[tuple, object] = {}  # (folder, its files as they are now) -> the tokenizer read from them
+_TOKENIZERS_LOCK = threading.Lock()
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
 def load_tokenizer(folder: Path):
-    """The fast tokenizer straight from tokenizer.json (with its chat template); AutoTokenizer as a fallback."""
-    if (folder / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
-        return PreTrainedTokenizerFast.from_pretrained(str(folder))
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(folder))
+    """The fast tokenizer straight from tokenizer.json (with its chat template); AutoTokenizer as a fallback.
+    Read once per process for a folder as its files are now (name, size, modification time): the engines built over
+    one folder (the playground's rebuilds, the benchmarks' configurations) share it, as the engine only reads it; a
+    changed file reads it again."""
+    folder = Path(folder).resolve()
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
+                   if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES))
+    key = (str(folder), tuple(files))
+    with _TOKENIZERS_LOCK:
+        if key not in _TOKENIZERS:
+            if (folder / "tokenizer.json").is_file():
+                from transformers import PreTrainedTokenizerFast
+                _TOKENIZERS[key] = PreTrainedTokenizerFast.from_pretrained(str(folder))
+            else:
+                from transformers import AutoTokenizer
+                _TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(folder))
+        return _TOKENIZERS[key]
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
