@@ -171,10 +171,10 @@ def test_a_lesson_does_not_start_over_a_running_traffic_run_or_while_attached(pg
 @pytest.mark.slow
 @pytest.mark.parametrize("slug", ["02-paged-kv", "04-preemption", "05-prefix-caching"])
 def test_a_lesson_whose_number_is_a_count_moves_the_way_it_says(pg, slug):
-    """Quick mode (5 s phases) on a tiny model. Only lessons whose number counts something (requests running,
+    """Quick mode (3 s phases) on a tiny model. Only lessons whose number counts something (requests running,
     preemptions, prefix hits) are asserted here: a timing's direction is never asserted in a test; those lessons'
     numbers are measured by `python -m playground.rehearse` and recorded in docs/measurements.md."""
-    runner = LessonRunner(pg, seconds=5)
+    runner = LessonRunner(pg, seconds=3)
     pg.lessons = runner
     runner.start(slug)
     wait_phase(runner, ("done", "failed"), timeout_s=120)

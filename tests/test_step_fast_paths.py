@@ -27,12 +27,18 @@ PRECISIONS = {"fp32": {}, "int8": {"quantization": "int8"}, "int4": {"quantizati
               "int8 + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"}}
 
 
+def arch_matrix(precisions) -> list:
+    """(arch, precision) for every precision on both families; `make test-fast` keeps llama at each precision and
+    qwen3 at fp32 (its own q/k norms and untied head), `make test` runs the whole matrix."""
+    return [pytest.param(arch, precision, marks=[pytest.mark.slow] if arch == "qwen3" and precision != "fp32" else [])
+            for arch in ("llama", "qwen3") for precision in precisions]
+
+
 def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
     return [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in llm.generate(prompts, LOGPROBS)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("arch,precision", arch_matrix(PRECISIONS))
 def test_projections_left_in_their_kernels_dtype_change_no_float(tiny_models, monkeypatch, arch, precision):
     llm = LLM(tiny_models[arch][0], max_model_len=256, **PRECISIONS[precision])
     prompts = random_prompts(3, seed=4)
@@ -271,8 +277,7 @@ def test_cpp_layer_steps_match_the_torch_formulas(hidden, inter, head):
         ext.silu_mul(torch.randn(2, 5), torch.float32)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("precision", ["fp32", "int4", "w8a8", "int4 in bf16"])
+@pytest.mark.parametrize("arch,precision", arch_matrix(["fp32", "int4", "w8a8", "int4 in bf16"]))
 def test_greedy_tokens_and_logprobs_with_and_without_the_cpp_layer_steps(tiny_models, arch, precision):
     llm = LLM(tiny_models[arch][0], max_model_len=256, **PRECISIONS[precision])
     model = llm.engine.runner.model
