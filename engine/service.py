@@ -33,6 +33,10 @@ class ServiceBusy(RuntimeError):
     """Too many requests are waiting already: retry later (an HTTP server answers 429)."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread has stopped (shut down, replaced by a restart, or died): nothing sent to it now runs."""
+
+
 class OutputSink(Protocol):
     """Where a request's outputs go. put() is called on the engine thread: it must return at once."""
     def put(self, item: RequestOutput) -> None: ...
@@ -138,6 +142,7 @@ class EngineService:
         self.paused = False
         self._step_waiters: deque[Future] = deque()  # step_once callers, one step each
         self.error: str | None = None
+        self._stop_reason = "shut down"  # what shutdown() was told: a request sent too late is told the same
         if follows is not None:
             self.history.extend(follows.history)
             self.config_changes.extend(follows.config_changes)
@@ -216,6 +221,7 @@ class EngineService:
 
     def shutdown(self, reason: str = "the engine was shut down (restarted)") -> None:
         """Stop the engine thread; every request still open ends with an error saying `reason`."""
+        self._stop_reason = reason
         self._stop.set()
         self._commands.put((lambda: None, None))
         if self._ended.wait(timeout=30):  # a stream still open would otherwise wait for a step that never comes
@@ -225,10 +231,15 @@ class EngineService:
     def alive(self) -> bool:
         return not self._ended.is_set() and self.error is None
 
+    @property
+    def stopped_because(self) -> str:
+        """Why the engine thread stopped (its error, or what shutdown() was told); meaningful once not alive."""
+        return self.error or self._stop_reason
+
     # ---- the engine thread ---------------------------------------------------------------------------
     def _call(self, fn: Callable, *args, **kwargs):
         if not self.alive:
-            raise RuntimeError(f"the engine thread has stopped: {self.error or 'shut down'}")
+            raise EngineStopped(f"the engine thread has stopped: {self.stopped_because}")
         future: Future = Future()
         self._commands.put((lambda: fn(*args, **kwargs), future))
         return future.result(timeout=120)
@@ -416,4 +427,4 @@ class EngineService:
             except queue.Empty:
                 break
             if future is not None:
-                future.set_exception(RuntimeError(f"the engine thread has stopped: {reason}"))
+                future.set_exception(EngineStopped(f"the engine thread has stopped: {reason}"))

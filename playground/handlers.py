@@ -54,7 +54,8 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
         self._exclusive = threading.Lock()  # one ablation / comparison at a time
         self.measurement: Measurement | None = None  # the one running now, for every tab's status line
         self.replies: deque[str] = deque(maxlen=32)  # final texts of recent chat replies
-        self.traffic = TrafficGenerator(lambda: self.service)  # the live service, even after a restart
+        # the live service, even after a restart; none while one is being replaced (the users wait for it)
+        self.traffic = TrafficGenerator(lambda: None if self.rebuilding else self.service)
         self.remote: RemoteServer | None = None  # attached: the dashboard and the chat show that server instead
         self.attach_error = ""  # why the last attach failed, for the status line
         self.rebuilding: str | None = None  # what a restart or a rebuild is doing now, for every tab's status line

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.sampler import SamplingParams
+from engine.service import EngineStopped
 from engine.workloads import WorkloadRequest
 
 
@@ -131,9 +132,10 @@ class _Run:
 class TrafficGenerator:
     """start / stop / status over a run of simulated users; one run at a time."""
 
-    def __init__(self, service: Callable[[], Service], think_s: tuple[float, float] = (0.5, 3.0),
+    def __init__(self, service: Callable[[], Service | None], think_s: tuple[float, float] = (0.5, 3.0),
                  seed: int = 0) -> None:
-        """`service`: returns the live engine service (Playground.restart replaces it)."""
+        """`service`: returns the live engine service (Playground.restart replaces it), or None while it is
+        being replaced (a user then waits rather than send to the engine that is going)."""
         self._service = service
         self.think_s = think_s
         self.seed = seed
@@ -217,9 +219,16 @@ class TrafficGenerator:
             request = run.requests[(index + turn * run.num_users) % len(run.requests)]
             turn += 1
             service = self._service()  # an abort must go to the engine that has the request: ids restart at 0
+            while service is None:  # the engine is being replaced: wait for the new one, not a refusal from the old
+                if run.stop.wait(POLL_S) or run.time_up():
+                    return
+                service = self._service()
             try:
                 rid, q = service.submit(list(request.prompt_token_ids), request.params)
-            except (ValueError, RuntimeError) as exc:  # too long for the engine now, or the engine is down
+            except EngineStopped as exc:  # sent as a restart or a rebuild stopped the engine: ended by it
+                run.count(sent=1)
+                run.problem("failed", str(exc))
+            except (ValueError, RuntimeError) as exc:  # too long for the engine now, or too many waiting
                 run.count(sent=1)
                 run.problem("refused", str(exc))
             else:

@@ -117,7 +117,7 @@ class OpenAIApi:
                                            code="engine_paused"))
         if service.alive:
             return Response(status_code=200)
-        return error_response(ApiError(503, f"the engine thread has stopped: {service.error or 'shut down'}",
+        return error_response(ApiError(503, f"the engine thread has stopped: {service.stopped_because}",
                                        "service_unavailable", code="engine_stopped"))
 
     async def not_found(self, request: Request) -> Response:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.service import EngineService
+from engine.service import EngineService, EngineStopped
 from tests.conftest import assert_all_blocks_free
 from tests.test_parity import random_prompts
 
@@ -50,6 +50,18 @@ def test_bad_input_is_raised_to_the_caller_and_the_engine_keeps_serving(service)
         service.submit([], GREEDY)
     outs = list(service.stream(random_prompts(1, seed=41)[0], GREEDY))
     assert outs[-1].finished and len(outs[-1].token_ids) == 12
+
+
+def test_a_request_sent_after_shutdown_is_told_why_the_engine_stopped(service):
+    rid, q = service.submit(random_prompts(1, seed=43)[0], SamplingParams(max_tokens=10_000, ignore_eos=True))
+    service.shutdown("the engine was restarted by the presenter")
+    last = q.get(timeout=30)
+    while not last.finished:
+        last = q.get(timeout=30)
+    assert last.error == "the engine was restarted by the presenter"
+    assert not service.alive and service.stopped_because == "the engine was restarted by the presenter"
+    with pytest.raises(EngineStopped, match="stopped: the engine was restarted by the presenter"):
+        service.submit([1, 2, 3], GREEDY)
 
 
 def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(service):

@@ -200,6 +200,7 @@ def test_a_run_survives_an_engine_restart_and_stop_frees_everything(pg):
     status = pg.traffic.status()
     assert status.stopped and (status.num_users, status.workload) == (6, "mixed-lengths")
     assert not status.running and status.requests_failed >= 1 and "restarted" in status.last_problem
+    assert status.requests_refused == 0  # a user whose turn came mid-restart waited for the new engine
     assert "traffic:" not in pg.status() and pg.stop_traffic() == "No traffic is running."
     pg.service.pause()
     for _ in range(50):  # the aborts land at the next step
