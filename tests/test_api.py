@@ -42,6 +42,13 @@ def reference(tiny_models):
     return LLM(tiny_models["llama"][0], max_model_len=MAX_MODEL_LEN)
 
 
+@pytest.fixture(scope="module")
+def http():
+    """One keep-alive HTTP client for the many short requests (a connection each costs more than the request)."""
+    with httpx.Client() as client:
+        yield client
+
+
 @pytest.fixture()
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -256,17 +263,17 @@ BAD_REQUESTS = [  # (endpoint, body as bytes or dict, expected status, expected 
 
 @pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
                          ids=[f"{i}-{p.rsplit('/', 1)[-1]}-{param}" for i, (p, _, _, param) in enumerate(BAD_REQUESTS)])
-def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server, path, body, status, param):
+def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server, http, path, body, status, param):
     url, pg = server
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+    response = http.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
     assert error["param"] == param
     if isinstance(body, dict) and TOO_LONG in json.dumps(body):
         assert error["code"] == "context_length_exceeded" and "max_model_len" in error["message"]
-    good = httpx.post(url + CHAT, json=chat_body(max_tokens=1), timeout=60)
+    good = http.post(url + CHAT, json=chat_body(max_tokens=1), timeout=60)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 1
     assert pg.service.alive
 

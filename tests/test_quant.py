@@ -447,6 +447,12 @@ SWITCHES_OFF = [{s: False} for s in BUILT_SWITCHES if s != "speculative_decoding
 # the outputs are compared as vLLM compares them, logprob-close.
 EXACT = [p for p in PRECISIONS if PRECISIONS[p].get("dtype") != "bfloat16"]
 BF16 = [p for p in PRECISIONS if p not in EXACT]
+COMBINED = {"int8-kv-smoothed", "int4+int8-kv+bf16", "w8a8-calibrated"}  # each part also runs on its own
+
+
+def invariance_matrix(precisions: list[str]) -> list:
+    """`make test-fast` keeps each scheme on its own (and bf16); `make test` adds the combined ones."""
+    return [pytest.param(p, marks=[pytest.mark.slow] if p in COMBINED else []) for p in precisions]
 
 
 def invariance_runs(llm: LLM, prompts: list[list[int]]) -> list[tuple[str, list[list[int]]]]:
@@ -493,7 +499,7 @@ def assert_logprob_close(llm: LLM, what: str, prompts, outputs, baseline) -> int
     return identical
 
 
-@pytest.mark.parametrize("precision", EXACT)
+@pytest.mark.parametrize("precision", invariance_matrix(EXACT))
 def test_greedy_output_is_identical_within_one_precision(precision_llms, precision):
     llm, prompts = precision_llms[precision], invariance_prompts()
     (_, baseline), *others = invariance_runs(llm, prompts)
@@ -504,7 +510,7 @@ def test_greedy_output_is_identical_within_one_precision(precision_llms, precisi
             assert outputs == baseline, f"{precision}: {what} changed greedy output"
 
 
-@pytest.mark.parametrize("precision", BF16)
+@pytest.mark.parametrize("precision", invariance_matrix(BF16))
 def test_bf16_greedy_output_is_logprob_close_within_one_precision(precision_llms, precision):
     llm, prompts = precision_llms[precision], invariance_prompts()
     (_, baseline), *others = invariance_runs(llm, prompts)
