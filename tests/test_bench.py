@@ -533,3 +533,14 @@ def test_a_random_model_loads_in_another_precision_for_the_benchmarks():
     llm = LLM("random:smollm2-135m", max_model_len=64, kv_cache=False)
     model = llm.load_weights(llm.config.replace(quantization="int8"))
     assert isinstance(model.layers[0].qkv, Int8Linear) and model.shape == llm.engine.model.shape
+
+
+def test_prefill_cost_times_a_wave_at_each_budget(tiny_llm):
+    from engine.bench.experiments import prefill_cost
+    from engine.bench.report import prefill_cost_report
+    rows = prefill_cost(tiny_llm, [8, 64], batch=4, prompt_len=6, rounds=2, settings=SMALL_POOL)
+    assert [r.budget for r in rows] == [8, 64]
+    assert rows[0].steps == [3, 3] and rows[1].steps == [1, 1]  # 24 prompt tokens: 8 a step, then all in one
+    assert all(min(r.ms_per_token) > 0 and 0 < min(r.forward_share) <= max(r.forward_share) < 1 for r in rows)
+    table = prefill_cost_report(rows, 4, 6).tables["per budget"]
+    assert [t["max_num_batched_tokens"] for t in table] == [8, 64] and table[1]["steps"] == 1

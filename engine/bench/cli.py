@@ -5,6 +5,7 @@
     python -m engine.bench hf-static --workload mixed-lengths   # or --fixed: 16 x (48 prompt, 64 new)
     python -m engine.bench sched-cost --running 64
     python -m engine.bench sampling-cost --batch 8               # each sampling mode's cost over greedy
+    python -m engine.bench prefill-cost --budgets 256,4096        # a wave of prompts: ms per prompt token
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
@@ -39,7 +40,7 @@ from .runs import load_llm
 from .specs import parse_assignments
 
 COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "kernel-worth", "decode",
-            "quality", "serve", "serve-overhead", "versus", "sampling-cost")
+            "quality", "serve", "serve-overhead", "versus", "sampling-cost", "prefill-cost")
 
 
 def _number_list(text: str, kind: type, minimum: float, what: str) -> list:
@@ -138,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompt-len", type=_positive, default=128)
     sp.add_argument("--tokens", type=_positive, default=64)
     sp.add_argument("--rounds", type=_positive, default=3)
+    pc = sub.add_parser("prefill-cost", parents=common, help="a wave of prompts into an idle engine: ms per prompt "
+                                                             "token at each step budget")
+    pc.add_argument("--budgets", type=_int_list, default=[256], metavar="N,N",
+                    help="max_num_batched_tokens values, alternating (default 256, the CPU's)")
+    pc.add_argument("--batch", type=_positive, default=32)
+    pc.add_argument("--prompt-len", type=_positive, default=128)
+    pc.add_argument("--rounds", type=_positive, default=3)
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -263,6 +271,9 @@ def run_command(args: argparse.Namespace) -> rp.Report:
     if args.command == "sampling-cost":
         rows = ex.sampling_cost(llm, args.batch, args.prompt_len, args.tokens, args.rounds, settings)
         return rp.sampling_cost_report(rows, args.batch, args.prompt_len, args.tokens)
+    if args.command == "prefill-cost":
+        rows = ex.prefill_cost(llm, args.budgets, args.batch, args.prompt_len, args.rounds, settings)
+        return rp.prefill_cost_report(rows, args.batch, args.prompt_len)
     if args.command == "ablate":
         workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
         if args.concurrency:

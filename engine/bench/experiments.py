@@ -233,6 +233,42 @@ def sampling_cost(llm: LLM, batch: int = 8, prompt_len: int = 128, tokens: int =
     return rows
 
 
+@dataclass
+class PrefillCostRow:
+    budget: int  # max_num_batched_tokens
+    ms_per_token: list[float]  # the wave's prefill time over its prompt tokens, one per round
+    steps: list[int]  # steps the wave took
+    forward_share: list[float]  # of the wave's time, the model's forward (the rest: scheduling, preparing, sampling)
+
+
+def prefill_cost(llm: LLM, budgets: list[int], batch: int = 32, prompt_len: int = 128, rounds: int = 3,
+                 settings: dict[str, Any] | None = None, seed: int = 0) -> list[PrefillCostRow]:
+    """A wave of `batch` fresh prompts arriving together into an idle engine, each asking for one token (so the wave
+    is all prefill), at each step budget, the budgets alternating within each round: time per prompt token. What a
+    burst of requests waits for its first token; vLLM's offline `LLM.generate` times the same (docs/measurements.md).
+    Prefix caching is off: fresh random prompts share nothing anyway, and a cached run would time nothing."""
+    engines = [llm.build_engine({**(settings or {}), "prefix_caching": False, "max_num_batched_tokens": b})
+               for b in budgets]
+    for engine in engines:
+        engine.warm_up()
+    rows = [PrefillCostRow(b, [], [], []) for b in budgets]
+    draw = seed
+    for _ in range(rounds):
+        for row, engine in zip(rows, engines, strict=True):
+            draw += 1
+            tracker = StepTracker(engine)
+            for prompt in random_prompts(batch, prompt_len, draw):
+                engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            start = time.perf_counter()
+            while engine.has_unfinished():
+                tracker.step()
+            took = time.perf_counter() - start
+            row.ms_per_token.append(took * 1e3 / (batch * prompt_len))
+            row.steps.append(len(tracker.records))
+            row.forward_share.append(sum(r.forward_ms for r in tracker.records) / (took * 1e3))
+    return rows
+
+
 # ---- `ablate`: the full engine, then each switch off in turn; --cumulative; --concurrency ---------------
 @dataclass(frozen=True)
 class Feature:

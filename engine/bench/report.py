@@ -256,6 +256,18 @@ def quality_report(rows: list[QualityRow], window: int) -> Report:
     return report
 
 
+def prefill_cost_report(rows, batch: int, prompt_len: int) -> Report:
+    report = Report(f"prefill's cost: a wave of {batch} fresh prompts of {prompt_len} tokens (one new token each) "
+                    f"into an idle engine, the budgets alternating ({len(rows[0].ms_per_token)} rounds)")
+    report.tables["per budget"] = [
+        {"max_num_batched_tokens": r.budget, "steps": r.steps[0],
+         "ms / prompt token (median)": statistics.median(r.ms_per_token),
+         "ms / prompt token (runs)": ", ".join(f"{x:.3f}" for x in r.ms_per_token),
+         "forward share (median)": statistics.median(r.forward_share)} for r in rows]
+    report.rows = rows
+    return report
+
+
 def sampling_cost_report(rows, batch: int, prompt_len: int, tokens: int) -> Report:
     report = Report(f"sampling's cost: {batch} requests decoding together, prompts of {prompt_len} tokens, "
                     f"{tokens} new each, the modes alternating on one engine ({len(rows[0].tok_s)} rounds)")
