@@ -408,6 +408,23 @@ def test_recent_tokens_per_second():
     assert figures.recent_tokens_per_s(idle_then_one) == 0.0
 
 
+def test_rates_never_reach_back_across_an_engine_restart():
+    """A restarted engine's steps and counters start again from 0, in the same history as the old one's: no rate
+    reaches back across the restart (it would be negative), and the lines break there."""
+    old = [sample(t / 10, step=t, generation_tokens_total=100 * t, prefix_cache_queries=100 * t,
+                  prefix_cache_hits=50 * t) for t in range(1, 6)]
+    new = [sample(0.6 + t / 10, step=t, generation_tokens_total=100 * t, prefix_cache_queries=100 * t,
+                  prefix_cache_hits=90 * t) for t in range(0, 5)]
+    hist = old + new
+    tps = figures.to_figure(figures.throughput_figure(hist, window=3)).data[0]
+    rate = figures.to_figure(figures.prefix_cache_figure(hist, window=3)).data[0]
+    assert min(y for y in tps.y if y is not None) == pytest.approx(1000.0)  # 100 tokens a step, a step each 0.1 s
+    assert None in tps.y  # the line is broken at the restart
+    assert sorted({round(y) for y in rate.y if y is not None}) == [50, 90]  # each engine's own rate
+    assert figures.recent_tokens_per_s(hist, window=3) == pytest.approx(1000.0)
+    assert figures.recent_tokens_per_s(hist[:6], window=3) == 0.0  # the new engine has stepped once
+
+
 def test_chat_views_come_from_the_shared_cache():
     """30 tabs polling each second must not rebuild figures: once per snapshot, plus once per highlighted request."""
     cache = FigureCache(min_interval_s=0.0)

@@ -259,10 +259,17 @@ def _times(history: Sequence) -> list[float]:
 
 
 def _busy_starts(history: Sequence, idle_gap_s: float) -> list[bool]:
-    """True where a sample starts a busy period: before its step the engine sat idle longer than idle_gap_s.
-    Samples are taken after each step, so the idle time before one is the gap minus the step's own time."""
-    return [i > 0 and h.time - prev.time - h.step_ms / 1e3 > idle_gap_s
+    """True where a sample starts a busy period: before its step the engine sat idle longer than idle_gap_s
+    (samples are taken after each step, so the idle time before one is the gap minus the step's own time), or it is
+    a new engine's first (a restart: its steps and counters start again from 0, and a rate reaching back across it
+    would come out negative)."""
+    return [i > 0 and (h.time - prev.time - h.step_ms / 1e3 > idle_gap_s or _counters_fell(h, prev))
             for i, (h, prev) in enumerate(zip(history, [None, *history[:-1]]))]
+
+
+def _counters_fell(h, prev) -> bool:
+    return (h.step < prev.step or h.generation_tokens_total < prev.generation_tokens_total
+            or h.prefix_cache_queries < prev.prefix_cache_queries)
 
 
 def _windowed_ratio(history: Sequence, window: int, num, den, scale: float = 1.0,
