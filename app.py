@@ -80,6 +80,27 @@ def model_label(model: str | None) -> str:
 # A chart drawn while its tab was hidden keeps plotly's default width (700 px) until the window resizes: resize
 # when a tab opens. A shown label makes gradio force a 100 px top margin; each chart carries its own title.
 RESIZE_CHARTS = "() => { setTimeout(() => window.dispatchEvent(new Event('resize')), 50); }"
+# gradio mounts a fresh, empty plot for every new figure: with the page's charts refreshed each second, the page
+# was for a moment as short as the window, and the browser scrolled it back to the top (a presenter scrolled down to
+# "Stop users" saw the page jump up, under load every few seconds). Each chart's box keeps the height its figure was
+# last drawn at, so an update never shortens the page; a smaller figure lowers it when it is drawn.
+KEEP_CHART_HEIGHTS = """() => {
+  let pending = false;
+  const keep = () => {
+    pending = false;
+    document.querySelectorAll('.js-plotly-plot').forEach(plot => {
+      const box = plot.closest('.block');
+      const height = plot.offsetHeight;
+      if (!box || !height || !plot.querySelector('.main-svg')) return;  // on a hidden tab, or not drawn yet
+      const style = getComputedStyle(box);
+      const edges = ['paddingTop', 'paddingBottom', 'borderTopWidth', 'borderBottomWidth']
+        .reduce((sum, k) => sum + (parseFloat(style[k]) || 0), 0);
+      box.style.minHeight = (height + edges) + 'px';
+    });
+  };
+  new MutationObserver(() => { if (!pending) { pending = true; requestAnimationFrame(keep); } })
+    .observe(document.body, {childList: true, subtree: true});
+}"""
 
 
 def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
@@ -109,6 +130,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             build_step_tab(pg, serialised)
             build_remote_tab(pg, serialised)
         tabs.select(None, None, None, js=RESIZE_CHARTS)
+        demo.load(None, None, None, js=KEEP_CHART_HEIGHTS)
 
         @audience
         def refresh(picked: str | None, followed: dict):
@@ -146,6 +168,7 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
             plots = build_dashboard_tab(watcher, serialised)
             build_remote_tab(watcher, serialised)
         tabs.select(None, None, None, js=RESIZE_CHARTS)
+        demo.load(None, None, None, js=KEEP_CHART_HEIGHTS)
 
         @audience
         def refresh():

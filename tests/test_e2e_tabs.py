@@ -113,6 +113,23 @@ def wait_until(condition, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+# a visible chart whose box would shrink when gradio mounts its next figure: [title, chart px, box min-height]
+CHART_BOXES_KEEP_HEIGHT = """() => Array.from(document.querySelectorAll('.js-plotly-plot'))
+  .filter(p => p.offsetHeight > 0 && p.querySelector('.main-svg'))
+  .map(p => [p.querySelector('.gtitle')?.textContent || '', p.offsetHeight,
+             parseFloat(p.closest('.block').style.minHeight) || 0])
+  .filter(([, h, min]) => min < h)"""
+# scrolled to the page's end, every frame for `ms` milliseconds: the positions it moved to by itself
+SCROLL_HELD = """async (ms) => {
+  window.scrollTo(0, document.documentElement.scrollHeight);
+  await new Promise(r => requestAnimationFrame(r));
+  const at = window.scrollY, moved = [], t0 = performance.now();
+  while (performance.now() - t0 < ms) {
+    await new Promise(r => requestAnimationFrame(r));
+    if (window.scrollY < at - 100) moved.push(Math.round(window.scrollY));
+  }
+  return at > 0 ? moved : ['the page does not scroll: nothing checked'];
+}"""
 USER_MESSAGES = "() => Array.from(document.querySelectorAll('[data-testid=\"user\"]')).map(e => e.innerText.trim())"
 
 
@@ -198,6 +215,10 @@ def test_every_tab_readable_at_1600x1200(served, page, shots):
     page.get_by_role("button", name="Resume").click()
     page.get_by_role("tab", name="Dashboard").click()
     page.wait_for_function("() => /requests sent \\d+ · done [1-9]/.test(document.body.innerText)", timeout=120_000)
+    # scrolled down to the traffic controls while the charts refresh under load, the page stays where it is (gradio
+    # mounts a fresh, empty plot for each figure: the page used to shrink for a moment and jump back to the top)
+    assert page.evaluate(CHART_BOXES_KEEP_HEIGHT) == [], "a chart's box is shorter than its chart"
+    assert page.evaluate(SCROLL_HELD, 4000) == [], "the page scrolled by itself while the charts refreshed"
     page.get_by_role("button", name="Stop users").click()
     # (Stop lets the replies in flight finish: under the whole suite's load that took over 30 s once)
     page.wait_for_function("() => document.body.innerText.includes('stopped · 16 users from')", timeout=90_000)
