@@ -103,6 +103,13 @@ KEEP_CHART_HEIGHTS = """() => {
 }"""
 
 
+def keep_charts_in_shape(demo: gr.Blocks, tabs: gr.Tabs) -> None:
+    """The page's two chart scripts (browser-only events, nothing runs on the server): a resize when a tab opens,
+    and every chart's box held at its drawn height."""
+    tabs.select(None, None, None, js=RESIZE_CHARTS)
+    demo.load(None, None, None, js=KEEP_CHART_HEIGHTS)
+
+
 def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
     """Each tab is one builder, `build_x_tab(pg, serialised)`, that puts every component it makes (states too)
     inside its own gr.Tab: one placed among the tabs themselves shifts their labels. A timer inside a tab ticks
@@ -129,8 +136,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             build_compare_tab(pg, serialised)
             build_step_tab(pg, serialised)
             build_remote_tab(pg, serialised)
-        tabs.select(None, None, None, js=RESIZE_CHARTS)
-        demo.load(None, None, None, js=KEEP_CHART_HEIGHTS)
+        keep_charts_in_shape(demo, tabs)
 
         @audience
         def refresh(picked: str | None, followed: dict):
@@ -167,8 +173,7 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
             build_chat_tab(watcher, serialised, access)
             plots = build_dashboard_tab(watcher, serialised)
             build_remote_tab(watcher, serialised)
-        tabs.select(None, None, None, js=RESIZE_CHARTS)
-        demo.load(None, None, None, js=KEEP_CHART_HEIGHTS)
+        keep_charts_in_shape(demo, tabs)
 
         @audience
         def refresh():
