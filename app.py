@@ -40,7 +40,7 @@ from playground.features_tab import build_features_tab
 from playground.handlers import Playground
 from playground.lessons_tab import TAB_ID as LESSONS_TAB
 from playground.lessons_tab import build_lessons_tab
-from playground.live_tabs import build_chat_tab, build_dashboard_tab, chart_payloads
+from playground.live_tabs import build_chat_tab, build_dashboard_tab, chart_updates, track_shown_tab
 from playground.remote_tab import build_remote_tab
 from playground.room import plain
 from playground.serialised import SerialisedFigures
@@ -137,23 +137,29 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             build_step_tab(pg, serialised)
             build_remote_tab(pg, serialised)
         keep_charts_in_shape(demo, tabs)
+        shown = track_shown_tab(demo, tabs)
 
         @audience
-        def refresh(picked: str | None, followed: dict):
+        def refresh(picked: str | None, followed: dict, on_tab: str | None):
             f = pg.dashboard()
             run = pg.lessons.run
             # a lesson the presenter started brings every page to it, once; a visitor may then step away, and
             # "Back to the lesson" (shown while one is open) brings them back
             follow = run is not None and run.run_id != followed["run"]
             show_back = run is not None
-            now = {"run": run.run_id if follow else followed["run"], "back": show_back}
-            return (pg.status(), *chart_payloads(serialised, f),
-                    *lesson["view"](picked), gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
-                    gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(), intro(pg))
-        clock.tick(refresh, [lesson["pick"], seen], [status, *plots, *lesson["outputs"], tabs, seen, back, header],
+            sent = dict(followed.get("sent", {}))  # the charts this page has: each is sent again only once changed
+            now = {"run": run.run_id if follow else followed["run"], "back": show_back, "sent": sent}
+            charts = chart_updates(serialised, f, sent, "Lessons" if follow else on_tab)
+            *words, chart = lesson["parts"](picked)
+            return (pg.status(), *charts, *words, serialised.unless_sent(chart, "lesson", sent),
+                    gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
+                    gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(), intro(pg),
+                    "Lessons" if follow else gr.skip())
+        clock.tick(refresh, [lesson["pick"], seen, shown],
+                   [status, *plots, *lesson["outputs"], tabs, seen, back, header, shown],
                    concurrency_limit=4, show_progress="hidden", api_name="dashboard", postprocess=False)
-        back.click(audience(lambda: gr.Tabs(selected=LESSONS_TAB)), None, tabs, api_name="back_to_lesson",
-                   show_progress="hidden")
+        back.click(audience(lambda: (gr.Tabs(selected=LESSONS_TAB), "Lessons")), None, [tabs, shown],
+                   api_name="back_to_lesson", show_progress="hidden")
         wire_roles(demo, access, role)
     access.guard(demo, gr.Error)  # last: every event registered above, gated unless marked audience
     return demo
@@ -174,13 +180,14 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
             plots = build_dashboard_tab(watcher, serialised)
             build_remote_tab(watcher, serialised)
         keep_charts_in_shape(demo, tabs)
+        shown, sent = track_shown_tab(demo, tabs), gr.State({})
 
         @audience
-        def refresh():
-            f = watcher.dashboard()
-            return watcher.status(), *chart_payloads(serialised, f), intro(watcher)
-        clock.tick(refresh, None, [status, *plots, header], concurrency_limit=4, show_progress="hidden",
-                   api_name="dashboard", postprocess=False)
+        def refresh(already: dict, on_tab: str | None):
+            f, now = watcher.dashboard(), dict(already)
+            return watcher.status(), *chart_updates(serialised, f, now, on_tab), intro(watcher), now
+        clock.tick(refresh, [sent, shown], [status, *plots, header, sent], concurrency_limit=4,
+                   show_progress="hidden", api_name="dashboard", postprocess=False)
         wire_roles(demo, access, role)
     access.guard(demo, gr.Error)
     return demo

@@ -79,14 +79,19 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
         except ValueError:
             return None
 
-    @audience
-    def view(slug: str | None):
+    def parts(slug: str | None) -> tuple[str, str, str, dict | None]:
+        """The view's phase line, text, numbers and the spec of the chart to watch (the page's clock sends the
+        chart only when it changed)."""
         lesson, run = shown(slug), runner.run
         result = run.result if run is not None else None
-        chart = pg.dashboard()
         return (runner.phase_line(), lesson_text(lesson) if lesson else "",
                 runner.result_table(result) if result else "",
-                serialised.payload(getattr(chart, lesson.chart)) if lesson else None)
+                getattr(pg.dashboard(), lesson.chart) if lesson else None)
+
+    @audience
+    def view(slug: str | None):
+        *words, spec = parts(slug)
+        return *words, serialised.payload(spec)
 
     @audience
     def prepare_record():
@@ -112,4 +117,4 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
     prev.click(lambda: walk(-1), None, [said, pick], api_name="lesson_previous")
     nxt.click(lambda: walk(+1), None, [said, pick], api_name="lesson_next")
     make.click(prepare_record, None, [files, records], api_name="lesson_record")
-    return {"view": view, "pick": pick, "outputs": [phase, text, numbers, plot]}
+    return {"parts": parts, "pick": pick, "outputs": [phase, text, numbers, plot]}

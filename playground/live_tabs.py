@@ -42,6 +42,7 @@ def chart(label: str, empty: str | None = None) -> gr.Plot:
 
 
 NO_CHAT_VIEW = "Send a message: your request's KV blocks light up here"
+DASHBOARD_TAB = "dashboard"  # its id, and the label SHOWN_TAB records for it
 DASHBOARD_CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # the clock refreshes them in this order
 PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix": "prefix cache",
                "throughput": "throughput", "memory": "memory"}
@@ -143,7 +144,7 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
 def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures) -> list[gr.Plot]:
     """The live charts (returned, for the page's clock to refresh) and, for this machine's engine, the traffic
     generator."""
-    with gr.Tab("Dashboard"):
+    with gr.Tab("Dashboard", id=DASHBOARD_TAB):
         gr.Markdown("Live view of the engine, refreshed every second (figures are shared by all tabs). "
                     + HELP["markers"] if pg.local else "Live view of the watched server, from its /metrics "
                     "scraped every second (figures are shared by all tabs).")
@@ -181,6 +182,24 @@ def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures)
     return [plots[k] for k in DASHBOARD_CHARTS]
 
 
-def chart_payloads(serialised: SerialisedFigures, figures) -> list:
-    """The dashboard's figures (DashboardFigures) as the page's clock sends them, in build_dashboard_tab's order."""
-    return [serialised.payload(getattr(figures, k)) for k in DASHBOARD_CHARTS]
+def track_shown_tab(demo: gr.Blocks, tabs: gr.Tabs, dashboard_label: str = "Dashboard") -> gr.State:
+    """The tab a visitor's page shows, as far as the dashboard's charts care: DASHBOARD_TAB, another tab's label, or
+    None before the page has said (a gradio_client session, which has no tabs: it is sent every chart)."""
+    shown = gr.State(None)
+
+    @audience
+    def selected(evt: gr.SelectData) -> str:
+        return DASHBOARD_TAB if evt.value == dashboard_label else str(evt.value)
+    tabs.select(selected, None, shown, show_progress="hidden", api_name=False)
+    # the page opens on the first tab (Chat): said at load, so the dashboard's charts wait until it is opened
+    demo.load(audience(lambda: "Chat"), None, shown, show_progress="hidden", api_name=False)
+    return shown
+
+
+def chart_updates(serialised: SerialisedFigures, figures, sent: dict, shown: str | None) -> list:
+    """The dashboard's figures (DashboardFigures) as the page's clock sends them, in build_dashboard_tab's order:
+    only to a page showing the Dashboard (or an API client), and only those it was not sent already. `sent`: the
+    page's record of what it was sent, updated."""
+    if shown not in (None, DASHBOARD_TAB):
+        return [gr.skip() for _ in DASHBOARD_CHARTS]
+    return [serialised.unless_sent(getattr(figures, k), k, sent) for k in DASHBOARD_CHARTS]

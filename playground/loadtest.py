@@ -139,8 +139,8 @@ def chat_once(session: Session, prompt: str, max_tokens: int, tally: Tally | Non
 
 
 # what a browser tab sends with each poll: one value per input, a state's as None (the server keeps its own).
-# /chat_view reads the tab's chat state; /dashboard the Lessons tab's pick and the tab's followed-lesson state.
-POLL_INPUTS = {"/chat_view": [None], "/dashboard": [None, None]}
+# /chat_view reads the tab's chat state; /dashboard the Lessons tab's pick, the followed-lesson state and the tab shown.
+POLL_INPUTS = {"/chat_view": [None], "/dashboard": [None, None, None]}
 
 
 def poll(session, api_name: str, kind: str, stop: threading.Event, tally: Tally) -> None:

@@ -1,10 +1,15 @@
 """Figure specs serialised to JSON once, however many tabs show them.
 
 Every open tab's timer asks for the same cached specs each second; gradio would otherwise turn each into JSON
-again per tab. This is the one playground module that knows gradio's plot payload.
+again per tab. And a page is sent a figure only once: gradio's plot mounts a fresh plotly chart for every value it
+is sent, equal or not, so an idle engine's page used to redraw six charts a second (about a third of a core in
+Chromium, measured). This is the one playground module that knows gradio's plot payload.
 """
 from __future__ import annotations
 
+import itertools
+
+import gradio as gr
 from gradio.components.plot import PlotData
 
 from viz.figures import to_json
@@ -15,9 +20,10 @@ class SerialisedFigures:
     `keep` bounds what is held: the dashboard's five charts, a view per chatting tab, step mode, ablation, compare."""
 
     def __init__(self, keep: int = 64) -> None:
-        self._by_id: dict[int, tuple[dict, PlotData, dict]] = {}
+        self._by_id: dict[int, tuple[dict, PlotData, dict, int]] = {}
         self.keep = keep
         self.serialised = 0  # how many specs were turned into JSON: the tests count it
+        self._serials = itertools.count(1)  # each entry's own number, never reused (an id can be)
 
     def __call__(self, spec: dict | None) -> PlotData | None:
         """For an event gradio postprocesses (gr.Plot passes a PlotData through)."""
@@ -28,12 +34,21 @@ class SerialisedFigures:
         which then skips gradio's per-output work (a worker-thread hop, a model dump, a walk for files) per tab."""
         return None if spec is None else self._get(spec)[2]
 
-    def _get(self, spec: dict) -> tuple[dict, PlotData, dict]:
+    def unless_sent(self, spec: dict | None, key: str, sent: dict):
+        """The payload for the chart `key` of one page, or gr.skip() where that page was sent this very figure last
+        time. `sent`: that page's own record (key -> the figure's number), updated here."""
+        serial = None if spec is None else self._get(spec)[3]
+        if key in sent and sent[key] == serial:
+            return gr.skip()
+        sent[key] = serial
+        return None if spec is None else self._get(spec)[2]
+
+    def _get(self, spec: dict) -> tuple[dict, PlotData, dict, int]:
         hit = self._by_id.get(id(spec))
         if hit is None or hit[0] is not spec:  # the id of a spec since freed may be reused: check identity
             if len(self._by_id) >= self.keep:
                 self._by_id.pop(next(iter(self._by_id)))
             data = PlotData(type="plotly", plot=to_json(spec))
-            hit = self._by_id[id(spec)] = (spec, data, data.model_dump())
+            hit = self._by_id[id(spec)] = (spec, data, data.model_dump(), next(self._serials))
             self.serialised += 1
         return hit

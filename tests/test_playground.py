@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import pytest
 
@@ -236,13 +237,46 @@ def test_polls_send_the_shared_payloads_as_gradio_would_without_postprocessing_t
     plots = [figures.blocks, figures.queues, figures.prefix, figures.throughput, figures.memory]
     state = SessionState(demo)
     # what the clock's event returns: the status, the five charts, the Lessons tab's view (its chart the lesson's
-    # own), which tab to show, the followed-lesson state, the back button and the header
-    returned = list(fns["dashboard"].fn(None, {"run": 0, "back": False}))
+    # own), which tab to show, the followed-lesson state, the back button, the header and the tab shown
+    returned = list(fns["dashboard"].fn(None, {"run": 0, "back": False}, None))
     sent = asyncio.run(demo.postprocess_data(fns["dashboard"], returned, state))
     fns["dashboard"].postprocess = True  # the same event as gradio would postprocess it
     unserialised = [returned[0], *map(serialised, plots), *returned[6:]]
     expected = asyncio.run(demo.postprocess_data(fns["dashboard"], unserialised, state))
     assert sent == expected and json.loads(sent[1]["plot"]) == figures.blocks
+
+
+def test_a_page_is_sent_each_chart_once_and_the_dashboards_only_while_it_shows_them(pg):
+    """gradio mounts a fresh plotly chart for every value sent, equal or not: the clock sends a page a chart only
+    when its figure changed since that page last got it, and the dashboard's five only while it shows the Dashboard
+    (or to an API client, which has no tabs)."""
+    import gradio as gr
+
+    import app
+    from playground.live_tabs import DASHBOARD_TAB
+    demo = app.build_app(pg)
+    tick = {fn.api_name: fn for fn in demo.fns.values()}["dashboard"].fn
+    plots = slice(1, 6)  # the status line, then the five charts; the Lessons tab's chart is the 9th output
+    skipped = lambda outputs: [o == gr.skip() for o in outputs]  # noqa: E731
+    first = pg.lessons.lessons[0].slug
+
+    def poll(state, tab):
+        out = list(tick(first, state, tab))
+        return out, out[11]  # the followed-lesson state, with what the page was sent
+
+    out, state = poll({"run": 0, "back": False}, None)  # a gradio_client session: every chart, once
+    assert not any(skipped(out[plots])) and out[9] is not None and out[9] != gr.skip()
+    out, state = poll(state, None)  # nothing stepped since: nothing sent again, the status line still is
+    assert all(skipped(out[plots])) and out[9] == gr.skip() and "steps done" in out[0]
+    list(pg.service.stream("hi", SamplingParams(max_tokens=2)))
+    time.sleep(pg.figures.min_interval_s)
+    out, after = poll(state, "Chat")  # the engine moved, but this page shows Chat: the dashboard's charts wait
+    assert all(skipped(out[plots])) and out[9] != gr.skip()  # (the lesson's chart is sent: it changed)
+    out, after = poll(after, DASHBOARD_TAB)  # opened: the new figures, then nothing until the next change
+    assert not any(skipped(out[plots])) and json.loads(out[1]["plot"]) == pg.dashboard().blocks
+    assert all(skipped(poll(after, DASHBOARD_TAB)[0][plots]))
+    # a fresh page (its own state) is sent everything again
+    assert not any(skipped(poll({"run": 0, "back": False}, DASHBOARD_TAB)[0][plots]))
 
 
 def test_dashboard_figures_are_shared_between_tabs(pg):
