@@ -15,6 +15,9 @@ from .conversation import QUEUED, WARNING
 
 QUEUED_NOTE = f"{QUEUED} queued: the engine is paused (step mode). Press Step or Resume on the Step mode tab to run it."
 PENDING_S = 120.0  # a message sent this long ago whose chat never started (cancelled in gradio's queue) is given up
+# a reply's text is sent to the page at most this often (the newest text each time, nothing dropped): each update
+# re-renders the whole reply in every browser that shows it, and a fast engine made hundreds a second
+FRAME_S = 0.05
 
 
 @dataclass
@@ -108,7 +111,10 @@ class ChatHandlers:
                     history[-1]["content"] = out.text
                     if out.finished:
                         self.replies.append(out.text)
+                    shown = time.monotonic()
                     yield history, trimmed + reply_stats(out)
+                    if not out.finished:  # what arrives meanwhile is taken as one update, the newest
+                        time.sleep(max(0.0, FRAME_S - (time.monotonic() - shown)))
             finally:  # Stop pressed or tab closed, even while queued: abort the request now, freeing its blocks
                 if service.is_streaming(rid):
                     service.abort(rid)

@@ -40,6 +40,34 @@ def test_chat_streams_a_reply_with_its_stats(pg):
     assert "TTFT" in stats and "prefix cache" in stats and "finished: length" in stats
 
 
+def test_a_reply_reaches_the_page_at_most_once_a_frame_and_every_step_shows(pg):
+    """Each update re-renders the whole reply in every browser showing it: at most one per FRAME_S (the tiny model
+    makes a token every few ms: one per token was ~100 updates for this reply), the newest text each time, and the
+    end always shown. Held in step mode, each step's token still reaches the page (nothing is withheld)."""
+    from playground.chat import FRAME_S
+    start = time.monotonic()
+    updates = list(pg.chat("Hello there", [], temperature=0.0, max_tokens=96))
+    took = time.monotonic() - start
+    assert len(updates) <= took / FRAME_S + 2, (len(updates), took)
+    assert updates[-1][0][-1]["content"] == pg.replies[-1] and "finished: length" in updates[-1][1]
+
+    pg.pause()
+    try:
+        seen, stream = [], pg.chat("Hello again", [], temperature=0.0, max_tokens=4)
+        reader = threading.Thread(target=lambda: seen.extend(stream), daemon=True)
+        reader.start()
+        for step in range(1, 5):  # one token a step: its own update, however soon after the last it comes
+            pg.service.step_once()
+            deadline = time.monotonic() + 10
+            while len(seen) < 1 + step and time.monotonic() < deadline:  # after the "queued" note
+                time.sleep(0.01)
+            assert len(seen) == 1 + step, (step, seen)
+        assert "finished: length" in seen[-1][1]
+        reader.join(10)
+    finally:
+        pg.resume()
+
+
 def test_second_turn_reuses_the_conversation_prefix(pg):
     history, _ = list(pg.chat("Tell me a story about a cat and a long winter night", [], 0.0, 16))[-1]
     hits = pg.service.snapshot().prefix_cache_hits
