@@ -43,16 +43,9 @@ def chromium_cpu_s() -> float:
 
 
 def tiny_model(folder: str) -> str:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from engine.models.loader import resolve_model
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(str(resolve_model(None))).save_pretrained(folder)
+    """The tests' tiny random Llama (tests/conftest.py), saved in `folder`."""
+    from tests.conftest import build_tiny_model
+    build_tiny_model("llama", folder)
     return folder
 
 
