@@ -42,7 +42,7 @@ def chart(label: str, empty: str | None = None) -> gr.Plot:
 
 
 NO_CHAT_VIEW = "Send a message: your request's KV blocks light up here"
-DASHBOARD_TAB = "dashboard"  # its id, and the label SHOWN_TAB records for it
+DASHBOARD_TAB = "dashboard"  # its id, and what track_shown_tab records while a page shows it
 DASHBOARD_CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # the clock refreshes them in this order
 PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix": "prefix cache",
                "throughput": "throughput", "memory": "memory"}

@@ -1,9 +1,10 @@
 """Figure specs serialised to JSON once, however many tabs show them.
 
 Every open tab's timer asks for the same cached specs each second; gradio would otherwise turn each into JSON
-again per tab. And a page is sent a figure only once: gradio's plot mounts a fresh plotly chart for every value it
-is sent, equal or not, so an idle engine's page used to redraw six charts a second (about a third of a core in
-Chromium, measured). This is the one playground module that knows gradio's plot payload.
+again per tab. And a page is sent a figure only once (unless_sent): gradio's plot mounts a fresh plotly chart for
+every value it is sent, so under load a page on the Chat tab redrew the hidden dashboard's charts 3-5 times a
+second (docs/measurements.md, "What one open page costs its browser"). This is the one playground module that
+knows gradio's plot payload.
 """
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ class SerialisedFigures:
     def unless_sent(self, spec: dict | None, key: str, sent: dict):
         """The payload for the chart `key` of one page, or gr.skip() where that page was sent this very figure last
         time. `sent`: that page's own record (key -> the figure's number), updated here."""
-        serial = None if spec is None else self._get(spec)[3]
+        entry = None if spec is None else self._get(spec)
+        serial = None if entry is None else entry[3]
         if key in sent and sent[key] == serial:
             return gr.skip()
         sent[key] = serial
-        return None if spec is None else self._get(spec)[2]
+        return None if entry is None else entry[2]
 
     def _get(self, spec: dict) -> tuple[dict, PlotData, dict, int]:
         hit = self._by_id.get(id(spec))
