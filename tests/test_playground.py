@@ -284,7 +284,7 @@ def test_a_page_is_sent_each_chart_once_and_the_dashboards_only_while_it_shows_t
     from playground.live_tabs import DASHBOARD_TAB
     demo = app.build_app(pg)
     tick = {fn.api_name: fn for fn in demo.fns.values()}["dashboard"].fn
-    plots = slice(1, 6)  # the status line, then the five charts; the Lessons tab's chart is the 9th output
+    plots = slice(1, 6)  # the status line, then the five charts; the Lessons tab's chart is out[9]
     skipped = lambda outputs: [o == gr.skip() for o in outputs]  # noqa: E731
     first = pg.lessons.lessons[0].slug
 

@@ -18,8 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu"]
 # every plotly chart added to the page from now on, hidden or not (gradio mounts a fresh one for each value sent)
 COUNT_MOUNTS = """() => { window.__mounts = 0; window.__observer?.disconnect();
   window.__observer = new MutationObserver(ms => ms.forEach(m => m.addedNodes.forEach(n => {
@@ -29,17 +27,17 @@ COUNT_MOUNTS = """() => { window.__mounts = 0; window.__observer?.disconnect();
 
 
 def chromium_cpu_s() -> float:
-    """User + system CPU seconds of every running Chromium process, from /proc."""
-    total = 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if "chromium" not in Path(f"/proc/{pid}/cmdline").read_text():
-                continue
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+    """User + system CPU seconds of every running Chromium process (the load test's /proc reading, per process)."""
+    from playground.loadtest import cpu_seconds
+    pids = [pid for pid in filter(str.isdigit, os.listdir("/proc")) if "chromium" in _cmdline(pid)]
+    return sum(cpu_seconds(int(pid)) or 0.0 for pid in pids)
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:  # gone meanwhile
+        return ""
 
 
 def tiny_model(folder: str) -> str:
@@ -64,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine import LLM
     from playground import Playground
     from playground.page_client import free_port
+    from tests.test_e2e_browser import CHROMIUM, FLAGS  # the browser tests' own Chromium and flags
 
     store = Path(tempfile.mkdtemp()) / "ablation.json"
     pg = Playground(LLM(args.model or tiny_model(tempfile.mkdtemp()), max_model_len=512), store=store)
