@@ -24,14 +24,17 @@ run: install
 	$(PYTHON) app.py
 
 # the tests are compiled once and kept (__pycache__, ignored by git) even where PYTHONDONTWRITEBYTECODE is set:
-# pytest's assertion rewriting of every test file is then done once, not again at each run (~6 s a run here)
-PYTEST = env -u PYTHONDONTWRITEBYTECODE $(PYTHON) -m pytest -q
+# pytest's assertion rewriting of every test file is then done once, not again at each run (~6 s a run here).
+# The tests that drive the app on a local port (browsers, HTTP clients) mostly wait: tools/run_tests.py runs them in
+# a second pytest beside the rest. ARGS go to both lanes, e.g. make test ARGS=--durations=20
+TESTS = env -u PYTHONDONTWRITEBYTECODE $(PYTHON) tools/run_tests.py
+ARGS ?=
 
 test: install
-	$(PYTEST)
+	$(TESTS) $(ARGS)
 
 test-fast: install
-	$(PYTEST) -m "not slow"
+	$(TESTS) -m "not slow" $(ARGS)
 
 bench:
 	$(PYTHON) -m engine.bench

@@ -10,7 +10,8 @@ import torch
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download from a model hub
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# tools/run_tests.py gives the browser lane one thread, so that it does not take the cores from the other lane
+torch.set_num_threads(int(os.environ.get("WATCHLLM_TEST_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
 
 TINY_ARCHS = ("llama", "qwen3", "qwen2")
 
@@ -22,6 +23,19 @@ def kernels_line() -> str:
         return cpu_kernels.status()
     except Exception as exc:  # the line never stops a run; the tests that need the kernels say what is wrong
         return f"C++ CPU kernels: unknown ({type(exc).__name__}: {exc})"
+
+
+# `make test` (tools/run_tests.py) runs two pytest lanes side by side: the second takes the tests marked `served`
+# (they mostly wait on a page or a stream) and these files, whose arithmetic evens out the two lanes' times (per file,
+# one thread, on a 2-core Xeon: the fast set's lanes 108 s and 48 s with `served` alone)
+SECOND_LANE_FILES = {"test_quant.py", "test_bench.py", "test_sampler.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("served") or item.path.name in SECOND_LANE_FILES:
+            item.add_marker(pytest.mark.lane2)
 
 
 def pytest_report_header(config):
@@ -65,6 +79,17 @@ def build_tiny_model(arch: str, folder, seed: int = 0, vocab_size: int = 49152):
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(str(resolve_model(None))).save_pretrained(folder)
     return model
+
+
+@pytest.fixture()
+def two_threads():
+    """torch (and the C++ kernels' at::parallel_for) on two threads for one test, whatever the run gives the rest:
+    `make test` runs its lanes on one thread each, and a kernel's split of its rows between threads must still be
+    checked against its reference."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

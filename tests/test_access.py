@@ -17,6 +17,8 @@ from playground.access import OPEN, PUBLIC, TOKEN, Access, Seats, decide_mode, p
 from playground.room import Room, describe_changes, plain
 from tests.conftest import serve_app
 
+pytestmark = pytest.mark.served  # the app on a local port: `make test` runs it beside the rest
+
 SECRET = "correct horse battery staple"
 
 

@@ -18,6 +18,8 @@ from engine import LLM, SamplingParams
 from engine.llm import chat_token_ids
 from tests.conftest import serve_app
 
+pytestmark = pytest.mark.served  # the app on a local port: `make test` runs it beside the rest
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 parser = pytest.importorskip("prometheus_client.parser")

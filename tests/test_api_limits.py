@@ -11,6 +11,8 @@ from server.limits import ApiLimits, bearer_ok, check_encodable, check_prompt_si
 from server.protocol import ApiError
 from tests.conftest import serve_app
 
+pytestmark = pytest.mark.served  # the app on a local port: `make test` runs it beside the rest
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 KEY = "sk-test-key"

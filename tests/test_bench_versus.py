@@ -9,6 +9,8 @@ import pytest
 from engine import LLM
 from tests.conftest import serve_app
 
+pytestmark = pytest.mark.served  # the app on a local port: `make test` runs it beside the rest
+
 httpx = pytest.importorskip("httpx")
 parser = pytest.importorskip("prometheus_client.parser")
 pytest.importorskip("gradio")

@@ -19,8 +19,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-# every browser test file's marks: slow, and skipped without chromium
-BROWSER_MARKS = [pytest.mark.slow,
+# every browser test file's marks: slow, served (`make test` runs them beside the rest), no chromium: skipped
+BROWSER_MARKS = [pytest.mark.slow, pytest.mark.served,
                  pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
                                     reason="no chromium: apt-get install -y chromium")]
 pytestmark = BROWSER_MARKS

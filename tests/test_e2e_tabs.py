@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -19,11 +18,9 @@ import pytest
 from engine.bench import QUALITY_SPECS
 from playground.results import SHIPPED_RESULTS
 from tests.conftest import serve_app
-from tests.test_e2e_browser import CHROMIUM, DOCS, FLAGS
+from tests.test_e2e_browser import BROWSER_MARKS, CHROMIUM, DOCS, FLAGS
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (os.path.exists(CHROMIUM) or shutil.which("chromium")),
-                                 reason="no chromium: apt-get install -y chromium")]
+pytestmark = BROWSER_MARKS
 
 # Text that sticks out of its chart, a bar label cut by the plot area, a chart that does not fill its box:
 # [chart index, text, why].

@@ -56,6 +56,9 @@ def test_a_reply_reaches_the_page_at_most_once_a_frame_and_every_step_shows(pg):
         seen, stream = [], pg.chat("Hello again", [], temperature=0.0, max_tokens=4)
         reader = threading.Thread(target=lambda: seen.extend(stream), daemon=True)
         reader.start()
+        deadline = time.monotonic() + 10  # submitted ("queued") before the first step, or that step has nothing to run
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
         for step in range(1, 5):  # one token a step: its own update, however soon after the last it comes
             pg.service.step_once()
             deadline = time.monotonic() + 10

@@ -179,6 +179,7 @@ def int8_linear(w: torch.Tensor, kernel: str, monkeypatch) -> Int8Linear:
 @pytest.mark.parametrize("kernel", WEIGHT_ONLY_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.usefixtures("two_threads")
 def test_int8_kernel_matches_the_dequantized_reference(dtype, rows, kernel, monkeypatch):
     w, x = weight(96, 128).to(dtype), torch.randn(rows, 128).to(dtype)
     lin = int8_linear(w, kernel, monkeypatch)
@@ -196,6 +197,7 @@ def test_int8_kernel_matches_the_dequantized_reference(dtype, rows, kernel, monk
 @NEEDS_OWN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.usefixtures("two_threads")
 def test_the_cpp_weight_only_kernels_give_a_row_the_same_result_in_any_batch(dtype, scheme):
     # 70 rows cross the kernels' 64-row chunks and their 4-row blocks; 98 outputs end in a block of 2
     w, x = weight(98, 192), torch.randn(70, 192).to(dtype)
@@ -236,6 +238,7 @@ def test_int8_refuses_input_features_off_its_kernels_multiple_of_16(kernel, monk
 @pytest.mark.parametrize("kernel", WEIGHT_ONLY_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.usefixtures("two_threads")
 def test_int4_kernel_matches_the_dequantized_reference(dtype, group, kernel, monkeypatch):
     if kernel == "torch":
         torch_kernels_only(monkeypatch)
@@ -259,6 +262,7 @@ def test_int4_kernel_matches_the_dequantized_reference(dtype, group, kernel, mon
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("two_threads")
 def test_w8a8_kernel_matches_per_token_quantized_reference(dtype):
     w, x = weight(96, 128).to(dtype), torch.randn(9, 128).to(dtype) * torch.logspace(-2, 1, 9).unsqueeze(1).to(dtype)
     lin = W8A8Linear(w)
@@ -284,6 +288,7 @@ def test_w8a8_activations_at_full_range_stay_exact():
     assert rel_err(W8A8Linear(w)(x), x @ w.t()) < 1e-6
 
 
+@pytest.mark.usefixtures("two_threads")
 def test_w8a8_row_helpers_in_cpp_give_the_python_floats_bit_for_bit():
     """The C++ pass around fbgemm's matmul (cpu_kernels.py) must only be faster: the same q, scales, zero points
     and scaled-back outputs as the torch calls, for lopsided, all-zero, constant, huge and negative rows. It must

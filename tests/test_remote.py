@@ -19,6 +19,8 @@ from engine.llm import chat_token_ids
 from playground.room import plain
 from tests.conftest import serve_app
 
+pytestmark = pytest.mark.served  # the app on a local port: `make test` runs it beside the rest
+
 httpx = pytest.importorskip("httpx")
 parser = pytest.importorskip("prometheus_client.parser")
 pytest.importorskip("gradio")

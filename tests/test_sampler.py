@@ -255,6 +255,7 @@ def use_native(monkeypatch, native: bool) -> None:
 
 @pytest.mark.parametrize("native,candidates", [(True, (256, 4096)), (False, (256, 4096)), (False, (4, 16)),
                                                (False, (1,)), (False, ())])
+@pytest.mark.usefixtures("two_threads")
 def test_fast_filters_agree_with_one_full_sort_per_row(monkeypatch, native, candidates):
     """Random batches of random settings, peaked and flat rows: with few candidates most rows look further, some
     to the whole sorted row, so every tier of top-p and every row mix (all rows, some rows) is crossed; in C++,

@@ -141,6 +141,7 @@ def test_the_runner_masks_only_decodes_of_different_lengths(tiny_models, monkeyp
 @pytest.mark.parametrize("d", [64, 40])  # 64: the AVX-512 loops where the CPU has them; 40: the portable ones
 # query heads per KV head: 3 (SmolLM2), 1 (no grouping), 5 and 8 (the AVX-512 loops take a group in chunks of 4)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (10, 2), (8, 1)])
+@pytest.mark.usefixtures("two_threads")
 def test_cpp_decode_attention_over_the_pool_matches_sdpa_over_the_gathered_batch(dtype, kv_int8, d, heads, kv_heads):
     """The engine's C++ decode attention (cpu_kernels.py) reads each row's own slots of the pool; the SDPA path
     gathers them into a padded batch with a mask. Same result to float rounding, for rows of different lengths,
@@ -192,6 +193,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cpp_decode_attention(ti
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("two_threads")
 def test_cpp_kv_write_stores_quantize_int8s_integers_and_scales_bit_for_bit(dtype):
     ext = cpu_kernels.compiled()
     if ext is None:
@@ -233,6 +235,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cpp_kv_write(tiny_model
 
 # widths the AVX-512 loops take whole (16 lanes at a time), and ones that leave a scalar tail or none for them
 @pytest.mark.parametrize("hidden,inter,head", [(576, 1536, 64), (100, 1000, 40)])
+@pytest.mark.usefixtures("two_threads")
 def test_cpp_layer_steps_match_the_torch_formulas(hidden, inter, head):
     """The C++ layer steps the model takes on CPU (models/llama.py, cpu_kernels.py): RoPE bit for bit; the norm and
     silu(gate) * up to float rounding (a row's sum of squares and exp's last bits run another way); the residual
@@ -241,10 +244,12 @@ def test_cpp_layer_steps_match_the_torch_formulas(hidden, inter, head):
     ext = cpu_kernels.compiled()
     assert ext is not None, "the engine's C++ CPU kernels did not build"
     g = torch.Generator().manual_seed(3)
+    rows = 19  # past the kernels' 8 rows a task: split between the test's two threads
     for x_dtype, r_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                              (torch.bfloat16, torch.bfloat16)):
-        x = (torch.randn(7, hidden, generator=g) * 4).to(x_dtype)
-        residual, weight = torch.randn(7, hidden, generator=g).to(r_dtype), torch.rand(hidden, generator=g).to(x_dtype)
+        x = (torch.randn(rows, hidden, generator=g) * 4).to(x_dtype)
+        residual = torch.randn(rows, hidden, generator=g).to(r_dtype)
+        weight = torch.rand(hidden, generator=g).to(x_dtype)
         summed = x + residual
         h = ext.add_rms_norm(x, residual, weight, 1e-5)
         assert torch.equal(x, summed) and h.dtype == x_dtype
@@ -254,16 +259,16 @@ def test_cpp_layer_steps_match_the_torch_formulas(hidden, inter, head):
                            ext.add_rms_norm(x.clone(), None, weight, 1e-5).to(torch.bfloat16))
     for x_dtype, table_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                  (torch.bfloat16, torch.bfloat16)):
-        qkv = torch.randn(4, 15 * head, generator=g).to(x_dtype)
-        qk = qkv[:, :12 * head].view(4, 12, head)  # the strided view the model passes
+        qkv = torch.randn(rows, 15 * head, generator=g).to(x_dtype)
+        qk = qkv[:, :12 * head].view(rows, 12, head)  # the strided view the model passes
         cos = torch.randn(50, head, generator=g).to(table_dtype)
         sin = torch.randn(50, head, generator=g).to(table_dtype)
-        positions = torch.tensor([3, 7, 49, 0])
+        positions = torch.cat([torch.tensor([3, 7, 49, 0]), torch.randint(0, 50, (rows - 4,), generator=g)])
         assert torch.equal(ext.rope(qk, cos, sin, positions),
                            apply_rope(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))
     for in_dtype, dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                             (torch.bfloat16, torch.bfloat16)):
-        gate_up = (torch.randn(3, 2 * inter, generator=g) * 4).to(in_dtype)
+        gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(in_dtype)
         gate, up = gate_up.chunk(2, dim=-1)
         out = ext.silu_mul(gate_up, dtype)
         torch.testing.assert_close(out, F.silu(gate.to(dtype)) * up, rtol=1e-5 if dtype == torch.float32 else 1e-2,
