@@ -12,7 +12,8 @@ from pathlib import Path
 
 from engine import bench
 from engine.workloads import Workload, load_workload
-from viz.figures import concurrency_figure, cumulative_figure, memory_sweep_figure, placeholder_figure, quality_figure
+from viz.figures import placeholder_figure
+from viz.result_figures import concurrency_figure, cumulative_figure, memory_sweep_figure, quality_figure
 
 from .handlers import Playground
 from .quality import goal_for

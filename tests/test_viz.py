@@ -9,8 +9,9 @@ from engine.bench import AblationRow, MemoryRow
 from engine.config import EngineConfig, FeatureState
 from engine.service import ConfigChange
 from engine.snapshot import RequestView
-from viz import figures
+from viz import figures, result_figures
 from viz.dashboard import FigureCache
+from viz.result_figures import BASELINE, EVEN, GAIN, LOSS
 
 
 def snapshot(**kw):
@@ -103,7 +104,7 @@ def test_memory_and_ablation_figures():
     rows = [AblationRow("full engine", None, throughput_tok_s=100.0, ratio=1.0),
             AblationRow("no KV cache (naive loop)", "kv_cache", throughput_tok_s=10.0, ratio=0.1),
             AblationRow("contiguous KV (no paging)", "paged_kv", error="does not fit")]
-    bar = figures.to_figure(figures.ablation_figure(rows)).data[0]
+    bar = figures.to_figure(result_figures.ablation_figure(rows)).data[0]
     assert list(bar.y) == [100.0, 10.0] and list(bar.text) == ["1.00x", "0.10x"]
 
 
@@ -112,23 +113,23 @@ def test_compare_figure_puts_both_configurations_in_each_panel():
     result = SimpleNamespace(labels=("naive", "full"),
                              results=(run(throughput=6.0, mean_ttft_s=0.7, mean_tpot_s=0.78),
                                       run(throughput=58.0, mean_ttft_s=0.7, mean_tpot_s=None)))
-    fig = figures.to_figure(figures.compare_figure(result))
+    fig = figures.to_figure(result_figures.compare_figure(result))
     assert [list(t.x) for t in fig.data] == [["naive", "full"]] * 3
     assert list(fig.data[0].y) == [6.0, 58.0] and list(fig.data[1].y) == [700.0, 700.0]
     assert list(fig.data[2].y) == [780.0, None]
     # the better one is green in each panel (here A's TTFT ties, B has no TPOT), numbers as numbers
-    assert list(fig.data[0].marker.color) == [figures.EVEN, figures.GAIN]
-    assert list(fig.data[1].marker.color) == [figures.EVEN] * 2 and list(fig.data[2].marker.color) == [figures.EVEN] * 2
+    assert list(fig.data[0].marker.color) == [EVEN, GAIN]
+    assert list(fig.data[1].marker.color) == [EVEN] * 2 and list(fig.data[2].marker.color) == [EVEN] * 2
     worse = SimpleNamespace(labels=("a", "b"), results=(run(throughput=2270.0, mean_ttft_s=0.05, mean_tpot_s=0.01),
                                                          run(throughput=1500.0, mean_ttft_s=0.09, mean_tpot_s=0.02)))
-    fig = figures.to_figure(figures.compare_figure(worse))
-    assert list(fig.data[0].text) == ["2270", "1500"] and list(fig.data[0].marker.color) == [figures.GAIN, figures.EVEN]
-    assert list(fig.data[1].marker.color) == [figures.GAIN, figures.EVEN]  # B is worse: not green
+    fig = figures.to_figure(result_figures.compare_figure(worse))
+    assert list(fig.data[0].text) == ["2270", "1500"] and list(fig.data[0].marker.color) == [GAIN, EVEN]
+    assert list(fig.data[1].marker.color) == [GAIN, EVEN]  # B is worse: not green
 
 
 def test_a_value_just_short_of_its_goal_does_not_read_as_the_goal():
-    assert figures._percent(97.97, 98.0) == "97.97%" and figures._percent(97.3, 98.0) == "97.3%"
-    assert figures._percent(97.97, None) == "98.0%"
+    assert result_figures._percent(97.97, 98.0) == "97.97%" and result_figures._percent(97.3, 98.0) == "97.3%"
+    assert result_figures._percent(97.97, None) == "98.0%"
 
 
 def test_block_table_legend_and_grid_stay_put_with_many_requests():
@@ -231,7 +232,7 @@ def test_axes_make_room_for_their_labels():
 def test_ablation_bars_leave_room_for_their_labels():
     rows = [AblationRow("full engine", None, throughput_tok_s=100.0, ratio=1.0),
             AblationRow("static batching", "continuous_batching", throughput_tok_s=90.0, ratio=0.9)]
-    spec = figures.ablation_figure(rows)
+    spec = result_figures.ablation_figure(rows)
     assert spec["layout"]["yaxis"]["range"][1] >= 115.0 and spec["data"][0]["cliponaxis"] is False
 
 
@@ -265,7 +266,7 @@ def test_cumulative_figure_labels_each_bar_with_what_its_feature_added_and_the_t
                         step_ratio=0.98),
             AblationRow("+ speculative decoding", "speculative_decoding", throughput_tok_s=40.0, ratio=8.0,
                         step_ratio=0.8)]
-    spec = figures.cumulative_figure(rows)
+    spec = result_figures.cumulative_figure(rows)
     bar = figures.to_figure(spec).data[0]
     # every configuration keeps its place in the course's order, the naive loop's label on two lines
     assert list(bar.x) == ["naive loop<br>(everything off)", "+ KV cache", "+ paged KV", "+ continuous batching",
@@ -274,10 +275,10 @@ def test_cumulative_figure_labels_each_bar_with_what_its_feature_added_and_the_t
     assert list(bar.text) == ["<b>baseline</b>", "<b>10.0x</b><br>total 10.0x", "", "<b>0.98x</b><br>total 9.80x",
                               "<b>0.80x</b><br>total 8.00x"]
     # a gain green, noise blue, a loss red; the configuration that could not run says so where its bar would be
-    assert list(bar.marker.color) == [figures.BASELINE, figures.GAIN, figures.BASELINE, figures.EVEN, figures.LOSS]
+    assert list(bar.marker.color) == [BASELINE, GAIN, BASELINE, EVEN, LOSS]
     assert [a["x"] for a in spec["layout"]["annotations"]] == ["+ paged KV"]
     assert spec["layout"]["yaxis"]["range"][1] >= 50.0 * 1.25 and bar.cliponaxis is False  # room for two lines
-    empty = figures.cumulative_figure([AblationRow("naive loop (everything off)", None, error="x")])
+    empty = result_figures.cumulative_figure([AblationRow("naive loop (everything off)", None, error="x")])
     assert [a["text"] for a in empty["layout"]["annotations"]] == ["no configuration ran"]
 
 
@@ -290,7 +291,7 @@ def test_concurrency_figure_draws_each_features_worth_up_from_one():
                  AblationRow("no speculative decoding", "speculative_decoding", throughput_tok_s=20.0,
                              ratio=spec_ratio, concurrency=level)]
     names = {"kv_cache": "KV cache", "speculative_decoding": "speculative decoding"}
-    spec = figures.concurrency_figure(rows, names=names)
+    spec = result_figures.concurrency_figure(rows, names=names)
     fig = figures.to_figure(spec)
     assert [t.name for t in fig.data] == ["concurrency 1", "concurrency 8", "concurrency 32"]
     assert list(fig.data[0].x) == ["KV cache", "speculative decoding"]  # the full engine is the reference
@@ -300,10 +301,10 @@ def test_concurrency_figure_draws_each_features_worth_up_from_one():
     assert fig.layout.yaxis.type == "log" and fig.layout.shapes[0].y0 == 1
     low, high = spec["layout"]["yaxis"]["range"]
     assert 10 ** low < 1 < 10.0 * 1.5 < 10 ** high
-    only = figures.to_figure(figures.concurrency_figure(rows, level=32, names=names))
+    only = figures.to_figure(result_figures.concurrency_figure(rows, level=32, names=names))
     assert [t.name for t in only.data] == ["concurrency 32"]
     assert only.layout.title.text.startswith("What each feature is worth at concurrency 32")
-    missing = figures.concurrency_figure(rows, level=4)
+    missing = result_figures.concurrency_figure(rows, level=4)
     assert [a["text"] for a in missing["layout"]["annotations"]] == ["no feature ran at this concurrency"]
 
 
@@ -312,7 +313,7 @@ def test_memory_sweep_figure_paged_vs_contiguous_and_a_series_per_kv_dtype():
             MemoryRow(32, False, 0.0, error="a request's max_model_len needs 48 blocks"),
             MemoryRow(64, True, 15.0, peak_running=9, preemptions=0, throughput_tok_s=45.0),
             MemoryRow(64, False, 15.0, peak_running=1, preemptions=0, throughput_tok_s=12.0)]
-    fig = figures.to_figure(figures.memory_sweep_figure(rows))
+    fig = figures.to_figure(result_figures.memory_sweep_figure(rows))
     assert [(t.name, t.xaxis, t.showlegend) for t in fig.data] == [
         ("paged", "x", True), ("paged", "x2", False), ("paged", "x3", False),
         ("contiguous", "x", True), ("contiguous", "x2", False), ("contiguous", "x3", False)]
@@ -326,12 +327,13 @@ def test_memory_sweep_figure_paged_vs_contiguous_and_a_series_per_kv_dtype():
     # the fp32 vs int8 hook: rows that carry a KV dtype get a series each, told apart by their dash
     quantized = rows + [MemoryRow(32, True, 1.9, peak_running=9, preemptions=0, throughput_tok_s=44.0,
                                   kv_cache_dtype="int8")]
-    fig = figures.to_figure(figures.memory_sweep_figure(quantized))
+    fig = figures.to_figure(result_figures.memory_sweep_figure(quantized))
     legend = [(t.name, t.line.dash) for t in fig.data if t.showlegend]
     assert legend == [("paged", "solid"), ("contiguous", "solid"), ("paged, KV int8", "dash")]
     # rows from before the field existed still draw
     old = [SimpleNamespace(**{k: v for k, v in vars(r).items() if k != "kv_cache_dtype"}) for r in rows]
-    assert [t.name for t in figures.to_figure(figures.memory_sweep_figure(old)).data][::3] == ["paged", "contiguous"]
+    names = [t.name for t in figures.to_figure(result_figures.memory_sweep_figure(old)).data]
+    assert names[::3] == ["paged", "contiguous"]
 
 
 def test_a_chats_view_brightens_its_own_request_and_dims_the_others():
