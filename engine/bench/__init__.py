@@ -3,8 +3,8 @@
     specs.py        feature presets and "key=value" flags -> EngineConfig fields
     runs.py         weights loaded once, an engine per configuration, a workload run -> RunResult
     hf.py           transformers' generate over the same weights
-    experiments.py  table, compare, hf-static, sched-cost, sampling-cost, ablate (--cumulative, --concurrency),
-                    memory
+    experiments.py  table, compare, hf-static, sched-cost, sampling-cost, prefill-cost
+    ablation.py     what each feature is worth: ablate (--cumulative, --concurrency), memory
     precision.py    what each precision costs: kernels, decode (beside llama.cpp), quality
     kernel_worth.py each C++ CPU kernel against its torch path, end to end
     report.py       captioned tables rendered as markdown, JSON rows
@@ -14,7 +14,7 @@
 
 The playground imports the experiments from here; only `python -m engine.bench` uses cli.py.
 """
-from .experiments import (
+from .ablation import (
                           ABLATIONS,
                           FEATURES,
                           FULL_ENGINE,
@@ -22,18 +22,20 @@ from .experiments import (
                           KV_CACHE_DTYPES_SWEPT,
                           NAIVE_LOOP,
                           AblationRow,
-                          CompareResult,
                           Feature,
-                          HFStaticResult,
                           MemoryRow,
-                          SchedCostResult,
-                          TableRow,
                           ablate,
                           ablate_concurrency,
                           ablate_cumulative,
+                          memory_sweep,
+)
+from .experiments import (
+                          CompareResult,
+                          HFStaticResult,
+                          SchedCostResult,
+                          TableRow,
                           compare,
                           hf_static,
-                          memory_sweep,
                           run_table,
                           sched_cost,
 )

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..workloads import load_workload
+from . import ablation
 from . import experiments as ex
 from . import precision as pr
 from . import report as rp
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--workload", default="memory-pressure", help="preset name or TOML path")
     mem.add_argument("--blocks", type=_int_list, default=[32, 64, 128, 256], help="pool sizes, in blocks")
     mem.add_argument("--quick", action="store_true", help="a quarter of each workload group")
-    mem.add_argument("--kv-dtypes", default=",".join(ex.KV_CACHE_DTYPES_SWEPT), metavar="auto,int8",
+    mem.add_argument("--kv-dtypes", default=",".join(ablation.KV_CACHE_DTYPES_SWEPT), metavar="auto,int8",
                      help="KV cache dtypes, each at the same memory per pool (auto: the model's dtype)")
     kn = sub.add_parser("kernels", parents=common, help="one decode step's matmuls in each weight format")
     kn.add_argument("--rows", type=_int_list, default=[1, 16, 64], help="tokens in the step")
@@ -277,14 +278,16 @@ def run_command(args: argparse.Namespace) -> rp.Report:
     if args.command == "ablate":
         workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
         if args.concurrency:
-            return rp.ablate_report(workload, ex.ablate_concurrency(llm, workload, args.concurrency, settings, _bar))
+            rows = ablation.ablate_concurrency(llm, workload, args.concurrency, settings, _bar)
+            return rp.ablate_report(workload, rows)
         if args.cumulative:
-            return rp.ablate_report(workload, ex.ablate_cumulative(llm, workload, settings, _bar), cumulative=True)
-        return rp.ablate_report(workload, ex.ablate(llm, workload, settings, _bar))
+            rows = ablation.ablate_cumulative(llm, workload, settings, _bar)
+            return rp.ablate_report(workload, rows, cumulative=True)
+        return rp.ablate_report(workload, ablation.ablate(llm, workload, settings, _bar))
     if args.command == "memory":
         workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
         kv_dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
-        rows = ex.memory_sweep(llm, workload, args.blocks, settings, _bar, kv_cache_dtypes=kv_dtypes)
+        rows = ablation.memory_sweep(llm, workload, args.blocks, settings, _bar, kv_cache_dtypes=kv_dtypes)
         model = llm.engine.model
         return rp.memory_report(workload, rows, model.kv_bytes_per_token(), model.kv_bytes_per_token("int8"))
     if args.command == "kernels":

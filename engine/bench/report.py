@@ -8,14 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..workloads import Workload
-from .experiments import (
-    AblationRow,
-    CompareResult,
-    HFStaticResult,
-    MemoryRow,
-    SchedCostResult,
-    TableRow,
-)
+from .ablation import AblationRow, MemoryRow
+from .experiments import CompareResult, HFStaticResult, SchedCostResult, TableRow
 from .precision import KernelRow, QualityRow
 from .runs import RunResult, StepBreakdown
 
