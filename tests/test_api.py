@@ -329,14 +329,23 @@ def finished_reasons(server):
 def test_a_client_that_disconnects_mid_stream_has_its_request_aborted_and_blocks_freed(server, finished_reasons):
     url, pg = server
     body = chat_body(max_tokens=200, temperature=0, stream=True)
-    with httpx.stream("POST", url + CHAT, json=body, timeout=60) as response:
-        data = []
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                data.append(line)
-            if len(data) == 4:
-                break
-        assert pg.service.snapshot().kv_blocks_used > 0  # it holds blocks while it streams
+    # held in step mode, 4 steps at a time, so that the reply is still streaming when the client leaves (free
+    # running, the tiny model can make all 200 tokens before a busy test process reads its first lines)
+    pg.service.pause()
+    stepper = threading.Thread(target=lambda: [pg.service.step_once() or time.sleep(0.05) for _ in range(4)])
+    try:
+        with httpx.stream("POST", url + CHAT, json=body, timeout=60) as response:
+            stepper.start()
+            data = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line)
+                if len(data) == 4:  # still reading (leaving the loop closes the stream): it holds blocks
+                    stepper.join(10)
+                    assert pg.service.snapshot().kv_blocks_used > 0 and not finished_reasons
+                    break
+    finally:
+        pg.service.resume()
     closed = time.monotonic()
     wait_until_idle_and_free(pg, timeout_s=5)
     assert time.monotonic() - closed < 5

@@ -3,7 +3,7 @@
 The tests marked `served` (a real Chromium, or an HTTP client against a launched app) spend most of their time
 waiting for a page to draw or a reply to stream: two of the browser tests used 57% of one core over their 114 s
 on a 2-core machine. One after the other, the cores sit mostly idle through them. So where there are at least two
-CPUs they run in a second pytest process, started first, with a few files of arithmetic that even out the two
+CPUs they run in a second pytest process, started first, with a few files' quick tests that even out the two
 lanes' times (the tests marked `lane2` by tests/conftest.py), while the others run in this one's lane; the second
 lane's report is printed when it ends, after the other's. Either lane's failure fails the run.
 
