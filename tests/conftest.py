@@ -10,7 +10,7 @@ import torch
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download from a model hub
-# tools/run_tests.py gives the browser lane one thread, so that it does not take the cores from the other lane
+# tools/run_tests.py gives each of its two lanes one thread, so that neither stalls on a core the other holds
 torch.set_num_threads(int(os.environ.get("WATCHLLM_TEST_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
 
 TINY_ARCHS = ("llama", "qwen3", "qwen2")
