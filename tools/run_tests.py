@@ -74,17 +74,17 @@ def main(argv: list[str]) -> int:
         start = time.monotonic()
         second = subprocess.Popen(pytest([*args, *lane(marks, second=True)]), env=env, stdout=report,
                                   stderr=subprocess.STDOUT, start_new_session=True)
-        ended: list[float] = []
-        threading.Thread(target=lambda: (second.wait(), ended.append(time.monotonic())), daemon=True).start()
+        ended: list[float] = []  # when the second lane ended: it may end long before the first
+        watcher = threading.Thread(target=lambda: (second.wait(), ended.append(time.monotonic())), daemon=True)
+        watcher.start()
         try:
             rest = subprocess.call(pytest([*args, *lane(marks, second=False)]), env=env)
             rest_s = time.monotonic() - start
             if second.poll() is None:
                 print("run_tests: waiting for the second lane", flush=True)
             second_rc = second.wait()
-            while not ended:  # the thread that saw it end records the time
-                time.sleep(0.01)
-        except BaseException:  # Ctrl-C, or this process killed: the second lane and its browsers go too
+            watcher.join()
+        except BaseException:  # Ctrl-C (or any error here): the second lane and its browsers go too
             os.killpg(second.pid, signal.SIGTERM)
             second.wait()
             raise
