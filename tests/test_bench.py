@@ -535,6 +535,48 @@ def test_a_random_model_loads_in_another_precision_for_the_benchmarks():
     assert isinstance(model.layers[0].qkv, Int8Linear) and model.shape == llm.engine.model.shape
 
 
+def test_busy_process_runs_only_inside_its_block():
+    from engine.bench.experiments import busy_process
+    with busy_process(1, 1) as proc:
+        assert proc.poll() is None  # spinning while the block runs
+    assert proc.poll() is not None  # killed and reaped after it
+
+
+def test_prefill_cost_beside_a_busy_process_times_each_budget_twice(tiny_llm, monkeypatch):
+    from contextlib import contextmanager
+
+    from engine.bench import experiments
+    from engine.bench.report import prefill_cost_report
+    started = []
+    real = experiments.busy_process
+
+    @contextmanager
+    def counted(busy_ms, idle_ms):
+        with real(busy_ms, idle_ms) as proc:
+            started.append((busy_ms, idle_ms))
+            yield proc
+    monkeypatch.setattr(experiments, "busy_process", counted)
+    rows = experiments.prefill_cost(tiny_llm, [8, 64], batch=4, prompt_len=6, rounds=2, settings=SMALL_POOL,
+                                    busy=(1.0, 2.0))
+    assert [(r.budget, r.beside_busy) for r in rows] == [(8, False), (64, False), (8, True), (64, True)]
+    assert started == [(1.0, 2.0)] * 2  # once a round, around both budgets' busy waves only
+    assert all(len(r.ms_per_token) == 2 and min(r.ms_per_token) > 0 for r in rows)
+    assert [r.steps for r in rows] == [[3, 3], [1, 1], [3, 3], [1, 1]]
+    table = prefill_cost_report(rows, 4, 6).tables["per budget"]
+    assert [t["beside a busy process"] for t in table] == [False, False, True, True]
+    assert "beside a busy process" not in prefill_cost_report(rows[:2], 4, 6).tables["per budget"][0]
+
+
+def test_beside_busy_wants_two_finite_milliseconds():
+    import argparse
+
+    from engine.bench.cli import _busy_pair
+    assert _busy_pair("2,3") == (2.0, 3.0)
+    for bad in ("2", "2,3,4", "0,3", "nan,3", "2,inf", "-1,3", "x,3", "1e7,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _busy_pair(bad)
+
+
 def test_prefill_cost_times_a_wave_at_each_budget(tiny_llm):
     from engine.bench.experiments import prefill_cost
     from engine.bench.report import prefill_cost_report

@@ -6,6 +6,7 @@
     python -m engine.bench sched-cost --running 64
     python -m engine.bench sampling-cost --batch 8               # each sampling mode's cost over greedy
     python -m engine.bench prefill-cost --budgets 256,4096        # a wave of prompts: ms per prompt token
+    python -m engine.bench prefill-cost --budgets 256,4096 --beside-busy 2,3   # ... and beside a busy process
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,6 +62,15 @@ def _int_list(text: str) -> list[int]:
 
 def _float_list(text: str) -> list[float]:
     return _number_list(text, float, 0, "temperatures")
+
+
+def _busy_pair(text: str) -> tuple[float, float]:
+    """--beside-busy's BUSY_MS,IDLE_MS: two milliseconds, the first above 0 (finite: the loop must sleep)."""
+    values = _number_list(text, float, 0, "milliseconds")
+    if len(values) != 2 or not all(math.isfinite(v) and v < 1e6 for v in values) or values[0] <= 0:
+        raise argparse.ArgumentTypeError(f"expected BUSY_MS,IDLE_MS (e.g. 2,3), each under 1e6 and BUSY_MS > 0, "
+                                         f"got {text!r}")
+    return values[0], values[1]
 
 
 def _common_parser() -> argparse.ArgumentParser:
@@ -147,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--batch", type=_positive, default=32)
     pc.add_argument("--prompt-len", type=_positive, default=128)
     pc.add_argument("--rounds", type=_positive, default=3)
+    pc.add_argument("--beside-busy", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
+                    help="also time each budget beside a process that computes BUSY_MS then sleeps IDLE_MS (2,3: "
+                         "40%% of a core, about what a benchmark client on the same host takes)")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -273,7 +287,8 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         rows = ex.sampling_cost(llm, args.batch, args.prompt_len, args.tokens, args.rounds, settings)
         return rp.sampling_cost_report(rows, args.batch, args.prompt_len, args.tokens)
     if args.command == "prefill-cost":
-        rows = ex.prefill_cost(llm, args.budgets, args.batch, args.prompt_len, args.rounds, settings)
+        rows = ex.prefill_cost(llm, args.budgets, args.batch, args.prompt_len, args.rounds, settings,
+                               busy=args.beside_busy)
         return rp.prefill_cost_report(rows, args.batch, args.prompt_len)
     if args.command == "ablate":
         workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)

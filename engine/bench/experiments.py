@@ -7,8 +7,11 @@ feature is worth (ablate, memory) is ablation.py; what each precision costs (ker
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,31 +241,67 @@ class PrefillCostRow:
     ms_per_token: list[float]  # the wave's prefill time over its prompt tokens, one per round
     steps: list[int]  # steps the wave took
     forward_share: list[float]  # of the wave's time, the model's forward (the rest: scheduling, preparing, sampling)
+    beside_busy: bool = False  # timed while another process kept part of a core busy (busy_process)
+
+
+# A process that computes busy_ms, then sleeps idle_ms, until killed: another program sharing the cores (the
+# benchmark client beside a server on a 2-core host takes about a quarter of a core, docs/measurements.md).
+_BUSY_LOOP = """
+import sys, time
+busy, idle = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(idle)
+"""
+
+
+@contextmanager
+def busy_process(busy_ms: float, idle_ms: float) -> Iterator[subprocess.Popen]:
+    """Another process taking busy_ms / (busy_ms + idle_ms) of one core while the block runs."""
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(busy_ms), str(idle_ms)])
+    try:
+        time.sleep(0.05)  # started and spinning before anything is timed
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def prefill_cost(llm: LLM, budgets: list[int], batch: int = 32, prompt_len: int = 128, rounds: int = 3,
-                 settings: dict[str, Any] | None = None, seed: int = 0) -> list[PrefillCostRow]:
+                 settings: dict[str, Any] | None = None, seed: int = 0,
+                 busy: tuple[float, float] | None = None) -> list[PrefillCostRow]:
     """A wave of `batch` fresh prompts arriving together into an idle engine, each asking for one token (so the wave
     is all prefill), at each step budget, the budgets alternating within each round: time per prompt token. What a
     burst of requests waits for its first token; vLLM's offline `LLM.generate` times the same (docs/measurements.md).
-    Prefix caching is off: fresh random prompts share nothing anyway, and a cached run would time nothing."""
+    Prefix caching is off: fresh random prompts share nothing anyway, and a cached run would time nothing.
+    `busy` (busy_ms, idle_ms): each round also times every budget beside a busy_process, so what a shared CPU
+    costs each step size is read side by side (rows with beside_busy=True after the others)."""
     engines = [llm.build_engine({**(settings or {}), "prefix_caching": False, "max_num_batched_tokens": b})
                for b in budgets]
     for engine in engines:
         engine.warm_up()
-    rows = [PrefillCostRow(b, [], [], []) for b in budgets]
+    conditions = [False, True] if busy is not None else [False]
+    rows = {(b, c): PrefillCostRow(b, [], [], [], c) for c in conditions for b in budgets}
     draw = seed
     for _ in range(rounds):
-        for row, engine in zip(rows, engines, strict=True):
-            draw += 1
-            tracker = StepTracker(engine)
-            for prompt in random_prompts(batch, prompt_len, draw):
-                engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            start = time.perf_counter()
-            while engine.has_unfinished():
-                tracker.step()
-            took = time.perf_counter() - start
-            row.ms_per_token.append(took * 1e3 / (batch * prompt_len))
-            row.steps.append(len(tracker.records))
-            row.forward_share.append(sum(r.forward_ms for r in tracker.records) / (took * 1e3))
-    return rows
+        for beside in conditions:
+            with busy_process(*busy) if beside else nullcontext():
+                for budget, engine in zip(budgets, engines, strict=True):
+                    draw += 1
+                    _time_wave(engine, rows[budget, beside], random_prompts(batch, prompt_len, draw))
+    return list(rows.values())
+
+
+def _time_wave(engine: LLMEngine, row: PrefillCostRow, prompts: list[list[int]]) -> None:
+    tracker = StepTracker(engine)
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        tracker.step()
+    took = time.perf_counter() - start
+    row.ms_per_token.append(took * 1e3 / sum(len(p) for p in prompts))
+    row.steps.append(len(tracker.records))
+    row.forward_share.append(sum(r.forward_ms for r in tracker.records) / (took * 1e3))

@@ -254,7 +254,9 @@ def prefill_cost_report(rows, batch: int, prompt_len: int) -> Report:
     report = Report(f"prefill's cost: a wave of {batch} fresh prompts of {prompt_len} tokens (one new token each) "
                     f"into an idle engine, the budgets alternating ({len(rows[0].ms_per_token)} rounds)")
     report.tables["per budget"] = [
-        {"max_num_batched_tokens": r.budget, "steps": r.steps[0],
+        {"max_num_batched_tokens": r.budget, **({"beside a busy process": r.beside_busy}
+                                                 if any(x.beside_busy for x in rows) else {}),
+         "steps": r.steps[0],
          "ms / prompt token (median)": statistics.median(r.ms_per_token),
          "ms / prompt token (runs)": ", ".join(f"{x:.3f}" for x in r.ms_per_token),
          "forward share (median)": statistics.median(r.forward_share)} for r in rows]
