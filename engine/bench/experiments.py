@@ -283,15 +283,15 @@ def prefill_cost(llm: LLM, budgets: list[int], batch: int = 32, prompt_len: int 
     for engine in engines:
         engine.warm_up()
     conditions = [False, True] if busy is not None else [False]
-    rows = {(b, c): PrefillCostRow(b, [], [], [], c) for c in conditions for b in budgets}
+    rows = {c: [PrefillCostRow(b, [], [], [], c) for b in budgets] for c in conditions}  # one per engine
     draw = seed
     for _ in range(rounds):
         for beside in conditions:
             with busy_process(*busy) if beside else nullcontext():
-                for budget, engine in zip(budgets, engines, strict=True):
+                for row, engine in zip(rows[beside], engines, strict=True):
                     draw += 1
-                    _time_wave(engine, rows[budget, beside], random_prompts(batch, prompt_len, draw))
-    return list(rows.values())
+                    _time_wave(engine, row, random_prompts(batch, prompt_len, draw))
+    return [row for c in conditions for row in rows[c]]
 
 
 def _time_wave(engine: LLMEngine, row: PrefillCostRow, prompts: list[list[int]]) -> None:
