@@ -80,7 +80,9 @@ class EngineConfig:
     # int4: input features per scale and zero. 32 measured best on SmolLM2-135M (python -m engine.bench quality):
     # top-1 agreement with fp32 0.85 vs 0.70 at 64 (whose perplexity rose 44%); 128 does not divide its 576
     quantization_group_size: int = 32
-    quantize_lm_head: bool = True
+    # the LM head: True quantizes it as the projections, False keeps the model's dtype, a scheme ("int8") quantizes
+    # it so whatever the projections use (llama.cpp keeps a 4-bit model's output tensor at 8 bits)
+    quantize_lm_head: bool | str = True
     # calibrated at load over presets/quality/calibration.txt (quant/calibrate.py): each projection's input channels
     # rescaled before rounding (SmoothQuant / AWQ), and the weights rounded by GPTQ instead of to the nearest level
     quantization_smoothing: bool = False
@@ -117,8 +119,7 @@ class EngineConfig:
         return {name: getattr(self, name) for name in self.field_names()}
 
     def validate(self) -> None:
-        for name in (*FEATURE_SWITCHES, "quantize_lm_head", "quantization_smoothing",
-                     "quantization_gptq", "kv_cache_smoothing"):
+        for name in (*FEATURE_SWITCHES, "quantization_smoothing", "quantization_gptq", "kv_cache_smoothing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in NOT_YET_BUILT:
@@ -132,7 +133,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check_scheme(self.quantization, self.quantization_group_size, self.quantization_smoothing,
-                     self.quantization_gptq)
+                     self.quantization_gptq, self.quantize_lm_head)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not (self.device in ("cpu", "cuda", "auto") or str(self.device).startswith("cuda:")):

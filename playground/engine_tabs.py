@@ -15,7 +15,7 @@ from .access import audience
 from .handlers import Playground, feature_presets, workloads
 from .live_tabs import chart
 from .serialised import SerialisedFigures
-from .settings import NO_QUANTIZATION, form_value
+from .settings import LM_HEAD_WORDS, NO_QUANTIZATION, form_value
 from .tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
 
 NO_ABLATION = "Press Run ablation: the full engine, then each switch off in turn, measured on this machine"
@@ -24,7 +24,7 @@ WEIGHT_DTYPES = ("float32", "bfloat16")  # what the form offers; LLM(dtype=...) 
 WEIGHTS_HELP = {
     "quantization": "int8 / int4: weight-only; w8a8: int8 weights and activations",
     "quantization_group_size": "int4 only: input features per scale (must divide each layer)",
-    "quantize_lm_head": "the LM head too (unticked: it keeps the dtype)",
+    "quantize_lm_head": "the LM head: as the weights, kept in the dtype, or a scheme of its own",
     "dtype": "CPU: bf16 is fast only with bf16 instructions (docs/measurements.md: kernels)",
     "quantization_smoothing": "calibrated at load over a text: each projection's input channels rescaled before "
                               "rounding (SmoothQuant / AWQ); a slower load, no slower steps",
@@ -62,8 +62,9 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                 "quantization_group_size": gr.Dropdown(list(INT4_GROUP_SIZES), value=now["quantization_group_size"],
                                                        label="int4 group size",
                                                        info=WEIGHTS_HELP["quantization_group_size"], scale=2),
-                "quantize_lm_head": gr.Checkbox(value=now["quantize_lm_head"], label="quantize_lm_head",
-                                                info=WEIGHTS_HELP["quantize_lm_head"]),
+                "quantize_lm_head": gr.Dropdown([*LM_HEAD_WORDS.values(), *QUANTIZATION_SCHEMES],
+                                                value=now["quantize_lm_head"], label="quantize_lm_head",
+                                                info=WEIGHTS_HELP["quantize_lm_head"], scale=2),
                 "dtype": gr.Dropdown(dtypes, value=now["dtype"], label="dtype", info=WEIGHTS_HELP["dtype"], scale=2)}
         with gr.Row(elem_id="calibration"):
             for name in WEIGHT_FIELDS:  # the calibration switches, and any weight switch added to EngineConfig later

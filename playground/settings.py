@@ -21,6 +21,8 @@ KV_DTYPE_FIELDS = ("kv_cache_dtype", "kv_cache_smoothing")
 AUTOMATIC_FIELDS = {"num_kv_blocks": "blocks", "max_num_batched_tokens": "tokens", "max_model_len": "tokens"}
 ProgressFn = Callable[[float, str], None]
 NO_QUANTIZATION = "none"  # the form's word for quantization=None (a dropdown cannot hold None)
+# the form's words for quantize_lm_head's True and False (beside which it may name a scheme of the head's own)
+LM_HEAD_WORDS = {True: "as the weights", False: "no (the dtype)"}
 # A new engine, in the order they happen: the first only for a change of the weights, while the old one serves.
 REBUILD_STAGES = ("loading and quantizing the weights (the engine keeps serving meanwhile)",
                   "building the engine with its KV pool (the old one has stopped)", "warming up")
@@ -235,6 +237,9 @@ class SettingsHandlers:
 def _coerce(name: str, value):
     """A form value as the config field wants it: gradio hands numbers back as floats (or strings from a
     dropdown), and an emptied number field as None, which means automatic for the sizes that allow it."""
+    if name == "quantize_lm_head":  # a bool or a scheme: the form's words (or an API caller's true/false) back
+        words = {w: v for v, w in LM_HEAD_WORDS.items()} | {"true": True, "false": False}
+        return words.get(value.lower(), value) if isinstance(value, str) else value  # else EngineConfig refuses
     if name in BUILT_SWITCHES or isinstance(getattr(EngineConfig, name, None), bool):  # a switch: a checkbox's
         return bool(value)
     if name == "quantization" and value in (NO_QUANTIZATION, ""):
@@ -247,7 +252,10 @@ def _coerce(name: str, value):
 
 
 def form_value(name: str, value):
-    """A setting as the form shows it (no quantization as NO_QUANTIZATION); _coerce turns it back."""
+    """A setting as the form shows it (no quantization as NO_QUANTIZATION, the LM head's True and False in
+    LM_HEAD_WORDS); _coerce turns it back."""
+    if name == "quantize_lm_head" and isinstance(value, bool):
+        return LM_HEAD_WORDS[value]
     return NO_QUANTIZATION if name == "quantization" and value is None else value
 
 

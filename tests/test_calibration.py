@@ -89,7 +89,7 @@ def test_smoothing_leaves_the_unquantized_model_unchanged(tiny_models, arch, mon
     monkeypatch.setattr(calibrate_module, "best_scale", random_scale)
     tied = ties_head(config, state)
     smoothed, hessians, _ = calibrate(state, model, list(range(3, 40)), Fake("w8a8"), model.shape.num_kv_heads,
-                                   model.shape.head_dim, tied=tied, lm_head=True, smooth=True, gptq=True)
+                                   model.shape.head_dim, tied=tied, head=Fake("w8a8"), smooth=True, gptq=True)
     assert (HEAD_KEY in smoothed) == tied and "lm_head" in hessians and len(hessians) == 4 * 2 + 1
     assert not torch.equal(smoothed["norm.weight"], state["norm.weight"].float())
     again = build_model(config, smoothed, torch.float32, torch.device("cpu"), 64)
@@ -113,6 +113,28 @@ def test_a_calibrated_model_loads_quantized_and_differs_from_the_plain_one(tiny_
     assert not torch.equal(q_plain, q_cal)
     tokens = list(range(5, 45))
     assert forward_logits(calibrated.engine.model, tokens).isfinite().all()
+
+
+def test_the_lm_head_is_smoothed_for_its_own_scheme(tiny_models, tmp_path, monkeypatch):
+    """int4 projections with an int8 head: each projection's scale is searched with int4's rounding, the head's with
+    int8's (a head smoothed for a grid it is not stored on would be tuned for the wrong error); a head kept in the
+    dtype is not smoothed at all."""
+    import engine.quant.calibrate as calibrate_module
+    monkeypatch.setenv("WATCHLLM_CACHE", str(tmp_path))
+    searched = []  # the rounding each search used, in calibrate's order: each layer's four projections, the head
+    real = calibrate_module.best_scale
+
+    def recording(x, w, fake, heads=None):
+        searched.append(fake.scheme)
+        return real(x, w, fake, heads)
+    monkeypatch.setattr(calibrate_module, "best_scale", recording)
+    folder = tiny_models["llama"][0]
+    llm = LLM(folder, quantization="int4", quantization_smoothing=True, quantize_lm_head="int8", max_model_len=64)
+    projections = 4 * len(llm.engine.model.layers)
+    assert searched == ["int4"] * projections + ["int8"]
+    searched.clear()
+    LLM(folder, quantization="int4", quantization_smoothing=True, quantize_lm_head=False, max_model_len=64)
+    assert searched == ["int4"] * projections
 
 
 def test_a_random_model_refuses_calibration_rather_than_ignoring_it():

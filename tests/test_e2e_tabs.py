@@ -301,8 +301,9 @@ def test_the_engine_feature_by_feature_tab(served, page, shots):
 
 
 def test_the_weights_change_from_the_settings_tab(served, page, shots):
-    """The weights' controls are there with what runs; int8 chosen and applied rebuilds the model, says so, and
-    every tab's status line shows the new precision. Back to none afterwards, for the other tests."""
+    """The weights' controls are there with what runs; int4 with the LM head in int8 chosen and applied rebuilds the
+    model, says so, and every tab's status line shows the new precision. Back to none afterwards, for the other
+    tests."""
     url, pg = served
     page.goto(url)
     page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
@@ -310,18 +311,22 @@ def test_the_weights_change_from_the_settings_tab(served, page, shots):
     for label in ("quantization (weights)", "int4 group size", "quantize_lm_head", "dtype"):
         assert page.get_by_label(label, exact=True).is_visible(), label
     page.get_by_text("Weights: float32.").wait_for(timeout=30_000)
-    for choice in ("int8", "none"):
+    quantized = "float32, int4 weights (groups of 32), the LM head int8"
+    for choice in ("int4", "none"):
         page.get_by_label("quantization (weights)", exact=True).click()
         page.get_by_role("option", name=choice, exact=True).click()
+        if choice == "int4":
+            page.get_by_label("quantize_lm_head", exact=True).click()
+            page.locator("#setting-quantize_lm_head").get_by_role("option", name="int8", exact=True).click()
         page.get_by_role("button", name="Apply").click()
-        precision = "float32" + (", int8 weights" if choice == "int8" else "")
+        precision = quantized if choice == "int4" else "float32"
         page.get_by_text(f"Rebuilt the engine for {precision}: weights loaded in").wait_for(timeout=120_000)
-        if choice == "int8":
-            assert pg.llm.engine.model.weight_format.quantization == "int8"
-            page.get_by_text("Weights: float32, int8 weights.").wait_for(timeout=30_000)
-            page.wait_for_function("() => document.body.innerText.includes('running · float32, int8 weights')",
+        if choice == "int4":
+            assert pg.llm.engine.model.weight_format.head_scheme == "int8"
+            page.get_by_text(f"Weights: {quantized}.").wait_for(timeout=30_000)
+            page.wait_for_function(f"() => document.body.innerText.includes('running · {quantized}')",
                                    timeout=30_000)
-            visit(page, "Engine settings", shots, name="engine-settings-int8")
+            visit(page, "Engine settings", shots, name="engine-settings-int4")
     assert pg.llm.engine.model.weight_format.quantization is None and pg.service.alive
 
 

@@ -184,4 +184,5 @@ def test_a_lesson_whose_number_is_a_count_moves_the_way_it_says(pg, slug):
     runner.start(slug)
     wait_phase(runner, ("done", "failed"), timeout_s=120)
     result = runner.run.result
-    assert runner.run.phase == "done" and result["as_expected"] is True, (result["before"], result["after"])
+    assert runner.run.phase == "done" and result["as_expected"] is True, (
+        result["before"]["running"], result["after"]["running"], result["before"], result["after"])

@@ -412,6 +412,27 @@ def test_lm_head_can_stay_unquantized(tiny_models):
     assert isinstance(model.lm_head, Linear) and isinstance(model.layers[0].qkv, Int8Linear)
 
 
+def test_the_lm_head_takes_a_scheme_of_its_own(tiny_models):
+    """quantize_lm_head="int8" beside int4 projections (llama.cpp's Q4 files keep the output tensor at 8 bits): the
+    head is int8, per output channel, and computes x @ its dequantized weight; the projections stay int4."""
+    folder = tiny_models["llama"][0]
+    llm = LLM(folder, quantization="int4", quantize_lm_head="int8")
+    model = llm.engine.model
+    assert isinstance(model.lm_head, Int8Linear) and all(isinstance(w.qkv, Int4Linear) for w in model.layers)
+    assert llm.engine.config.precision == "float32, int4 weights (groups of 32), the LM head int8"
+    x = torch.randn(5, model.lm_head.in_features, generator=torch.Generator().manual_seed(0))
+    reference = x @ dequantize_int8(model.lm_head.qweight, model.lm_head.scales, torch.float32).T
+    assert rel_err(model.lm_head(x), reference) < 1e-5
+    # naming the projections' own scheme is the same format as True, and False keeps the head in the dtype
+    same = EngineConfig.from_kwargs(quantization="int4", quantize_lm_head="int4")
+    assert WeightFormat.of(same) == WeightFormat.of(EngineConfig.from_kwargs(quantization="int4"))
+    assert WeightFormat.of(EngineConfig.from_kwargs(quantization="int8", quantize_lm_head=False)).head_scheme is None
+    assert WeightFormat.of(EngineConfig.from_kwargs(quantize_lm_head="int8")).head_scheme is None  # no quantization
+    out = llm.generate([[5, 6, 7, 8]], GREEDY)[0]
+    assert len(out.token_ids) == GREEDY.max_tokens
+    assert_all_blocks_free(llm.engine)
+
+
 def test_int8_kv_cache_fits_more_blocks_in_the_same_memory(tiny_models):
     folder = tiny_models["llama"][0]
     budget = {"kv_cache_memory_gb": 0.002, "max_num_seqs": 256}  # small enough that the seats do not cap the pool
@@ -616,7 +637,10 @@ def test_bf16_is_logprob_close_to_transformers_bf16(tiny_models, arch):
     ({"quantization_group_size": 48}, r"quantization_group_size must be one of \(32, 64, 128, 256\)"),
     ({"quantization_group_size": 64.0}, "quantization_group_size must be one of"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of"),
-    ({"quantize_lm_head": "no"}, "quantize_lm_head must be True or False"),
+    ({"quantize_lm_head": "no"}, r"quantize_lm_head must be True \(as the projections\), False .* or one of"),
+    ({"quantize_lm_head": "int3"}, "quantize_lm_head must be True"),
+    ({"quantize_lm_head": None}, "quantize_lm_head must be True"),
+    ({"quantize_lm_head": ["int8"]}, "quantize_lm_head must be True"),
     ({"kv_cache_smoothing": 1}, "kv_cache_smoothing must be True or False"),
 ])
 def test_bad_quantization_settings_are_refused(fields, match):

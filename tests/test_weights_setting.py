@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from engine.config import BUILT_SWITCHES
 from engine.quant.linear import Int4Linear, Int8Linear, Linear
 from playground import Playground
-from playground.settings import NO_QUANTIZATION, REBUILD_STAGES
+from playground.settings import LM_HEAD_WORDS, NO_QUANTIZATION, REBUILD_STAGES, form_value
 
 PROMPTS = [[1000 + 7 * i + j for j in range(12 + 3 * i)] for i in range(3)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -94,6 +94,24 @@ def test_int8_from_the_form_rebuilds_the_model_and_back(pg, folder):
     assert "Applied" in pg.apply_settings(None, max_num_seqs=64)
 
 
+def test_the_lm_head_takes_its_own_scheme_from_the_form(pg, folder):
+    """The form's LM head field: a scheme of the head's own (int8 beside int4 projections, as the int4 preset has it)
+    rebuilds the model with it; the form's words for True and False, and an API caller's "false", mean the bools."""
+    precision = rebuilt(pg, quantization="int4", quantize_lm_head="int8")
+    assert precision == "float32, int4 weights (groups of 32), the LM head int8"
+    model = pg.llm.engine.model
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(projection(pg), Int4Linear)
+    assert served(pg) == direct(folder, quantization="int4", quantize_lm_head="int8")
+    assert form_value("quantize_lm_head", pg.settings()["quantize_lm_head"]) == "int8"
+    assert rebuilt(pg, quantize_lm_head=LM_HEAD_WORDS[True]) == "float32, int4 weights (groups of 32)"
+    assert isinstance(pg.llm.engine.model.lm_head, Int4Linear)
+    assert form_value("quantize_lm_head", pg.settings()["quantize_lm_head"]) == LM_HEAD_WORDS[True]
+    assert rebuilt(pg, quantize_lm_head="false") == "float32, int4 weights (groups of 32) but the LM head"
+    assert isinstance(pg.llm.engine.model.lm_head, Linear)
+    pg.reset_settings()
+    assert pg.service.snapshot().precision == "float32"
+
+
 def test_a_refused_weight_change_keeps_the_engine_its_weights_and_its_requests(pg):
     assert pg.apply_settings(None, quantization="int8").startswith("Rebuilt")
     service, model = pg.service, pg.llm.engine.model
@@ -104,6 +122,8 @@ def test_a_refused_weight_change_keeps_the_engine_its_weights_and_its_requests(p
         for fields, why in [
             ({"quantization_group_size": 7}, "quantization_group_size must be one of (32, 64, 128, 256)"),
             ({"quantization": "int3"}, "quantization must be None or one of"),
+            ({"quantize_lm_head": "int3"}, "quantize_lm_head must be True (as the projections), False"),
+            ({"quantize_lm_head": ["int8"]}, "quantize_lm_head must be True"),
             ({"quantization": "int4", "quantization_group_size": 128},  # the tiny model's layers are 64 wide
              "quantization_group_size=128 does not divide its 64 input features"),
         ]:
@@ -176,14 +196,17 @@ def test_the_settings_api_shows_and_changes_the_weights(folder):
 
         def fields(*weights):
             return [*form[:w], *weights, *form[w + len(weights):]]
-        assert form[w:w + 4] == [NO_QUANTIZATION, 32, True, "float32"]
+        head = LM_HEAD_WORDS[True]
+        assert form[w:w + 4] == [NO_QUANTIZATION, 32, head, "float32"]
         assert "**Weights: float32.**" in weights_note and "rebuilds the model" in weights_note
-        msg = client.predict(*fields("int8", 32, True, "float32"), api_name="/apply_settings")
+        msg = client.predict(*fields("int8", 32, head, "float32"), api_name="/apply_settings")
         assert msg.startswith("Rebuilt the engine for float32, int8 weights"), msg
         assert isinstance(projection(playground), Int8Linear)
-        assert list(client.predict(api_name="/settings")[w:w + 4]) == ["int8", 32, True, "float32"]
+        assert list(client.predict(api_name="/settings")[w:w + 4]) == ["int8", 32, head, "float32"]
+        with pytest.raises(Exception, match="yes"):  # the LM head's field takes its words or a scheme, nothing else
+            client.predict(*fields("int8", 32, "yes", "float32"), api_name="/apply_settings")
         status, *_ = client.predict(api_name="/dashboard")
         assert "float32, int8 weights" in status
         with pytest.raises(Exception, match="int3"):  # not one of the dropdown's choices: refused before the engine
-            client.predict(*fields("int3", 32, True, "float32"), api_name="/apply_settings")
+            client.predict(*fields("int3", 32, head, "float32"), api_name="/apply_settings")
         assert isinstance(projection(playground), Int8Linear) and playground.service.alive

@@ -283,24 +283,28 @@ def calibrated_state(state: dict[str, torch.Tensor], hf_config, tokenizer, devic
     text = CALIBRATION_TEXT.read_text()
     ids = tokenizer(text).input_ids[:MAX_TOKENS]
     model = build_model(hf_config, state, torch.float32, device, len(ids) + 1)
-    scheme = weight_format.quantization
-    fake = Fake(scheme, weight_format.group_size, w8a8_weight_max() if scheme == "w8a8" else 127)
-    path = None if folder is None else _scales_path(folder, weight_format, fake.weight_max, text)
+
+    def rounding(scheme: str | None) -> Fake | None:
+        return None if scheme is None else Fake(scheme, weight_format.group_size,
+                                                w8a8_weight_max() if scheme == "w8a8" else 127)
+    fake, head = rounding(weight_format.quantization), rounding(weight_format.head_scheme)
+    grids = (fake.weight_max, head.weight_max if head else None)  # w8a8's depends on the machine
+    path = None if folder is None else _scales_path(folder, weight_format, grids, text)
     known = _read_scales(path) if weight_format.smooth else None
     state, hessians, scales = calibrate(state, model, ids, fake, model.shape.num_kv_heads, model.shape.head_dim,
-                                        tied=ties_head(hf_config, state), lm_head=weight_format.lm_head,
+                                        tied=ties_head(hf_config, state), head=head,
                                         smooth=weight_format.smooth, gptq=weight_format.gptq, known=known)
     if weight_format.smooth and known is None and path is not None:
         _write_scales(path, scales)
     return state, hessians
 
 
-def _scales_path(folder: Path, weight_format: WeightFormat, weight_max: int, text: str) -> Path:
-    """Where a checkpoint's smoothing scales for this format, grid (w8a8's weight_max depends on the machine) and
-    calibration text are kept."""
+def _scales_path(folder: Path, weight_format: WeightFormat, grids: tuple[int, int | None], text: str) -> Path:
+    """Where a checkpoint's smoothing scales for this format, grids (the projections' and the LM head's weight_max:
+    w8a8's depends on the machine) and calibration text are kept."""
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.glob("*.safetensors"))
     key = repr((str(folder.resolve()), files, weight_format.quantization, weight_format.group_size,
-                weight_format.lm_head, weight_max, SEARCH_VERSION, text))
+                weight_format.lm_head, grids, SEARCH_VERSION, text))
     return cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
 
 

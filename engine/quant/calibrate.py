@@ -174,10 +174,11 @@ def projection_name(layer: int, name: str) -> str:
 
 
 def calibrate(state: dict[str, torch.Tensor], model, token_ids: list[int], fake: Fake, num_kv_heads: int,
-              head_dim: int, tied: bool, lm_head: bool, smooth: bool, gptq: bool,
+              head_dim: int, tied: bool, head: Fake | None, smooth: bool, gptq: bool,
               known: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict, dict[str, torch.Tensor]]:
     """(state, hessians, scales): the checkpoint's state (keys without "model.") with every projection's input
-    smoothed for fake's scheme when `smooth`, when `gptq` each projection's H = X.T @ X over its (smoothed)
+    smoothed for fake's scheme (the LM head's for `head`'s; None leaves the head unquantized, so unsmoothed) when
+    `smooth`, when `gptq` each projection's H = X.T @ X over its (smoothed)
     inputs, and the smoothing scales; the last two keyed by projection_name. Found by `model`, built unquantized
     from `state`, over token_ids; `known`: scales found before for the same checkpoint, format and text (a cache),
     used as they are, so without GPTQ the calibration pass is skipped."""
@@ -185,13 +186,14 @@ def calibrate(state: dict[str, torch.Tensor], model, token_ids: list[int], fake:
     out = {k: v.float().clone() if v.is_floating_point() else v for k, v in state.items()}
     scales: dict[tuple[int, str], torch.Tensor] = {}
 
-    def find(key: tuple[int, str], w: torch.Tensor, heads: tuple[int, int] | None = None) -> torch.Tensor:
+    def find(key: tuple[int, str], w: torch.Tensor, heads: tuple[int, int] | None = None,
+             rounding: Fake = fake) -> torch.Tensor:
         if not smooth:
             s = torch.ones(w.shape[1])
         elif known:
             s = known[projection_name(*key)].float()
         else:
-            s = best_scale(inputs[key], w, fake, heads)
+            s = best_scale(inputs[key], w, rounding, heads)
         scales[key] = s
         return s
 
@@ -221,11 +223,11 @@ def calibrate(state: dict[str, torch.Tensor], model, token_ids: list[int], fake:
         out[m + "up_proj.weight"] = out[m + "up_proj.weight"] / s.unsqueeze(1)
         out[m + "down_proj.weight"] = out[m + "down_proj.weight"] * s
 
-    if lm_head:
-        head = out["embed_tokens.weight"] if tied else out["lm_head.weight"]
-        s = find((-1, "lm_head"), head)
+    if head is not None:
+        weight = out["embed_tokens.weight"] if tied else out["lm_head.weight"]
+        s = find((-1, "lm_head"), weight, rounding=head)
         out["norm.weight"] = out["norm.weight"] / s
-        out[HEAD_KEY if tied else "lm_head.weight"] = head * s
+        out[HEAD_KEY if tied else "lm_head.weight"] = weight * s
     hessians = {}
     if gptq:  # the inputs the smoothed weights see: x / s
         hessians = {projection_name(*key): inputs[key].gram / torch.outer(s, s) for key, s in scales.items()}

@@ -265,8 +265,8 @@ def make_projection(weight_format: WeightFormat, weight: torch.Tensor, name: str
                     hessian: torch.Tensor | None = None) -> Projection:
     """The projection for weight [out, in] stored as weight_format; name says which layer a refusal is about;
     hessian: X.T @ X over its calibration inputs, for GPTQ's rounding."""
-    scheme = weight_format.quantization
-    if scheme is None or (is_lm_head and not weight_format.lm_head):
+    scheme = weight_format.head_scheme if is_lm_head else weight_format.quantization
+    if scheme is None:
         return Linear(weight)
     try:
         if scheme == "int4":
