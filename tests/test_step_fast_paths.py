@@ -181,15 +181,84 @@ def test_cpp_decode_attention_over_the_pool_matches_sdpa_over_the_gathered_batch
         ext.decode_attention(q, pair[0], pair[1], slots, lens, *(() if kv_int8 else (lens.float(), lens.float())))
 
 
+@pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                                           (torch.bfloat16, True)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (10, 2)])
+@pytest.mark.usefixtures("two_threads")
+def test_cpp_attention_of_prefill_rows_matches_causal_sdpa(dtype, kv_int8, heads, kv_heads):
+    """A step's prefill rows through the C++ kernel (runner.prepare's every-row path): each row reads its request's
+    slot list up to its own position. Against torch's SDPA as the SDPA path runs them: causal over a fresh chunk,
+    and with a cached context (a later chunk, or a prefix-cache hit) under an offset causal mask; with a decode row
+    in the same call, and an int8 pool read with its scales."""
+    ext = cpu_kernels.compiled()
+    assert ext is not None, "the engine's C++ CPU kernels did not build"
+    g, d = torch.Generator().manual_seed(2), 64
+    pair = torch.randn(2, 300, kv_heads, d, generator=g).to(dtype)
+    scale_pair = None
+    if kv_int8:
+        pair, scale_pair = quantize_int8(pair.float())
+    # (context already in the pool, new rows): a decode row, a fresh 23-token prompt, a chunk of 17 after 30
+    seqs = [(40, 1), (0, 23), (30, 17)]
+    lists = torch.randperm(290, generator=g)[:3 * 48].view(3, 48)
+    rows = sum(n for _, n in seqs)
+    q = torch.randn(rows, heads, d, generator=g).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    new = torch.cat([lists[i, c:c + n] for i, (c, n) in enumerate(seqs)])
+    which = torch.repeat_interleave(torch.arange(3), torch.tensor([n for _, n in seqs]))
+    lens = torch.cat([torch.arange(c + 1, c + n + 1) for c, n in seqs])
+
+    def pool():
+        return LayerKV.of(pair.clone(), None if scale_pair is None else scale_pair.clone())
+    cache = pool()
+    cpp = attention(q, k, v, cache, AttentionMetadata(
+        slot_mapping=new, num_decode=1, decode_slots=lists, decode_attention=ext.decode_attention, decode_lens=lens,
+        decode_lists=which, kv_int8=kv_int8, write_kv_int8=ext.write_kv_int8 if kv_int8 else None))
+    assert cpp.dtype == dtype and cpp.shape == (rows, heads * d)
+    # the reference: every row's keys and values as the pool holds them after the write, attended with SDPA
+    written = pool()
+    attention(q, k, v, written, AttentionMetadata(slot_mapping=new, kv_int8=kv_int8))  # the SDPA path's write
+    row = 0
+    for i, (c, n) in enumerate(seqs):
+        kc, vc = (t.float() for t in written.read(lists[i, :c + n], torch.float32))
+        allowed = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
+        mask = torch.zeros(n, c + n).masked_fill_(~allowed, float("-inf"))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[row:row + n].float().transpose(0, 1).unsqueeze(0), kc.transpose(0, 1).unsqueeze(0),
+            vc.transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=heads != kv_heads)
+        ref = ref[0].transpose(0, 1).reshape(n, heads * d)
+        torch.testing.assert_close(cpp[row:row + n].float(), ref, atol=2e-5 if dtype == torch.float32 else 2e-2,
+                                   rtol=1e-4 if dtype == torch.float32 else 2e-2)
+        row += n
+    assert torch.equal(cache.k, written.k) and torch.equal(cache.v, written.v)  # the write, the same either way
+    with pytest.raises(RuntimeError, match="a row's list is past slots"):
+        ext.decode_attention(q, cache.k, cache.v, lists, lens, cache.k_scale, cache.v_scale, which + 1)
+    with pytest.raises(RuntimeError, match="1..W context slots"):
+        ext.decode_attention(q, cache.k, cache.v, lists, lens + 40, cache.k_scale, cache.v_scale, which)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_greedy_tokens_are_the_same_with_and_without_the_cpp_decode_attention(tiny_models, kv_cache_dtype):
-    llm = LLM(tiny_models["llama"][0], max_model_len=256, kv_cache_dtype=kv_cache_dtype)
+@pytest.mark.parametrize("budget", [None, 16])  # 16: prompts prefilled in chunks, each after its cached context
+def test_greedy_tokens_are_the_same_with_and_without_the_cpp_decode_attention(tiny_models, kv_cache_dtype, budget,
+                                                                               monkeypatch):
+    """With the C++ kernel every row of a step (prefill chunks, prefix-cache hits, decodes) attends over the pool;
+    without it prefills run torch's SDPA. The same greedy tokens either way, and the kernel did take the prefills."""
+    llm = LLM(tiny_models["llama"][0], max_model_len=256, kv_cache_dtype=kv_cache_dtype,
+              max_num_batched_tokens=budget, block_size=4)
     assert llm.engine.runner.decode_attention is not None
-    prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 9)]
+    shared = list(range(40, 52))  # three prompts share 12 tokens: three blocks of the prefix cache
+    prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 9)] + [shared + [100 + i] * (i + 2) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    every_row = []
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, batch: (
+        every_row.append(batch.meta.decode_lists is not None), execute(self, batch))[1])
     with_cpp = [o.token_ids for o in llm.generate(prompts, params)]
+    assert any(every_row), "no prefill went through the C++ kernel"
+    assert llm.engine.kv.prefix_cache_hits > 0  # and the shared prompts read their prefix from the cache
     llm.engine.runner.decode_attention = None
+    every_row.clear()
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_cpp
+    assert not any(every_row)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

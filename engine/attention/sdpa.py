@@ -1,7 +1,9 @@
-"""Paged attention with torch's scaled_dot_product_attention.
+"""Paged attention with torch's scaled_dot_product_attention, or on CPU the engine's C++ kernel.
 
-Decode rows (one query each) are batched: on CPU each row's query is read against its own slots of the pool by
-the engine's C++ kernel (cpu_kernels.py); elsewhere their keys are gathered from the cache through a padded slot
+On CPU with the engine's C++ kernels (cpu_kernels.py) every row of a step reads its own slots of the pool in one
+call a layer: a decode row its request's whole context, a prefill chunk's rows their request's context up to their
+own position (causal), after the step's K/V are written (runner.prepare builds the lists). Without it:
+decode rows (one query each) are batched: their keys are gathered from the cache through a padded slot
 index and a mask hides the padding (no mask when they are all as long: SDPA is faster without one); GQA is
 handled by folding each KV head's query group into the query axis, so K/V are never repeated. Each prefill runs
 on its own: causally on its fresh K/V when nothing was cached before it, or against its gathered context
@@ -61,6 +63,9 @@ class AttentionMetadata:
     # C++ too (cpu_kernels.py): this step's K and V quantized straight into an int8 pool, for a step of decodes only
     write_kv_int8: Callable | None = None
     decode_lens: torch.Tensor | None = None  # [num_decode] int64
+    # [num_tokens] int64, when the C++ kernel attends every row of the step (runner.prepare): row t reads the first
+    # decode_lens[t] slots of list decode_slots[decode_lists[t]] (its request's context, up to its own position)
+    decode_lists: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
     # K/V at int8 precision: stored so when there is a cache, and rounded so even when there is none (the naive
     # loop), so that turning a cache feature off never changes what attention sees
@@ -148,6 +153,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV 
     elif cache is not None:
         cache.k.index_copy_(0, meta.slot_mapping, k)
         cache.v.index_copy_(0, meta.slot_mapping, v)
+    if meta.decode_lists is not None:  # every row, prefill chunks too, reads its own slots of the pool
+        return meta.decode_attention(q, cache.k, cache.v, meta.decode_slots, meta.decode_lens, cache.k_scale,
+                                     cache.v_scale, meta.decode_lists)
     b = meta.num_decode
     out = None if 0 < b == num_tokens else torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if b and meta.decode_attention is not None:

@@ -314,8 +314,8 @@ void weighted_values(const float* weight, const P* vp, const int64_t* at, int64_
 // v_scale [slots, KV], each element read as q * scale)
 template <typename T, typename P>
 void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                           const at::Tensor& lens, const float* k_scale, const float* v_scale, at::Tensor& out,
-                           float scale) {
+                           const at::Tensor& lens, const int64_t* lists, const float* k_scale, const float* v_scale,
+                           at::Tensor& out, float scale) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
   const int64_t group = heads / kv_heads, width = slots.size(1);
   const int64_t qs_row = q.stride(0), qs_head = q.stride(1);
@@ -330,7 +330,7 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
     std::vector<int64_t> at;  // where each slot's K (and V) of this KV head starts, in units of dim
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / kv_heads, kvh = i % kv_heads, n = lp[row];
-      const int64_t* row_slots = sp + row * width;
+      const int64_t* row_slots = sp + (lists == nullptr ? row : lists[row]) * width;
       at.resize(n);
       for (int64_t j = 0; j < n; ++j) at[j] = row_slots[j] * kv_heads + kvh;
 #if defined(__AVX512F__)
@@ -368,13 +368,15 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 }  // namespace
 
-// q [B, H, D] (any row and head strides, D contiguous), k and v [slots, KV, D] the pool, slots [B, W] each row's
-// slots (the first lens[b] of them hold its context), lens [B] -> [B, H * D]: softmax(q.k / sqrt(D)) . v per row
-// and head, a query head reading KV head h / (H / KV) (grouped-query attention). An int8 pool comes with
-// k_scale and v_scale [slots, KV] (float32), and is read as q * scale.
+// q [B, H, D] (any row and head strides, D contiguous), k and v [slots, KV, D] the pool, slots [S, W] slot lists,
+// lens [B]: row b reads the first lens[b] slots of list lists[b] (of list b without `lists` [B]) -> [B, H * D]:
+// softmax(q.k / sqrt(D)) . v per row and head, a query head reading KV head h / (H / KV) (grouped-query attention).
+// A decode row reads its request's whole context; the rows of a prefill chunk share their request's list, each
+// reading up to its own position (causal), so one call attends a whole step. An int8 pool comes with k_scale and
+// v_scale [slots, KV] (float32), and is read as q * scale.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                             const at::Tensor& lens, const c10::optional<at::Tensor>& k_scale,
-                            const c10::optional<at::Tensor>& v_scale) {
+                            const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lists) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU tensor [B, H, D]");
   const bool int8_pool = k.scalar_type() == at::kChar;
   TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.sizes() == k.sizes() && v.is_contiguous() &&
@@ -393,23 +395,33 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float* vs = int8_pool ? v_scale->data_ptr<float>() : nullptr;
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.is_contiguous() &&
-                  slots.size(0) == q.size(0) && lens.scalar_type() == at::kLong && lens.dim() == 1 &&
-                  lens.size(0) == q.size(0),
-              "slots [B, W] and lens [B] must be int64");
+                  (lists.has_value() || slots.size(0) == q.size(0)) && lens.scalar_type() == at::kLong &&
+                  lens.dim() == 1 && lens.size(0) == q.size(0),
+              "slots [B, W] (or [S, W] with lists) and lens [B] must be int64");
   const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* listp = nullptr;
+  if (lists.has_value()) {
+    TORCH_CHECK(lists->scalar_type() == at::kLong && lists->dim() == 1 && lists->is_contiguous() &&
+                    lists->size(0) == q.size(0),
+                "lists must be int64 [B]");
+    listp = lists->data_ptr<int64_t>();
+    for (int64_t row = 0; row < q.size(0); ++row) {
+      TORCH_CHECK(listp[row] >= 0 && listp[row] < slots.size(0), "a row's list is past slots' ", slots.size(0));
+    }
+  }
   for (int64_t row = 0; row < lens.size(0); ++row) {  // a plain loop: torch's min / max cost more than the kernel
     TORCH_CHECK(lp[row] >= 1 && lp[row] <= slots.size(1), "each row needs 1..W context slots");
   }
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
   if (q.scalar_type() == at::kFloat && int8_pool) {
-    decode_attention_rows<float, int8_t>(q, k, v, slots, lens, ks, vs, out, scale);
+    decode_attention_rows<float, int8_t>(q, k, v, slots, lens, listp, ks, vs, out, scale);
   } else if (q.scalar_type() == at::kFloat) {
-    decode_attention_rows<float, float>(q, k, v, slots, lens, ks, vs, out, scale);
+    decode_attention_rows<float, float>(q, k, v, slots, lens, listp, ks, vs, out, scale);
   } else if (q.scalar_type() == at::kBFloat16 && int8_pool) {
-    decode_attention_rows<c10::BFloat16, int8_t>(q, k, v, slots, lens, ks, vs, out, scale);
+    decode_attention_rows<c10::BFloat16, int8_t>(q, k, v, slots, lens, listp, ks, vs, out, scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_rows<c10::BFloat16, c10::BFloat16>(q, k, v, slots, lens, ks, vs, out, scale);
+    decode_attention_rows<c10::BFloat16, c10::BFloat16>(q, k, v, slots, lens, listp, ks, vs, out, scale);
   } else {
     TORCH_CHECK(false, "decode_attention takes float32 or bfloat16");
   }
@@ -1227,7 +1239,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "int32 sums scaled back per row, in place");
   m.def("decode_attention", &decode_attention, "one query per row against its slots of the paged KV pool",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("lens"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
+        py::arg("v_scale") = py::none(), py::arg("lists") = py::none());
   m.def("write_kv_int8", &write_kv_int8, "K and V quantized per token and KV head into an int8 pool");
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place (when given), then RMSNorm(x) * weight",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("dtype") = py::none());
