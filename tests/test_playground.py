@@ -505,7 +505,15 @@ def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
     from gradio_client import Client
     url, playground = server
     client = Client(url, verbose=False)
-    jobs = [client.submit(f"Hello number {i}", [], 0.0, 24, api_name="/chat") for i in range(2)]
+    # held until both chats wait in the engine: the tiny model can end a 24-token reply before a second one arrives
+    playground.pause()
+    try:
+        jobs = [client.submit(f"Hello number {i}", [], 0.0, 24, api_name="/chat") for i in range(2)]
+        deadline = time.monotonic() + 60
+        while playground.service.snapshot().num_waiting < 2 and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+    finally:
+        playground.resume()
     results = [job.result(timeout=120) for job in jobs]
     for history, stats in results:
         assert history[-1]["role"] == "assistant" and "TTFT" in stats
