@@ -124,12 +124,10 @@ class ModelRunner:
                          to_device(logits_rows, torch.long))
         if use_cache:
             meta.slot_mapping = to_device(slots, torch.long)
+        positions_t = to_device(positions, torch.long)
         if every_row:
-            positions_t = to_device(positions, torch.long)
-            self._every_row_over_the_pool(meta, ordered, positions_t, decode_only=len(decodes) == len(ordered))
-            return Batch(ordered, to_device(input_ids, torch.long), positions_t, meta,
-                         to_device(logits_rows, torch.long))
-        if decodes:  # gathered for SDPA, under a mask where they are not all as long
+            self._every_row_over_the_pool(meta, ordered, positions_t)
+        elif decodes:  # gathered for SDPA, under a mask where they are not all as long
             meta.decode_slots = self._slot_lists(decodes)
             ctx = torch.tensor([s.end for s in decodes], device=dev)
             max_ctx = meta.decode_slots.shape[1]
@@ -138,11 +136,10 @@ class ModelRunner:
                 pos = torch.arange(max_ctx, device=dev)
                 allowed = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
                 meta.decode_mask = self._additive(allowed)
-        return Batch(ordered, to_device(input_ids, torch.long), to_device(positions, torch.long), meta,
-                     to_device(logits_rows, torch.long))
+        return Batch(ordered, to_device(input_ids, torch.long), positions_t, meta, to_device(logits_rows, torch.long))
 
     def _every_row_over_the_pool(self, meta: AttentionMetadata, ordered: list[ScheduledRequest],
-                                 positions: torch.Tensor, decode_only: bool) -> None:
+                                 positions: torch.Tensor) -> None:
         """The C++ kernel's inputs for a whole step: each scheduled request's slot list (its context up to the end
         of this step's rows), and for each row which list it reads and how far: up to its own position, so a
         prefill chunk's rows attend causally over the pool (its own new K/V, written first, and any cached prefix),
@@ -150,7 +147,7 @@ class ModelRunner:
         3.7 ms against 11.1 for torch's SDPA a sequence, fp32 4.2 against 8.4 (docs/measurements.md)."""
         meta.decode_slots = self._slot_lists(ordered)
         meta.decode_attention, meta.decode_lens = self.decode_attention, positions + 1
-        if not decode_only:  # else row b reads list b: the decode step's own call (attention's decode rows)
+        if meta.num_decode < len(ordered):  # else row b reads list b: the decode step's own call (its decode rows)
             counts = torch.tensor([s.num_tokens for s in ordered], device=self.device)
             meta.decode_lists = torch.repeat_interleave(torch.arange(len(ordered), device=self.device), counts)
 
