@@ -220,6 +220,16 @@ inline float softmax_in_place(float* s, int64_t n) {
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
+// Slots are scattered over the pool (a block's 16, then another block's), one KV head's part of a slot a strided
+// 32-256 bytes: too little in a row for the hardware's prefetchers, so a row's keys and values were read at a
+// fraction of the memory's speed (measured: docs/measurements.md). The score pass asks for the K and V of the key
+// this many ahead.
+constexpr int64_t ATTENTION_PREFETCH = 12;
+inline void prefetch_lines(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 // GB query heads of one KV head (a grouped-query group, or part of one) against its n keys, and the weighted sums of
 // its values: each key and value is loaded (and widened from bf16 or int8) once for all GB heads, not once per head,
 // and the scores' exponentials are taken 16 at a time. query: GB rows of 16 * C floats (already scaled); s: GB * n
@@ -231,6 +241,10 @@ void heads_avx512(const float* query, const P* kp, const P* vp, const int64_t* a
   for (int h = 0; h < GB; ++h)
     for (int c = 0; c < C; ++c) qv[h][c] = _mm512_loadu_ps(query + h * 16 * C + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
+    if (j + ATTENTION_PREFETCH < n) {  // this key's K and V some keys ahead, for this pass and the values' pass
+      prefetch_lines(kp + at[j + ATTENTION_PREFETCH] * (16 * C), 16 * C * sizeof(P));
+      prefetch_lines(vp + at[j + ATTENTION_PREFETCH] * (16 * C), 16 * C * sizeof(P));
+    }
     const P* key = kp + at[j] * (16 * C);
     __m512 kv[C];
     for (int c = 0; c < C; ++c) kv[c] = load16(key + 16 * c);
