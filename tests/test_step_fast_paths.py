@@ -138,7 +138,9 @@ def test_the_runner_masks_only_decodes_of_different_lengths(tiny_models, monkeyp
 
 @pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
                                            (torch.bfloat16, True)])
-@pytest.mark.parametrize("d", [64, 40])  # 64: the AVX-512 loops where the CPU has them; 40: the portable ones
+# 16-128: the AVX-512 loops where the CPU has them (bf16 pools with an even number of 16-float vectors, 32-128, score
+# with AVX-512 BF16 dot products where it has those); 40: the portable ones
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 40])
 # query heads per KV head: 3 (SmolLM2), 1 (no grouping), 5 and 8 (the AVX-512 loops take a group in chunks of 4)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (10, 2), (8, 1)])
 @pytest.mark.usefixtures("two_threads")

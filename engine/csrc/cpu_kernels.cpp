@@ -230,13 +230,70 @@ inline void prefetch_lines(const void* p, size_t bytes) {
   for (size_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
-// GB query heads of one KV head (a grouped-query group, or part of one) against its n keys, and the weighted sums of
-// its values: each key and value is loaded (and widened from bf16 or int8) once for all GB heads, not once per head,
-// and the scores' exponentials are taken 16 at a time. query: GB rows of 16 * C floats (already scaled); s: GB * n
-// scratch; out: GB rows of 16 * C floats. Per head: a dot product in 16 lanes, one fused multiply-add a vector.
+#if defined(__AVX512BF16__)
+// 16 vectors' lane sums, in order, as one vector: a transpose-and-add in ~3 operations a vector, where a reduction
+// of each (_mm512_reduce_add_ps) takes ~9
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 u[4];  // u[g]'s 128-bit lane l: the sums of lane l of v[4g], v[4g + 1], v[4g + 2], v[4g + 3]
+  for (int g = 0; g < 4; ++g) {
+    const __m512* w = v + 4 * g;
+    const __m512d t0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1])));
+    const __m512d t1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3])));
+    u[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t0, t1)), _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t1)));
+  }
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+}
+
+// The scores of GB heads against n keys of a bf16 pool with AVX-512 BF16's dot products: the query as it came (bf16,
+// unscaled: exact), each pair of products exact and summed in float (denormals as zero), times scale after. 16
+// keys a time, their sums transposed into one vector (lane_sums16); the first head's pass asks for the K and V some
+// keys ahead. qb: GB rows of 16 * C bf16 (C even); s: GB rows of n.
+template <int C, int GB>
+void scores_bf16(const c10::BFloat16* qb, float scale, const c10::BFloat16* kp, const c10::BFloat16* vp,
+                 const int64_t* at, int64_t n, float* s) {
+  constexpr int Z = C / 2;  // a key's vectors of 32 bf16
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int h = 0; h < GB; ++h) {
+    __m512bh q[Z];
+    for (int z = 0; z < Z; ++z) q[z] = (__m512bh)_mm512_loadu_si512(qb + h * 16 * C + 32 * z);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int m = static_cast<int>(std::min<int64_t>(16, n - j0));
+      if (h == 0) {  // the next group's K and V, for this pass and the values'
+        for (int64_t j = j0 + 16; j < std::min<int64_t>(j0 + 32, n); ++j) {
+          prefetch_lines(kp + at[j] * (16 * C), 16 * C * sizeof(c10::BFloat16));
+          prefetch_lines(vp + at[j] * (16 * C), 16 * C * sizeof(c10::BFloat16));
+        }
+      }
+      __m512 acc[16];
+      if (m == 16) {
+        for (int jj = 0; jj < 16; ++jj) {
+          const c10::BFloat16* key = kp + at[j0 + jj] * (16 * C);
+          acc[jj] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(key));
+          for (int z = 1; z < Z; ++z)
+            acc[jj] = _mm512_dpbf16_ps(acc[jj], q[z], (__m512bh)_mm512_loadu_si512(key + 32 * z));
+        }
+      } else {
+        for (int jj = 0; jj < 16; ++jj) {
+          acc[jj] = _mm512_setzero_ps();
+          if (jj >= m) continue;
+          const c10::BFloat16* key = kp + at[j0 + jj] * (16 * C);
+          for (int z = 0; z < Z; ++z)
+            acc[jj] = _mm512_dpbf16_ps(acc[jj], q[z], (__m512bh)_mm512_loadu_si512(key + 32 * z));
+        }
+      }
+      _mm512_mask_storeu_ps(s + h * n + j0, static_cast<__mmask16>((1u << m) - 1u),
+                            _mm512_mul_ps(lane_sums16(acc), scaled));
+    }
+  }
+}
+#endif
+
+// heads_avx512's scores in float: each key loaded (and widened) once for the GB heads, a reduction per head
 template <int C, int GB, typename P>
-void heads_avx512(const float* query, const P* kp, const P* vp, const int64_t* at, int64_t n, const float* k_scale,
-                  const float* v_scale, float* s, float* out) {
+void scores_avx512(const float* query, const P* kp, const P* vp, const int64_t* at, int64_t n, const float* k_scale,
+                   float* s) {
   __m512 qv[GB][C];
   for (int h = 0; h < GB; ++h)
     for (int c = 0; c < C; ++c) qv[h][c] = _mm512_loadu_ps(query + h * 16 * C + 16 * c);
@@ -255,6 +312,12 @@ void heads_avx512(const float* query, const P* kp, const P* vp, const int64_t* a
       s[h * n + j] = _mm512_reduce_add_ps(sum) * ks;
     }
   }
+}
+
+// heads_avx512's softmax of the scores s and the weighted sums of the values
+template <int C, int GB, typename P>
+void values_avx512(const P* kp, const P* vp, const int64_t* at, int64_t n, const float* v_scale, float* s,
+                   float* out) {
   float inv[GB];
   for (int h = 0; h < GB; ++h) inv[h] = softmax_in_place(s + h * n, n);
   __m512 acc[GB][C];
@@ -275,6 +338,27 @@ void heads_avx512(const float* query, const P* kp, const P* vp, const int64_t* a
       _mm512_storeu_ps(out + h * 16 * C + 16 * c, _mm512_mul_ps(acc[h][c], _mm512_set1_ps(inv[h])));
 }
 
+// GB query heads of one KV head (a grouped-query group, or part of one) against its n keys, and the weighted sums of
+// its values: each key and value is loaded (and widened from bf16 or int8) once for all GB heads, not once per head,
+// and the scores' exponentials are taken 16 at a time. query: GB rows of 16 * C floats (already scaled); s: GB * n
+// scratch; out: GB rows of 16 * C floats. Per head: a dot product in 16 lanes, one fused multiply-add a vector.
+// qb (a bf16 pool, C even, AVX-512 BF16): the same GB heads as they came, in bf16, scored by scores_bf16 instead.
+template <int C, int GB, typename P>
+void heads_avx512(const float* query, const P* kp, const P* vp, const int64_t* at, int64_t n, const float* k_scale,
+                  const float* v_scale, float* s, float* out, const c10::BFloat16* qb, float scale) {
+  bool scored = false;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<P, c10::BFloat16> && C % 2 == 0) {
+    if (qb != nullptr) {
+      scores_bf16<C, GB>(qb, scale, kp, vp, at, n, s);
+      scored = true;
+    }
+  }
+#endif
+  if (!scored) scores_avx512<C, GB>(query, kp, vp, at, n, k_scale, s);
+  values_avx512<C, GB>(kp, vp, at, n, v_scale, s, out);
+}
+
 // calls run(std::integral_constant<int, C>) with C = dim / 16 where the AVX-512 loops take that head size (16-128);
 // false where they do not
 template <typename F>
@@ -291,18 +375,20 @@ bool with_vectors(int64_t dim, F&& run) {
 // heads_avx512 for `heads` query heads (any number), in chunks of up to 4; false where dim is not 16-128
 template <typename P>
 bool heads_vectorized(const float* query, int64_t heads, int64_t dim, const P* kp, const P* vp, const int64_t* at,
-                      int64_t n, const float* k_scale, const float* v_scale, float* s, float* out) {
+                      int64_t n, const float* k_scale, const float* v_scale, float* s, float* out,
+                      const c10::BFloat16* qb, float scale) {
   auto chunks = [&](auto c) {
     constexpr int C = decltype(c)::value;
     for (int64_t h = 0; h < heads;) {
       const int64_t take = std::min<int64_t>(4, heads - h);
       const float* qh = query + h * dim;
+      const c10::BFloat16* qbh = qb == nullptr ? nullptr : qb + h * dim;
       float* oh = out + h * dim;
       switch (take) {
-        case 4: heads_avx512<C, 4>(qh, kp, vp, at, n, k_scale, v_scale, s, oh); break;
-        case 3: heads_avx512<C, 3>(qh, kp, vp, at, n, k_scale, v_scale, s, oh); break;
-        case 2: heads_avx512<C, 2>(qh, kp, vp, at, n, k_scale, v_scale, s, oh); break;
-        default: heads_avx512<C, 1>(qh, kp, vp, at, n, k_scale, v_scale, s, oh); break;
+        case 4: heads_avx512<C, 4>(qh, kp, vp, at, n, k_scale, v_scale, s, oh, qbh, scale); break;
+        case 3: heads_avx512<C, 3>(qh, kp, vp, at, n, k_scale, v_scale, s, oh, qbh, scale); break;
+        case 2: heads_avx512<C, 2>(qh, kp, vp, at, n, k_scale, v_scale, s, oh, qbh, scale); break;
+        default: heads_avx512<C, 1>(qh, kp, vp, at, n, k_scale, v_scale, s, oh, qbh, scale); break;
       }
       h += take;
     }
@@ -339,8 +425,14 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  auto attend = [&](int64_t begin, int64_t end) {  // tasks [begin, end): task i is row i / KV, KV head i % KV
     std::vector<float> query(dim), acc(dim), s;
+#if defined(__AVX512BF16__)
+    constexpr bool bf16_scores = std::is_same_v<T, c10::BFloat16> && std::is_same_v<P, c10::BFloat16>;
+#else
+    constexpr bool bf16_scores = false;
+#endif
+    std::vector<c10::BFloat16> qb(bf16_scores ? group * dim : 0);  // the group's queries as they came (scores_bf16)
     std::vector<int64_t> at;  // where each slot's K (and V) of this KV head starts, in units of dim
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / kv_heads, kvh = i % kv_heads, n = lp[row];
@@ -355,9 +447,10 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
         for (int64_t h = 0; h < group; ++h) {
           const T* src = qp + row * qs_row + (kvh * group + h) * qs_head;
           for (int64_t d = 0; d < dim; ++d) query[h * dim + d] = static_cast<float>(src[d]) * scale;
+          if constexpr (bf16_scores) std::copy(src, src + dim, qb.begin() + h * dim);
         }
         if (heads_vectorized(query.data(), group, dim, kp, vp, at.data(), n, k_scale, v_scale, s.data(),
-                             acc.data())) {
+                             acc.data(), bf16_scores ? qb.data() : nullptr, scale)) {
           T* dst = op + (row * heads + kvh * group) * dim;
           for (int64_t d = 0; d < group * dim; ++d) dst[d] = static_cast<T>(acc[d]);
           continue;
@@ -378,7 +471,18 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
       }
     }
-  });
+  };
+  // each thread an equal share of the work, not of the tasks: a task costs about its row's context (a prefill
+  // chunk's rows read 1, 2, ... slots, a decode row hundreds), so equal counts left one thread waiting on the other
+  const int64_t tasks = rows * kv_heads;
+  std::vector<int64_t> cost(tasks + 1, 0);  // cost[i]: that of tasks [0, i)
+  for (int64_t i = 0; i < tasks; ++i) cost[i + 1] = cost[i] + lp[i / kv_heads] + 16;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  auto first_task = [&](int64_t part) {  // where part `part` of `parts` starts
+    if (part >= parts) return tasks;
+    return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end(), cost[tasks] * part / parts) - cost.begin());
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) { attend(first_task(begin), first_task(end)); });
 }
 }  // namespace
 
