@@ -13,10 +13,10 @@ replaces torch calls that spent most of their time outside the arithmetic for th
   run in another order than SDPA's, so it agrees with it to float rounding (tested), not bit for bit. With AVX-512
   (head sizes 16-128) each query and its sums stay in vector registers: 16 rows x 100 slots 52 us, one row 6.5 us
   (the portable loops: 132 and 18.5; SDPA over the gathered batch: 310 and 40).
-- writing a decode step's K and V into an int8 pool: each token and KV head quantized and stored in one call per
-  layer, where quantize_int8's torch calls, their dequantization and four scatters were ~26 (5-6 ms of an int4
-  token at batch 1 with the int8 cache, measured on the Intel machine: 23.5 -> 17.5 ms, the same as without the
-  int8 cache). The same integers and scales bit for bit (tested).
+- writing a step's K and V into the pool, one call a layer: as they are (torch's two scatters), or into an int8
+  pool, each token and KV head quantized and stored, where quantize_int8's torch calls, their dequantization and
+  four scatters were ~26 (5-6 ms of an int4 token at batch 1 with the int8 cache, measured on the Intel machine:
+  23.5 -> 17.5 ms, the same as without the int8 cache). The same integers and scales bit for bit (tested).
 - int8 and int4 weight-only matmuls (models/linear.py), the weights widened in registers as they are read, the
   next block's prefetched, the activations taken as they come (fp32 or bf16) with fp32 sums: torch's kernels
   take bf16 activations only and moved about half the bytes a second at one row on the Intel machine (SmolLM2's
@@ -240,7 +240,7 @@ def describe(ext) -> str:
     """What a built module runs on this CPU."""
     if ext is None:
         return "torch's calls"
-    steps = ("decode attention over the paged KV pool, int8 KV writes, RMSNorm / RoPE / silu layer steps, w8a8 rows, "
+    steps = ("decode attention over the paged KV pool, KV writes (int8 too), RMSNorm / RoPE / silu layer steps, w8a8 rows, "
              "the sampler's rows")
     if ext.weight_only_available():
         return f"{steps}, AVX-512 int8 / int4 weight-only matmuls and attention loops"

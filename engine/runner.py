@@ -58,13 +58,12 @@ class ModelRunner:
                               for i in range(s.num_layers)]
         # decode attention over the pool in C++ (cpu_kernels.py) where it applies: the sdpa backend on CPU, a model
         # in fp32 or bf16 (its pool in the same dtype or int8); built here, at load, rather than in the first step
-        self.decode_attention = self.write_kv_int8 = None
+        self.decode_attention = self.write_kv = None
         if (use_kv_cache and attention_backend != "triton" and self.device.type == "cpu"
                 and model.dtype in (torch.float32, torch.bfloat16)):
             ext = cpu_kernels.compiled()
             self.decode_attention = None if ext is None else ext.decode_attention
-            if ext is not None and self.kv_int8:
-                self.write_kv_int8 = ext.write_kv_int8
+            self.write_kv = None if ext is None else ext.write_kv
 
     @property
     def attention_kernel(self) -> str:
@@ -95,7 +94,7 @@ class ModelRunner:
         # the C++ kernel attends every row of the step over the pool, a prefill chunk's rows as well as decodes
         every_row = use_cache and not paged and self.decode_attention is not None
         meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), kv_int8=self.kv_int8,
-                                 key_scales=self.key_scales, write_kv_int8=self.write_kv_int8)
+                                 key_scales=self.key_scales, write_kv=self.write_kv)
         paged_prefills: list[tuple[list[int], int, int, int]] = []
         for s in ordered:
             req, start, n = s.request, s.start, s.num_tokens

@@ -586,3 +586,18 @@ def test_prefill_cost_times_a_wave_at_each_budget(tiny_llm):
     assert all(min(r.ms_per_token) > 0 and 0 < min(r.forward_share) <= max(r.forward_share) < 1 for r in rows)
     table = prefill_cost_report(rows, 4, 6).tables["per budget"]
     assert [t["max_num_batched_tokens"] for t in table] == [8, 64] and table[1]["steps"] == 1
+
+
+def test_attention_cost_times_the_kernel_over_a_pool_per_layer(tiny_llm):
+    """Both cases are timed over every layer, reading the slots they say (a causal chunk of n rows reads
+    1 + ... + n), and the report carries them."""
+    from engine import cpu_kernels
+    from engine.bench.experiments import attention_cost
+    from engine.bench.report import attention_cost_report
+    if cpu_kernels.compiled() is None:
+        pytest.skip("the C++ kernels did not build here")
+    rows = attention_cost(tiny_llm, rows=3, context=20, chunk=5, rounds=2)
+    assert [(r.case, r.rows, r.slots_read) for r in rows] == [("decode rows", 3, 60), ("one causal chunk", 5, 15)]
+    assert all(len(r.ms_per_step) == len(r.gb_s) == 2 and min(r.ms_per_step) > 0 and min(r.gb_s) > 0 for r in rows)
+    table = attention_cost_report(rows, "float32").tables["per case"]
+    assert [t["slots read"] for t in table] == [60, 15]

@@ -214,7 +214,7 @@ def test_cpp_attention_of_prefill_rows_matches_causal_sdpa(dtype, kv_int8, heads
     cache = pool()
     cpp = attention(q, k, v, cache, AttentionMetadata(
         slot_mapping=new, num_decode=1, decode_slots=lists, decode_attention=ext.decode_attention, decode_lens=lens,
-        decode_lists=which, kv_int8=kv_int8, write_kv_int8=ext.write_kv_int8 if kv_int8 else None))
+        decode_lists=which, kv_int8=kv_int8, write_kv=ext.write_kv))
     assert cpp.dtype == dtype and cpp.shape == (rows, heads * d)
     # the reference: every row's keys and values as the pool holds them after the write, attended with SDPA
     written = pool()
@@ -278,7 +278,7 @@ def test_cpp_kv_write_stores_quantize_int8s_integers_and_scales_bit_for_bit(dtyp
     slots = torch.tensor([7, 0, 3, 11, 5])
     pools = [torch.full((12, 3, 64), 99, dtype=torch.int8) for _ in range(2)]
     scales = [torch.full((12, 3), -1.0) for _ in range(2)]
-    ext.write_kv_int8(k, v, slots, *pools, *scales)
+    ext.write_kv(k, v, slots, *pools, *scales)
     for x, pool, scale in zip((k, v), pools, scales, strict=True):
         q, s = quantize_int8(x)
         assert torch.equal(pool[slots], q) and torch.equal(scale[slots], s)
@@ -286,21 +286,48 @@ def test_cpp_kv_write_stores_quantize_int8s_integers_and_scales_bit_for_bit(dtyp
         untouched[slots] = False
         assert (pool[untouched] == 99).all() and (scale[untouched] == -1).all()  # only the given slots written
     with pytest.raises(RuntimeError, match="past the pool"):
-        ext.write_kv_int8(k, v, torch.tensor([0, 1, 2, 3, 12]), *pools, *scales)
+        ext.write_kv(k, v, torch.tensor([0, 1, 2, 3, 12]), *pools, *scales)
+    with pytest.raises(RuntimeError, match="only one, has scales"):
+        ext.write_kv(k, v, slots, *pools)
 
 
-@pytest.mark.parametrize("arch,dtype,smoothing", [("llama", "float32", False), ("llama", "float32", True),
-                                                  ("qwen3", "bfloat16", True)])
-def test_greedy_tokens_are_the_same_with_and_without_the_cpp_kv_write(tiny_models, arch, dtype, smoothing):
-    llm = LLM(tiny_models[arch][0], max_model_len=256, dtype=dtype, kv_cache_dtype="int8",
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_kv_write_into_a_pool_of_the_models_dtype_is_index_copy(dtype):
+    """The one C++ call that replaced the two scatters writes what index_copy_ writes, where it writes it, and
+    refuses what would write elsewhere."""
+    ext = cpu_kernels.compiled()
+    if ext is None:
+        pytest.skip("the C++ kernels did not build here")
+    g = torch.Generator().manual_seed(3)
+    qk = torch.randn(4, 12, 64, generator=g).to(dtype)
+    k, v = qk[:, 9:], torch.randn(4, 3, 64, generator=g).to(dtype)  # k: a strided view, as the model hands it over
+    slots = torch.tensor([7, 0, 3, 11])
+    pools = [torch.full((12, 3, 64), 5.0, dtype=dtype) for _ in range(2)]
+    expected = [p.clone().index_copy_(0, slots, x) for p, x in zip(pools, (k, v), strict=True)]
+    ext.write_kv(k, v, slots, *pools)
+    assert all(torch.equal(p, e) for p, e in zip(pools, expected, strict=True))
+    with pytest.raises(RuntimeError, match="past the pool"):
+        ext.write_kv(k, v, torch.tensor([0, 1, 2, 12]), *pools)
+    with pytest.raises(RuntimeError, match="k's dtype or int8"):
+        ext.write_kv(k, v, slots, *(p.to(torch.float16) for p in pools))
+    with pytest.raises(RuntimeError, match="only one, has scales"):
+        ext.write_kv(k, v, slots, *pools, torch.ones(12, 3), torch.ones(12, 3))
+
+
+@pytest.mark.parametrize("arch,dtype,kv,smoothing", [("llama", "float32", "int8", False),
+                                                     ("llama", "float32", "int8", True),
+                                                     ("qwen3", "bfloat16", "int8", True),
+                                                     ("llama", "bfloat16", "auto", False)])
+def test_greedy_tokens_are_the_same_with_and_without_the_cpp_kv_write(tiny_models, arch, dtype, kv, smoothing):
+    llm = LLM(tiny_models[arch][0], max_model_len=256, dtype=dtype, kv_cache_dtype=kv,
               kv_cache_smoothing=smoothing)
-    assert llm.engine.runner.write_kv_int8 is not None
+    assert llm.engine.runner.write_kv is not None
     if smoothing:  # the keys' scales in the model's dtype, so a bf16 query stays bf16
         assert all(s.query.dtype == s.key_inverse.dtype == llm.engine.model.dtype for s in llm.engine.runner.key_scales)
     prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 9)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with_cpp = [o.token_ids for o in llm.generate(prompts, params)]
-    llm.engine.runner.write_kv_int8 = None
+    llm.engine.runner.write_kv = None
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_cpp
 
 

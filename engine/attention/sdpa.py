@@ -60,9 +60,10 @@ class AttentionMetadata:
     # the C++ decode attention over the pool (cpu_kernels.py), when the runner has it: each row reads the first
     # decode_lens[row] of its decode_slots, and no mask is built
     decode_attention: Callable | None = None
-    # C++ too (cpu_kernels.py): this step's K and V quantized straight into an int8 pool, for a step whose every row
-    # reads the pool (no prefill attended by SDPA over its rows in flight)
-    write_kv_int8: Callable | None = None
+    # C++ too (cpu_kernels.py): this step's K and V into the pool in one call (two scatters as torch calls), or
+    # quantized straight into an int8 pool for a step whose every row reads the pool (no prefill attended by SDPA
+    # over its rows in flight: those need the rows dequantized)
+    write_kv: Callable | None = None
     decode_lens: torch.Tensor | None = None  # [num_decode] int64
     # [num_tokens] int64, when the C++ kernel attends every row of the step (runner.prepare): row t reads the first
     # decode_lens[t] slots of list decode_slots[decode_lists[t]] (its request's context, up to its own position)
@@ -141,11 +142,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    if meta.kv_int8 and cache is not None and meta.write_kv_int8 is not None and not meta.prefills:
-        # every row reads K and V from the pool (decodes, and prefill rows through the C++ kernel), so the rows go
-        # straight into it (the same integers and scales as quantize_int8's, in one call instead of a dozen and four
-        # scatters)
-        meta.write_kv_int8(k, v, meta.slot_mapping, cache.k, cache.v, cache.k_scale, cache.v_scale)
+    if cache is not None and meta.write_kv is not None and not (meta.kv_int8 and meta.prefills):
+        # into the pool in one call; an int8 pool's only where every row reads K and V from it (decodes, and prefill
+        # rows through the C++ kernel): the same integers and scales as quantize_int8's, in one call instead of a
+        # dozen and four scatters
+        meta.write_kv(k, v, meta.slot_mapping, cache.k, cache.v, cache.k_scale, cache.v_scale)
     elif meta.kv_int8:
         (kq, k_scale), (vq, v_scale) = quantize_int8(k), quantize_int8(v)
         if cache is not None:

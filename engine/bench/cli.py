@@ -7,6 +7,7 @@
     python -m engine.bench sampling-cost --batch 8               # each sampling mode's cost over greedy
     python -m engine.bench prefill-cost --budgets 256,4096        # a wave of prompts: ms per prompt token
     python -m engine.bench prefill-cost --budgets 256,4096 --beside-busy 2,3   # ... and beside a busy process
+    python -m engine.bench attention-cost --set dtype=bfloat16   # the C++ attention alone: decode rows, a chunk
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
@@ -43,7 +44,7 @@ from .runs import load_llm
 from .specs import parse_assignments
 
 COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "kernel-worth", "decode",
-            "quality", "serve", "serve-overhead", "versus", "sampling-cost", "prefill-cost")
+            "quality", "serve", "serve-overhead", "versus", "sampling-cost", "prefill-cost", "attention-cost")
 
 
 def _number_list(text: str, kind: type, minimum: float, what: str) -> list:
@@ -161,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--beside-busy", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
                     help="also time each budget beside a process that computes BUSY_MS then sleeps IDLE_MS (2,3: "
                          "40%% of a core, about what a benchmark client on the same host takes)")
+    ac = sub.add_parser("attention-cost", parents=common, help="the C++ attention kernel alone, a step's calls over "
+                                                               "cold pools: decode rows and a causal chunk")
+    ac.add_argument("--rows", type=_positive, default=32, help="decode rows (default 32)")
+    ac.add_argument("--context", type=_positive, default=145, help="slots each decode row reads (default 145)")
+    ac.add_argument("--chunk", type=_positive, default=224, help="rows of the causal chunk (default 224)")
+    ac.add_argument("--rounds", type=_positive, default=5)
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -286,6 +293,9 @@ def run_command(args: argparse.Namespace) -> rp.Report:
     if args.command == "sampling-cost":
         rows = ex.sampling_cost(llm, args.batch, args.prompt_len, args.tokens, args.rounds, settings)
         return rp.sampling_cost_report(rows, args.batch, args.prompt_len, args.tokens)
+    if args.command == "attention-cost":
+        rows = ex.attention_cost(llm, args.rows, args.context, args.chunk, args.rounds)
+        return rp.attention_cost_report(rows, str(llm.engine.model.dtype).removeprefix("torch."))
     if args.command == "prefill-cost":
         rows = ex.prefill_cost(llm, args.budgets, args.batch, args.prompt_len, args.rounds, settings,
                                busy=args.beside_busy)

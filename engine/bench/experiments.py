@@ -305,3 +305,64 @@ def _time_wave(engine: LLMEngine, row: PrefillCostRow, prompts: list[list[int]])
     row.ms_per_token.append(took * 1e3 / sum(len(p) for p in prompts))
     row.steps.append(len(tracker.records))
     row.forward_share.append(sum(r.forward_ms for r in tracker.records) / (took * 1e3))
+
+
+@dataclass
+class AttentionCostRow:
+    case: str  # "decode rows" or "one causal chunk"
+    rows: int  # query rows per call
+    slots_read: int  # context slots read per call, summed over the rows
+    ms_per_step: list[float]  # one call per layer, each over its own pool: one per round (the fastest of 3 steps)
+    gb_s: list[float]  # K and V bytes of the slots read (per KV head, once per row) over the time, per round
+
+
+def attention_cost(llm: LLM, rows: int = 32, context: int = 145, chunk: int = 224, rounds: int = 5,
+                   seed: int = 0) -> list[AttentionCostRow]:
+    """The engine's C++ attention kernel alone (cpu_kernels.py), as a step calls it: once per layer, each layer
+    over a pool of its own (so each call reads memory the last did not warm), the model's heads, head size and
+    dtype, its block size, the rows' blocks scattered over a pool three times what they need (a pool after a
+    while of serving). `rows` decode rows reading `context` slots each; one prompt's chunk of `chunk` rows
+    reading 1, 2, ..., chunk slots (a prefill chunk, causal). Nothing else of the engine runs."""
+    from .. import cpu_kernels
+    ext = cpu_kernels.compiled()
+    if ext is None:
+        raise RuntimeError("the engine's C++ kernels are not built here (make kernels)")
+    shape, dtype = llm.engine.model.shape, llm.engine.model.dtype
+    bs = llm.engine.config.block_size
+    g = torch.Generator().manual_seed(seed)
+    cases = {"decode rows": (rows, context), "one causal chunk": (1, chunk)}
+    lists = {}
+    need = 0
+    for case, (requests, length) in cases.items():
+        per = -(-length // bs)
+        lists[case] = (requests, per, length)
+        need = max(need, requests * per)
+    num_blocks = 3 * need
+    pools = [torch.randn(2, num_blocks * bs, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
+             for _ in range(shape.num_layers)]
+    out = []
+    for case, (requests, per, length) in lists.items():
+        blocks = torch.randperm(num_blocks, generator=g)[:requests * per].view(requests, per)
+        slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).view(requests, per * bs)
+        if case == "decode rows":
+            lens, which = torch.full((requests,), length), None
+        else:
+            lens, which = torch.arange(1, length + 1), torch.zeros(length, dtype=torch.long)
+        q = torch.randn(len(lens), shape.num_heads, shape.head_dim, generator=g).to(dtype)
+        read = int(lens.sum())
+        row = AttentionCostRow(case, len(lens), read, [], [])
+        call = [(p[0], p[1]) for p in pools]
+
+        def step() -> float:
+            start = time.perf_counter()
+            for k, v in call:
+                ext.decode_attention(q, k, v, slots, lens, None, None, which)
+            return time.perf_counter() - start
+        step()  # untimed: the first call's allocations
+        for _ in range(rounds):
+            took = min(step() for _ in range(3))
+            row.ms_per_step.append(took * 1e3)
+            moved = 2 * read * shape.num_kv_heads * shape.head_dim * dtype.itemsize * shape.num_layers
+            row.gb_s.append(moved / took / 1e9)
+        out.append(row)
+    return out

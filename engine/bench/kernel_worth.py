@@ -49,12 +49,12 @@ def _off(engine, kernel: str, torch_model):
     """The engine with one kernel on its torch path for the duration (restored after)."""
     runner, model = engine.runner, engine.model
     if kernel == "attention":
-        saved = runner.decode_attention, runner.write_kv_int8
-        runner.decode_attention = runner.write_kv_int8 = None
+        saved = runner.decode_attention, runner.write_kv
+        runner.decode_attention = runner.write_kv = None
         try:
             yield engine
         finally:
-            runner.decode_attention, runner.write_kv_int8 = saved
+            runner.decode_attention, runner.write_kv = saved
     elif kernel == "layer ops":
         saved = model.cpu_ops
         model.cpu_ops = None

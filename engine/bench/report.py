@@ -264,6 +264,18 @@ def prefill_cost_report(rows, batch: int, prompt_len: int) -> Report:
     return report
 
 
+def attention_cost_report(rows, dtype: str) -> Report:
+    report = Report(f"the C++ attention kernel alone, one call per layer over a pool of its own ({dtype}, "
+                    f"{len(rows[0].ms_per_step)} rounds, each the fastest of 3 steps)")
+    report.tables["per case"] = [
+        {"case": r.case, "rows": r.rows, "slots read": r.slots_read,
+         "ms / step (median)": statistics.median(r.ms_per_step),
+         "ms / step (runs)": ", ".join(f"{x:.2f}" for x in r.ms_per_step),
+         "GB/s of K and V (median)": statistics.median(r.gb_s)} for r in rows]
+    report.rows = rows
+    return report
+
+
 def sampling_cost_report(rows, batch: int, prompt_len: int, tokens: int) -> Report:
     report = Report(f"sampling's cost: {batch} requests decoding together, prompts of {prompt_len} tokens, "
                     f"{tokens} new each, the modes alternating on one engine ({len(rows[0].tok_s)} rounds)")

@@ -801,10 +801,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype, c10::option
   return out;
 }
 
-// ---- This step's K and V into an int8 pool (attention/sdpa.py, for a step of decodes only, where nothing reads
-// them but the pool): each (token, KV head) row quantized as engine/quant.py's quantize_int8 does it, scale =
-// max(max|x| / 127, 1e-12) and q = clamp(round(x / scale), -127, 127), rounding half to even: the same integers and
-// scales bit for bit (tested), in one call where the torch calls were a dozen and four scatters, a layer.
+// ---- This step's K and V into the pool (attention/sdpa.py), one call a layer where torch's were two scatters (an
+// int8 pool: a dozen calls and four scatters). A pool of the model's dtype takes them as they are. An int8 pool (for a
+// step where nothing reads them but the pool: no prefill attended by SDPA over its rows in flight) takes each
+// (token, KV head) row quantized as engine/quant.py's quantize_int8 does it, scale = max(max|x| / 127, 1e-12) and
+// q = clamp(round(x / scale), -127, 127), rounding half to even: the same integers and scales bit for bit (tested).
 namespace {
 template <typename T>
 void quantize_into(const at::Tensor& x, const int64_t* slots, int8_t* pool, float* scales) {
@@ -825,40 +826,63 @@ void quantize_into(const at::Tensor& x, const int64_t* slots, int8_t* pool, floa
     }
   }
 }
+
+template <typename T>
+void copy_into(const at::Tensor& x, const int64_t* slots, T* pool) {
+  const int64_t rows = x.size(0), kv = x.size(1), dim = x.size(2), row_stride = x.stride(0), head_stride = x.stride(1);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t h = 0; h < kv; ++h) {
+      std::memcpy(pool + (slots[t] * kv + h) * dim, xp + t * row_stride + h * head_stride, dim * sizeof(T));
+    }
+  }
+}
 }  // namespace
 
 // k and v [T, KV, D] (float32 or bfloat16, any row and head strides, D contiguous), slots [T] -> written into the
-// int8 pools k_pool and v_pool [slots, KV, D] and their float32 scales k_scale and v_scale [slots, KV]
-void write_kv_int8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots, at::Tensor& k_pool,
-                   at::Tensor& v_pool, at::Tensor& k_scale, at::Tensor& v_scale) {
+// pools k_pool and v_pool [slots, KV, D]: of k's dtype as they are, or int8 with float32 scales k_scale and v_scale
+// [slots, KV] (given for an int8 pool, and only then)
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots, at::Tensor& k_pool,
+              at::Tensor& v_pool, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   for (const auto& x : {k, v}) {
     TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && float_or_bf16(x) && x.sizes() == k.sizes(),
                 "k and v must be float32 or bfloat16 CPU tensors [T, KV, D] of one shape, D contiguous");
   }
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v must be of one dtype");
+  const bool int8_pool = k_pool.scalar_type() == at::kChar;
   for (const auto& pool : {k_pool, v_pool}) {
-    TORCH_CHECK(pool.scalar_type() == at::kChar && pool.is_contiguous() && pool.dim() == 3 &&
-                    pool.size(1) == k.size(1) && pool.size(2) == k.size(2),
-                "the pools must be contiguous int8 [slots, KV, D]");
+    TORCH_CHECK((pool.scalar_type() == k.scalar_type() || pool.scalar_type() == at::kChar) &&
+                    pool.scalar_type() == k_pool.scalar_type() && pool.device().is_cpu() && pool.is_contiguous() &&
+                    pool.dim() == 3 && pool.size(1) == k.size(1) && pool.size(2) == k.size(2),
+                "the pools must be contiguous CPU tensors [slots, KV, D] of k's dtype or int8");
   }
-  for (const auto& t : {k_scale, v_scale}) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == k_pool.size(0) &&
-                    t.size(1) == k.size(1),
-                "the scales must be contiguous float32 [slots, KV]");
+  TORCH_CHECK(int8_pool == (k_scale.has_value() && v_scale.has_value()), "an int8 pool, and only one, has scales");
+  if (int8_pool) {
+    for (const auto& t : {*k_scale, *v_scale}) {
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == k_pool.size(0) &&
+                      t.size(1) == k.size(1),
+                  "the scales must be contiguous float32 [slots, KV]");
+    }
   }
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == k.size(0),
               "slots must be int64 [T]");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.size(0); ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < k_pool.size(0), "a slot is past the pool");
   const bool bf16 = k.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v must be of one dtype");
   for (int kind = 0; kind < 2; ++kind) {
     const at::Tensor& x = kind == 0 ? k : v;
-    int8_t* pool = (kind == 0 ? k_pool : v_pool).data_ptr<int8_t>();
-    float* scales = (kind == 0 ? k_scale : v_scale).data_ptr<float>();
-    if (bf16) {
-      quantize_into<c10::BFloat16>(x, sp, pool, scales);
+    at::Tensor& pool = kind == 0 ? k_pool : v_pool;
+    if (int8_pool) {
+      float* scales = (kind == 0 ? *k_scale : *v_scale).data_ptr<float>();
+      if (bf16) {
+        quantize_into<c10::BFloat16>(x, sp, pool.data_ptr<int8_t>(), scales);
+      } else {
+        quantize_into<float>(x, sp, pool.data_ptr<int8_t>(), scales);
+      }
+    } else if (bf16) {
+      copy_into<c10::BFloat16>(x, sp, pool.data_ptr<c10::BFloat16>());
     } else {
-      quantize_into<float>(x, sp, pool, scales);
+      copy_into<float>(x, sp, pool.data_ptr<float>());
     }
   }
 }
@@ -1358,7 +1382,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query per row against its slots of the paged KV pool",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("lens"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("lists") = py::none());
-  m.def("write_kv_int8", &write_kv_int8, "K and V quantized per token and KV head into an int8 pool");
+  m.def("write_kv", &write_kv, "this step's K and V into the pool: as they are, or quantized into an int8 pool",
+        py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("k_pool"), py::arg("v_pool"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place (when given), then RMSNorm(x) * weight",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("dtype") = py::none());
   m.def("weight_only_available", &weight_only_available, "whether int8_matmul and int4_matmul are built (AVX-512)");
