@@ -351,18 +351,21 @@ def attention_cost(llm: LLM, rows: int = 32, context: int = 145, chunk: int = 22
         q = torch.randn(len(lens), shape.num_heads, shape.head_dim, generator=g).to(dtype)
         read = int(lens.sum())
         row = AttentionCostRow(case, len(lens), read, [], [])
-        call = [(p[0], p[1]) for p in pools]
-
-        def step() -> float:
-            start = time.perf_counter()
-            for k, v in call:
-                ext.decode_attention(q, k, v, slots, lens, None, None, which)
-            return time.perf_counter() - start
-        step()  # untimed: the first call's allocations
+        args = (q, slots, lens, which)
+        _attention_step(ext, pools, args)  # untimed: the first call's allocations
         for _ in range(rounds):
-            took = min(step() for _ in range(3))
+            took = min(_attention_step(ext, pools, args) for _ in range(3))
             row.ms_per_step.append(took * 1e3)
             moved = 2 * read * shape.num_kv_heads * shape.head_dim * dtype.itemsize * shape.num_layers
             row.gb_s.append(moved / took / 1e9)
         out.append(row)
     return out
+
+
+def _attention_step(ext, pools: list[torch.Tensor], args: tuple) -> float:
+    """Seconds for one call of the C++ attention per layer, each over its own pool ([2, slots, KV, D])."""
+    q, slots, lens, which = args
+    start = time.perf_counter()
+    for pool in pools:
+        ext.decode_attention(q, pool[0], pool[1], slots, lens, None, None, which)
+    return time.perf_counter() - start
