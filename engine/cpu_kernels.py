@@ -240,8 +240,8 @@ def describe(ext) -> str:
     """What a built module runs on this CPU."""
     if ext is None:
         return "torch's calls"
-    steps = ("decode attention over the paged KV pool, KV writes (int8 too), RMSNorm / RoPE / silu layer steps, w8a8 rows, "
-             "the sampler's rows")
+    steps = ("decode attention over the paged KV pool, KV writes (int8 too), RMSNorm / RoPE / silu layer steps, "
+             "w8a8 rows, the sampler's rows")
     if ext.weight_only_available():
         return f"{steps}, AVX-512 int8 / int4 weight-only matmuls and attention loops"
     return f"{steps} (no AVX-512 in this build: torch's weight-only kernels, the portable attention loops)"
