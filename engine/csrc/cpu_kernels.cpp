@@ -486,6 +486,19 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 }  // namespace
 
+// an int8 pool [slots, KV, D] comes with float32 scales [slots, KV] for its K and its V, and only an int8 pool does
+void check_pool_scales(const at::Tensor& pool, const c10::optional<at::Tensor>& k_scale,
+                       const c10::optional<at::Tensor>& v_scale) {
+  const bool int8_pool = pool.scalar_type() == at::kChar;
+  TORCH_CHECK(int8_pool == (k_scale.has_value() && v_scale.has_value()), "an int8 pool, and only one, has scales");
+  if (!int8_pool) return;
+  for (const auto& t : {*k_scale, *v_scale}) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == pool.size(0) &&
+                    t.size(1) == pool.size(1),
+                "an int8 pool's scales must be contiguous float32 [slots, KV]");
+  }
+}
+
 // q [B, H, D] (any row and head strides, D contiguous), k and v [slots, KV, D] the pool, slots [S, W] slot lists,
 // lens [B]: row b reads the first lens[b] slots of list lists[b] (of list b without `lists` [B]) -> [B, H * D]:
 // softmax(q.k / sqrt(D)) . v per row and head, a query head reading KV head h / (H / KV) (grouped-query attention).
@@ -501,14 +514,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   v.scalar_type() == k.scalar_type() && (int8_pool || k.scalar_type() == q.scalar_type()) &&
                   k.size(2) == q.size(2),
               "k and v must be contiguous pools [slots, KV, D] of q's dtype or int8");
-  TORCH_CHECK(int8_pool == (k_scale.has_value() && v_scale.has_value()), "an int8 pool, and only one, has scales");
-  if (int8_pool) {
-    for (const auto& t : {*k_scale, *v_scale}) {
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == k.size(0) &&
-                      t.size(1) == k.size(1),
-                  "an int8 pool's scales must be contiguous float32 [slots, KV]");
-    }
-  }
+  check_pool_scales(k, k_scale, v_scale);
   const float* ks = int8_pool ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = int8_pool ? v_scale->data_ptr<float>() : nullptr;
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
@@ -856,14 +862,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                     pool.dim() == 3 && pool.size(1) == k.size(1) && pool.size(2) == k.size(2),
                 "the pools must be contiguous CPU tensors [slots, KV, D] of k's dtype or int8");
   }
-  TORCH_CHECK(int8_pool == (k_scale.has_value() && v_scale.has_value()), "an int8 pool, and only one, has scales");
-  if (int8_pool) {
-    for (const auto& t : {*k_scale, *v_scale}) {
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == k_pool.size(0) &&
-                      t.size(1) == k.size(1),
-                  "the scales must be contiguous float32 [slots, KV]");
-    }
-  }
+  check_pool_scales(k_pool, k_scale, v_scale);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == k.size(0),
               "slots must be int64 [T]");
   const int64_t* sp = slots.data_ptr<int64_t>();
