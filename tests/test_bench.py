@@ -601,3 +601,28 @@ def test_attention_cost_times_the_kernel_over_a_pool_per_layer(tiny_llm):
     assert all(len(r.ms_per_step) == len(r.gb_s) == 2 and min(r.ms_per_step) > 0 and min(r.gb_s) > 0 for r in rows)
     table = attention_cost_report(rows, "float32").tables["per case"]
     assert [t["slots read"] for t in table] == [60, 15]
+
+
+def test_closed_loop_keeps_its_requests_in_flight_and_runs_them_all(tiny_llm):
+    """Every request runs to its length (tok/s counts them), at most `concurrency` at once (the engine's
+    max_num_seqs is set to it), and decode-only and mixed steps are both timed."""
+    from engine.bench.experiments import closed_loop
+    from engine.bench.report import closed_loop_report
+    seen = []
+    real = tiny_llm.build_engine
+
+    def build(settings):
+        engine = real(settings)
+        seen.append(engine.config.max_num_seqs)
+        return engine
+    tiny_llm.build_engine = build
+    try:
+        rows = closed_loop(tiny_llm, concurrency=3, requests=5, prompt_len=6, output_len=4, rounds=2,
+                           settings=SMALL_POOL)
+    finally:
+        del tiny_llm.build_engine
+    assert seen == [3] and len(rows) == 1 and not rows[0].beside_busy
+    assert len(rows[0].tok_s) == 2 and min(rows[0].tok_s) > 0
+    assert min(rows[0].decode_step_ms) > 0 and min(rows[0].mixed_step_ms) > 0
+    table = closed_loop_report(rows, 3, 5, 6, 4).tables["per condition"]
+    assert "beside a busy process" not in table[0] and table[0]["output tok/s (median)"] > 0

@@ -8,6 +8,7 @@
     python -m engine.bench prefill-cost --budgets 256,4096        # a wave of prompts: ms per prompt token
     python -m engine.bench prefill-cost --budgets 256,4096 --beside-busy 2,3   # ... and beside a busy process
     python -m engine.bench attention-cost --set dtype=bfloat16   # the C++ attention alone: decode rows, a chunk
+    python -m engine.bench closed-loop --concurrency 32 --beside-busy 0.5,4.5   # bench versus's load, no HTTP
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
@@ -44,7 +45,8 @@ from .runs import load_llm
 from .specs import parse_assignments
 
 COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "kernel-worth", "decode",
-            "quality", "serve", "serve-overhead", "versus", "sampling-cost", "prefill-cost", "attention-cost")
+            "quality", "serve", "serve-overhead", "versus", "sampling-cost", "prefill-cost", "attention-cost",
+            "closed-loop")
 
 
 def _number_list(text: str, kind: type, minimum: float, what: str) -> list:
@@ -168,6 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     ac.add_argument("--context", type=_positive, default=145, help="slots each decode row reads (default 145)")
     ac.add_argument("--chunk", type=_positive, default=224, help="rows of the causal chunk (default 224)")
     ac.add_argument("--rounds", type=_positive, default=5)
+    cl = sub.add_parser("closed-loop", parents=common, help="bench versus's load in-process, without HTTP: requests "
+                                                            "kept in flight, output tok/s")
+    cl.add_argument("--concurrency", type=_positive, default=32)
+    cl.add_argument("--requests", type=_positive, default=64)
+    cl.add_argument("--prompt-len", type=_positive, default=128)
+    cl.add_argument("--output-len", type=_positive, default=64)
+    cl.add_argument("--rounds", type=_positive, default=2)
+    cl.add_argument("--beside-busy", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
+                    help="also run each round beside a process that computes BUSY_MS then sleeps IDLE_MS")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -293,6 +304,10 @@ def run_command(args: argparse.Namespace) -> rp.Report:
     if args.command == "sampling-cost":
         rows = ex.sampling_cost(llm, args.batch, args.prompt_len, args.tokens, args.rounds, settings)
         return rp.sampling_cost_report(rows, args.batch, args.prompt_len, args.tokens)
+    if args.command == "closed-loop":
+        rows = ex.closed_loop(llm, args.concurrency, args.requests, args.prompt_len, args.output_len, args.rounds,
+                              settings, busy=args.beside_busy)
+        return rp.closed_loop_report(rows, args.concurrency, args.requests, args.prompt_len, args.output_len)
     if args.command == "attention-cost":
         rows = ex.attention_cost(llm, args.rows, args.context, args.chunk, args.rounds)
         return rp.attention_cost_report(rows, str(llm.engine.model.dtype).removeprefix("torch."))

@@ -369,3 +369,49 @@ def _attention_step(ext, pools: list[torch.Tensor], args: tuple) -> float:
     for pool in pools:
         ext.decode_attention(q, pool[0], pool[1], slots, lens, None, None, which)
     return time.perf_counter() - start
+
+
+@dataclass
+class ClosedLoopRow:
+    beside_busy: bool  # timed beside a busy_process
+    tok_s: list[float]  # output tokens over the run's time, one per round
+    decode_step_ms: list[float]  # the median forward of the steps that only decode, per round
+    mixed_step_ms: list[float]  # the median forward of the steps that also prefill, per round
+
+
+def closed_loop(llm: LLM, concurrency: int = 32, requests: int = 64, prompt_len: int = 128, output_len: int = 64,
+                rounds: int = 2, settings: dict[str, Any] | None = None, seed: int = 0,
+                busy: tuple[float, float] | None = None) -> list[ClosedLoopRow]:
+    """What `bench versus` asks of a server, in-process and without HTTP: `concurrency` requests kept in flight (a
+    new one added as soon as one finishes) until `requests` have run, fresh random prompts, ignore_eos, greedy.
+    Output tok/s, and the step times of decode-only and mixed steps. `busy`: each round also runs beside a
+    busy_process, so what a neighbour on the same cores (a benchmark client, an HTTP thread) costs is read side by
+    side (docs/measurements.md)."""
+    engine = llm.build_engine({"max_num_seqs": concurrency, **(settings or {})})
+    engine.warm_up()
+    rows = [ClosedLoopRow(False, [], [], [])] + ([ClosedLoopRow(True, [], [], [])] if busy is not None else [])
+    draw = seed
+    for _ in range(rounds):
+        for row in rows:
+            draw += 1
+            with busy_process(*busy) if row.beside_busy else nullcontext():
+                _run_closed_loop(engine, row, random_prompts(requests, prompt_len, draw), concurrency, output_len)
+    return rows
+
+
+def _run_closed_loop(engine: LLMEngine, row: ClosedLoopRow, prompts: list[list[int]], concurrency: int,
+                     output_len: int) -> None:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    tracker, sent, done = StepTracker(engine), 0, 0
+    start = time.perf_counter()
+    while done < len(prompts):
+        while sent < len(prompts) and sent - done < concurrency:
+            engine.add_request(prompts[sent], params)
+            sent += 1
+        done += sum(1 for out in tracker.step() if out.finished)
+    took = time.perf_counter() - start
+    row.tok_s.append(len(prompts) * output_len / took)
+    decode = [r.forward_ms for r in tracker.records if 0 < r.num_batched_tokens == r.num_seqs]
+    mixed = [r.forward_ms for r in tracker.records if r.num_batched_tokens > r.num_seqs]
+    row.decode_step_ms.append(statistics.median(decode) if decode else 0.0)
+    row.mixed_step_ms.append(statistics.median(mixed) if mixed else 0.0)

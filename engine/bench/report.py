@@ -264,6 +264,20 @@ def prefill_cost_report(rows, batch: int, prompt_len: int) -> Report:
     return report
 
 
+def closed_loop_report(rows, concurrency: int, requests: int, prompt_len: int, output_len: int) -> Report:
+    report = Report(f"a closed loop in-process: {concurrency} requests in flight, {requests} in all, "
+                    f"{prompt_len} random prompt tokens and {output_len} new each, greedy "
+                    f"({len(rows[0].tok_s)} rounds)")
+    report.tables["per condition"] = [
+        {**({"beside a busy process": r.beside_busy} if len(rows) > 1 else {}),
+         "output tok/s (median)": statistics.median(r.tok_s),
+         "output tok/s (runs)": ", ".join(f"{x:.1f}" for x in r.tok_s),
+         "decode step ms (median)": statistics.median(r.decode_step_ms),
+         "mixed step ms (median)": statistics.median(r.mixed_step_ms)} for r in rows]
+    report.rows = rows
+    return report
+
+
 def attention_cost_report(rows, dtype: str) -> Report:
     report = Report(f"the C++ attention kernel alone, one call per layer over a pool of its own ({dtype}, "
                     f"{len(rows[0].ms_per_step)} rounds, each the fastest of 3 steps)")
