@@ -56,14 +56,14 @@ class ModelRunner:
                                              device=model.device)
             self.kv_layers = [LayerKV.of(self.kv_cache[i], self.kv_scales[i] if self.kv_int8 else None)
                               for i in range(s.num_layers)]
-        # decode attention over the pool in C++ (cpu_kernels.py) where it applies: the sdpa backend on CPU, a model
-        # in fp32 or bf16 (its pool in the same dtype or int8); built here, at load, rather than in the first step
+        # attention over the pool and the KV write in C++ (cpu_kernels.py) where they apply: the sdpa backend on CPU,
+        # a model in fp32 or bf16 (its pool in the same dtype or int8); built here, at load, rather than in the first
+        # step
         self.decode_attention = self.write_kv = None
         if (use_kv_cache and attention_backend != "triton" and self.device.type == "cpu"
-                and model.dtype in (torch.float32, torch.bfloat16)):
-            ext = cpu_kernels.compiled()
-            self.decode_attention = None if ext is None else ext.decode_attention
-            self.write_kv = None if ext is None else ext.write_kv
+                and model.dtype in (torch.float32, torch.bfloat16)
+                and (ext := cpu_kernels.compiled()) is not None):
+            self.decode_attention, self.write_kv = ext.decode_attention, ext.write_kv
 
     @property
     def attention_kernel(self) -> str:

@@ -21,6 +21,7 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..llm import LLM
 from ..sampler import SamplingParams
+from ..utils import cdiv
 from ..workloads import Workload
 from .hf import hf_generate, hf_pad_id, hf_static_batches, hf_warm_up, load_hf_model
 from .runs import (
@@ -331,13 +332,8 @@ def attention_cost(llm: LLM, rows: int = 32, context: int = 145, chunk: int = 22
     bs = llm.engine.config.block_size
     g = torch.Generator().manual_seed(seed)
     cases = {"decode rows": (rows, context), "one causal chunk": (1, chunk)}
-    lists = {}
-    need = 0
-    for case, (requests, length) in cases.items():
-        per = -(-length // bs)
-        lists[case] = (requests, per, length)
-        need = max(need, requests * per)
-    num_blocks = 3 * need
+    lists = {case: (requests, cdiv(length, bs), length) for case, (requests, length) in cases.items()}
+    num_blocks = 3 * max(requests * per for requests, per, _ in lists.values())
     pools = [torch.randn(2, num_blocks * bs, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
              for _ in range(shape.num_layers)]
     out = []
