@@ -247,7 +247,8 @@ def describe(ext) -> str:
     steps = ("decode attention over the paged KV pool, KV writes (int8 too), RMSNorm / RoPE / silu layer steps, "
              "w8a8 rows, the sampler's rows")
     if ext.weight_only_available():
-        return f"{steps}, AVX-512 int8 / int4 weight-only matmuls and attention loops"
+        dense = " / ".join("bf16" if d == "bfloat16" else d for d in ext.dense_dtypes())
+        return f"{steps}, AVX-512 {dense} and int8 / int4 weight-only matmuls and attention loops"
     return f"{steps} (no AVX-512 in this build: torch's weight-only kernels, the portable attention loops)"
 
 

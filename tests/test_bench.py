@@ -468,15 +468,17 @@ def test_kernel_worth_times_each_kernel_off_and_puts_it_back(tiny_models, tmp_pa
     kw._decode_ms = spy
     try:
         out = tmp_path / "worth.json"
-        assert cli.main(["kernel-worth", "--model", tiny_models["llama"][0], "--spec", "quantization=int8",
+        assert cli.main(["kernel-worth", "--model", tiny_models["llama"][0], "--spec", "dtype=float32",
+                         "--spec", "quantization=int8",
                          "--spec", "quantization=w8a8", "--rows", "1,2", "--tokens", "2", "--rounds", "1",
                          "--json", str(out)]) == 0
     finally:
         kw._decode_ms = real
     rows = json.loads(out.read_text())
     assert [(r["spec"], r["kernel"], r["rows"]) for r in rows] == [
-        (f"quantization={q}", k, n) for q, ks in (("int8", ("attention", "layer ops", "matmul")),
-                                                   ("w8a8", ("attention", "layer ops", "w8a8 rows")))
+        (spec, k, n) for spec, ks in (("dtype=float32", ("attention", "layer ops", "matmul")),  # dense_matmul
+                                      ("quantization=int8", ("attention", "layer ops", "matmul")),
+                                      ("quantization=w8a8", ("attention", "layer ops", "w8a8 rows")))
         for k in ks for n in (1, 2)]
     assert all(len(r["on_ms"]) == len(r["off_ms"]) == 1 and min(r["on_ms"] + r["off_ms"]) > 0 for r in rows)
     index = {"attention": 0, "layer ops": 1, "matmul": 2, "w8a8 rows": 3}

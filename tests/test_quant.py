@@ -225,6 +225,70 @@ def test_the_cpp_weight_only_kernels_refuse_what_they_cannot_read():
         ext.int4_matmul(torch.randn(2, 64), packed, params, 64)
 
 
+def dense_built(dtype: torch.dtype) -> bool:
+    ext = cpu_kernels.compiled()
+    return ext is not None and str(dtype).removeprefix("torch.") in ext.dense_dtypes()
+
+
+DENSE_DTYPES = [pytest.param(d, marks=pytest.mark.skipif(not dense_built(d), reason=f"dense_matmul has no {d} here"))
+                for d in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (5, 577, 33), (9, 31, 17), (13, 64, 64), (3, 1, 5), (70, 130, 200),
+                                   (8, 96, 16 * 7)])
+@pytest.mark.usefixtures("two_threads")
+def test_the_dense_kernel_matches_float64_and_a_row_is_the_same_in_any_batch(dtype, m, k, n):
+    """Odd K (a bf16 pair half zero), N off the 16-output blocks and off the 3- and 4-block groups, 70 rows across
+    the 8-row tiles: the product near float64's (bf16: its output rounding), each row bit for bit as alone."""
+    ext = cpu_kernels.compiled()
+    w, x = torch.randn(n, k).to(dtype), torch.randn(m, k).to(dtype)
+    packed = ext.pack_dense(w)
+    y = ext.dense_matmul(x, packed, n)
+    assert y.dtype == dtype and y.shape == (m, n)
+    reference, magnitude = x.double() @ w.double().t(), x.double().abs() @ w.double().abs().t()
+    error = (y.double() - reference).abs()
+    if dtype == torch.float32:  # float32 sums: off by a few roundings of the terms' magnitude
+        assert (error / magnitude.clamp_min(1e-30)).max() < 1e-5
+    else:  # the same sums, then each output rounded to bf16 (8 bits of mantissa)
+        assert (error / (reference.abs() + 1e-3 * magnitude)).max() < 8e-3
+    for i in range(m):
+        assert torch.equal(ext.dense_matmul(x[i:i + 1], packed, n), y[i:i + 1]), i
+    wide = torch.randn(m, k + 7).to(dtype)  # rows with a stride past K: read as they lie
+    assert torch.equal(ext.dense_matmul(wide[:, :k], packed, n), ext.dense_matmul(wide[:, :k].contiguous(), packed, n))
+    assert ext.dense_matmul(x[:0], packed, n).shape == (0, n)
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+def test_linear_on_the_dense_kernel_agrees_with_onednn(dtype, monkeypatch):
+    """The projection the engine builds where the kernel is chosen, against the one it builds where it is not."""
+    w, x = weight(96, 128).to(dtype), torch.randn(6, 128).to(dtype)
+    own = Linear(w)
+    if not own.choice.own:
+        pytest.skip("bf16 keeps oneDNN on a CPU with AMX")
+    assert own.kernel == "dense_matmul (C++)"
+    monkeypatch.setattr("engine.quant.kernels.cpu_kernels.compiled", lambda: None)
+    other = Linear(w)
+    assert other.kernel != "dense_matmul (C++)"
+    assert rel_err(own(x), other(x)) < (FP32_ROUNDING if dtype == torch.float32 else BF16_ROUNDING)
+    assert own(x.view(2, 3, 128)).shape == (2, 3, 96)
+
+
+def test_the_dense_kernel_refuses_what_it_cannot_read():
+    ext = cpu_kernels.compiled()
+    if ext is None or "float32" not in ext.dense_dtypes():
+        pytest.skip("dense_matmul needs AVX-512 and a C++ build")
+    packed = ext.pack_dense(torch.randn(20, 32))
+    with pytest.raises(RuntimeError, match=r"does not hold a \[20, 40\] weight"):
+        ext.dense_matmul(torch.randn(2, 40), packed, 20)
+    with pytest.raises(RuntimeError, match="in x's dtype"):
+        ext.dense_matmul(torch.randn(2, 32).to(torch.bfloat16), packed, 20)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ext.dense_matmul(torch.randn(32, 2).t(), packed, 20)
+    with pytest.raises(RuntimeError, match="must not be empty"):
+        ext.pack_dense(torch.randn(0, 32))
+
+
 @pytest.mark.parametrize("kernel", WEIGHT_ONLY_KERNELS)
 def test_int8_refuses_input_features_off_its_kernels_multiple_of_16(kernel, monkeypatch):
     # torch's kernel returns garbage there (measured: 1e13 relative error at 40 and 72 input features), the C++ one
@@ -333,8 +397,8 @@ def test_w8a8_runs_the_same_without_the_cpp_helpers(monkeypatch):
 def test_a_row_gets_the_same_result_in_any_batch(scheme, dtype):
     """What a request computes must not depend on who it is batched with, in every weight format."""
     lin = make_projection(WeightFormat(scheme), weight(64, 128).to(dtype), "test")
-    if scheme is None and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        assert lin.kernel == "oneDNN"
+    if scheme is None:
+        assert lin.kernel == choose_kernel(None, "cpu", dtype).kernel
     x = torch.randn(24, 128).to(dtype)
     full = lin(x)
     for m in (1, 2, 3, 5, 17):

@@ -14,7 +14,7 @@ from engine.quant.kernels import choose_kernel
 from engine.quant.linear import make_projection
 from engine.quant.speed import SchemeSpeed, scheme_speeds
 
-AVX512 = frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"})
+AVX512 = frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"})
 AVX2 = frozenset({"avx2", "fma"})
 
 
@@ -23,6 +23,10 @@ class BuiltWithAvx512:
     @staticmethod
     def weight_only_available() -> bool:
         return True
+
+    @staticmethod
+    def dense_dtypes() -> list[str]:
+        return ["float32", "bfloat16"]
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -56,10 +60,28 @@ def test_w8a8_weights_get_the_bits_this_machines_fbgemm_sums_allow():
     assert ("8-bit" if choice.weight_max == 127 else "7-bit") in choice.why
 
 
-def test_unquantized_choice_by_dtype():
-    fp32 = choose_kernel(None, "cpu", torch.float32)
-    assert fp32.kernel == "oneDNN" and fp32.describe() == "float32 weights · oneDNN kernel"
+def test_unquantized_choice_by_dtype_cpu_and_build():
+    for dtype in (torch.float32, torch.bfloat16):
+        own = choose_kernel(None, "cpu", dtype, features=AVX512, extension=BuiltWithAvx512)
+        assert own.own and own.kernel == "dense_matmul (C++)"
+        assert own.describe() == f"{str(dtype)[6:]} weights · C++ AVX-512 kernel"
+        unbuilt = choose_kernel(None, "cpu", dtype, features=AVX512, extension=None)
+        assert not unbuilt.own and unbuilt.kernel in ("oneDNN", "x @ W")
+    amx = AVX512 | {"amx_tile", "amx_bf16"}  # oneDNN's bf16 linear uses AMX: it keeps bf16 there, not float32
+    assert not choose_kernel(None, "cpu", torch.bfloat16, features=amx, extension=BuiltWithAvx512).own
+    assert choose_kernel(None, "cpu", torch.float32, features=amx, extension=BuiltWithAvx512).own
+    fp32_only = type("Avx512NoBf16", (BuiltWithAvx512,), {"dense_dtypes": staticmethod(lambda: ["float32"])})
+    assert not choose_kernel(None, "cpu", torch.bfloat16, features=AVX512, extension=fp32_only).own
+    no_bf16 = AVX512 - {"avx512_bf16"}  # the CPU decides too (kernel-worth builds torch's weights by saying AVX2)
+    assert not choose_kernel(None, "cpu", torch.bfloat16, features=no_bf16, extension=BuiltWithAvx512).own
+    assert not choose_kernel(None, "cpu", torch.float32, features=AVX2, extension=BuiltWithAvx512).own
+    unbuilt = choose_kernel(None, "cpu", torch.float32, features=AVX512, extension=None)
+    assert unbuilt.describe() == "float32 weights · oneDNN kernel"
     assert choose_kernel(None, "cuda", torch.bfloat16).kernel == "x @ W"
+    ext, amx = cpu_kernels.compiled(), "amx_bf16" in kernels.cpu_features()  # this machine, its build
+    for dtype in (torch.float32, torch.bfloat16):
+        built = ext is not None and str(dtype)[6:] in ext.dense_dtypes()  # -march=native: the CPU's own flags
+        assert choose_kernel(None, "cpu", dtype).own == (built and not (amx and dtype == torch.bfloat16))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -3,7 +3,8 @@ engine with one kernel on its torch path, at 1 and 16 rows, alternating rounds i
 
   attention    decode attention straight over the paged pool (else torch SDPA over the gathered K/V)
   layer ops    RMSNorm with its residual add, RoPE, silu(gate) * up in one call each (else the torch formulas)
-  matmul       int8 / int4 weight-only matmuls (else torch's packed kernels, bf16 activations)
+  matmul       float32 / bf16 dense matmuls (else oneDNN's linear); int8 / int4 weight-only matmuls (else torch's
+               packed kernels, bf16 activations)
   w8a8 rows    w8a8's per-row quantization around fbgemm (else the torch calls)
 
 `python -m engine.bench kernel-worth`; its table goes to docs/measurements.md with the CPU named. A kernel that does
@@ -16,12 +17,14 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import torch
+
 from .. import cpu_kernels
 from ..quant import kernels as quant_kernels
 from ..sampler import SamplingParams
 from .runs import random_prompts
 
-SPECS = ("dtype=float32", "quantization=int8", "quantization=int4", "quantization=w8a8")
+SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
 
 
 @dataclass
@@ -40,7 +43,9 @@ class KernelWorthRow:
 
 def _kernels_for(fields: dict) -> list[str]:
     q = fields.get("quantization")
-    own_matmul = q in ("int8", "int4") and cpu_kernels.compiled().weight_only_available()  # AVX-512 builds only
+    dtype = getattr(torch, fields.get("dtype", "float32"))
+    own_matmul = q in ("int8", "int4") or (q is None and quant_kernels.choose_kernel(None, "cpu", dtype).own)
+    own_matmul = own_matmul and cpu_kernels.compiled().weight_only_available()  # AVX-512 builds only
     return ["attention", "layer ops"] + (["matmul"] if own_matmul else []) + (["w8a8 rows"] if q == "w8a8" else [])
 
 
@@ -109,7 +114,7 @@ def kernel_worth(llm, specs=SPECS, rows=(1, 16), tokens: int = 24, rounds: int =
         fields = {"num_kv_blocks": 256, "max_num_seqs": max(rows), "prefix_caching": False, **fields}
         engine = llm.build_engine(fields)
         torch_model = None
-        if "matmul" in _kernels_for(fields):  # weights packed for torch's kernel, as on a CPU without AVX-512
+        if "matmul" in _kernels_for(fields):  # weights packed for torch's (oneDNN's) kernel, as without AVX-512
             real = quant_kernels.cpu_features
             quant_kernels.cpu_features = lambda: frozenset({"avx2"})
             try:

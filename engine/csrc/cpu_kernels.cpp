@@ -16,12 +16,14 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <tuple>
 #include <type_traits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -1082,6 +1084,224 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
 #endif
 }
 
+// ---- Dense matmuls (quant/linear.py's Linear on CPU): y [M, N] = x [M, K] @ W.T in the model's dtype, float32 or
+// bf16, over a weight packed once at load for the vector registers: 16 outputs a block, the block's weights for each
+// k (bf16: each pair of k) one 64-byte vector, [ceil(N / 16), K, 16] float32 or [ceil(N / 16), ceil(K / 2), 16, 2]
+// bf16 (zero-padded). Each k broadcasts one activation (bf16: a pair) into one fused multiply-add (bf16: one
+// _mm512_dpbf16_ps) per block, 16 sums a vector: no reduction across lanes at the end. A tile of up to 8 rows by
+// up to 4 blocks shares each load; a thread takes a group of blocks and runs every 8 rows of x over it while its
+// weights sit in its cache. oneDNN's linear (what ran before) moved 43 GB/s of bf16 weights at one row here and 34
+// at eight, these 64 and 41 (SmolLM2's projections, the AMD EPYC; docs/measurements.md).
+// Each output's sum runs over k in order, whatever else shares the call: a row's result does not depend on its
+// batch (tested). Threads take groups of blocks from a shared counter, not a fixed share each: a thread that the
+// OS preempts for a neighbour (a client, the HTTP loop on the same two cores) leaves its groups to the other one.
+namespace {
+constexpr int64_t kDenseBlock = 16;
+constexpr int kDenseRows = 8;
+
+inline int32_t bf16_pair(const c10::BFloat16* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+#if defined(__AVX512F__)
+// Each block's weights are one stream through memory; with more than one row the kernel computes long enough per
+// line that the hardware's prefetcher falls behind, so each stream is prefetched 32 lines (2 KB) ahead (measured
+// on the AMD EPYC, SmolLM2's projections: 8 rows bf16 6.3 -> 4.8 ms, float32 9.3 -> 7.7; none helped one row, and 8
+// or 16 lines ahead did less). Past a block's end it reaches into the next group's, or nowhere: a hint never faults.
+constexpr int64_t kDensePrefetch = 32;
+
+template <int NB, typename T>
+inline void dense_prefetch(const T* w, int64_t steps, int64_t step) {
+  constexpr int64_t kVector = 64 / sizeof(T);  // elements a step reads of a block: one cache line
+  for (int j = 0; j < NB; ++j)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (j * steps + step + kDensePrefetch) * kVector), _MM_HINT_T0);
+}
+
+template <int MB, int NB>
+void dense_tile_f32(const float* x, int64_t ldx, const float* w, int64_t k_len, float* y, int64_t ldy,
+                    __mmask16 last) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_len; ++k) {
+    __m512 wv[NB];
+    if constexpr (MB > 1) dense_prefetch<NB>(w, k_len, k);
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + (j * k_len + k) * kDenseBlock);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[i * ldx + k]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xb, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      _mm512_mask_storeu_ps(y + i * ldy + j * kDenseBlock, j == NB - 1 ? last : __mmask16(0xFFFF), acc[i][j]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+template <int MB, int NB>
+void dense_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t k_len, c10::BFloat16* y,
+                     int64_t ldy, __mmask16 last) {
+  const int64_t pairs = (k_len + 1) / 2, whole = k_len / 2;
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  auto step = [&](int64_t p, const int32_t* xs) {
+    __m512i wv[NB];
+    if constexpr (MB > 1) dense_prefetch<NB>(w, pairs, p);
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + (j * pairs + p) * 2 * kDenseBlock);
+    for (int i = 0; i < MB; ++i) {
+      const __m512i xb = _mm512_set1_epi32(xs[i]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)wv[j], (__m512bh)xb);
+    }
+  };
+  int32_t xs[MB];
+  for (int64_t p = 0; p < whole; ++p) {
+    for (int i = 0; i < MB; ++i) xs[i] = bf16_pair(x + i * ldx + 2 * p);
+    step(p, xs);
+  }
+  if (pairs > whole) {  // K odd: the last feature paired with a zero (its packed weight is zero too)
+    for (int i = 0; i < MB; ++i) xs[i] = static_cast<int32_t>(x[i * ldx + k_len - 1].x);
+    step(whole, xs);
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      _mm256_mask_storeu_epi16(y + i * ldy + j * kDenseBlock, j == NB - 1 ? last : __mmask16(0xFFFF),
+                               (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+}
+#endif
+
+// Every 8 rows of x (then the rest) against the blocks of one group: Tile<MB, NB>::run(row, rows' pointers...)
+template <int NB, typename F>
+void dense_rows(int64_t m, F&& tile) {
+  int64_t i = 0;
+  for (; i + kDenseRows <= m; i += kDenseRows) tile(std::integral_constant<int, kDenseRows>{}, i);
+  switch (m - i) {
+    case 7: tile(std::integral_constant<int, 7>{}, i); break;
+    case 6: tile(std::integral_constant<int, 6>{}, i); break;
+    case 5: tile(std::integral_constant<int, 5>{}, i); break;
+    case 4: tile(std::integral_constant<int, 4>{}, i); break;
+    case 3: tile(std::integral_constant<int, 3>{}, i); break;
+    case 2: tile(std::integral_constant<int, 2>{}, i); break;
+    case 1: tile(std::integral_constant<int, 1>{}, i); break;
+    default: break;
+  }
+}
+
+// groups [0, groups) run by at::parallel_for's threads, each taking `chunk` groups at a time from a shared counter
+template <typename F>
+void dense_groups(int64_t groups, F&& run) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  const int64_t chunk = std::max<int64_t>(1, groups / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t g = next.fetch_add(chunk); g < groups; g = next.fetch_add(chunk)) {
+      for (int64_t e = std::min(groups, g + chunk); g < e; ++g) run(g);
+    }
+  });
+}
+
+template <typename T, int NB>
+void dense_matmul_nb(const T* xp, int64_t ldx, const T* wp, int64_t m, int64_t k_len, int64_t n, T* yp) {
+  const int64_t blocks = (n + kDenseBlock - 1) / kDenseBlock, groups = (blocks + NB - 1) / NB;
+  const int64_t block_elems = std::is_same<T, float>::value ? k_len * kDenseBlock : (k_len + 1) / 2 * 2 * kDenseBlock;
+  const __mmask16 tail = n % kDenseBlock ? __mmask16((1u << (n % kDenseBlock)) - 1) : __mmask16(0xFFFF);
+  dense_groups(groups, [&](int64_t g) {
+    const int64_t first = g * NB, count = std::min<int64_t>(NB, blocks - first);
+    const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
+    const T* w = wp + first * block_elems;
+    T* y = yp + first * kDenseBlock;
+    auto with = [&](auto nb) {
+      dense_rows<decltype(nb)::value>(m, [&](auto mb, int64_t i) {
+        constexpr int MB = decltype(mb)::value, B = decltype(nb)::value;
+        if constexpr (std::is_same<T, float>::value) {
+#if defined(__AVX512F__)
+          dense_tile_f32<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last);
+#endif
+        } else {
+#if defined(__AVX512BF16__)
+          dense_tile_bf16<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last);
+#endif
+        }
+      });
+    };
+    switch (count) {
+      case 4: if constexpr (NB >= 4) with(std::integral_constant<int, 4>{}); break;
+      case 3: if constexpr (NB >= 3) with(std::integral_constant<int, 3>{}); break;
+      case 2: with(std::integral_constant<int, 2>{}); break;
+      default: with(std::integral_constant<int, 1>{}); break;
+    }
+  });
+}
+
+// 4 blocks a tile for up to 4 rows (16 sums), 3 beyond (24 sums of the 32 vector registers): measured best here
+template <typename T>
+void dense_matmul_any(const T* xp, int64_t ldx, const T* wp, int64_t m, int64_t k_len, int64_t n, T* yp) {
+  if (m <= 4) {
+    dense_matmul_nb<T, 4>(xp, ldx, wp, m, k_len, n, yp);
+  } else {
+    dense_matmul_nb<T, 3>(xp, ldx, wp, m, k_len, n, yp);
+  }
+}
+}  // namespace
+
+// Which dtypes this build multiplies with dense_matmul: float32 with AVX-512, bf16 with AVX-512 BF16
+std::vector<std::string> dense_dtypes() {
+  std::vector<std::string> out;
+#if defined(__AVX512F__)
+  out.emplace_back("float32");
+#endif
+#if defined(__AVX512BF16__)
+  out.emplace_back("bfloat16");
+#endif
+  return out;
+}
+
+// w [N, K] float32 or bf16 -> its packed layout (see above), zero-padded to whole blocks and (bf16) whole pairs
+at::Tensor pack_dense(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && float_or_bf16(w), "w must be a float32 or bf16 CPU tensor [N, K]");
+  const int64_t n = w.size(0), k_len = w.size(1), blocks = (n + kDenseBlock - 1) / kDenseBlock;
+  TORCH_CHECK(n > 0 && k_len > 0, "w must not be empty, got ", n, " x ", k_len);
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  at::Tensor padded = at::zeros({blocks * kDenseBlock, bf16 ? k_len + k_len % 2 : k_len}, w.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k_len).copy_(w);
+  if (!bf16) {
+    return padded.view({blocks, kDenseBlock, k_len}).permute({0, 2, 1}).contiguous();
+  }
+  const int64_t pairs = padded.size(1) / 2;
+  return padded.view({blocks, kDenseBlock, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] (rows contiguous, any row stride), packed from pack_dense of a [N, K] weight in x's dtype -> y [M, N]
+at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && float_or_bf16(x) && x.stride(1) == 1,
+              "x must be a float32 or bf16 CPU tensor [M, K] with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous(),
+              "packed must be pack_dense's tensor in x's dtype");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t k_len = x.size(1), blocks = (n + kDenseBlock - 1) / kDenseBlock;
+  TORCH_CHECK(n > 0 && packed.size(0) == blocks &&
+                  (bf16 ? packed.dim() == 4 && packed.size(1) == (k_len + 1) / 2 && packed.size(2) == kDenseBlock &&
+                              packed.size(3) == 2
+                        : packed.dim() == 3 && packed.size(1) == k_len && packed.size(2) == kDenseBlock),
+              "packed does not hold a [", n, ", ", k_len, "] weight (pack_dense's layout), got ", packed.sizes());
+  const auto dtypes = dense_dtypes();
+  TORCH_CHECK(std::find(dtypes.begin(), dtypes.end(), bf16 ? "bfloat16" : "float32") != dtypes.end(),
+              "dense_matmul in ", bf16 ? "bf16 needs AVX-512 BF16" : "float32 needs AVX-512", " in this build");
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  const int64_t ldx = x.size(0) > 1 ? x.stride(0) : k_len;
+  if (bf16) {
+    dense_matmul_any(x.data_ptr<c10::BFloat16>(), ldx, packed.data_ptr<c10::BFloat16>(), x.size(0), k_len, n,
+                     y.data_ptr<c10::BFloat16>());
+  } else {
+    dense_matmul_any(x.data_ptr<float>(), ldx, packed.data_ptr<float>(), x.size(0), k_len, n, y.data_ptr<float>());
+  }
+  return y;
+}
+
 // ---- The sampler's row work (engine/sampler.py) over a step's float32 logits [rows, vocabulary]: each row in one
 // or two passes, where torch's calls cost several full passes and fresh tensors each (a topk over 49k entries took
 // ~150 us a row on 2 cores; a softmax, a boolean mask and a masked fill each a few milliseconds for 32 rows).
@@ -1388,6 +1608,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("dtype") = py::none());
   m.def("weight_only_available", &weight_only_available, "whether int8_matmul and int4_matmul are built (AVX-512)");
   m.def("int8_matmul", &int8_matmul, "x @ (q * scale).T, int8 weights widened as they are read");
+  m.def("dense_dtypes", &dense_dtypes, "the dtypes dense_matmul runs in this build");
+  m.def("pack_dense", &pack_dense, "a [N, K] weight packed for dense_matmul (once, at load)");
+  m.def("dense_matmul", &dense_matmul, "x @ W.T in x's dtype over pack_dense's weight", py::arg("x"),
+        py::arg("packed"), py::arg("n"));
   m.def("int4_matmul", &int4_matmul, "x @ W.T, W int4 in groups (scale, mid), widened as it is read");
   m.def("rope", &rope, "rotary embedding of q and k by their positions");
   m.def("exp_shifted_rows", &exp_shifted_rows, "exp(x - row max) in place, 0 where x is -inf");

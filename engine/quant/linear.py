@@ -2,7 +2,10 @@
 `Linear(w)(x)` is x @ w.T, or one of its quantized siblings when the model's weight format asks for one
 (make_projection).
 
-On CPU in float32, oneDNN's linear over a weight reordered once at load beats MKL's `x @ W` for the few rows a
+On CPU with AVX-512 (bf16: AVX-512 BF16 without AMX) and the C++ kernels built, the engine's own dense_matmul runs
+the unquantized projections over a weight packed once at load (cpu_kernels.cpp says how): on the AMD EPYC it moved
+1.2-1.4x oneDNN's weight bytes a second at 1-8 rows, 1.06x at 256 (docs/measurements.md). Elsewhere:
+on CPU in float32, oneDNN's linear over a weight reordered once at load beats MKL's `x @ W` for the few rows a
 decode batch or a speculative verify has (the 30 layers' projections plus the LM head of SmolLM2-135M, min of 7,
 same process: 2 rows 56 ms vs 79, 5 rows 69 vs 158, 9 rows 77 vs 127, 16 rows 85 vs 159, 32 rows 106 vs 187;
 one row 55 vs 52), and each row's result does not depend on how many rows share the call (MKL's does for
@@ -227,14 +230,21 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.numel() * weight.element_size()
         self.dtype, self.device = weight.dtype, weight.device
-        self.packed = self.weight_t = None
+        self.packed = self.weight_t = self._own = None
         self.choice = choose_kernel(None, weight.device, weight.dtype)
-        if self.choice.kernel == "oneDNN":
+        if self.choice.own:
+            ext = cpu_kernels.compiled()
+            self.packed, self._own = ext.pack_dense(weight.contiguous()), ext.dense_matmul
+        elif self.choice.kernel == "oneDNN":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:
             self.weight_t = weight.t().contiguous()  # [in, out]: x @ W reads it row by row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._own is not None:
+            rows = x.reshape(-1, self.in_features)
+            y = self._own(rows if rows.stride(-1) == 1 else rows.contiguous(), self.packed, self.out_features)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if self.packed is not None and x.shape[0] > 0:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         if self.packed is not None:  # no rows (nothing to sample this step)
