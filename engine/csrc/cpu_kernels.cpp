@@ -1596,27 +1596,30 @@ at::Tensor filter_rows(at::Tensor logits, const at::Tensor& top_k, const at::Ten
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_rows", &quantize_rows, "w8a8's activations, quantized per row");
-  m.def("dequantize_rows", &dequantize_rows, "int32 sums scaled back per row, in place");
-  m.def("decode_attention", &decode_attention, "one query per row against its slots of the paged KV pool",
+  // Each kernel lets go of the GIL while it computes, as torch's own operators do: the server's event loop and the
+  // page's threads run their Python meanwhile instead of waiting for the step (the kernels touch no Python object).
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("quantize_rows", &quantize_rows, nogil, "w8a8's activations, quantized per row");
+  m.def("dequantize_rows", &dequantize_rows, nogil, "int32 sums scaled back per row, in place");
+  m.def("decode_attention", &decode_attention, nogil, "one query per row against its slots of the paged KV pool",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("lens"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("lists") = py::none());
-  m.def("write_kv", &write_kv, "this step's K and V into the pool: as they are, or quantized into an int8 pool",
+  m.def("write_kv", &write_kv, nogil, "this step's K and V into the pool: as they are, or quantized into an int8 pool",
         py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("k_pool"), py::arg("v_pool"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
-  m.def("add_rms_norm", &add_rms_norm, "x += residual in place (when given), then RMSNorm(x) * weight",
+  m.def("add_rms_norm", &add_rms_norm, nogil, "x += residual in place (when given), then RMSNorm(x) * weight",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("dtype") = py::none());
   m.def("weight_only_available", &weight_only_available, "whether int8_matmul and int4_matmul are built (AVX-512)");
-  m.def("int8_matmul", &int8_matmul, "x @ (q * scale).T, int8 weights widened as they are read");
+  m.def("int8_matmul", &int8_matmul, nogil, "x @ (q * scale).T, int8 weights widened as they are read");
   m.def("dense_dtypes", &dense_dtypes, "the dtypes dense_matmul runs in this build");
-  m.def("pack_dense", &pack_dense, "a [N, K] weight packed for dense_matmul (once, at load)");
-  m.def("dense_matmul", &dense_matmul, "x @ W.T in x's dtype over pack_dense's weight", py::arg("x"),
+  m.def("pack_dense", &pack_dense, nogil, "a [N, K] weight packed for dense_matmul (once, at load)");
+  m.def("dense_matmul", &dense_matmul, nogil, "x @ W.T in x's dtype over pack_dense's weight", py::arg("x"),
         py::arg("packed"), py::arg("n"));
-  m.def("int4_matmul", &int4_matmul, "x @ W.T, W int4 in groups (scale, mid), widened as it is read");
-  m.def("rope", &rope, "rotary embedding of q and k by their positions");
-  m.def("exp_shifted_rows", &exp_shifted_rows, "exp(x - row max) in place, 0 where x is -inf");
-  m.def("argmax_rows", &argmax_rows, "each row's argmax (the first of equal maxima, the first NaN)");
-  m.def("filter_rows", &filter_rows, "top-k / top-p / min-p of tempered logits, in place (dropped: -inf)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a joined gate|up projection", py::arg("gate_up"),
+  m.def("int4_matmul", &int4_matmul, nogil, "x @ W.T, W int4 in groups (scale, mid), widened as it is read");
+  m.def("rope", &rope, nogil, "rotary embedding of q and k by their positions");
+  m.def("exp_shifted_rows", &exp_shifted_rows, nogil, "exp(x - row max) in place, 0 where x is -inf");
+  m.def("argmax_rows", &argmax_rows, nogil, "each row's argmax (the first of equal maxima, the first NaN)");
+  m.def("filter_rows", &filter_rows, nogil, "top-k / top-p / min-p of tempered logits, in place (dropped: -inf)");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of a joined gate|up projection", py::arg("gate_up"),
         py::arg("dtype"), py::arg("out_dtype") = py::none());
 }
