@@ -628,3 +628,34 @@ def test_closed_loop_keeps_its_requests_in_flight_and_runs_them_all(tiny_llm):
     assert min(rows[0].decode_step_ms) > 0 and min(rows[0].mixed_step_ms) > 0
     table = closed_loop_report(rows, 3, 5, 6, 4).tables["per condition"]
     assert "beside a busy process" not in table[0] and table[0]["output tok/s (median)"] > 0
+
+
+def test_a_stream_of_tokens_without_text_counts_by_its_usage():
+    """A random prompt can make a model emit only special tokens, which a server streams without text: with its
+    usage saying tokens came, the request succeeded (its tokens counted, no TTFT to time); without usage, it failed.
+    (It was counted a failure, and one such request out of 32 stopped a whole `bench versus` cell.)"""
+    import asyncio
+
+    import httpx
+
+    from engine.bench.serve import stream_request
+
+    def chunks(*bodies: dict) -> bytes:
+        return b"".join(b"data: " + json.dumps(b).encode() + b"\n\n" for b in bodies) + b"data: [DONE]\n\n"
+
+    def run(body: bytes):
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+
+        async def go():
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                return await stream_request(client, "/v1/completions", {}, chat=False, run_start=0.0)
+        return asyncio.run(go())
+
+    texts = run(chunks({"choices": [{"text": "a"}]}, {"choices": [{"text": "b", "finish_reason": "length"}]},
+                       {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}))
+    assert texts.ok and texts.ttft_s is not None and texts.output_tokens == 2 and texts.text == "ab"
+    silent = run(chunks({"choices": [{"text": ""}]}, {"choices": [{"text": "", "finish_reason": "length"}]},
+                        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}))
+    assert silent.ok and silent.ttft_s is None and silent.output_tokens == 2 and silent.error is None
+    unknown = run(chunks({"choices": [{"text": "", "finish_reason": "length"}]}))
+    assert not unknown.ok and unknown.error == "the stream carried no text"

@@ -52,7 +52,7 @@ class RequestRecord:
     ok: bool
     error: str | None = None
     start_s: float = 0.0  # since the run began
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # None on success: every token was one the server shows no text for (special ones)
     latency_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # between consecutive chunks that carried text
     num_chunks: int = 0  # chunks that carried text
@@ -252,7 +252,7 @@ async def stream_request(client: httpx.AsyncClient, endpoint: str, body: dict, c
     rec.latency_s = time.perf_counter() - start
     if not done:
         rec.error = "the stream ended without data: [DONE]"
-    elif rec.ttft_s is None:
+    elif rec.ttft_s is None and not (rec.usage_reported and rec.output_tokens > 0):
         rec.error = "the stream carried no text"
     else:
         rec.ok = True
