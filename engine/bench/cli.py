@@ -39,6 +39,7 @@ from typing import Any
 from ..workloads import load_workload
 from . import ablation
 from . import experiments as ex
+from . import kernel_worth as kw_mod
 from . import precision as pr
 from . import report as rp
 from .runs import load_llm
@@ -128,8 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="each of the engine's C++ CPU kernels against its torch path, decode steps end to end")
     kw.add_argument("--rows", type=_int_list, default=[1, 16], help="requests decoding together")
     kw.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
-                    help="precisions (repeatable; default: dtype=float32 quantization=int8 quantization=int4 "
-                         "quantization=w8a8)")
+                    help=f"precisions (repeatable; default: {' '.join(kw_mod.SPECS)})")
     kw.add_argument("--tokens", type=_positive, default=24, help="decode steps timed per round")
     kw.add_argument("--rounds", type=_positive, default=3)
     de = sub.add_parser("decode", parents=common, help="batch-1 time per token of the whole engine in each precision")
@@ -334,9 +334,8 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         rows = pr.kernel_timings(llm, args.specs or pr.KERNEL_SPECS, args.rows, args.repeat, _bar)
         return rp.kernels_report(rows, args.repeat)
     if args.command == "kernel-worth":
-        from .kernel_worth import SPECS, kernel_worth
-        rows = kernel_worth(llm, args.specs or SPECS, args.rows, args.tokens, args.rounds,
-                            progress=lambda what: print(what, file=sys.stderr, flush=True))
+        rows = kw_mod.kernel_worth(llm, args.specs or kw_mod.SPECS, args.rows, args.tokens, args.rounds,
+                                   progress=lambda what: print(what, file=sys.stderr, flush=True))
         return rp.kernel_worth_report(rows, args.tokens)
     if args.command == "decode":
         rows = pr.decode_timings(llm, args.specs or pr.DECODE_SPECS, args.prompt_len, args.tokens, args.rounds,
