@@ -8,8 +8,8 @@ weights: speed does not depend on the values) at 1 and 16 rows, each scheme on t
 against the fp32 projections on theirs, the best of a few repeats, interleaved so a busy machine slows both.
 
 The result is kept in the cache (kernel-speed.json) under a key of everything the timing depends on (the CPU's
-flags, torch's version, the kernel chosen, the shapes), so it is measured once per machine and kernel build, in
-about half a second per scheme.
+flags, torch's version, the kernels chosen, fp32's too, the C++ build, the shapes), so it is measured once per
+machine and kernel build, in about half a second per scheme.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .. import cpu_kernels
 from ..cache import cache_dir
 from .format import QUANTIZATION_SCHEMES, WeightFormat
 from .kernels import choose_kernel, cpu_features, cpu_name, isa
@@ -99,13 +100,14 @@ def measure(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, rows=RO
 
 
 def _key(shapes, schemes, rows, dtype) -> str:
-    kernels = []
+    kernels = [choose_kernel(None, "cpu", dtype).kernel]  # the fp32 projections' own, which each is timed against
     for scheme in schemes:
         try:
             kernels.append(choose_kernel(scheme, "cpu", dtype).kernel)
         except ValueError as exc:
             kernels.append(str(exc))
-    text = json.dumps([sorted(cpu_features()), torch.__version__, kernels, shapes, list(schemes), list(rows),
+    build = cpu_kernels.module_name() if cpu_kernels.compiled() is not None else None  # its source, flags, CPU
+    text = json.dumps([sorted(cpu_features()), torch.__version__, kernels, build, shapes, list(schemes), list(rows),
                        str(dtype), os.cpu_count()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
