@@ -16,14 +16,14 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
-#include <string>
 #include <vector>
 
 namespace {
@@ -1090,8 +1090,9 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
 // bf16 (zero-padded). Each k broadcasts one activation (bf16: a pair) into one fused multiply-add (bf16: one
 // _mm512_dpbf16_ps) per block, 16 sums a vector: no reduction across lanes at the end. A tile of up to 8 rows by
 // up to 4 blocks shares each load; a thread takes a group of blocks and runs every 8 rows of x over it while its
-// weights sit in its cache. oneDNN's linear (what ran before) moved 43 GB/s of bf16 weights at one row here and 34
-// at eight, these 64 and 41 (SmolLM2's projections, the AMD EPYC; docs/measurements.md).
+// weights sit in its cache. A decode step's projections and LM head of SmolLM2 on the AMD EPYC (`bench kernels`,
+// docs/measurements.md): bf16 8.2-8.8 ms on oneDNN's linear (what ran before) at one row, 6.2 on these; 1.2-1.4x
+// oneDNN's speed at 1-32 rows in bf16 and float32, 1.02-1.1x at 256.
 // Each output's sum runs over k in order, whatever else shares the call: a row's result does not depend on its
 // batch (tested). Threads take groups of blocks from a shared counter, not a fixed share each: a thread that the
 // OS preempts for a neighbour (a client, the HTTP loop on the same two cores) leaves its groups to the other one.
@@ -1173,7 +1174,7 @@ void dense_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w
 }
 #endif
 
-// Every 8 rows of x (then the rest) against the blocks of one group: Tile<MB, NB>::run(row, rows' pointers...)
+// Every 8 rows of x, then the 1-7 left, through tile(MB, first row): one group's blocks against each
 template <int NB, typename F>
 void dense_rows(int64_t m, F&& tile) {
   int64_t i = 0;
