@@ -35,16 +35,22 @@ def two_servers(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_versus_sends_both_servers_the_same_fresh_prompts_and_tabulates_ratios(two_servers, capsys, tmp_path):
+def test_versus_sends_both_servers_the_same_fresh_prompts_and_tabulates_ratios(two_servers, capsys, tmp_path,
+                                                                               monkeypatch):
+    from engine.bench import versus
     from engine.bench.cli import main
     a, b, folder = two_servers
     before = {url: counters(url) for url in (a, b)}
     out_json = tmp_path / "versus.json"
+    pauses = []
+    monkeypatch.setattr(versus.time, "sleep", pauses.append)
     rc = main(["versus", "--server", f"one={a}", "--server", f"two={b}", "--concurrency", "1,2",
                "--temperature", "0,1", "--rounds", "2", "--requests", "3", "--prompt-len", "12",
-               "--output-len", "5", "--tokenizer", folder, "--tag", "fp32", "--json", str(out_json)])
+               "--output-len", "5", "--tokenizer", folder, "--tag", "fp32", "--json", str(out_json),
+               "--settle", "0.5"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
+    assert pauses == [0.5] * 16  # quiet before each of the 2 x 2 x 2 rounds' two runs
     after = {url: counters(url) for url in (a, b)}
     sent = {url: {k: after[url][k] - before[url].get(k, 0.0)
                   for k in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")} for url in (a, b)}
@@ -75,3 +81,6 @@ def test_versus_refuses_what_it_cannot_compare(two_servers, capsys):
     assert "different labels" in capsys.readouterr().err
     assert main(["versus", "--server", a, "--server", f"two={b}", "--tokenizer", folder]) == 2
     assert "LABEL=URL" in capsys.readouterr().err
+    assert main(["versus", "--server", f"one={a}", "--server", f"two={b}", "--tokenizer", folder,
+                 "--settle", "61"]) == 2
+    assert "--settle must be 0-60 seconds" in capsys.readouterr().err

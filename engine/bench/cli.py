@@ -233,6 +233,8 @@ def _versus_parser(sub) -> None:
     vs.add_argument("--seed", type=int, default=None, help="replay an earlier run's prompts (default: fresh ones, "
                                                             "never served from a prefix cache)")
     vs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    vs.add_argument("--settle", type=float, default=None, metavar="SECONDS",
+                    help="quiet before each run, so the other server has wound down (default: versus.SETTLE_S)")
     vs.add_argument("--tokenizer", default=None, help="turns the random tokens into text (default: the embedded "
                                                       "model's)")
     vs.add_argument("--json", type=Path, default=None, metavar="PATH")
@@ -379,7 +381,8 @@ def run_versus_command(args: argparse.Namespace) -> int:
         result = vs.versus([vs.Server.parse(s) for s in args.servers], _tokenizer(args.tokenizer), args.concurrency,
                            args.temperature, args.rounds, args.requests, args.prompt_len, args.output_len,
                            api=args.api, tag=args.tag, seed=args.seed, timeout_s=args.timeout,
-                           progress=vs.print_progress)
+                           progress=vs.print_progress,
+                           settle_s=vs.SETTLE_S if args.settle is None else args.settle)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -5,19 +5,25 @@ sent to both servers, one after the other, the order swapped every round (so nei
 quieter machine). Each server sees the same prompts in a cell's round and never the same prompts twice (no prefix
 cache hit from an earlier run). Every request generates exactly --output-len tokens (ignore_eos). The table gives
 the first server's numbers over the second's, per round (the spread is the min-max over rounds): output tok/s,
-mean and p99 TTFT, mean TPOT and ITL. Which dtype each server runs is its own setting: `--tag` names it.
+mean and p99 TTFT, mean TPOT and ITL. Which dtype each server runs is its own setting: `--tag` names it. Each run
+starts after --settle seconds of quiet, so the server measured before it has wound down.
 """
 from __future__ import annotations
 
 import random
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .runs import TOKEN_RANGE
 from .serve import ServeRequest, ServeResult, run_serve
+
+# Quiet before each run: vLLM's CPU server took 0.36 s of CPU in the second after its last request ended, then ~1%
+# of a core (measured here); the engine's threads sleep within milliseconds
+SETTLE_S = 2.0
 
 # (label, how to read it from a ServeResult's summary)
 METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {
@@ -82,13 +88,17 @@ def fresh_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[str]:
 def versus(servers: Sequence[Server], tokenizer: Any, concurrencies: Sequence[int], temperatures: Sequence[float],
            rounds: int = 2, num_requests: int = 32, prompt_len: int = 128, output_len: int = 64,
            api: str = "completions", tag: str = "", seed: int | None = None, timeout_s: float = 600.0,
-           progress: Callable[[str], None] | None = None) -> VersusResult:
+           progress: Callable[[str], None] | None = None, settle_s: float = SETTLE_S) -> VersusResult:
+    """`settle_s`: seconds of quiet before each run, so that the server measured before (still winding down its
+    last requests' work) does not run on the cores of the one measured now."""
     if len(servers) != 2:
         raise ValueError(f"versus compares two servers, got {len(servers)}")
     if len({s.label for s in servers}) != 2:
         raise ValueError("the two servers need two different labels")
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if not 0 <= settle_s <= 60:
+        raise ValueError(f"--settle must be 0-60 seconds, got {settle_s:g}")
     for s in servers:  # a warm-up each, not counted: first requests pay for lazy initialisation
         _check(run_serve(s.url, [ServeRequest("Hello", 4, True)], 1, api=api, timeout_s=timeout_s), s, "warm-up")
     # None: a seed of its own, so that a second run against the same servers is not served from their prefix
@@ -107,6 +117,7 @@ def versus(servers: Sequence[Server], tokenizer: Any, concurrencies: Sequence[in
                 for s in order:
                     if progress:
                         progress(f"c={c} temperature={t:g} round {r + 1}/{rounds}: {s.label}")
+                    time.sleep(settle_s)
                     result = run_serve(s.url, requests, c, api=api, temperature=t, timeout_s=timeout_s)
                     summaries[s.label] = _check(result, s, f"c={c} temperature={t:g}").summary()
                 cell.rounds.append(summaries)
