@@ -177,10 +177,12 @@ def test_a_lesson_whose_number_is_a_count_moves_the_way_it_says(pg, slug):
     # the tiny model replies in a fraction of a second, so the paged-KV lesson's 12 users (each thinking 0.5-3 s
     # between requests) kept only ~2 requests in flight: arrivals, not the pool, limited how many ran, and the
     # count came out 2.2 before and 2.0 after in 1 run of 3. 32 users make the pool the limit, as the real model's
-    # slower replies do with 12. So for the preemption lesson: with 12 users the 40-block pool held 15 blocks on
-    # average, and a run in two saw no preemption before the flip (on the commit before this test changed too)
-    lessons = [dataclasses.replace(x, users=32) if x.metric in ("running", "preemptions") else x
-               for x in load_lessons()]
+    # slower replies do with 12. The preemption lesson's 40-block pool held 15-25 blocks on average here (1-2
+    # requests in flight, even with 32 users) and a run in two saw no preemption before the flip: its pool here is
+    # 24 blocks, one longest request (160 + 128 tokens: 18 blocks) and not two, so any overlap preempts
+    lessons = [dataclasses.replace(x, users=32) if x.metric == "running" else
+               dataclasses.replace(x, users=32, start={**x.start, "num_kv_blocks": 24}) if x.metric == "preemptions"
+               else x for x in load_lessons()]
     runner = LessonRunner(pg, lessons=lessons, seconds=3)
     pg.lessons = runner
     runner.start(slug)
