@@ -29,10 +29,10 @@ replaces torch calls that spent most of their time outside the arithmetic for th
 - float32 and bf16 matmuls for the unquantized projections (quant/linear.py's Linear), over a weight packed once
   into blocks of 16 outputs, each k's (bf16: each pair's) weights of a block one 64-byte vector: one fused
   multiply-add (bf16: one AVX-512 BF16 dot product) per block and k, no reduction across lanes, groups of blocks
-  taken from a shared counter so a thread the OS pauses leaves its share to the other. oneDNN's linear (what ran
-  before) moved 31-46 GB/s of bf16 weights at 1-8 rows on the AMD EPYC, these 43-64 (1.2-1.5x at 1-32 rows,
-  1.06-1.08x at 256). Built with AVX-512 (bf16: AVX-512 BF16; with AMX, oneDNN keeps bf16); a row's result is
-  the same in any batch (tested).
+  taken from a shared counter so a thread the OS pauses leaves its share to the other. A decode step's
+  projections and LM head ran 1.2-1.4x as fast as on oneDNN's linear (what ran before) at 1-32 rows on the AMD
+  EPYC, 1.02-1.1x at 256 (`bench kernels`). Built with AVX-512 (bf16: AVX-512 BF16; with AMX, oneDNN keeps bf16);
+  a row's result is the same in any batch (tested).
 - a decoder layer's elementwise steps (models/llama.py): RMSNorm with the residual add before it, RoPE, and
   silu(gate) * up, one call each where the torch formulas are 7, 6 and 4 calls, whose dispatch was about 40% of
   an int4 token's time at batch 1 (with the attention above: 11.2-11.8 -> 7.9-8.2 ms a token, faster than

@@ -3,8 +3,7 @@
 (make_projection).
 
 On CPU with AVX-512 (bf16: AVX-512 BF16 without AMX) and the C++ kernels built, the engine's own dense_matmul runs
-the unquantized projections over a weight packed once at load (cpu_kernels.cpp says how): on the AMD EPYC it ran a
-step's projections 1.2-1.4x as fast as oneDNN's linear at 1-32 rows, 1.02-1.1x at 256 (docs/measurements.md).
+the unquantized projections over a weight packed once at load (cpu_kernels.py says how, and how much faster).
 Elsewhere:
 on CPU in float32, oneDNN's linear over a weight reordered once at load beats MKL's `x @ W` for the few rows a
 decode batch or a speculative verify has (the 30 layers' projections plus the LM head of SmolLM2-135M, min of 7,
