@@ -36,11 +36,6 @@ class KernelRow:
     spread: dict[int, float] = field(default_factory=dict)  # rows -> max / min over repeats
 
 
-def step_projections(model: Any) -> list:
-    """The projections one forward step runs, in order: each layer's qkv, o, gate|up, down, then the LM head."""
-    return [p for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)] + [model.lm_head]
-
-
 def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -> tuple[list, list]:
     """(configs, models): each spec's engine configuration and weights, all loaded before any timing (progress
     counts the loads, then `rounds` rounds)."""
@@ -66,7 +61,7 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
             if progress is not None:
                 progress(len(specs) + r, len(specs) + repeat, f"round {r + 1} of {repeat}")
             for i, model in enumerate(models):
-                projections = step_projections(model)
+                projections = model.projections()
                 for m in rows:
                     xs = {p.in_features: torch.randn(m, p.in_features, dtype=model.dtype, device=model.device)
                           for p in projections}
@@ -80,7 +75,7 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
         progress(len(specs) + repeat, len(specs) + repeat, "done")
     out = []
     for i, (spec, config, model) in enumerate(zip(specs, configs, models, strict=True)):
-        projections = step_projections(model)
+        projections = model.projections()
         out.append(KernelRow(spec, config.precision, projections[0].kernel,
                              sum(p.nbytes for p in projections) / 2**20,
                              {m: min(times[i, m]) for m in rows},

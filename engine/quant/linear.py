@@ -83,6 +83,10 @@ class _Quantized:
         # (each cast skipped in Python where it would do nothing: a torch call costs ~1 us even then, 121 a token)
         return y if x.dtype == torch.float32 or y.dtype == x.dtype else y.to(x.dtype)
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors each call streams (engine/huge_pages.py places them)."""
+        return []
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.in_features} -> {self.out_features}, {self.scheme}, {self.kernel})"
 
@@ -130,6 +134,9 @@ class Int8Linear(_WeightOnly):
     def nbytes(self) -> int:
         return _bytes(self.qweight, self.scales)
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.qweight, self.scales]
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._own is not None:
             return self._own(x.contiguous(), self.qweight, self.scales)
@@ -173,6 +180,9 @@ class Int4Linear(_WeightOnly):
     @property
     def nbytes(self) -> int:
         return _bytes(self.packed, self.scales_and_zeros)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales_and_zeros]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._own is not None:
@@ -252,6 +262,10 @@ class Linear:
         return x @ self.weight_t
 
     raw = __call__  # already in the model's dtype (see _Quantized.raw)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors each call streams (engine/huge_pages.py places them; oneDNN's opaque one stays put)."""
+        return [t for t in (self.packed, self.weight_t) if t is not None]
 
     @property
     def input_dtype(self) -> torch.dtype:
