@@ -23,7 +23,7 @@ from .request import Request, RequestOutput, RequestStatus
 from .runner import Batch, ModelRunner
 from .sampler import SamplingParams, TokenLogprobs, draw, processed_logits, token_logprobs
 from .scheduler import Phase, ScheduledRequest, Scheduler
-from .snapshot import EngineSnapshot, RequestView, StepEntry, StepRecord
+from .snapshot import EngineCounters, EngineSnapshot, RequestView, StepEntry, StepRecord
 from .spec import SpecDecodeStats, verify
 from .utils import cdiv
 from .workloads import TOKEN_RANGE
@@ -332,6 +332,13 @@ class LLMEngine:
             gpu_memory=None if self.gpu_memory is None else self.gpu_memory.to_dict(),
             precision=self.config.precision, kernels=self.kernels(), features=self._features,
         )
+
+    def counters(self) -> EngineCounters:
+        """The snapshot's counters alone (see EngineCounters)."""
+        s, kv, spec = self.scheduler, self.kv, self.spec_stats
+        return EngineCounters(self.step_count, len(s.running), len(s.waiting), s.num_preemptions, kv.num_used,
+                              kv.prefix_cache_queries, kv.prefix_cache_hits, self.generation_tokens_total,
+                              spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
 
     def kernels(self) -> dict[str, str]:
         """What runs this engine's steps here, in words (the snapshot's `kernels`), worked out once per

@@ -22,11 +22,13 @@ from .engine import LLMEngine
 from .host import EngineLoop, on_its_own_thread
 from .request import RequestMetrics, RequestOutput
 from .sampler import SamplingParams
-from .snapshot import EngineSnapshot
+from .snapshot import EngineCounters, EngineSnapshot
 
 # Requests allowed to wait for a seat before new ones are refused (ServiceBusy): a burst beyond it gets "retry
 # later" at once instead of growing the queue, and its memory, without limit.
 DEFAULT_MAX_WAITING_REQUESTS = 256
+# while the engine steps, its whole snapshot is taken at most this often (every step's counters go to the history)
+SNAPSHOT_INTERVAL_S = 0.05
 
 
 class ServiceBusy(RuntimeError):
@@ -135,6 +137,8 @@ class EngineService:
         self._streams: dict[str, OutputSink] = {}
         self._progress: dict[str, tuple[float, int]] = {}  # request -> (time of its last new tokens, tokens so far)
         self._snapshot: EngineSnapshot = engine.snapshot()
+        self._snapshot_at = time.perf_counter()
+        self._counters: EngineCounters = engine.counters()
         self._config_view = self._view_config()
         self.history: deque[HistorySample] = deque(maxlen=history_len)
         self.config_changes: deque[ConfigChange] = deque(maxlen=256)
@@ -253,7 +257,7 @@ class EngineService:
         q = sink if sink is not None else queue.Queue()
         self._streams[rid] = q
         if self.paused:  # no step will refresh the snapshot: the queue chart and /metrics show the request now
-            self._snapshot = self.engine.snapshot()
+            self._refresh()
         return rid, q
 
     def _update_config(self, changes: dict) -> dict | None:
@@ -261,9 +265,14 @@ class EngineService:
         # Idle, no step would come to apply it: the form would show the old values and send them back.
         record = None if self.engine.has_unfinished() else self.engine.apply_pending()
         self._note_reconfig(time.time())
+        self._refresh()
+        return record
+
+    def _refresh(self) -> None:
+        """A new snapshot and configuration view for the page, /metrics and step_once to read."""
         self._snapshot = self.engine.snapshot()
         self._config_view = self._view_config()
-        return record
+        self._snapshot_at = time.perf_counter()
 
     def _view_config(self) -> ConfigView:
         requested, resolved = self.engine.pending_config()
@@ -276,7 +285,7 @@ class EngineService:
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         if not self._should_step():  # paused, or that was the last request: no step will refresh the snapshot,
-            self._snapshot = self.engine.snapshot()  # and the queues would show it waiting on
+            self._refresh()  # and the queues would show it waiting on
 
     def _allow_step(self, done: Future) -> None:
         self._step_waiters.append(done)
@@ -312,6 +321,8 @@ class EngineService:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                if not self._should_step() and self._snapshot.step != self.engine.step_count:
+                    self._refresh()  # idle or paused now: the page shows the engine as it stays
                 self._run_commands(block=not self._should_step())
                 if not self._should_step():  # the commands just run may have paused it or added work
                     continue
@@ -340,16 +351,21 @@ class EngineService:
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
-        self._note_reconfig(time.time() - step_ms / 1e3)  # a change applies at the start of a step
-        prev, snap = self._snapshot, self.engine.snapshot()
-        self._snapshot = snap
-        self._config_view = self._view_config()
-        self._add_counter_deltas(stats, prev, snap)
+        changed = self._note_reconfig(time.time() - step_ms / 1e3)  # a change applies at the start of a step
+        prev, now = self._counters, self.engine.counters()
+        self._counters = now
+        self._add_counter_deltas(stats, prev, now)
         ttfts = stats.time_to_first_tokens
         self.history.append(HistorySample(
-            time.time(), snap.step, snap.num_running, snap.num_waiting, snap.num_preemptions, snap.kv_blocks_used,
-            snap.prefix_cache_queries, snap.prefix_cache_hits, snap.generation_tokens_total, step_ms,
+            time.time(), now.step, now.num_running, now.num_waiting, now.num_preemptions, now.kv_blocks_used,
+            now.prefix_cache_queries, now.prefix_cache_hits, now.generation_tokens_total, step_ms,
             sum(ttfts) / len(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None))
+        # the whole snapshot (every block's state, every live request) at most every SNAPSHOT_INTERVAL_S while
+        # stepping: a reader polls it at most a few times a second, and it cost 0.2-0.25 ms a step of a 10-13 ms
+        # batch-1 step here; at once for step_once, a configuration change, or the last step before idling
+        if (changed or self._step_waiters or not self._should_step()
+                or time.perf_counter() - self._snapshot_at >= SNAPSHOT_INTERVAL_S):
+            self._refresh()
         self._tell_listeners(stats)
 
     def _tell_listeners(self, stats: IterationStats) -> None:
@@ -385,24 +401,26 @@ class EngineService:
         return stats
 
     @staticmethod
-    def _add_counter_deltas(stats: IterationStats, prev: EngineSnapshot, snap: EngineSnapshot) -> None:
+    def _add_counter_deltas(stats: IterationStats, prev: EngineCounters, now: EngineCounters) -> None:
         """The engine's own counters (preemptions, prefix cache, drafts), as what this step added to them."""
         def delta(new: int, old: int) -> int:
             return max(0, new - old)
-        stats.num_preemptions = delta(snap.num_preemptions, prev.num_preemptions)
-        stats.prefix_cache_queries = delta(snap.prefix_cache_queries, prev.prefix_cache_queries)
-        stats.prefix_cache_hits = delta(snap.prefix_cache_hits, prev.prefix_cache_hits)
-        spec, old = snap.speculation, prev.speculation
-        stats.spec_num_drafts = delta(spec["num_drafts"], old["num_drafts"])
-        stats.spec_num_draft_tokens = delta(spec["num_draft_tokens"], old["num_draft_tokens"])
-        stats.spec_num_accepted_tokens = delta(spec["num_accepted_tokens"], old["num_accepted_tokens"])
+        stats.num_preemptions = delta(now.num_preemptions, prev.num_preemptions)
+        stats.prefix_cache_queries = delta(now.prefix_cache_queries, prev.prefix_cache_queries)
+        stats.prefix_cache_hits = delta(now.prefix_cache_hits, prev.prefix_cache_hits)
+        stats.spec_num_drafts = delta(now.spec_num_drafts, prev.spec_num_drafts)
+        stats.spec_num_draft_tokens = delta(now.spec_num_draft_tokens, prev.spec_num_draft_tokens)
+        stats.spec_num_accepted_tokens = delta(now.spec_num_accepted_tokens, prev.spec_num_accepted_tokens)
 
-    def _note_reconfig(self, when: float) -> None:
+    def _note_reconfig(self, when: float) -> bool:
+        """Record the engine's last reconfiguration if it is new; whether it was."""
         record = self.engine.last_reconfig
-        if record is not None and record is not self._seen_reconfig:
-            self._seen_reconfig = record
-            self.config_changes.append(ConfigChange(when, record["step"], dict(record["changes"]), record["action"],
-                                                    record.get("error")))
+        if record is None or record is self._seen_reconfig:
+            return False
+        self._seen_reconfig = record
+        self.config_changes.append(ConfigChange(when, record["step"], dict(record["changes"]), record["action"],
+                                                record.get("error")))
+        return True
 
     def _fail_all(self, reason: str) -> None:
         """The engine thread ended: end every open stream with an error instead of leaving it hanging, and count

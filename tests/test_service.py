@@ -326,3 +326,63 @@ def test_a_host_steps_each_engine_on_its_own_thread_one_after_another(tiny_model
     assert results["restart"].startswith("Engine restarted") and results["before"] == results["after"]
     assert len(results["before"]) == 6 and not results["old alive"] and results["new alive"]
     assert ran_on == {threading.get_ident()}  # every step of both engines, on the host's thread
+
+
+def test_snapshot_is_taken_at_most_every_interval_while_stepping_and_fresh_once_idle(tiny_models, monkeypatch):
+    """Every step adds a history sample from the engine's counters, but the whole snapshot is rebuilt at most every
+    SNAPSHOT_INTERVAL_S while the engine steps; the last step before idling leaves a fresh one."""
+    from engine import service as service_module
+    monkeypatch.setattr(service_module, "SNAPSHOT_INTERVAL_S", 3600.0)  # only the forced refreshes remain
+    engine = LLM(tiny_models["llama"][0], max_model_len=256).engine
+    snapshots = []
+    real = engine.snapshot
+
+    def counted(*args, **kwargs):
+        snap = real(*args, **kwargs)
+        snapshots.append(snap.step)
+        return snap
+    monkeypatch.setattr(engine, "snapshot", counted)
+    svc = EngineService(engine)
+    try:
+        prompts = random_prompts(3, seed=44)
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        streams = [svc.submit(p, params)[1] for p in prompts]
+        for q in streams:
+            while not q.get(timeout=60).finished:
+                pass
+        deadline = time.monotonic() + 30
+        while svc.snapshot().step != engine.step_count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        steps = engine.step_count
+        assert steps >= 30
+        history = [h for h in svc.history if h.step > 0]
+        assert [h.step for h in history] == list(range(1, steps + 1))  # one sample per step, from the counters
+        assert history[-1].generation_tokens_total == 90 and history[-1].num_running == 0
+        assert len([s for s in snapshots if s > 0]) <= 3  # not once a step: only when the engine went idle
+        snap = svc.snapshot()
+        assert snap.step == steps and snap.num_running == snap.num_waiting == 0 and snap.generation_tokens_total == 90
+        assert snap.kv_blocks_used == 0 and not any(snap.block_ref_counts)  # the page sees every block free
+        assert_all_blocks_free(engine)
+        counters = engine.counters()  # the same numbers the snapshot gives, field by field
+        assert counters.num_preemptions == snap.num_preemptions and counters.kv_blocks_used == snap.kv_blocks_used
+        assert (counters.prefix_cache_queries, counters.prefix_cache_hits) == (snap.prefix_cache_queries,
+                                                                               snap.prefix_cache_hits)
+        assert counters.spec_num_drafts == snap.speculation["num_drafts"]
+    finally:
+        svc.shutdown()
+
+
+def test_snapshot_keeps_up_while_stepping(tiny_models, monkeypatch):
+    """A long run refreshes the snapshot as it goes (what the page polls), not only at its start and end."""
+    from engine import service as service_module
+    monkeypatch.setattr(service_module, "SNAPSHOT_INTERVAL_S", 0.005)  # the tiny model steps in well under 1 ms
+    svc = EngineService(LLM(tiny_models["llama"][0], max_model_len=256).engine)
+    try:
+        _, q = svc.submit(random_prompts(1, seed=45)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        seen, out = set(), q.get(timeout=60)
+        while not out.finished:
+            seen.add(svc.snapshot().step)
+            out = q.get(timeout=60)
+        assert len(seen) >= 2  # the page saw the run move, not only its start and end
+    finally:
+        svc.shutdown()
