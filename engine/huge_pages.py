@@ -110,6 +110,15 @@ def gather(tensors: Iterable[torch.Tensor]) -> int:
     return moved
 
 
+def scatter(tensors: Iterable[torch.Tensor]) -> None:
+    """Each CPU tensor back in ordinary memory of its own, in place (gather's undoing): for measuring what the pages
+    are worth (`python -m engine.bench kernel-worth`)."""
+    with torch.no_grad():
+        for t in tensors:
+            if t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn:
+                t.set_(t.clone())
+
+
 def huge_bytes(t: torch.Tensor) -> int:
     """How many of the bytes under t's storage this process has in huge pages now (/proc/self/smaps; 0 where it
     does not say): what the tests and the status read to see that gather took."""

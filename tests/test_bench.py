@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from engine import bench, cpu_kernels
+from engine import bench, cpu_kernels, huge_pages
 from engine.bench import cli
 from engine.config import EngineConfig
 from engine.workloads import build_workload
@@ -475,16 +475,49 @@ def test_kernel_worth_times_each_kernel_off_and_puts_it_back(tiny_models, tmp_pa
     finally:
         kw._decode_ms = real
     rows = json.loads(out.read_text())
+    # the tiny model's LM head (49,152 x 64 floats) is big enough to go into 2 MB pages where the system has them
+    pages = ("huge pages",) if huge_pages.thp_mode() in ("always", "madvise") and huge_pages._libc() else ()
     assert [(r["spec"], r["kernel"], r["rows"]) for r in rows] == [
         (spec, k, n) for spec, ks in (("dtype=float32", ("attention", "layer ops", "matmul")),  # dense_matmul
                                       ("quantization=int8", ("attention", "layer ops", "matmul")),
                                       ("quantization=w8a8", ("attention", "layer ops", "w8a8 rows")))
-        for k in ks for n in (1, 2)]
+        for k in (*ks, *(pages if spec != "quantization=w8a8" else ())) for n in (1, 2)]  # fbgemm's are opaque
     assert all(len(r["on_ms"]) == len(r["off_ms"]) == 1 and min(r["on_ms"] + r["off_ms"]) > 0 for r in rows)
     index = {"attention": 0, "layer ops": 1, "matmul": 2, "w8a8 rows": 3}
     for i, r in enumerate(rows):  # each row's one round: the kernel on, then off; nothing else differs
-        on, off, j = seen[2 * i], seen[2 * i + 1], index[r["kernel"]]
+        on, off = seen[2 * i], seen[2 * i + 1]
+        if r["kernel"] == "huge pages":  # the next test looks inside; here no kernel changes
+            assert on == off, (r, on, off)
+            continue
+        j = index[r["kernel"]]
         assert on[j] and not off[j] and on[:j] + on[j + 1:] == off[:j] + off[j + 1:], (r, on, off)
+
+
+@pytest.mark.skipif(huge_pages.thp_mode() not in ("always", "madvise") or huge_pages._libc() is None,
+                    reason="no transparent huge pages here")
+def test_kernel_worth_times_the_weights_out_of_huge_pages_and_puts_them_back(tiny_models, monkeypatch):
+    """`kernel-worth`'s huge-pages row: its off side runs over weights each in memory of its own, its on side over
+    the one 2 MB-page buffer, and the weights are back in it after (the tiny model's tensors count here)."""
+    from engine import LLM
+    from engine.bench import kernel_worth as kw
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)
+    llm = LLM(tiny_models["llama"][0], max_model_len=256)
+    if not llm.engine.model.huge_page_bytes:
+        pytest.skip("this CPU's kernel keeps its weights in oneDNN's opaque layout")
+    seen = []
+    real = kw._decode_ms
+
+    def spy(engine, rows, prompt_len, tokens, seed):
+        seen.append(len({t.untyped_storage().data_ptr() for t in engine.model.streamed_tensors() if not t.is_mkldnn}))
+        return real(engine, rows, prompt_len, tokens, seed)
+    monkeypatch.setattr(kw, "_decode_ms", spy)
+    rows = kw.kernel_worth(llm, ["dtype=float32"], rows=(1,), tokens=2, rounds=1)
+    worth = [i for i, r in enumerate(rows) if r.kernel == "huge pages"]
+    assert [rows[i].kernel for i in worth] == ["huge pages"]
+    n = len(llm.build_engine({}).model.streamed_tensors())
+    assert n > 1 and seen[2 * worth[0]:2 * worth[0] + 2] == [1, n]  # one buffer; then each its own
+    model = llm.build_engine({}).model
+    assert model.huge_page_bytes > 0 and len({t.untyped_storage().data_ptr() for t in model.streamed_tensors()}) == 1
 
 
 def test_cli_decode_times_llama_cpp_in_the_same_rounds_or_says_what_it_needs(tiny_models, tmp_path, capsys,

@@ -6,6 +6,8 @@ engine with one kernel on its torch path, at 1 and 16 rows, alternating rounds i
   matmul       float32 / bf16 dense matmuls (else oneDNN's linear); int8 / int4 weight-only matmuls (else torch's
                packed kernels, bf16 activations)
   w8a8 rows    w8a8's per-row quantization around fbgemm (else the torch calls)
+  huge pages   the projections' weights in one buffer of 2 MB pages (engine/huge_pages.py; else each tensor in
+               ordinary 4 KB pages of its own), where the system gives them
 
 `python -m engine.bench kernel-worth`; its table goes to docs/measurements.md with the CPU named. A kernel that does
 not measurably pay here is a candidate for the portable path.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import cpu_kernels
+from .. import cpu_kernels, huge_pages
 from ..quant import kernels as quant_kernels
 from ..sampler import SamplingParams
 from .runs import random_prompts
@@ -32,8 +34,8 @@ class KernelWorthRow:
     spec: str
     kernel: str
     rows: int
-    on_ms: list[float]  # ms per decode step with the C++ kernel, per round
-    off_ms: list[float]  # with its torch path
+    on_ms: list[float]  # ms per decode step with the C++ kernel (the weights in 2 MB pages), per round
+    off_ms: list[float]  # with its torch path (in 4 KB pages)
 
     @property
     def speedup(self) -> float:
@@ -73,9 +75,15 @@ def _off(engine, kernel: str, torch_model):
             yield engine
         finally:
             engine.model = runner.model = model
+    elif kernel == "huge pages":
+        tensors = model.streamed_tensors()
+        huge_pages.scatter(tensors)
+        try:
+            yield engine
+        finally:
+            huge_pages.gather(tensors)
     elif kernel == "w8a8 rows":
-        projections = [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        projections.append(model.lm_head)
+        projections = model.projections()
         saved = [(p._quantize_rows, p._dequantize_rows) for p in projections]
         for p in projections:
             p._quantize_rows, p._dequantize_rows = cpu_kernels.quantize_rows_python, cpu_kernels.dequantize_rows_python
@@ -122,7 +130,7 @@ def kernel_worth(llm, specs=SPECS, rows=(1, 16), tokens: int = 24, rounds: int =
             finally:
                 quant_kernels.cpu_features = real
         engine.warm_up()
-        for kernel in _kernels_for(fields):
+        for kernel in _kernels_for(fields) + (["huge pages"] if engine.model.huge_page_bytes else []):
             for n in rows:
                 if progress is not None:
                     progress(f"{spec} · {kernel} · {n} rows")

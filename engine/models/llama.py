@@ -123,11 +123,15 @@ class LlamaFamilyModel:
         cpu_model = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         self.cpu_ops = cpu_kernels.compiled() if cpu_model else None
         # the projections' weights in 2 MB pages where the system gives them: a step streams them all
-        self.huge_page_bytes = huge_pages.gather(t for p in self.projections() for t in p.weight_tensors())
+        self.huge_page_bytes = huge_pages.gather(self.streamed_tensors())
 
     def projections(self) -> list[Projection]:
         """The projections one forward step runs, in order: each layer's qkv, o, gate|up, down, then the LM head."""
         return [p for w in self.layers for p in (w.qkv, w.o, w.gate_up, w.down)] + [self.lm_head]
+
+    def streamed_tensors(self) -> list[torch.Tensor]:
+        """What every step reads whole: the projections' stored weights (and their scales)."""
+        return [t for p in self.projections() for t in p.weight_tensors()]
 
     def kernels(self) -> dict[str, str]:
         """What runs this model's steps here, in words (each projection's choice is quant/kernels.py's): the
