@@ -493,6 +493,24 @@ def test_kernel_worth_times_each_kernel_off_and_puts_it_back(tiny_models, tmp_pa
         assert on[j] and not off[j] and on[:j] + on[j + 1:] == off[:j] + off[j + 1:], (r, on, off)
 
 
+def test_kernel_worth_takes_a_preset_name_as_decode_does():
+    """`--spec int4` is the int4 preset's fields (as `bench decode` reads it), not a malformed key=value."""
+    from engine.bench import kernel_worth as kw
+    from engine.bench.specs import resolve_spec
+
+    class Stop(Exception):
+        pass
+
+    class FakeLLM:
+        def build_engine(self, fields):
+            raise Stop(fields)
+    if cpu_kernels.compiled() is None:
+        pytest.skip("the C++ kernels are not built here")
+    with pytest.raises(Stop) as stop:
+        kw.kernel_worth(FakeLLM(), ["int4"])
+    assert resolve_spec("int4").items() <= stop.value.args[0].items()
+
+
 @pytest.mark.skipif(huge_pages.thp_mode() not in ("always", "madvise") or huge_pages._libc() is None,
                     reason="no transparent huge pages here")
 def test_kernel_worth_times_the_weights_out_of_huge_pages_and_puts_them_back(tiny_models, monkeypatch):

@@ -25,6 +25,7 @@ from .. import cpu_kernels, huge_pages
 from ..quant import kernels as quant_kernels
 from ..sampler import SamplingParams
 from .runs import random_prompts
+from .specs import resolve_spec
 
 SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
 
@@ -118,7 +119,7 @@ def kernel_worth(llm, specs=SPECS, rows=(1, 16), tokens: int = 24, rounds: int =
         raise ValueError("the engine's C++ CPU kernels are not built here (make kernels): nothing to compare")
     out = []
     for spec in specs:
-        fields = dict(item.split("=", 1) for item in spec.split(",")) if spec else {}
+        fields = resolve_spec(spec) if spec else {}  # key=value flags or a preset name (int4, int8)
         fields = {"num_kv_blocks": 256, "max_num_seqs": max(rows), "prefix_caching": False, **fields}
         engine = llm.build_engine(fields)
         torch_model = None
