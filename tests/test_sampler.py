@@ -321,8 +321,18 @@ def test_no_sort_when_no_row_needs_one(monkeypatch):
         assert all(0 <= t < 10 for t in sample(logits, [SamplingParams(**params)] * 4, gens)), params
 
 
+def invert(probs: torch.Tensor, uniform: torch.Tensor, native: bool) -> torch.Tensor:
+    """invert_cdf over probs, or the C++ draw_rows (which takes the exp itself) over their logs."""
+    if not native:
+        return invert_cdf(probs, uniform)
+    ext = sampler._native(torch.zeros(1, 2))
+    assert ext is not None, "the engine's C++ CPU kernels did not build"
+    return ext.draw_rows(probs.log().contiguous(), uniform.contiguous())
+
+
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("vocab", [1, 7, 256, 300, 49152])
-def test_inverting_the_cdf_lands_on_tokens_with_mass_only(vocab):
+def test_inverting_the_cdf_lands_on_tokens_with_mass_only(vocab, native):
     gen = torch.Generator().manual_seed(vocab)
     probs = torch.rand(3, vocab, generator=gen)
     probs[:, ::2] = 0  # every other token removed by a filter
@@ -331,28 +341,65 @@ def test_inverting_the_cdf_lands_on_tokens_with_mass_only(vocab):
     first = (probs > 0).float().argmax(dim=1)
     last = vocab - 1 - (probs > 0).flip(1).float().argmax(dim=1)
     edges = torch.tensor([[0.0], [1 - 2 ** -53], [1 - 2 ** -53]], dtype=torch.float64)
-    tokens = invert_cdf(probs, edges)
+    tokens = invert(probs, edges, native)
     assert tokens[0] == first[0] and tokens[1] == last[1] and tokens[2] == last[2]
     uniform = torch.rand(3, 1, dtype=torch.float64, generator=gen)
     for _ in range(200):
         uniform = torch.rand(3, 1, dtype=torch.float64, generator=gen)
-        tokens = invert_cdf(probs, uniform)
+        tokens = invert(probs, uniform, native)
         assert (probs[torch.arange(3), tokens] > 0).all()
 
 
-def test_inverting_the_cdf_draws_each_token_with_its_probability():
+@pytest.mark.parametrize("native", [False, True])
+def test_inverting_the_cdf_draws_each_token_with_its_probability(native):
     """Chunk boundaries included (a vocabulary of 3 chunks and a bit): counts within 5 sigma of n x p."""
     probs = torch.zeros(1, 3 * 256 + 5)
     picks = {0: 0.3, 255: 0.2, 256: 0.1, 511: 0.15, 700: 0.05, 3 * 256 + 4: 0.2}
     for token, p in picks.items():
         probs[0, token] = p
     n = 20000
-    tokens = invert_cdf(probs.expand(n, -1).contiguous(),
-                        torch.rand(n, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+    tokens = invert(probs.expand(n, -1).contiguous(),
+                    torch.rand(n, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(5)), native)
     counts = Counter(tokens.tolist())
     assert set(counts) == set(picks)
     for token, p in picks.items():
         assert abs(counts[token] / n - p) < 5 * math.sqrt(p * (1 - p) / n), (token, counts[token] / n, p)
+
+
+def test_cpp_draw_is_the_torch_draw():
+    """draw_rows (exp and inversion in one C++ call) gives the tokens shifted_exp + invert_cdf give for the same
+    numbers: random rows of many sizes and sharpnesses, some with nine tokens in ten filtered out. Its chunk sums
+    may round an ulp apart from torch's, which could move a number landing on a boundary: at most 2 of 1,600."""
+    from engine.sampler import shifted_exp
+    ext = sampler._native(torch.zeros(1, 2))
+    assert ext is not None, "the engine's C++ CPU kernels did not build"
+    gen = torch.Generator().manual_seed(3)
+    differ = 0
+    for trial in range(200):
+        vocab = (49152, 151936, 1000, 255, 256, 1)[trial % 6]
+        logits = torch.randn(8, vocab, generator=gen) * float(torch.rand(1, generator=gen) * 8 + 0.1)
+        if trial % 3 == 0:
+            logits[torch.rand(8, vocab, generator=gen) < 0.9] = NEG_INF
+            logits[:, 0] = 0.0
+        uniform = torch.rand(8, 1, dtype=torch.float64, generator=gen)
+        got = ext.draw_rows(logits.clone(), uniform)
+        differ += int((got != invert_cdf(shifted_exp(logits.clone()), uniform)).sum())
+    assert differ <= 2
+
+
+def test_plain_sampling_gives_the_draw_a_copy_and_scales_nothing():
+    """Temperature 1 and no filter: the processed rows are the logits' values in a tensor of the draw's own (it
+    writes its exponentials there), never the caller's, which the logprobs read after."""
+    from engine.sampler import processed_logits
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(4))
+    plain = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=500), SamplingParams()]
+    out = processed_logits(logits, plain)  # top_k = the vocabulary keeps everything
+    assert out.data_ptr() != logits.data_ptr() and torch.equal(out, logits)
+    half = processed_logits(logits.bfloat16(), plain)
+    assert half.dtype == torch.float32 and torch.equal(half, logits.bfloat16().float())
+    mixed = processed_logits(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 1 + [
+        SamplingParams(temperature=0.5)])
+    assert torch.equal(mixed[:2], logits[:2]) and torch.allclose(mixed[2], logits[2] / 0.5)
 
 
 def test_a_seeded_row_draws_one_number_a_step_however_the_batch_is_made():

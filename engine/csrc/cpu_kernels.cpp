@@ -1567,6 +1567,60 @@ at::Tensor exp_shifted_rows(at::Tensor x) {
   return x;
 }
 
+namespace {
+constexpr int64_t kCdfChunk = 256;  // sampler.py's CDF_CHUNK: the two levels of the inversion
+
+// the float32 sum of a chunk (16 lanes, then across them: the order torch's vectorized sum also takes, to an ulp)
+inline float chunk_sum(const float* p, int64_t len) {
+  int64_t i = 0;
+  float mass = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= len; i += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + i));
+  mass = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < len; ++i) mass += p[i];
+  return mass;
+}
+
+// one row of probabilities up to a scale (>= 0, at least one > 0), u in [0, 1): the first token whose cumulative
+// mass exceeds u x the row's total, as sampler.py's invert_cdf finds it (chunk masses summed in float32 and
+// accumulated in float64 to pick the chunk, a float32 running sum inside it)
+int64_t invert_cdf_row(const float* p, int64_t n, double u) {
+  const int64_t chunks = (n + kCdfChunk - 1) / kCdfChunk;
+  std::vector<float> masses(chunks);
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    masses[c] = chunk_sum(p + c * kCdfChunk, std::min(kCdfChunk, n - c * kCdfChunk));
+    total += masses[c];
+  }
+  const double target = u * total;
+  double before = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float mass = masses[c];
+    if (before + mass > target) {
+      const int64_t lo = c * kCdfChunk, hi = std::min(n, lo + kCdfChunk);
+      float inner = 0.f;  // the chunk's running sum, as a cumulative sum gives it
+      for (int64_t i = lo; i < hi; ++i) inner += p[i];
+      // where u falls inside the chunk, on the scale of the chunk's own running sum
+      const float rest = static_cast<float>((target - before) / static_cast<double>(mass) * inner);
+      float run = 0.f;
+      int64_t last = lo;  // the chunk's last token with mass so far
+      for (int64_t i = lo; i < hi; ++i) {
+        run += p[i];
+        if (p[i] > 0.f) last = i;
+        if (run > rest) return last;  // i itself: a token without mass adds no width, so none is crossed there
+      }
+      return last;  // a rest rounded up to the chunk's whole mass: its last token with mass
+    }
+    before += mass;
+  }
+  for (int64_t i = n - 1; i >= 0; --i)  // u x total rounded up to the total: the last token with mass
+    if (p[i] > 0.f) return i;
+  return 0;
+}
+}  // namespace
+
 // logits [T, V] float32 -> int64 [T]: each row's argmax (the first of equal maxima; the first NaN)
 at::Tensor argmax_rows(const at::Tensor& logits) {
   check(logits, 2, "logits");
@@ -1576,6 +1630,36 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) op[t] = argmax_row(xp + t * n, n);
+  });
+  return out;
+}
+
+// processed logits [T, V] float32 (the caller's to give away), uniform [T] float64 in [0, 1) -> int64 [T]: each
+// row's exp(x - max) in place (exp_shifted_rows), then the token where u falls (invert_cdf_row): sampler.py's
+// draw for the sampled rows in one call
+at::Tensor draw_rows(at::Tensor x, const at::Tensor& uniform) {
+  check(x, 2, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(uniform.device().is_cpu() && uniform.scalar_type() == at::kDouble && uniform.is_contiguous() &&
+                  uniform.numel() == rows,
+              "uniform must hold one float64 per row");
+  TORCH_CHECK(n > 0, "x must have at least one column");
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  float* xp = x.data_ptr<float>();
+  const double* up = uniform.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, kSampleRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* r = xp + t * n;
+      const float top = row_max(r, n);
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 m = _mm512_set1_ps(top);
+      for (; i + 16 <= n; i += 16) _mm512_storeu_ps(r + i, exp_or_zero16(_mm512_loadu_ps(r + i), m));
+#endif
+      for (; i < n; ++i) r[i] = r[i] == -INFINITY ? 0.f : fast_exp(r[i] - top);
+      op[t] = invert_cdf_row(r, n, up[t]);
+    }
   });
   return out;
 }
@@ -1624,6 +1708,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, nogil, "x @ W.T, W int4 in groups (scale, mid), widened as it is read");
   m.def("rope", &rope, nogil, "rotary embedding of q and k by their positions");
   m.def("exp_shifted_rows", &exp_shifted_rows, nogil, "exp(x - row max) in place, 0 where x is -inf");
+  m.def("draw_rows", &draw_rows, nogil, "exp(x - row max) in place, then each row's token at its uniform number");
   m.def("argmax_rows", &argmax_rows, nogil, "each row's argmax (the first of equal maxima, the first NaN)");
   m.def("filter_rows", &filter_rows, nogil, "top-k / top-p / min-p of tempered logits, in place (dropped: -inf)");
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of a joined gate|up projection", py::arg("gate_up"),
