@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from engine import sse
+
 
 class Session:
     """One browser tab, talking to gradio as the page's own script does: an event joins the queue (POST
@@ -76,7 +78,7 @@ class Session:
                     return
             try:
                 with self.http.stream("GET", self.api + "queue/data", params={"session_hash": self.hash}) as s:
-                    for line in s.iter_lines():
+                    for line in sse.lines(s.iter_text()):
                         if not line.startswith("data:"):
                             continue
                         m = json.loads(line[5:])

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import sse
 from engine.service import HistorySample
 from viz import figures
 from viz.dashboard import ChatView, DashboardFigures
@@ -337,7 +338,7 @@ class RemoteServer:
                     yield history + [{"role": "assistant", "content": f"{WARNING} {note}: {error_text(response)}"}], ""
                     return
                 history = history + [{"role": "assistant", "content": ""}]
-                for line in response.iter_lines():
+                for line in sse.lines(response.iter_text()):
                     if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                         continue
                     chunk = json.loads(line[5:])

@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from engine import sse
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MB = 1 << 20
@@ -119,7 +121,7 @@ def stream_gaps(url: str, api_key: str | None, max_tokens: int) -> list[float]:
     times = []
     with httpx.stream("POST", url + CHAT, json=body, headers=headers, timeout=120) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
+        for line in sse.lines(r.iter_text()):
             if line.startswith("data:") and "[DONE]" not in line:
                 times.append(time.perf_counter())
     return [b - a for a, b in zip(times, times[1:])]

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.request import RequestOutput
 from engine.sampler import InvalidSamplingParam, SamplingParams, TokenLogprobs
+from engine.sse import event
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
 # Fields that change what a model generates and this engine does not do, with the value that means "off":
@@ -270,5 +271,4 @@ def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finished else None
 
 
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+sse = event  # one `data:` event (engine/sse.py: the format, written and read in one place)

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from .. import sse
 from ..workloads import Workload
 
 APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -214,7 +215,7 @@ async def stream_request(client: httpx.AsyncClient, endpoint: str, body: dict, c
                 await response.aread()
                 rec.error = error_message(response)
                 return rec
-            async for line in response.aiter_lines():
+            async for line in sse.alines(response.aiter_text()):
                 if not line.startswith("data:"):
                     continue  # blank separators, comments (": ping") and other SSE fields
                 data = line[5:].strip()
