@@ -177,6 +177,17 @@ class LessonRunner:
         run.note = outcome
         return True
 
+    def _wait_for_traffic(self, run: LessonRun, since: float, timeout_s: float = 30.0) -> None:
+        """Until the engine has stepped on the lesson's traffic, so that the before phase's clock measures an engine
+        at work rather than how long its first step took to come (a busy machine; a cold start). Bounded: a lesson
+        whose traffic never runs still ends, with no number to show."""
+        deadline = time.time() + timeout_s
+        while not run.stop.is_set() and time.time() < deadline:
+            history = self.pg.service.history
+            if history and history[-1].time >= since and history[-1].num_running > 0:
+                return
+            time.sleep(0.05)
+
     def _wait(self, run: LessonRun, seconds: float, flip_ends_it: bool = False) -> None:
         deadline = time.time() + seconds
         while not run.stop.is_set() and time.time() < deadline:
@@ -193,9 +204,13 @@ class LessonRunner:
             start.update(lesson.configuration())
             if not self._apply(run, start) or run.stop.is_set():
                 return
+            traffic_at = time.time()
             note = self.pg.start_traffic(lesson.workload, lesson.users, before_s + after_s + 60)
             if note:
                 run.phase, run.note = "failed", note
+                return
+            self._wait_for_traffic(run, traffic_at)
+            if run.stop.is_set():
                 return
             run.phase, run.t_before = "before", time.time()
             self._wait(run, before_s, flip_ends_it=True)

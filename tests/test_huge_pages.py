@@ -33,8 +33,10 @@ def test_gather_moves_in_place_into_huge_pages():
     assert view.data_ptr() == base.data_ptr() + base.stride(0) * 4
     big[1].add_(1)  # each still its own memory: writing one leaves its neighbours alone
     assert torch.equal(big[1], before[1] + 1) and torch.equal(big[0], before[0]) and torch.equal(big[2], before[2])
-    # the kernel gave 2 MB pages: all of the buffer's whole pages (~21 MB) but the partial ones at its ends
-    assert huge_pages.huge_bytes(big[0]) >= moved - 4 * MB
+    # the buffer is marked for 2 MB pages; how many the kernel gives depends on how fragmented memory is (under a
+    # full test run: 6 of 14 MB), so only that it gave some is asserted
+    assert huge_pages.advised(big[0]) and not huge_pages.advised(small)
+    assert huge_pages.huge_bytes(big[0]) > 0
 
 
 def test_gather_leaves_what_cannot_move(monkeypatch):
@@ -74,4 +76,4 @@ def test_the_default_model_streams_from_huge_pages(default_llm):
     assert model.huge_page_bytes == sum(t.numel() * t.element_size() for t in tensors)
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(storages) == 1
-    assert huge_pages.huge_bytes(tensors[0]) >= model.huge_page_bytes - 4 * MB
+    assert huge_pages.advised(tensors[0]) and huge_pages.huge_bytes(tensors[0]) > 0
