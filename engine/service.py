@@ -29,6 +29,11 @@ from .snapshot import EngineCounters, EngineSnapshot
 DEFAULT_MAX_WAITING_REQUESTS = 256
 # while the engine steps, its whole snapshot is taken at most this often (every step's counters go to the history)
 SNAPSHOT_INTERVAL_S = 0.05
+# steps the time series keeps (one sample each, ~350 bytes: 21 MB at most). It must outlast the dashboard's 180 s
+# charts and a lesson's phases (30 s + 45 s, measured at its end) at the fastest step: 3,600 held 36-43 s of
+# SmolLM2's 10-12 ms batch-1 steps, and 3.2 s of a tiny model's, which had evicted a 3 s before phase by the time
+# the lesson measured it
+HISTORY_LEN = 60_000
 
 
 class ServiceBusy(RuntimeError):
@@ -69,7 +74,7 @@ class IterationStats:
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class HistorySample:
     """One point of the dashboard's time series (taken after every step)."""
     time: float
@@ -115,7 +120,7 @@ class ConfigView:
 
 
 class EngineService:
-    def __init__(self, engine: LLMEngine, history_len: int = 3600,
+    def __init__(self, engine: LLMEngine, history_len: int = HISTORY_LEN,
                  max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
                  stat_listeners: list[Callable[[IterationStats], None]] | None = None,
                  follows: EngineService | None = None,

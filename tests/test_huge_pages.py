@@ -35,7 +35,7 @@ def test_gather_moves_in_place_into_huge_pages():
     assert torch.equal(big[1], before[1] + 1) and torch.equal(big[0], before[0]) and torch.equal(big[2], before[2])
     # the buffer is marked for 2 MB pages; how many the kernel gives depends on how fragmented memory is (under a
     # full test run: 6 of 14 MB), so only that it gave some is asserted
-    assert huge_pages.advised(big[0]) and not huge_pages.advised(small)
+    assert huge_pages.advised(big[0])  # (not `small`'s absence: the heap may reuse memory an earlier buffer marked)
     assert huge_pages.huge_bytes(big[0]) > 0
 
 
