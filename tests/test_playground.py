@@ -151,7 +151,8 @@ def test_a_chat_tells_its_tab_which_request_is_its_own(pg):
     session = ChatSession()
     pg.chat_sent(session)  # the tab starts polling before the chat has a request id
     assert session.expecting() and pg.chat_view(session)[1]
-    chat = pg.chat("Hello there", [], 0.0, 8, session)
+    # 300 tokens: the tiny model's 8 could be done (its stream closed) before the id is looked at
+    chat = pg.chat("Hello there", [], 0.0, 300, session)
     history, stats = next(chat)  # the message shows at once; the engine's id is known from here on
     assert history == [{"role": "user", "content": "Hello there"}] and stats == "sent, waiting for the first token"
     rid = session.request_id
