@@ -22,7 +22,7 @@ from .engine import LLMEngine
 from .host import EngineLoop, on_its_own_thread
 from .request import RequestMetrics, RequestOutput
 from .sampler import SamplingParams
-from .snapshot import EngineCounters, EngineSnapshot
+from .snapshot import EngineCounters, EngineSnapshot, StepCounters
 
 # Requests allowed to wait for a seat before new ones are refused (ServiceBusy): a burst beyond it gets "retry
 # later" at once instead of growing the queue, and its memory, without limit.
@@ -75,18 +75,10 @@ class IterationStats:
 
 
 @dataclass(slots=True)
-class HistorySample:
-    """One point of the dashboard's time series (taken after every step)."""
-    time: float
-    step: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    kv_blocks_used: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    generation_tokens_total: int
-    step_ms: float
+class HistorySample(StepCounters):
+    """One point of the dashboard's time series (taken after every step): the engine's counters then, and"""
+    time: float  # when (time.time())
+    step_ms: float  # how long the step took
     ttft_s: float | None  # of requests that got their first token in this step (mean)
     tpot_s: float | None  # of requests that finished in this step (mean)
 
@@ -362,9 +354,10 @@ class EngineService:
         self._add_counter_deltas(stats, prev, now)
         ttfts = stats.time_to_first_tokens
         self.history.append(HistorySample(
-            time.time(), now.step, now.num_running, now.num_waiting, now.num_preemptions, now.kv_blocks_used,
-            now.prefix_cache_queries, now.prefix_cache_hits, now.generation_tokens_total, step_ms,
-            sum(ttfts) / len(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None))
+            now.step, now.num_running, now.num_waiting, now.num_preemptions, now.kv_blocks_used,
+            now.prefix_cache_queries, now.prefix_cache_hits, now.generation_tokens_total, time=time.time(),
+            step_ms=step_ms, ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
+            tpot_s=sum(tpots) / len(tpots) if tpots else None))
         # the whole snapshot (every block's state, every live request) at most every SNAPSHOT_INTERVAL_S while
         # stepping: a reader polls it at most a few times a second, and it cost 0.2-0.25 ms a step of a 10-13 ms
         # batch-1 step here; at once for step_once, a configuration change, or the last step before idling

@@ -69,10 +69,10 @@ class RequestView:
         return self.status == "running" and self.num_computed_tokens < self.num_prompt_tokens
 
 
-@dataclass(frozen=True)
-class EngineCounters:
-    """The engine's counters now, without the snapshot's per-block and per-request lists: cheap enough to read after
-    every step (the service's time series and its per-step deltas), where a whole snapshot cost 0.2-0.25 ms."""
+@dataclass(slots=True)
+class StepCounters:
+    """The engine's counters after a step, as its time series keeps them (service.HistorySample adds the step's
+    time and latencies)."""
     step: int
     num_running: int
     num_waiting: int
@@ -81,6 +81,12 @@ class EngineCounters:
     prefix_cache_queries: int
     prefix_cache_hits: int
     generation_tokens_total: int
+
+
+@dataclass(slots=True)
+class EngineCounters(StepCounters):
+    """The engine's counters now, without the snapshot's per-block and per-request lists: cheap enough to read after
+    every step (the service's time series and its per-step deltas), where a whole snapshot cost 0.2-0.25 ms."""
     spec_num_drafts: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int

@@ -127,9 +127,10 @@ def history_sample(step: int, cur: MetricsReading, prev: MetricsReading | None, 
         count = getattr(cur, f"{part}_count") - getattr(prev, f"{part}_count")
         return (getattr(cur, f"{part}_sum") - getattr(prev, f"{part}_sum")) / count if count > 0 else None
     total = usable_blocks(cur, reserved) or 100  # without the pool's size, usage is drawn in percent
-    return HistorySample(cur.time, step, int(cur.num_running), int(cur.num_waiting), int(cur.num_preemptions),
+    return HistorySample(step, int(cur.num_running), int(cur.num_waiting), int(cur.num_preemptions),
                          round((cur.kv_usage or 0.0) * total), int(cur.prefix_cache_queries),
-                         int(cur.prefix_cache_hits), int(cur.generation_tokens), 0.0, mean("ttft"), mean("itl"))
+                         int(cur.prefix_cache_hits), int(cur.generation_tokens), time=cur.time, step_ms=0.0,
+                         ttft_s=mean("ttft"), tpot_s=mean("itl"))
 
 
 def counters_went_back(cur: MetricsReading, prev: MetricsReading) -> bool:

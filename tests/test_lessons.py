@@ -42,7 +42,8 @@ def test_a_broken_lesson_is_refused_by_name():
 
 
 def sample(t, gen, hits=0, queries=0, preempt=0, blocks=0, running=0, step_ms=10.0, ttft=None, tpot=None):
-    return HistorySample(t, int(t), running, 0, preempt, blocks, queries, hits, gen, step_ms, ttft, tpot)
+    return HistorySample(int(t), running, 0, preempt, blocks, queries, hits, gen, time=t, step_ms=step_ms, ttft_s=ttft,
+                         tpot_s=tpot)
 
 
 def test_window_numbers_come_from_the_history_and_survive_a_restart():
