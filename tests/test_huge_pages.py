@@ -36,7 +36,18 @@ def test_gather_moves_in_place_into_huge_pages():
     # the buffer is marked for 2 MB pages; how many the kernel gives depends on how fragmented memory is (under a
     # full test run: 6 of 14 MB), so only that it gave some is asserted
     assert huge_pages.advised(big[0])  # (not `small`'s absence: the heap may reuse memory an earlier buffer marked)
+    if huge_pages.huge_bytes(big[0]) == 0 and not kernel_gives_huge_pages():
+        pytest.skip("this kernel marks the buffer but gives no 2 MB page even to a fresh probe (seen in a "
+                    "Firecracker VM whose THP setting says madvise): the move itself is checked above")
     assert huge_pages.huge_bytes(big[0]) > 0
+
+
+def kernel_gives_huge_pages() -> bool:
+    """Whether this kernel backs a fresh, aligned, madvised 8 MB region with any 2 MB page once touched."""
+    probe = torch.randn(2 * MB)  # 8 MB of float32, moved by gather into its own advised buffer
+    huge_pages.gather([probe])
+    probe.fill_(1.0)
+    return huge_pages.huge_bytes(probe) > 0
 
 
 def test_gather_leaves_what_cannot_move(monkeypatch):
