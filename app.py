@@ -18,6 +18,7 @@ Off loopback, with --share or on Spaces and no token: public mode, nobody change
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from pathlib import Path
@@ -34,7 +35,18 @@ from engine import LLM
 from engine.bench import load_feature_preset, parse_assignments
 from engine.host import EngineHost
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
-from playground.access import OPEN, OWNER_ENV, PUBLIC, TOKEN, TOKEN_ENV, Access, Seats, audience, presenter_controls
+from playground.access import (
+    OPEN,
+    OWNER_ENV,
+    PUBLIC,
+    TOKEN,
+    TOKEN_ENV,
+    Access,
+    QueueBound,
+    Seats,
+    audience,
+    presenter_controls,
+)
 from playground.engine_tabs import build_ablation_tab, build_compare_tab, build_settings_tab, build_step_tab
 from playground.features_tab import build_features_tab
 from playground.handlers import Playground
@@ -45,7 +57,7 @@ from playground.remote_tab import build_remote_tab
 from playground.room import plain
 from playground.serialised import SerialisedFigures
 from playground.watching import Watcher
-from server import OpenAIApi, served_model_name
+from server import OpenAIApi, served_model_name, timeouts
 
 INTRO = """# Watch an LLM inference engine work
 A real engine (paged KV cache, continuous batching, prefix caching, chunked prefill, speculative decoding,
@@ -110,6 +122,12 @@ def keep_charts_in_shape(demo: gr.Blocks, tabs: gr.Tabs) -> None:
     demo.load(None, None, None, js=KEEP_CHART_HEIGHTS)
 
 
+def refuse(message: str) -> gr.Error:
+    """A refused call as the visitor sees it (gradio's error toast); the server logs one line (access.py), not the
+    traceback gradio prints for an error by default."""
+    return gr.Error(message, print_exception=False)
+
+
 def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
     """Each tab is one builder, `build_x_tab(pg, serialised)`, that puts every component it makes (states too)
     inside its own gr.Tab: one placed among the tabs themselves shifts their labels. A timer inside a tab ticks
@@ -161,7 +179,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
         back.click(audience(lambda: (gr.Tabs(selected=LESSONS_TAB), "Lessons")), None, [tabs, shown],
                    api_name="back_to_lesson", show_progress="hidden")
         wire_roles(demo, access, role)
-    access.guard(demo, gr.Error)  # last: every event registered above, gated unless marked audience
+    access.guard(demo, refuse)  # last: every event registered above, gated unless marked audience
     return demo
 
 
@@ -189,7 +207,7 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
         clock.tick(refresh, [sent, shown], [status, *plots, header, sent], concurrency_limit=4,
                    show_progress="hidden", api_name="dashboard", postprocess=False)
         wire_roles(demo, access, role)
-    access.guard(demo, gr.Error)
+    access.guard(demo, refuse)
     return demo
 
 
@@ -224,16 +242,23 @@ def wire_roles(demo: gr.Blocks, access: Access, role: dict) -> None:
             + ((note,) if "unlock_note" in role else ())
 
     outputs = [role["banner"], *controls, *([role["unlock_note"]] if "unlock_note" in role else [])]
+    # each page's visitor id, issued as it loads and kept in the browser (a reload is the same visitor): what its
+    # shares, its queue bound and its unlock are keyed by (playground/identity.py)
+    kept = gr.BrowserState(None, storage_key=VISITOR_STORAGE_KEY)
+    demo.load(audience(lambda token: access.admit(token) or gr.skip()), kept, kept, api_name="visitor",
+              api_visibility="private", show_progress="hidden")
     demo.load(audience(lambda: view()), None, outputs, api_visibility="private")
     demo.unload(audience(lambda: access.forget()))
     if "unlock" in role:
         def unlock(token: str):
             return (*view(access.unlock(token)), "")  # the token never stays in the box
-        # one unlock at a time, a wrong token answering a second late: guessing the token is slow. The box is
-        # emptied in the same answer: a chained event emptied it a round trip later, over a token typed since
-        role["unlock"].click(audience(unlock), role["token"], [*outputs, role["token"]], concurrency_limit=1,
+        # A wrong guess answers at once; the next from the same source is refused unchecked until its delay has
+        # passed (identity.Guesses), so guessing is slow without making anyone wait in line: strangers' guesses
+        # never hold up the presenter's Unlock. The box is emptied in the same answer: a chained event emptied it
+        # a round trip later, over a token typed since
+        role["unlock"].click(audience(unlock), role["token"], [*outputs, role["token"]], concurrency_limit=16,
                              concurrency_id="unlock", api_name="unlock")
-        role["token"].submit(audience(unlock), role["token"], [*outputs, role["token"]], concurrency_limit=1,
+        role["token"].submit(audience(unlock), role["token"], [*outputs, role["token"]], concurrency_limit=16,
                              concurrency_id="unlock", api_visibility="private")
 
 
@@ -246,19 +271,33 @@ def launch(pg: Playground | Watcher, model_name: str, access: Access | None = No
     A Watcher's page has no API of its own: the watched server serves it."""
     if access is None:
         access = Access.for_launch(launch_kwargs.get("server_name"), bool(launch_kwargs.get("share")))
+    # who a client is, access.py decides (behind the proxies it was told to trust): uvicorn must not rewrite the
+    # peer's address from X-Forwarded-For itself, which by default it does for any peer on loopback
+    os.environ["FORWARDED_ALLOW_IPS"] = ""
+    pg.access = access
+    timeouts.install()  # slow clients time out while sending their headers and body, as production servers do
     if not pg.local:
         demo = build_watch_app(pg, access)
-        calm_queue(demo.queue(default_concurrency_limit=8))
-        demo.launch(**launch_kwargs)
+        serve(demo, access, launch_kwargs)
         return demo
     demo = build_app(pg, access)
-    # the live service, even after a restart
+    # the live service, even after a restart; the API's audience gets the page's fair shares
     api = OpenAIApi(lambda: pg.service, pg.llm.tokenizer, model_name, api_key=api_key, seats=pg.seats,
-                    uncapped=access.presents_api)  # the API's audience gets the page's fair shares
+                    share=access.api_share)
     pg.stat_listeners.append(api.metrics.record)
-    calm_queue(demo.queue(default_concurrency_limit=8))
-    demo.launch(app_kwargs={"routes": api.routes()}, **launch_kwargs)
+    serve(demo, access, {"app_kwargs": {"routes": api.routes()}, **launch_kwargs})
     return demo
+
+
+QUEUE_MAX = 256  # page events waiting in gradio's queue, the whole room's; more are refused ("queue full")
+
+
+def serve(demo: gr.Blocks, access: Access, launch_kwargs: dict) -> None:
+    """gradio's queue, bounded (the room's, and each visitor's when the engine is shared), then gradio's launch."""
+    calm_queue(demo.queue(default_concurrency_limit=8, max_size=QUEUE_MAX))
+    if access.shared:
+        QueueBound(access).install(demo)
+    demo.launch(**launch_kwargs)
 
 
 QUEUE_POLL_S = 0.02  # gradio's queue checks for work every 1 ms (progress every 10 ms) when idle
@@ -276,6 +315,11 @@ def calm_queue(demo: gr.Blocks) -> None:
 
 
 def main() -> None:
+    # the server's own lines (refused calls, wrong token guesses, unlocks) on stderr; other libraries stay quiet
+    said = logging.getLogger("watch_llm")
+    said.setLevel(logging.INFO)
+    said.addHandler(logging.StreamHandler())
+    said.handlers[-1].setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: embedded SmolLM2)")
     parser.add_argument("--preset", default=None, help="a feature preset from presets/features/ (e.g. naive)")
@@ -301,6 +345,13 @@ def main() -> None:
                         help="replies each audience member may have on their way at once (public and token modes)")
     parser.add_argument("--audience-max-tokens", type=int, default=256, metavar="N",
                         help="the longest reply an audience member may ask for (public and token modes)")
+    parser.add_argument("--address-replies", type=int, default=16, metavar="N",
+                        help="replies on their way at once from one client address in all, page and API (public and "
+                             "token modes; a room behind one NAT shares it: raise it for a big one; 0: no bound)")
+    parser.add_argument("--forwarded-allow-ips", default=os.environ.get("FORWARDED_ALLOW_IPS"), metavar="IPS",
+                        help="proxies trusted to say who their client is (X-Forwarded-For, Forwarded): addresses or "
+                             "networks, comma-separated (default: none; on Spaces, its internal networks; "
+                             "$FORWARDED_ALLOW_IPS, as uvicorn names it)")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on /v1/* (default: $VLLM_API_KEY, as vLLM)")
     parser.add_argument("--lesson-seconds", type=float, default=None, metavar="S",
@@ -315,11 +366,19 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     server_name = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
-    access = Access.for_launch(server_name, args.share or args.public, args.presenter_token,
-                               args.space_owner_presents)
-    print(f"Access: {ROLE_LINES[access.mode]}", flush=True)
+    if args.presenter_token:
+        print(f"Warning: a token on the command line shows in `ps` to every user of this machine; set {TOKEN_ENV} "
+              f"in the environment instead", flush=True)
     try:
-        seats = Seats(args.audience_replies, args.audience_max_tokens)
+        access = Access.for_launch(server_name, args.share or args.public, args.presenter_token,
+                                   args.space_owner_presents, args.forwarded_allow_ips)
+    except ValueError as exc:
+        parser.error(str(exc))
+    trusted = access.proxies.setting
+    print(f"Access: {ROLE_LINES[access.mode]}" + (f"; a client's address from the proxies at {trusted}" if trusted
+                                                   else ""), flush=True)
+    try:
+        seats = Seats(args.audience_replies, args.audience_max_tokens, args.address_replies)
     except ValueError as exc:
         parser.error(str(exc))
     if args.attach:
@@ -380,6 +439,7 @@ def watch(args, parser: argparse.ArgumentParser, access: Access, seats: Seats, s
         watcher.close()
 
 
+VISITOR_STORAGE_KEY = "watch-llm-visitor"  # the browser's localStorage key for the page's signed visitor id
 ROLE_LINES = {OPEN: "everyone at this page may change the engine (it listens on this machine only)",
               TOKEN: "presenter mode: whoever enters the presenter token steers; everyone else chats and watches",
               PUBLIC: "public mode: nobody may change the shared engine (give --presenter-token to steer it)"}

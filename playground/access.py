@@ -8,6 +8,11 @@ until someone decides the audience may call it.
 Modes (`decide_mode`): "open" (a desk: loopback, no token, everyone is presenter, as before), "token" (the
 presenter is whoever entered the secret on the page, or sends it as the X-Presenter-Token header), "public"
 (no secret configured off loopback, with --share or on Spaces: nobody changes shared state).
+
+Who is asking is identity.py's to say (a server-issued visitor id, or the client's address behind trusted
+proxies); this file turns it into a role, the audience's fair shares (Seats) and a bound on what each visitor may
+have waiting in gradio's queue (QueueBound). Wrong token guesses, through any path, are slowed and locked out per
+source (identity.Guesses).
 """
 from __future__ import annotations
 
@@ -15,19 +20,22 @@ import functools
 import hmac
 import inspect
 import ipaddress
+import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .identity import Guesses, Proxies, VisitorIds, Who
+
+log = logging.getLogger("watch_llm.access")
 
 OPEN, TOKEN, PUBLIC = "open", "token", "public"
 TOKEN_ENV = "WATCH_LLM_PRESENTER_TOKEN"  # a Space keeps it as a secret (Settings -> Variables and secrets)
 TOKEN_HEADER = "x-presenter-token"  # gradio_client(url, headers={"X-Presenter-Token": ...}) for scripts
 OWNER_ENV = "WATCH_LLM_SPACE_OWNER_PRESENTS"  # "1" on a Space with `hf_oauth: true`: its owner, logged in, presents
-MAX_UNLOCKED = 64  # presenter sessions remembered (oldest forgotten first)
-FAILED_UNLOCK_DELAY_S = 1.0  # a wrong token answers this late: with one unlock at a time, guessing is slow
+MAX_UNLOCKED = 64  # presenter visitors remembered (oldest forgotten first)
 
 
 def audience(fn: Callable) -> Callable:
@@ -80,6 +88,8 @@ def decide_mode(server_name: str | None, share: bool, token: str | None, spaces:
 class Visitor:
     session: str | None  # gradio's session hash (one browser tab)
     presenter: bool
+    who: Who | None = None  # who the server says is asking (None: no request to tell)
+    note: str = ""  # why a token sent with the call was not taken (too soon after wrong ones)
 
 
 class Refused(Exception):
@@ -87,8 +97,12 @@ class Refused(Exception):
 
 
 class Access:
-    def __init__(self, mode: str = OPEN, token: str | None = None, owner: str | None = None) -> None:
-        """`owner`: a Hugging Face user who is the presenter once logged in (the Space's owner), or None."""
+    def __init__(self, mode: str = OPEN, token: str | None = None, owner: str | None = None,
+                 proxies: Proxies | None = None, ids: VisitorIds | None = None,
+                 guesses: Guesses | None = None) -> None:
+        """`owner`: a Hugging Face user who is the presenter once logged in (the Space's owner), or None.
+        `proxies`: which peers may say who their client is (default: none). `ids`: the visitor ids this server
+        issues; `guesses`: how wrong token guesses are slowed (defaults: identity.py's)."""
         if mode not in (OPEN, TOKEN, PUBLIC):
             raise ValueError(f"access mode must be open, token or public, got {mode!r}")
         if mode == TOKEN and not token:
@@ -96,46 +110,101 @@ class Access:
         self.mode = mode
         self.owner = owner or None
         self._token = token or None
-        self._unlocked: OrderedDict[str, float] = OrderedDict()  # session hash -> when it unlocked
+        self.proxies = proxies or Proxies()
+        self.ids = ids or VisitorIds()
+        self.guesses = guesses or Guesses()
+        self._unlocked: dict[str, float] = {}  # visitor key -> when it unlocked
         self._lock = threading.Lock()
         self.refusals = 0  # calls refused since start (the tests count them)
 
     @classmethod
     def for_launch(cls, server_name: str | None, share: bool, token: str | None = None,
-                   owner_presents: bool | None = None) -> Access:
+                   owner_presents: bool | None = None, forwarded_allow_ips: str | None = None,
+                   ids: VisitorIds | None = None) -> Access:
         token = token or os.environ.get(TOKEN_ENV) or None
         if owner_presents is None:
             owner_presents = os.environ.get(OWNER_ENV, "").strip().lower() in ("1", "true", "yes")
         owner = space_owner() if owner_presents and on_spaces() else None
-        return cls(decide_mode(server_name, share, token), token, owner)
+        return cls(decide_mode(server_name, share, token), token, owner,
+                   Proxies.for_launch(forwarded_allow_ips, on_spaces()), ids)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the engine is shared with an audience (token and public modes): shares and bounds apply."""
+        return self.mode != OPEN
 
     # ---- who is asking ---------------------------------------------------------------------------------------
+    def who(self, request=None, session: str | None = None) -> Who:
+        """Who the server says sent `request` (a gr.Request or a Starlette request; None: the event's own):
+        its issued visitor id when its session holds one, else its address."""
+        request = request if request is not None else current_request()
+        client = getattr(request, "client", None)
+        address = self.proxies.address(getattr(client, "host", None), getattr(request, "headers", None))
+        return self.ids.who(session if session is not None else getattr(request, "session_hash", None), address)
+
+    def admit(self, presented, request=None) -> str | None:
+        """A page loaded: its visitor id (the one it kept, if this server signed it, or a new one). None when its
+        address has been issued too many lately: the page then counts as its address."""
+        request = request if request is not None else current_request()
+        who = self.who(request)
+        return self.ids.admit(getattr(request, "session_hash", None), who.address, presented)
+
     def visitor(self, request=None) -> Visitor:
-        """The visitor behind `request` (a gr.Request; None: the event's own, from gradio's context)."""
+        """The visitor behind `request` (a gr.Request; None: the event's own, from gradio's context). Decided once
+        per request: a wrong X-Presenter-Token counts as one guess, however often the event asks."""
         request = request if request is not None else current_request()
         session = getattr(request, "session_hash", None)
         if self.mode == OPEN:
             return Visitor(session, True)
         if request is None:
             return Visitor(session, False)
+        known = _decided(request)
+        if known is not None:
+            return known
+        who = self.who(request)
         if self.owner is not None and logged_in_as(request) == self.owner:
-            return Visitor(session, True)
-        if self.mode == PUBLIC:
-            return Visitor(session, False)
-        with self._lock:
-            if session is not None and session in self._unlocked:
-                return Visitor(session, True)
+            visitor = Visitor(session, True, who)
+        elif self.mode == PUBLIC:
+            visitor = Visitor(session, False, who)
+        else:
+            with self._lock:
+                unlocked = who.issued and who.key in self._unlocked
+            if unlocked:
+                visitor = Visitor(session, True, who)
+            else:
+                ok, note = self._header_token(request, who)
+                visitor = Visitor(session, ok, who, note)
+        _remember(request, visitor)
+        return visitor
+
+    def _header_token(self, request, who: Who) -> tuple[bool, str]:
+        """Whether the call carries the right X-Presenter-Token: a guess like any other, slowed per source."""
         headers = getattr(request, "headers", None) or {}
         sent = headers.get(TOKEN_HEADER) if hasattr(headers, "get") else None
-        return Visitor(session, bool(sent) and self._matches(sent))
+        if not sent:
+            return False, ""
+        return self._guess(sent, who)
 
-    def presents_api(self, request) -> bool:
-        """Whether an API request is the presenter's, uncapped by the audience's shares: everyone's at a desk (open
-        mode); in token mode, a request that sends the presenter token in the same header the page uses."""
+    def _guess(self, candidate, who: Who) -> tuple[bool, str]:
+        """(right, why not taken): a guess checked only when its source may try again."""
+        wait = self.guesses.wait(who)
+        if wait > 0:
+            return False, f"too many wrong presenter tokens from here: the next try is taken in {wait:.0f} s"
+        if self._matches(candidate):
+            self.guesses.succeeded(who)
+            return True, ""
+        self.guesses.failed(who)
+        return False, "That is not the presenter token."
+
+    def api_share(self, request) -> Who | None:
+        """Who an API request's share is counted against, or None when it is uncapped: everyone at a desk (open
+        mode), and in token mode a request that sends the presenter token in the same header the page uses."""
         if self.mode == OPEN:
-            return True
-        sent = request.headers.get(TOKEN_HEADER)
-        return self.mode == TOKEN and bool(sent) and self._matches(sent)
+            return None
+        who = self.who(request, session="")
+        if self.mode == TOKEN and self._header_token(request, who)[0]:
+            return None
+        return who
 
     def _matches(self, candidate: str) -> bool:
         if not isinstance(candidate, str) or self._token is None:
@@ -143,31 +212,35 @@ class Access:
         return hmac.compare_digest(candidate.encode("utf-8", "replace"), self._token.encode("utf-8"))
 
     def unlock(self, candidate: str, request=None) -> str:
-        """The page's "become presenter": right -> this tab is the presenter's from now on."""
+        """The page's "become presenter": right -> this visitor is the presenter from now on (every page that
+        holds its visitor id, until the last of them closes)."""
         if self.mode == OPEN:
             return "Everyone at this page may change the engine (it listens on this machine only)."
         if self.mode == PUBLIC:
             return f"Public mode: {self.how_to_unlock()}"
         request = request if request is not None else current_request()
-        session = getattr(request, "session_hash", None)
-        if not self._matches((candidate or "").strip()):
-            time.sleep(FAILED_UNLOCK_DELAY_S)
-            return "⚠️ That is not the presenter token."
-        if session is None:
-            return "⚠️ This call has no session to unlock; send the token as the X-Presenter-Token header instead."
+        who = self.who(request)
+        if not who.issued:  # refused unchecked: an unknown page is no oracle
+            return ("⚠️ This page has no visitor id (reload it), or this call is a script's: send the token as the "
+                    "X-Presenter-Token header instead.")
+        right, why = self._guess((candidate or "").strip(), who)
+        if not right:
+            return f"⚠️ {why}"
         with self._lock:
-            self._unlocked[session] = time.time()
-            self._unlocked.move_to_end(session)
+            self._unlocked[who.key] = time.time()
             while len(self._unlocked) > MAX_UNLOCKED:
-                self._unlocked.popitem(last=False)
+                self._unlocked.pop(min(self._unlocked, key=self._unlocked.get))
+        log.info("presenter: unlocked by %s", who.describe())
         return "Unlocked: you are the presenter in this tab. Every change you make is shown to the room."
 
     def forget(self, request=None) -> None:
-        """A tab closed: its presenter rights go with it."""
+        """A tab closed: its session's visitor id goes, and with the last tab of a presenter, its rights."""
         request = request if request is not None else current_request()
-        session = getattr(request, "session_hash", None)
-        with self._lock:
-            self._unlocked.pop(session, None)
+        who = self.who(request)
+        self.ids.forget(getattr(request, "session_hash", None))
+        if who.issued and self.ids.sessions_of(who.key) == 0:
+            with self._lock:
+                self._unlocked.pop(who.key, None)
 
     # ---- what the page says ----------------------------------------------------------------------------------
     def how_to_unlock(self) -> str:
@@ -196,7 +269,9 @@ class Access:
         visitor = self.visitor(request)
         if not visitor.presenter:
             self.refusals += 1
-            raise Refused(self.refusal(what))
+            log.info("refused: %s asked to %s", visitor.who.describe() if visitor.who else "a caller", what)
+            held = visitor.note if visitor.note.startswith("too many") else ""
+            raise Refused(self.refusal(what) + (f" ({held})" if held else ""))
         return visitor
 
     def gated(self, fn: Callable, what: str, refuse: Callable[[str], Exception]) -> Callable:
@@ -257,6 +332,18 @@ def describe_action(name: str) -> str:
     return "this control" if not words or words.startswith("<") else words
 
 
+def _decided(request) -> Visitor | None:
+    return getattr(request, "_watch_llm_visitor", None) if hasattr(request, "__dict__") else None
+
+
+def _remember(request, visitor: Visitor) -> None:
+    if hasattr(request, "__dict__"):
+        try:
+            request._watch_llm_visitor = visitor
+        except AttributeError:  # a request type that keeps no attributes: decided again next time
+            pass
+
+
 def current_request():
     """The gr.Request of the event being handled (gradio keeps it in a context variable while an event runs)."""
     try:
@@ -267,34 +354,99 @@ def current_request():
 
 
 class Seats:
-    """Fair shares of the engine for the audience: at most `per_visitor` chats in flight per visitor (session),
-    and replies of at most `max_tokens`. The presenter and a desk (open mode) are not limited."""
+    """Fair shares of the engine for the audience: at most `per_visitor` replies in flight per visitor, at most
+    `per_address` from one address in all (a classroom behind one NAT shares it; 0: no such bound), and replies of
+    at most `max_tokens`. The presenter and a desk (open mode) are not limited. A visitor is a Who (identity.py):
+    an issued visitor id, or the address's unidentified calls, which share one visitor's share."""
 
-    def __init__(self, per_visitor: int = 2, max_tokens: int = 256) -> None:
-        if per_visitor < 1 or max_tokens < 1:
-            raise ValueError(f"per_visitor and max_tokens must be >= 1, got {per_visitor} and {max_tokens}")
+    def __init__(self, per_visitor: int = 2, max_tokens: int = 256, per_address: int = 16) -> None:
+        if per_visitor < 1 or max_tokens < 1 or per_address < 0:
+            raise ValueError(f"per_visitor and max_tokens must be >= 1 and per_address >= 0, got {per_visitor}, "
+                             f"{max_tokens} and {per_address}")
         self.per_visitor = per_visitor
         self.max_tokens = max_tokens
+        self.per_address = per_address
         self._in_flight: dict[str, int] = {}
+        self._by_address: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def take(self, visitor: str) -> None:
-        """One more chat for `visitor`; ValueError (said in the chat) when they already have their share."""
+    def take(self, who: Who) -> None:
+        """One more reply for `who`; ValueError (said in the chat, a 429 on the API) past either share."""
         with self._lock:
-            held = self._in_flight.get(visitor, 0)
+            held = self._in_flight.get(who.key, 0)
             if held >= self.per_visitor:
                 raise ValueError(f"you already have {held} replies on their way (at most {self.per_visitor} at a "
                                  f"time for each visitor of this shared engine): wait for one to finish")
-            self._in_flight[visitor] = held + 1
+            from_there = self._by_address.get(who.address, 0)
+            if self.per_address and from_there >= self.per_address:
+                raise ValueError(f"{from_there} replies are already on their way to your network's address (at most "
+                                 f"{self.per_address} at a time from one address on this shared engine): wait "
+                                 f"for one to finish")
+            self._in_flight[who.key] = held + 1
+            self._by_address[who.address] = from_there + 1
 
-    def give_back(self, visitor: str) -> None:
+    def give_back(self, who: Who) -> None:
         with self._lock:
-            held = self._in_flight.get(visitor, 0) - 1
-            if held > 0:
-                self._in_flight[visitor] = held
-            else:
-                self._in_flight.pop(visitor, None)
+            for table, key in ((self._in_flight, who.key), (self._by_address, who.address)):
+                held = table.get(key, 0) - 1
+                if held > 0:
+                    table[key] = held
+                else:
+                    table.pop(key, None)
 
-    def in_flight(self, visitor: str) -> int:
+    def in_flight(self, key: str) -> int:
+        """Replies in flight for a visitor's key (Who.key)."""
         with self._lock:
-            return self._in_flight.get(visitor, 0)
+            return self._in_flight.get(key, 0)
+
+    def from_address(self, address: str) -> int:
+        with self._lock:
+            return self._by_address.get(address, 0)
+
+
+class QueueBound:
+    """What each visitor may have waiting or running in gradio's queue (every page event: chats and views alike),
+    and what one address may have in all; more are refused when they join, before anything else is spent on them.
+    gradio's own `max_size` bounds the room's queue as a whole. Page-load events are counted only against the
+    address (a room arriving behind one NAT loads its pages at once, before any has its visitor id)."""
+
+    def __init__(self, access: Access, per_visitor: int = 8, per_address: int = 128) -> None:
+        self.access, self.per_visitor, self.per_address = access, per_visitor, per_address
+        self._events: dict[str, tuple[str, str]] = {}  # event id -> (visitor key, address)
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def install(self, demo) -> None:
+        """Wrap the built page's queue: its push is where every event joins (the page, gradio_client, /call)."""
+        queue = demo._queue
+        push = queue.push
+        loads = {fn_id for fn_id, fn in demo.fns.items() if any(t[1] == "load" for t in fn.targets)}
+
+        async def bounded_push(body, request, username):
+            who = self.access.who(request, session=body.session_hash or "")
+            live = queue.event_ids_to_events
+            why = self.check(who, body.fn_index in loads, live)
+            if why:
+                self.refused += 1
+                return False, why, "queue_full"
+            ok, event_id, state = await push(body, request, username)
+            if ok:
+                with self._lock:
+                    self._events[event_id] = ("" if body.fn_index in loads else who.key, who.address)
+            return ok, event_id, state
+        queue.push = bounded_push
+
+    def check(self, who: Who, page_load: bool, live) -> str:
+        """Why `who` may not add an event now ("" when they may); forgets events that have left the queue."""
+        with self._lock:
+            for event_id in [e for e in self._events if e not in live]:
+                del self._events[event_id]
+            mine = 0 if page_load else sum(1 for key, _ in self._events.values() if key == who.key)
+            theirs = sum(1 for _, address in self._events.values() if address == who.address)
+        if mine >= self.per_visitor:
+            return (f"You have {mine} requests waiting or running on this shared page (at most {self.per_visitor} "
+                    f"each): wait for them to finish.")
+        if theirs >= self.per_address:
+            return (f"Your network's address has {theirs} requests waiting or running on this shared page (at most "
+                    f"{self.per_address}): wait for some to finish.")
+        return ""

@@ -12,6 +12,7 @@ from viz.dashboard import ChatView
 
 from . import conversation
 from .conversation import QUEUED, WARNING
+from .identity import Who
 
 QUEUED_NOTE = f"{QUEUED} queued: the engine is paused (step mode). Press Step or Resume on the Step mode tab to run it."
 PENDING_S = 120.0  # a message sent this long ago whose chat never started (cancelled in gradio's queue) is given up
@@ -39,14 +40,14 @@ class ChatHandlers:
     """chat, chat_sent, chat_view, queued_note: what a chat tab's events call."""
 
     def chat(self, message: str, history: list[dict], temperature: float = 0.7, max_tokens: int = 256,
-             session: ChatSession | None = None, audience: str | None = None) -> Iterator[tuple[list[dict], str]]:
+             session: ChatSession | None = None, audience: Who | None = None) -> Iterator[tuple[list[dict], str]]:
         """Stream the assistant's reply into the history; the second value is the reply's stats line.
         The model sees the conversation without the playground's notes (warnings, "queued"), and without its
         oldest turns when it no longer fits max_model_len (the stats line says so).
         `session`: the tab's ChatSession; its request_id becomes the engine's id for this reply as soon as the
         request is submitted (the tab's live view highlights that request).
-        `audience`: the visitor's key when they are audience on a shared page: their share of the engine is
-        bounded (self.seats: replies in flight, max_tokens)."""
+        `audience`: who the visitor is (identity.Who) when they are audience on a shared page: their share of the
+        engine is bounded (self.seats: replies in flight, theirs and their address's; max_tokens)."""
         seated = False
         try:
             if audience is not None and message and message.strip():

@@ -22,7 +22,7 @@ from engine.service import DEFAULT_MAX_WAITING_REQUESTS, EngineService, Iteratio
 from engine.workloads import list_workloads, load_workload
 from viz.dashboard import DashboardFigures, FigureCache
 
-from .access import Seats
+from .access import Access, Seats
 from .chat import ChatHandlers
 from .conversation import WARNING
 from .lessons import LessonRunner
@@ -62,6 +62,7 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
         self._engine_up = threading.Event()  # cleared while the engine is replaced: a chat sent meanwhile waits
         self._engine_up.set()
         self.room = Room()  # who changed what, for every visitor's status line
+        self.access = Access()  # who may change the engine, and who each visitor is (app.launch sets the page's)
         self.seats = Seats()  # the audience's fair shares of the engine (public and token modes)
         self.lessons = LessonRunner(self)  # the course, run live on this engine (presets/lessons/)
 

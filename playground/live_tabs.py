@@ -10,6 +10,7 @@ from viz.figures import placeholder_figure, to_json
 from .access import OPEN, Access, audience
 from .chat import ChatSession
 from .handlers import Playground, workloads
+from .identity import NOBODY
 from .serialised import SerialisedFigures
 from .watching import Watcher
 
@@ -91,8 +92,8 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
             yield gr.skip(), gr.skip()
             return
         visitor = access.visitor()  # the audience's share of the engine is bounded; the presenter's is not
-        key = None if visitor.presenter else (visitor.session or "anonymous")
-        yield from pg.chat(message, history, temperature_value, max_tokens_value, s, audience=key)
+        who = None if visitor.presenter else (visitor.who or NOBODY)
+        yield from pg.chat(message, history, temperature_value, max_tokens_value, s, audience=who)
 
     seats = chat_seats(pg)
     # On the page (gradio's ChatInterface does the same): the message moves from the box to the tab's state at

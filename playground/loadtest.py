@@ -173,6 +173,7 @@ class Presenter:
             config = json.load(r)
         self.session = Session(url, {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")},
                                headers={"X-Presenter-Token": token})
+        self.session.load()
         fields = {c["id"]: (c.get("props") or {}).get("elem_id") or "" for c in config["components"]}
         deps = {d.get("api_name"): d for d in config["dependencies"]}
         self.inputs = [fields.get(i, "").removeprefix("setting-") for i in deps["apply_settings"]["inputs"]]

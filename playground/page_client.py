@@ -38,6 +38,15 @@ class Session:
         self._events: dict[str, queue.Queue] = {}
         self._reader: threading.Thread | None = None
 
+    def load(self) -> str | None:
+        """What the page does as it loads, where the app asks for it: take the visitor id the server issues (a shared
+        page's shares and bounds are each visitor's; a session without one counts as its address). Returns the
+        signed id, or None (no such event: a desk's page; or this address was issued too many lately)."""
+        if "visitor" not in self.fn_ids:
+            return None
+        out = self.predict("visitor", [None])
+        return out[0] if out and isinstance(out[0], str) else None
+
     def stream(self, api_name: str, data: list) -> Iterator[list]:
         """The event's outputs as they come (a generator's diffs applied): one list of output values each."""
         from gradio_client.utils import apply_diff
@@ -145,4 +154,7 @@ def open_sessions(url: str, n: int) -> list[Session]:
     with urllib.request.urlopen(url + "config", timeout=30) as r:
         config = json.load(r)
     fn_ids = {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")}
-    return [Session(url, fn_ids) for _ in range(n)]
+    sessions = [Session(url, fn_ids) for _ in range(n)]
+    for session in sessions:
+        session.load()
+    return sessions

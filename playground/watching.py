@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from viz.dashboard import DashboardFigures
 
-from .access import Seats
+from .access import Access, Seats
 from .chat import ChatHandlers
 from .conversation import WARNING
 from .remote import NOT_REMOTE, RemoteServer
@@ -71,6 +71,7 @@ class Watcher(Watching, ChatHandlers):
         self.remote = remote
         self.attach_error = ""
         self.room = Room()
+        self.access = Access()  # who may change the engine, and who each visitor is (app.launch sets the page's)
         self.seats = Seats()  # the audience's fair shares of the chat (public and token modes), as a Playground's
         self.replies: deque[str] = deque(maxlen=32)
 

@@ -49,16 +49,17 @@ class ClientGone(Exception):
 
 class OpenAIApi:
     def __init__(self, service: Callable[[], EngineService], tokenizer, model_name: str, api_key: str | None = None,
-                 api_limits: ApiLimits | None = None, seats=None,
-                 uncapped: Callable[[Request], bool] | None = None) -> None:
+                 api_limits: ApiLimits | None = None, seats=None, share: Callable[[Request], object] | None = None
+                 ) -> None:
         """`service`: the live engine service (a callable: the playground may restart the engine). `api_key`:
         required as `Authorization: Bearer` on /v1/* (None: open, as vLLM without --api-key); /metrics and
         /health stay open. `api_limits`: what a request may be (body size, stop list). `seats`: the audience's fair
-        shares of a shared engine (playground.access.Seats: replies in flight per visitor, a max_tokens cap), which
-        a generation request takes unless `uncapped(request)` says it is the presenter's; None: no shares (a
-        desk). An API visitor is its client address."""
+        shares of a shared engine (playground.access.Seats: replies in flight per client and per address, a
+        max_tokens cap), which a generation request takes, counted against `share(request)` (who the server says
+        sent it: playground.access.Access.api_share, the client's address behind trusted proxies), unless that
+        is None (the presenter's token, or a desk). No `share`: no shares."""
         self.service = service
-        self.seats, self.uncapped = seats, uncapped
+        self.seats, self.share = seats, share
         self.api_key = api_key or None
         self.limits = api_limits or ApiLimits()
         self.longest_token = limits.longest_token_chars(tokenizer)
@@ -172,10 +173,11 @@ class OpenAIApi:
             return error_response(engine_stopped(out.error))
         return JSONResponse(self._response(req, out))
 
-    def _take_seat(self, request: Request, req: GenerationRequest) -> str | None:
+    def _take_seat(self, request: Request, req: GenerationRequest):
         """The audience's share this request takes (the visitor it is counted against), or None when it is not
         capped; a max_tokens above the audience's cap is refused, a missing one becomes the cap."""
-        if self.seats is None or (self.uncapped is not None and self.uncapped(request)):
+        who = self.share(request) if self.seats is not None and self.share is not None else None
+        if who is None:
             return None
         cap, asked = self.seats.max_tokens, req.sampling.get("max_tokens")
         if isinstance(asked, int) and not isinstance(asked, bool) and asked > cap:
@@ -184,15 +186,14 @@ class OpenAIApi:
                                        req.max_tokens_param or "max_tokens")
         if asked is None:
             req.sampling["max_tokens"] = cap
-        visitor = f"api:{request.client.host if request.client else 'unknown'}"
         try:
-            self.seats.take(visitor)
+            self.seats.take(who)
         except ValueError as exc:
             raise ApiError(429, str(exc), "rate_limit_exceeded", None, "too_many_requests_in_flight",
                            {"Retry-After": str(RETRY_AFTER_S)}) from exc
-        return visitor
+        return who
 
-    def _give_back(self, seat: str | None) -> None:
+    def _give_back(self, seat) -> None:
         if seat is not None:
             self.seats.give_back(seat)
 

@@ -14,6 +14,7 @@ import pytest
 from engine import LLM
 from playground import access as access_mod
 from playground.access import OPEN, PUBLIC, TOKEN, Access, Seats, decide_mode, presenter_functions
+from playground.identity import Who
 from playground.room import Room, describe_changes, plain
 from tests.conftest import serve_app
 
@@ -37,23 +38,48 @@ def test_the_mode_follows_where_the_page_listens(host, share, token, spaces, mod
     assert decide_mode(host, share, token, spaces) == mode
 
 
-def fake_request(session="tab-1", headers=None):
-    return types.SimpleNamespace(session_hash=session, headers=headers or {})
+def fake_request(session="tab-1", headers=None, host="192.0.2.10"):
+    return types.SimpleNamespace(session_hash=session, headers=headers or {}, client=types.SimpleNamespace(host=host))
 
 
-def test_only_the_right_token_makes_a_presenter(monkeypatch):
-    monkeypatch.setattr(access_mod, "FAILED_UNLOCK_DELAY_S", 0.0)
+def test_only_the_right_token_makes_a_presenter():
     gate = Access(TOKEN, SECRET)
+    for tab in ("tab-1", "tab-2"):
+        assert gate.admit(None, fake_request(tab))  # each page is issued its visitor id as it loads
     assert not gate.visitor(fake_request()).presenter
     assert "not the presenter token" in gate.unlock("guess", fake_request())
+    assert "next try is taken in" in gate.unlock(SECRET, fake_request())  # too soon after a wrong one: unchecked
+    gate.guesses.succeeded(gate.who(fake_request()))  # (as if its delay had passed)
     assert not gate.visitor(fake_request()).presenter
     assert gate.unlock(SECRET, fake_request("tab-1")).startswith("Unlocked")
     assert gate.visitor(fake_request("tab-1")).presenter
-    assert not gate.visitor(fake_request("tab-2")).presenter  # another tab is not unlocked by this one
+    assert not gate.visitor(fake_request("tab-2")).presenter  # another visitor is not unlocked by this one
     assert gate.visitor(fake_request("tab-2", {"x-presenter-token": SECRET})).presenter  # a script's header
-    assert not gate.visitor(fake_request("tab-2", {"x-presenter-token": SECRET[:-1]})).presenter
+    assert not gate.visitor(fake_request("tab-3", {"x-presenter-token": SECRET[:-1]})).presenter
+    # a page the server never issued an id to cannot unlock, and its guess is not even compared
+    checked = gate.guesses.checked
+    assert "no visitor id" in gate.unlock(SECRET, fake_request("invented-hash"))
+    assert gate.guesses.checked == checked
     gate.forget(fake_request("tab-1"))
     assert not gate.visitor(fake_request("tab-1")).presenter
+
+
+def test_a_wrong_header_is_one_guess_per_call_and_then_held_back():
+    gate = Access(TOKEN, SECRET)
+    request = fake_request("script", {"x-presenter-token": "guess"})
+    for _ in range(3):  # the gate and the handler ask again within one call: decided once
+        assert not gate.visitor(request).presenter
+    assert gate.guesses.checked == 1
+    again = fake_request("script", {"x-presenter-token": SECRET})  # the right token, too soon after a wrong one
+    visitor = gate.visitor(again)
+    assert not visitor.presenter and "too many wrong presenter tokens" in visitor.note
+    with pytest.raises(access_mod.Refused, match="next try is taken in"):
+        gate.require_presenter("pause", fake_request("script", {"x-presenter-token": SECRET}))
+    assert gate.guesses.checked == 1
+    # the API's header is the same guess, from the same source (the address: an API client has no visitor id)
+    api = types.SimpleNamespace(headers={"x-presenter-token": SECRET}, client=types.SimpleNamespace(host="192.0.2.10"))
+    assert gate.api_share(api) is not None and gate.guesses.checked == 1
+    assert Access(TOKEN, SECRET).api_share(api) is None  # from a source with no wrong guess: the presenter's
 
 
 def test_on_a_space_its_owner_logged_in_is_the_presenter(monkeypatch):
@@ -125,18 +151,26 @@ def test_the_room_says_who_changed_what():
         "presenter turned prefix_caching off, set max_num_seqs to 8, set num_kv_blocks to automatic")
 
 
-def test_seats_bound_each_visitor():
-    seats = Seats(per_visitor=2, max_tokens=64)
-    seats.take("a")
-    seats.take("a")
-    with pytest.raises(ValueError, match="at most 2 at a time"):
-        seats.take("a")
-    seats.take("b")  # another visitor has their own share
-    seats.give_back("a")
-    seats.take("a")
-    for _ in range(3):
-        seats.give_back("a")
-    assert seats.in_flight("a") == 0
+def test_seats_bound_each_visitor_and_each_address():
+    seats = Seats(per_visitor=2, max_tokens=64, per_address=3)
+    a, b = Who("v:a", "192.0.2.1", True), Who("v:b", "192.0.2.1", True)
+    stranger = Who("ip:198.51.100.1", "198.51.100.1", False)
+    seats.take(a)
+    seats.take(a)
+    with pytest.raises(ValueError, match="at most 2 at a time for each visitor"):
+        seats.take(a)
+    seats.take(b)  # another visitor has their own share ...
+    with pytest.raises(ValueError, match="at most 3 at a time from one address"):
+        seats.take(b)  # ... but their address has had its fill
+    seats.take(stranger)
+    seats.give_back(a)
+    seats.take(b)
+    for who in (a, b, b, stranger):
+        seats.give_back(who)
+    assert seats.in_flight("v:a") == seats.in_flight("v:b") == seats.from_address("192.0.2.1") == 0
+    unbounded = Seats(per_visitor=1, per_address=0)
+    for i in range(50):
+        unbounded.take(Who(f"v:{i}", "192.0.2.1", True))
 
 
 # ---- the page, served, as an anonymous visitor and as the presenter ---------------------------------------------
@@ -198,6 +232,9 @@ def test_no_shared_state_endpoint_answers_an_anonymous_visitor(public):
     assert pg.room.latest() is None  # nothing happened to tell the room
 
 
+LOOPBACK = types.SimpleNamespace(headers={}, client=types.SimpleNamespace(host="127.0.0.1"))
+
+
 def settings_args(demo, pg, **changes) -> list:
     """What the settings form sends to apply_settings: each field as the engine has it, `changes` applied."""
     from playground.settings import form_value
@@ -219,15 +256,23 @@ def test_the_presenter_changes_the_engine_and_the_room_sees_who(public):
     assert "presenter turned prefix\\_caching off" in status  # escaped as text in the status line's Markdown
     assert presenter.predict(*settings_args(demo, pg, prefix_caching=True),
                              api_name="/apply_settings").startswith("Applied")
-    # the unlock through the page: a wrong token is refused, the right one makes this session the presenter
-    assert "not the presenter token" in json.dumps(audience.predict("nope", api_name="/unlock"))
+    # gradio_client runs no page-load event: it has no visitor id, so its Unlock is refused unchecked (a script
+    # sends the header instead), and nothing it sends can be guessed through it
+    checked = pg.access.guesses.checked
+    assert "no visitor id" in json.dumps(audience.predict(SECRET, api_name="/unlock"))
+    assert pg.access.guesses.checked == checked
+    # a page (which loads, and is issued its visitor id): a wrong token is refused, the right one unlocks it
+    from playground import page_client
+    page = page_client.open_sessions(url, 1)[0]
+    assert "not the presenter token" in json.dumps(page.predict("unlock", ["nope"]))
+    pg.access.guesses.succeeded(pg.access.who(session=page.hash, request=LOOPBACK))  # (its delay)
     with pytest.raises(Exception, match="Only the presenter may"):
-        audience.predict(api_name="/pause")
-    assert "Unlocked" in json.dumps(audience.predict(SECRET, api_name="/unlock"))
-    assert "Paused" in audience.predict(api_name="/pause")[0]
+        page.predict("pause")
+    assert "Unlocked" in json.dumps(page.predict("unlock", [SECRET]))
+    assert "Paused" in page.predict("pause")[0]
     assert pg.service.paused
     assert "presenter paused the engine" in audience.predict(api_name="/dashboard")[0]
-    assert "Running" in audience.predict(api_name="/resume")
+    assert "Running" in page.predict("resume")[0]
     assert not pg.service.paused
     # another visitor is still audience
     with pytest.raises(Exception, match="Only the presenter may"):
@@ -249,15 +294,16 @@ def test_an_audience_chat_is_capped_and_answered(public, monkeypatch):
     monkeypatch.setattr(pg.service, "submit", lambda prompt, params, *a: (asked.append(params.max_tokens),
                                                                           submit(prompt, params, *a))[1])
     monkeypatch.setattr(pg.seats, "max_tokens", 6)
-    list(pg.chat("Hello", [], 0.0, 500, audience="visitor-1"))
+    one, two = Who("v:1", "192.0.2.1", True), Who("v:2", "192.0.2.2", True)
+    list(pg.chat("Hello", [], 0.0, 500, audience=one))
     assert asked == [6]
-    pg.seats.take("visitor-1")
-    pg.seats.take("visitor-1")
-    history, _ = list(pg.chat("Hello", [], 0.0, 5, audience="visitor-1"))[-1]
+    pg.seats.take(one)
+    pg.seats.take(one)
+    history, _ = list(pg.chat("Hello", [], 0.0, 5, audience=one))[-1]
     assert "at most 2 at a time" in history[-1]["content"] and asked == [6]
-    assert list(pg.chat("Hello", [], 0.0, 5, audience="visitor-2"))[-1][1]  # another visitor is served
-    pg.seats.give_back("visitor-1")
-    pg.seats.give_back("visitor-1")
+    assert list(pg.chat("Hello", [], 0.0, 5, audience=two))[-1][1]  # another visitor is served
+    pg.seats.give_back(one)
+    pg.seats.give_back(one)
 
 
 @pytest.mark.slow
@@ -302,7 +348,7 @@ def test_the_api_gives_the_audience_the_pages_fair_shares(public):
             responses = [s.__enter__() for s in streams]
             assert all(r.status_code == 200 for r in responses)
             deadline = time.monotonic() + 10
-            while pg.seats.in_flight("api:127.0.0.1") < share and time.monotonic() < deadline:
+            while pg.seats.in_flight("ip:127.0.0.1") < share and time.monotonic() < deadline:
                 time.sleep(0.05)
             busy = httpx.post(api, json={"prompt": "hi", "max_tokens": 2}, timeout=30)
             assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_requests_in_flight"
@@ -316,6 +362,6 @@ def test_the_api_gives_the_audience_the_pages_fair_shares(public):
     finally:
         pg.service.resume()
     deadline = time.monotonic() + 10
-    while pg.seats.in_flight("api:127.0.0.1") and time.monotonic() < deadline:
+    while pg.seats.in_flight("ip:127.0.0.1") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert pg.seats.in_flight("api:127.0.0.1") == 0
+    assert pg.seats.in_flight("ip:127.0.0.1") == 0
