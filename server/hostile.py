@@ -32,7 +32,7 @@ class Abuse:
     path: str
     body: bytes | Iterator[bytes]
     headers: dict
-    expect: int  # the status it must get
+    expect: int  # the status it must get (its error body, as every refusal's, a few hundred bytes: nothing echoed)
     headers_only: bool = False  # declare a 200 MB Content-Length, send no body, time the answer at the socket
 
 
@@ -48,6 +48,10 @@ def abuses(api_key: str | None) -> list[Abuse]:
             yield b" " * min(size, total - sent)
             sent += size
     prompt_10mb = json.dumps({"prompt": "x " * (5 * MB), "max_tokens": 4}).encode()
+    hi = [{"role": "user", "content": "hi"}]
+
+    def chat(**fields) -> bytes:
+        return json.dumps({"messages": hi, "max_tokens": 2, **fields}).encode()
     out = [
         Abuse("body 200 MB declared, never sent (the server's own time)", COMPLETIONS, b"", ok, 413, True),
         Abuse("body 200 MB sent whole (includes the client's upload)", COMPLETIONS, b"{" + b" " * (200 * MB) + b"}",
@@ -60,6 +64,14 @@ def abuses(api_key: str | None) -> list[Abuse]:
                                                         "stop": [f"s{i}" for i in range(100_000)]}).encode(), ok, 400),
         Abuse("a 10,000-character stop string", CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                                                   "stop": ["s" * 10_000]}).encode(), ok, 400),
+        Abuse("100,000 stop_token_ids", CHAT, chat(stop_token_ids=list(range(100_000))), ok, 400),
+        Abuse("logit_bias of 100,000 tokens", CHAT, chat(logit_bias={str(i): -100 for i in range(100_000)}), ok, 400),
+        Abuse("10,000 messages", CHAT, chat(messages=hi * 10_000), ok, 400),
+        Abuse("a message of 10,000 content parts", CHAT,
+              chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}] * 10_000}]), ok, 400),
+        Abuse("prompt of 1,000,000 token ids", COMPLETIONS, json.dumps({"prompt": [1] * 1_000_000}).encode(), ok, 400),
+        Abuse("a 3 MB model name", CHAT, chat(model="m" * (3 * MB)), ok, 404),
+        Abuse("a 60,000-character unknown path", "/v1/" + "p" * 60_000, b"{}", ok, 404),
         Abuse("lone surrogate in model", CHAT,
               b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', ok, 400),
         Abuse("lone surrogate in prompt", COMPLETIONS, b'{"prompt": "a\\udfffb", "max_tokens": 2}', ok, 400),
@@ -79,8 +91,8 @@ def abuses(api_key: str | None) -> list[Abuse]:
     return out
 
 
-def send(http: httpx.Client, url: str, abuse: Abuse) -> tuple[int | None, float, str]:
-    """(status or None when the connection was cut, seconds, the error's code or the exception)."""
+def send(http: httpx.Client, url: str, abuse: Abuse) -> tuple[int | None, float, str, int]:
+    """(status or None when the connection was cut, seconds, the error's code or the exception, the answer's bytes)."""
     start = time.perf_counter()
     if abuse.headers_only:
         return headers_only(url, abuse, start)
@@ -90,15 +102,15 @@ def send(http: httpx.Client, url: str, abuse: Abuse) -> tuple[int | None, float,
         else:
             r = http.post(url + abuse.path, content=abuse.body, headers=abuse.headers)
     except httpx.HTTPError as exc:
-        return None, time.perf_counter() - start, type(exc).__name__
+        return None, time.perf_counter() - start, type(exc).__name__, 0
     try:
         code = r.json()["error"]["code"]
     except (ValueError, KeyError, TypeError):
         code = f"not JSON: {r.text[:60]!r}"
-    return r.status_code, time.perf_counter() - start, str(code)
+    return r.status_code, time.perf_counter() - start, str(code), len(r.content)
 
 
-def headers_only(url: str, abuse: Abuse, start: float) -> tuple[int | None, float, str]:
+def headers_only(url: str, abuse: Abuse, start: float) -> tuple[int | None, float, str, int]:
     """A request line and headers declaring 200 MB, then nothing: how soon the server answers without the body."""
     import socket
     parts = urlparse(url)
@@ -110,7 +122,7 @@ def headers_only(url: str, abuse: Abuse, start: float) -> tuple[int | None, floa
     seconds = time.perf_counter() - start
     status = int(answer.split(" ", 2)[1]) if answer.startswith("HTTP/") else None
     code = answer.split('"code":"', 1)[1].split('"', 1)[0] if '"code":"' in answer else "no error body"
-    return status, seconds, code
+    return status, seconds, code, len(answer.partition("\r\n\r\n")[2])
 
 
 def stream_gaps(url: str, api_key: str | None, max_tokens: int) -> list[float]:
@@ -161,9 +173,9 @@ def run(url: str, api_key: str | None = None, rounds: int = 1, max_tokens: int =
         time.sleep(1.0)  # the stream is running before the abuse starts
         with httpx.Client(timeout=httpx.Timeout(30.0)) as http:
             for abuse in batch:
-                status, seconds, code = send(http, url, abuse)
+                status, seconds, code, size = send(http, url, abuse)
                 results.append({"name": abuse.name, "expect": abuse.expect, "status": status, "seconds": seconds,
-                                "code": code})
+                                "code": code, "bytes": size})
         try:
             gaps += queue.get(timeout=120)
         except Exception:  # the stream failed: no gaps, and the caller's check on them says so
@@ -190,10 +202,12 @@ def main() -> None:
     by_name: dict[str, list[dict]] = {}
     for r in out["results"]:
         by_name.setdefault(r["name"], []).append(r)
-    print(f"| abuse | expected | got | code | refused in (s, max of {args.rounds}) |\n|---|---:|---|---|---:|")
+    print(f"| abuse | expected | got | code | answer (bytes) | refused in (s, max of {args.rounds}) |\n"
+          "|---|---:|---|---|---:|---:|")
     for name, rs in by_name.items():
         got = ", ".join(sorted({str(r["status"]) for r in rs}))
-        print(f"| {name} | {rs[0]['expect']} | {got} | {rs[0]['code']} | {max(r['seconds'] for r in rs):.3f} |")
+        print(f"| {name} | {rs[0]['expect']} | {got} | {rs[0]['code']} | {max(r['bytes'] for r in rs)} | "
+              f"{max(r['seconds'] for r in rs):.3f} |")
     base, under = out["baseline_gaps"], out["gaps"]
     print(f"\nnormal stream's gap between chunks, ms: alone p50 {1e3 * statistics.median(base):.1f} / p95 "
           f"{1e3 * percentile(base, 0.95):.1f}; under the abuse p50 {1e3 * statistics.median(under):.1f} / p95 "

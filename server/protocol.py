@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,8 +25,12 @@ UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalt
                "tools": None, "functions": None, "tool_choice": None, "response_format": None, "echo": False,
                "suffix": None, "best_of": 1, "prompt_logprobs": None, "min_tokens": 0}
 # as SamplingParams names them; ignore_eos is vLLM's extra field (fixed-length benchmarks: `vllm bench serve`)
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos")
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a logprob of -inf (a logit at -inf) reports this, as vLLM's server does
+# An error's message and param, cut to this: they may quote what another module raised about the client's input
+# (the sampler's `got {value!r}`, a tokenizer's error), and a 3 MB model name once came back whole in a 404.
+MAX_MESSAGE_CHARS = 1000
+MAX_PARAM_CHARS = 120
 
 
 @dataclass
@@ -38,12 +43,43 @@ class ApiError(Exception):
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.message = _cut(self.message, MAX_MESSAGE_CHARS)
+        if self.param is not None and len(self.param) > MAX_PARAM_CHARS:  # a path through the client's own keys
+            self.param = self.param[:MAX_PARAM_CHARS - 1] + "…"
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param, code)
+
+
+_REPR = reprlib.Repr()  # bounded: a huge list or object is never formatted whole only to be cut
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 2, 8, 8, 4
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+
+
+def excerpt(value, n: int = 80) -> str:
+    """What an error message may quote of a client's value: its repr, at most `n` characters and, where that is not
+    all of it, how long the whole was (`'xxxx…' (3,145,728 characters)`, `[1, 2, ...] (100,000 items)`)."""
+    if isinstance(value, str):
+        text = repr(value[:n])
+        if len(value) <= n and len(text) <= n:
+            return text
+        return f"{text[:n - 1]}… ({len(value):,} characters)"
+    text = _REPR.repr(value)
+    if len(text) <= n and "..." not in text:
+        return text
+    cut = text if len(text) <= n else text[:n - 1] + "…"
+    if not isinstance(value, (list, dict, tuple)):
+        return cut
+    return f"{cut} ({len(value):,} item{'' if len(value) == 1 else 's'})"
+
+
+def _cut(text: str, n: int) -> str:
+    return text if len(text) <= n else f"{text[:n - 1]}… ({len(text):,} characters in all)"
 
 
 @dataclass
@@ -97,7 +133,7 @@ def parse_chat(body: dict, model_name: str) -> GenerationRequest:
     messages = chat_messages(body.get("messages"))
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise bad_request(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
+        raise bad_request(f"logprobs must be true or false, got {excerpt(logprobs)}", "logprobs")
     if top is not None and not logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     num_top = (0 if top is None else top) if logprobs else None
@@ -108,7 +144,7 @@ def parse_chat(body: dict, model_name: str) -> GenerationRequest:
 def parse_completion(body: dict, model_name: str) -> GenerationRequest:
     logprobs = body.get("logprobs")
     if isinstance(logprobs, bool):  # the chat API's flag sent here: completions take a count
-        raise bad_request(f"logprobs must be an integer (how many top tokens per position), got {logprobs!r}",
+        raise bad_request(f"logprobs must be an integer (how many top tokens per position), got {excerpt(logprobs)}",
                           "logprobs")
     max_param = "max_tokens" if body.get("max_tokens") is not None else None
     return _generation(body, model_name, False, completion_prompt(body.get("prompt")), max_param, logprobs)
@@ -119,19 +155,20 @@ def _generation(body: dict, model_name: str, chat: bool, prompt, max_param: str 
     check_model(body.get("model"), model_name)
     n = body.get("n")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise bad_request(f"n must be a positive integer, got {n!r}", "n")
+        raise bad_request(f"n must be a positive integer, got {excerpt(n)}", "n")
     if n is not None and n > 1:
         raise bad_request(f"n={n} is not supported: this engine returns one choice per request (n=1)", "n")
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
         off_too = value in ({}, []) or (name == "response_format" and _text_format(value))
         if value is not None and value != off and not off_too:
-            raise bad_request(f"{name} is not supported by this engine (got {value!r})", name, "unsupported_parameter")
+            raise bad_request(f"{name} is not supported by this engine (got {excerpt(value)})", name,
+                              "unsupported_parameter")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise bad_request(f"stream must be true or false, got {stream!r}", "stream")
+        raise bad_request(f"stream must be true or false, got {excerpt(stream)}", "stream")
     options = body.get("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
@@ -139,8 +176,8 @@ def _generation(body: dict, model_name: str, chat: bool, prompt, max_param: str 
     if options is not None:
         include_usage = options.get("include_usage", False) if isinstance(options, dict) else None
         if not isinstance(include_usage, bool):
-            raise bad_request(f"stream_options must be an object like {{\"include_usage\": true}}, got {options!r}",
-                              "stream_options")
+            raise bad_request(f"stream_options must be an object like {{\"include_usage\": true}}, got "
+                              f"{excerpt(options)}", "stream_options")
     sampling = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     if max_param is not None:
         sampling["max_tokens"] = body[max_param]
@@ -155,7 +192,7 @@ def check_model(requested, model_name: str) -> None:
     """A request may leave the model out (this server has one); naming another is an error, as with OpenAI."""
     if requested is None or requested == model_name:
         return
-    raise ApiError(404, f"The model `{requested}` does not exist: this server serves `{model_name}` "
+    raise ApiError(404, f"The model {excerpt(requested)} does not exist: this server serves `{model_name}` "
                         f"(see GET /v1/models)", "invalid_request_error", "model", "model_not_found")
 
 
@@ -164,15 +201,15 @@ def chat_messages(value) -> list[dict]:
     if value is None:
         raise bad_request("messages is required: a list of {\"role\", \"content\"} objects", "messages")
     if not isinstance(value, list) or not value:
-        raise bad_request(f"messages must be a non-empty list, got {_short(value)}", "messages")
+        raise bad_request(f"messages must be a non-empty list, got {excerpt(value)}", "messages")
     out = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise bad_request(f"{where} must be an object with a role and a content, got {_short(message)}", where)
+            raise bad_request(f"{where} must be an object with a role and a content, got {excerpt(message)}", where)
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {_short(role)}",
+            raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {excerpt(role)}",
                               f"{where}.role")
         text = content_text(message.get("content"), f"{where}.content")
         out.append({"role": "system" if role == "developer" else role, "content": text})
@@ -186,7 +223,7 @@ def content_text(content, where: str) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return "\n".join(p["text"] for p in content)
     raise bad_request(f"{where} must be a string or a list of text parts ({{\"type\": \"text\", \"text\": ...}}), "
-                      f"got {_short(content)}", where)
+                      f"got {excerpt(content)}", where)
 
 
 def completion_prompt(value) -> str | list[int]:
@@ -199,13 +236,8 @@ def completion_prompt(value) -> str | list[int]:
         return value
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
         raise bad_request(f"a batch of {len(value)} prompts is not supported: send one prompt per request", "prompt")
-    raise bad_request(f"prompt must be a non-empty string or a non-empty list of token ids, got {_short(value)}",
+    raise bad_request(f"prompt must be a non-empty string or a non-empty list of token ids, got {excerpt(value)}",
                       "prompt")
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---- responses ----------------------------------------------------------------------------------------------

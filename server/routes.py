@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
@@ -89,11 +89,15 @@ class OpenAIApi:
         if declared is not None and declared.isdigit() and int(declared) > cap:
             raise limits.too_large(cap)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise limits.too_large(cap)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise limits.too_large(cap)
+                chunks.append(chunk)
+        except ClientDisconnect as exc:  # gone mid-body (or cut as too slow): nobody to answer, nothing to log
+            raise ApiError(499, "the client closed the connection before its body arrived",
+                           code="client_closed_request") from exc
         return b"".join(chunks)
 
     async def models(self, request: Request) -> Response:
@@ -126,8 +130,9 @@ class OpenAIApi:
             self._authorize(request)
         except ApiError as exc:
             return error_response(exc)
-        return error_response(ApiError(404, f"no such endpoint: {request.method} {request.url.path} (this server "
-                                             f"has GET /v1/models, POST /v1/completions, POST /v1/chat/completions)",
+        path = limits.excerpt(request.url.path)  # a path may be as long as the server reads a request line
+        return error_response(ApiError(404, f"no such endpoint: {request.method} {path} (this server has GET "
+                                             f"/v1/models, POST /v1/completions, POST /v1/chat/completions)",
                                         "invalid_request_error", code="unknown_url"))
 
     # ---- generation ------------------------------------------------------------------------------------------
@@ -142,8 +147,8 @@ class OpenAIApi:
             self._authorize(request)
             limits.check_content_type(request.headers.get("content-type"))
             body = protocol.parse_json(await self._read_body(request))
+            limits.check_sizes(body, self.limits)  # every list's length, before anything walks one
             limits.check_encodable(body)
-            limits.check_stop(body.get("stop"), self.limits)
             req = parse(body, self.model_name)
             service, sink = self.service(), LoopSink()
             self._check_size(req, service.snapshot().config["max_model_len"])
