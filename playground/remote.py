@@ -10,17 +10,20 @@ is not available remotely, and says so.
 
 The address is the presenter's to give (a visitor's typing must never become a server-side fetch): every fetch has
 a total deadline (connect and whole body) and a size cap, read as a stream; what a remote answered is never shown
-(only its status), and every kind of unreachable reads the same, so the page is no port scanner.
+(only its status, its words go to the server's log), its model name only to the presenter, and every kind of
+unreachable reads the same, so the page is no port scanner. Its address is shown as scheme://host:port only.
 """
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,6 +37,7 @@ from . import conversation
 from .conversation import WARNING
 from .room import plain
 
+log = logging.getLogger("watch_llm.remote")
 NOT_REMOTE = "not available when attached to a remote server"
 POLL_S = 1.0
 MAX_POLL_S = 30.0  # scrapes failing in a row wait twice as long each time, up to this
@@ -145,8 +149,26 @@ def base_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"{url!r} is not an http:// or https:// address")
+        raise ValueError(f"{display_url(url)!r} is not an http:// or https:// address")
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        host = None
+    if not host:
+        raise ValueError("that address has no host name in it, e.g. http://127.0.0.1:8000")
     return url[:-3] if url.endswith("/v1") else url
+
+
+def display_url(url: str) -> str:
+    """An address as the room sees it: scheme://host:port, without credentials, path or query."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"{parts.scheme}://{host}" + (f":{port}" if port else "")
 
 
 def unreachable(url: str) -> str:
@@ -198,7 +220,8 @@ class RemoteServer:
     """A server being watched: its metrics polled in the background, its chat API streamed from."""
 
     def __init__(self, url: str, poll_s: float = POLL_S, history_len: int = 3600, timeout_s: float = 5.0) -> None:
-        self.url = base_url(url)
+        self._target = base_url(url)  # what is fetched (credentials in it go to the server, and nowhere else)
+        self.url = display_url(self._target)  # what anyone is shown, and the log: scheme://host:port
         self.poll_s = poll_s
         self.timeout_s = timeout_s
         self.history: deque[HistorySample] = deque(maxlen=history_len)
@@ -216,7 +239,7 @@ class RemoteServer:
     # ---- metrics -------------------------------------------------------------------------------------------
     def scrape(self) -> MetricsReading:
         """One GET /metrics, parsed; ValueError saying what went wrong, never what the server sent."""
-        status, body = fetch(self.url + "/metrics", MAX_METRICS_BYTES, self.timeout_s)
+        status, body = fetch(self._target + "/metrics", MAX_METRICS_BYTES, self.timeout_s)
         if status != 200:
             raise ValueError(f"{self.url}/metrics answered {status}")
         try:
@@ -230,7 +253,7 @@ class RemoteServer:
         no vLLM metrics, so attaching to a wrong address says so at once."""
         first = self.scrape()  # before the models: a server that is not there is refused after one deadline
         try:
-            status, body = fetch(self.url + "/v1/models", MAX_SMALL_BYTES, self.timeout_s)
+            status, body = fetch(self._target + "/v1/models", MAX_SMALL_BYTES, self.timeout_s)
             entry = json.loads(body)["data"][0] if status == 200 else {}
             model = entry.get("id")
             self.model = model if isinstance(model, str) and len(model) <= 256 else None
@@ -279,9 +302,10 @@ class RemoteServer:
         self._stop.set()
 
     # ---- what the page shows -------------------------------------------------------------------------------
-    def status(self) -> str:
+    def status(self, presenter: bool = False) -> str:
+        """The status line; the model name the remote gave is what it says, so only the presenter sees it."""
         r = self.latest
-        where = f"**attached to {plain(self.url)}**" + (f" ({plain(self.model)})" if self.model else "")
+        where = f"**attached to {plain(self.url)}**" + (f" ({plain(self.model)})" if self.model and presenter else "")
         if self.error:
             return f"{where} · ⚠️ {plain(self.error)} (trying again in {self.next_wait_s():.0f} s)"
         if r is None:
@@ -331,12 +355,14 @@ class RemoteServer:
         yield history, f"sent to {plain(self.url)}, waiting for the first token"
         start, first, usage, reply = time.perf_counter(), None, None, ""
         try:
-            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body,
+            with httpx.stream("POST", self._target + "/v1/chat/completions", json=body,
                               timeout=httpx.Timeout(600.0, connect=self.timeout_s)) as response:
                 if response.status_code != 200:
                     busy = response.status_code == 429
                     note = "the server is busy, retry in a moment" if busy else "the remote server refused it"
-                    yield history + [{"role": "assistant", "content": f"{WARNING} {note}: {error_text(response)}"}], ""
+                    log.info("remote chat refused: %s", error_text(response))  # its words: the log's, not the room's
+                    yield history + [{"role": "assistant", "content": f"{WARNING} {note} (HTTP "
+                                                                      f"{response.status_code})"}], ""
                     return
                 history = history + [{"role": "assistant", "content": ""}]
                 for line in sse.lines(response.iter_text()):
@@ -345,8 +371,8 @@ class RemoteServer:
                     chunk = json.loads(line[5:])
                     if "error" in chunk:
                         err = chunk["error"]
-                        history[-1]["content"] = (reply + f"\n\n{WARNING} remote error: "
-                                                  f"{plain(err.get('message') if isinstance(err, dict) else err)}")
+                        log.info("remote chat error: %s", plain(err.get("message") if isinstance(err, dict) else err))
+                        history[-1]["content"] = reply + f"\n\n{WARNING} the remote server reported an error"
                         yield history, ""
                         return
                     usage = chunk.get("usage") or usage

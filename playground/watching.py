@@ -9,6 +9,7 @@ What a remote server says is never shown (playground/remote.py); every address a
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -18,10 +19,13 @@ from viz.dashboard import DashboardFigures
 from .access import Access, Seats
 from .chat import ChatHandlers
 from .conversation import WARNING
-from .remote import NOT_REMOTE, RemoteServer
+from .remote import DEADLINE_S, NOT_REMOTE, RemoteServer
 from .room import Room, plain
 
+ATTACH_FAILED = "could not reach a metrics endpoint there (the reason is in the server's log)"
+ATTACH_FAILS_AFTER_S = DEADLINE_S  # every failed attach answers after the longest a fetch may take
 RETRY_S = 5.0  # `--attach` to a server that is not up yet (vllm serve takes minutes to start) asks again this often
+log = logging.getLogger("watch_llm.remote")
 
 
 class Watching:
@@ -33,11 +37,21 @@ class Watching:
     def attach(self, url: str) -> str:
         """Point the dashboard and the chat at another server. A server that is not there, or has no vLLM
         metrics, is refused with the reason, and the page keeps showing what it did."""
+        started = time.monotonic()
         try:
             remote = RemoteServer(url)
+        except ValueError as exc:  # not an address at all: nothing was fetched, the reason is the typist's
+            self.attach_error = f"could not attach: {plain(exc)}"
+            return f"{WARNING} {self.attach_error}"
+        try:
             remote.connect()
         except ValueError as exc:
-            self.attach_error = f"could not attach to {plain(url, 80)}: {plain(exc)}"
+            # One message and one duration for every way of failing (refused, no such host, stalled, not HTTP, not
+            # vLLM's metrics), so the page tells a closed port from an open one to nobody; the reason goes to the
+            # server's log, which only whoever started it reads
+            log.warning("attach to %s failed: %s", remote.url, exc)
+            time.sleep(max(0.0, ATTACH_FAILS_AFTER_S - (time.monotonic() - started)))
+            self.attach_error = f"could not attach to {plain(remote.url, 80)}: {ATTACH_FAILED}"
             return f"{WARNING} {self.attach_error}"
         if (old := self.remote) is not None:
             old.stop()
@@ -103,8 +117,8 @@ class Watcher(Watching, ChatHandlers):
     def close(self) -> None:
         self.remote.stop()
 
-    def status(self) -> str:
-        return self.remote.status() + (f" · {WARNING} {self.attach_error}" if self.attach_error else "") \
+    def status(self, presenter: bool = False) -> str:
+        return self.remote.status(presenter) + (f" · {WARNING} {self.attach_error}" if self.attach_error else "") \
             + self.room_line()
 
     def dashboard(self) -> DashboardFigures:

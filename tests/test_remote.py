@@ -164,14 +164,27 @@ def plain_server():
 
 
 def test_attaching_to_nothing_or_to_a_server_without_vllm_metrics_says_why_and_the_page_keeps_the_local_engine(
-        watcher, plain_server):
+        watcher, plain_server, monkeypatch, caplog):
+    """A wrong address is refused, and the page keeps its local engine. Every failure to reach a metrics endpoint
+    reads the same and takes as long (the page is nobody's port scanner); the reason goes to the server's log.
+    Credentials in the address are never shown."""
+    from playground import watching
     from playground.page_client import free_port
-    for url, problem in [(f"http://127.0.0.1:{free_port()}", "no answer from"), (plain_server, "no vLLM metrics"),
-                         ("", "no URL given"), ("ftp://example", "not an http")]:
+    monkeypatch.setattr(watching, "ATTACH_FAILS_AFTER_S", 1.0)
+    closed = f"http://127.0.0.1:{free_port()}"
+    for url, problem in [(closed, "no answer from"), (plain_server.replace("http://", "http://user:pw@"),
+                                                      "no vLLM metrics")]:
+        started = time.monotonic()
         note = watcher.attach(url)
-        assert note.startswith("⚠️") and problem in note, note
-        assert watcher.remote is None and plain(problem) in watcher.status()
+        assert time.monotonic() - started >= 1.0
+        assert note.startswith("⚠️") and watching.ATTACH_FAILED in note and problem not in note, note
+        assert "user" not in note and "pw" not in note and "user" not in watcher.status()
+        assert problem in caplog.text and "pw@" not in caplog.text
+        assert watcher.remote is None and watching.ATTACH_FAILED in watcher.status()
         assert watcher.dashboard().blocks["layout"]["title"]  # still the local engine's block table
+    for url, problem in [("", "no URL given"), ("ftp://user:pw@example", "not an http")]:  # nothing fetched
+        note = watcher.attach(url)
+        assert note.startswith("⚠️") and problem in note and "pw" not in note, note
     history, _ = list(watcher.chat("Hello", [], 0.0, 4))[-1]
     assert history[-1]["role"] == "assistant" and not history[-1]["content"].startswith("⚠️")  # local chat works
 
@@ -299,7 +312,8 @@ def test_a_watch_only_page_loads_no_model_chats_with_the_watched_server_and_only
                 client.predict(*args, api_name=name)
         assert watcher.remote.url == url and watcher.room.latest() is None
         header = app.intro(watcher)
-        assert plain(url) in header and MODEL in header and "No model runs on this machine" in header
+        assert plain(url) in header and "No model runs on this machine" in header
+        assert MODEL not in header and MODEL in app.intro(watcher, presenter=True)  # the remote's words: presenter
         history, stats = client.predict("Tell me about paged attention.", [], 0.0, 12, api_name="/chat")
         asked = [{"role": "user", "content": "Tell me about paged attention."}]
         expected = reference.generate([chat_token_ids(reference.tokenizer, asked)],
@@ -389,25 +403,28 @@ def test_a_fetch_has_a_total_deadline_and_a_size_cap(hostile_server):
         fetch(hostile_server + "/big", 1 << 20, deadline_s=5.0)
 
 
-def test_what_a_remote_said_is_never_shown_and_unreachable_reads_the_same(watcher, hostile_server):
+def test_what_a_remote_said_is_never_shown_and_unreachable_reads_the_same(watcher, hostile_server, monkeypatch):
+    from playground import watching
     from playground.page_client import free_port
+    monkeypatch.setattr(watching, "ATTACH_FAILS_AFTER_S", 0.5)
     note = watcher.attach(hostile_server + "/secret")  # /secret/metrics answers the internal page
     assert note.startswith("⚠️") and "hunter2" not in note and "internal" not in note and "hunter2" not in \
         watcher.status()
     closed_url, missing_url = f"http://127.0.0.1:{free_port()}", "http://no-such-host.invalid:8000"
     closed, missing = watcher.attach(closed_url), watcher.attach(missing_url)
-    assert "no answer from" in closed
+    assert "could not reach a metrics endpoint" in closed
     assert closed.replace(plain(closed_url), "URL") == missing.replace(plain(missing_url), "URL")
     watcher.detach()
 
 
-def test_a_hostile_address_shows_as_text_on_every_status_line_and_detach_clears_it(watcher):
+def test_a_hostile_address_is_never_shown_and_detach_clears_it(watcher):
     note = watcher.attach("# THE WORKSHOP IS CANCELLED [click here](http://example.com)")
-    status = watcher.status()
-    for shown in (note, status):
-        assert "\\# THE WORKSHOP" in shown and "\\[click here\\]\\(http\\://example" in shown
+    assert note.startswith("⚠️")
+    for shown in (note, watcher.status()):
+        assert "WORKSHOP" not in shown and "click" not in shown
+    note = watcher.attach("http://[click here](http://example.com)")
+    assert "click" not in note and "click" not in watcher.status()
     watcher.detach()
-    assert "WORKSHOP" not in watcher.status()
 
 
 def test_a_failing_scrape_backs_off(hostile_server):
