@@ -21,6 +21,7 @@ import hmac
 import inspect
 import ipaddress
 import logging
+import math
 import os
 import threading
 import time
@@ -189,7 +190,8 @@ class Access:
         """(right, why not taken): a guess checked only when its source may try again."""
         wait = self.guesses.wait(who)
         if wait > 0:
-            return False, f"too many wrong presenter tokens from here: the next try is taken in {wait:.0f} s"
+            return False, (f"after a wrong presenter token the next one from here is taken only {math.ceil(wait)} s "
+                           f"later: try again then")
         if self._matches(candidate):
             self.guesses.succeeded(who)
             return True, ""
@@ -270,7 +272,7 @@ class Access:
         if not visitor.presenter:
             self.refusals += 1
             log.info("refused: %s asked to %s", visitor.who.describe() if visitor.who else "a caller", what)
-            held = visitor.note if visitor.note.startswith("too many") else ""
+            held = visitor.note if visitor.note.startswith("after a wrong") else ""
             raise Refused(self.refusal(what) + (f" ({held})" if held else ""))
         return visitor
 
