@@ -193,3 +193,47 @@ def test_without_httptools_install_leaves_h11_and_says_so_once(monkeypatch, capl
     assert uvicorn.config.HTTP_PROTOCOLS["auto"] == "uvicorn.protocols.http.auto:AutoHTTPProtocol"
     assert sum("slow-client timeouts are off" in r.getMessage() for r in caplog.records) == 1
     uvicorn.config.HTTP_PROTOCOLS["auto"] = saved
+
+
+@pytest.mark.served
+def test_the_app_cuts_150_trickling_sockets_and_keeps_serving(tiny_models, tmp_path):
+    """gradio's own server with install() called before launch (as app.launch does): 150 sockets that send a header
+    byte every 0.2 s are all closed at the header deadline; the page is served while they are held, and an API
+    stream after."""
+    import httpx
+
+    from engine import LLM
+    from tests.conftest import serve_app
+    saved = (uvicorn.config.HTTP_PROTOCOLS["auto"], timeouts.TimedHTTPProtocol.headers_s)
+    timeouts.install()
+    timeouts.TimedHTTPProtocol.headers_s = 1.0
+    try:
+        with serve_app(LLM(tiny_models["llama"][0], max_model_len=256), tmp_path / "a.json", "tiny") as (url, _):
+            port = int(url.rstrip("/").rsplit(":", 1)[1])
+            socks = [connect(port) for _ in range(150)]
+            for sock in socks:
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+                sock.setblocking(False)
+            assert httpx.get(url, timeout=30).status_code == 200  # the page, while all 150 are held
+            start, open_ = time.monotonic(), set(socks)
+            while open_ and time.monotonic() - start < 6:
+                for sock in list(open_):
+                    try:
+                        sock.send(b"x")
+                        if sock.recv(4096, socket.MSG_PEEK).startswith(b"HTTP/1.1 408"):
+                            open_.discard(sock)
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        open_.discard(sock)
+                time.sleep(0.2)
+            seconds = time.monotonic() - start
+            assert httpx.get(url, timeout=30).status_code == 200
+            with httpx.stream("POST", url.rstrip("/") + "/v1/completions", timeout=60,
+                              json={"prompt": "hi", "max_tokens": 16, "stream": True}) as r:
+                assert r.status_code == 200 and "[DONE]" in r.read().decode()
+            for sock in socks:
+                sock.close()
+        assert not open_ and seconds < 1.0 + 3.0, (len(open_), seconds)
+    finally:
+        uvicorn.config.HTTP_PROTOCOLS["auto"], timeouts.TimedHTTPProtocol.headers_s = saved
