@@ -81,6 +81,9 @@ class HistorySample(StepCounters):
     step_ms: float  # how long the step took
     ttft_s: float | None  # of requests that got their first token in this step (mean)
     tpot_s: float | None  # of requests that finished in this step (mean)
+    num_started: int = 0  # requests that got their first token in this step (a step's count, not a total)
+    num_finished: int = 0  # requests that finished in this step
+    prompt_tokens: int = 0  # the prompts of the requests that got their first token in this step
 
 
 RESTARTED = "restarted"  # a ConfigChange's action when the engine itself was replaced (its step counts from 0 again)
@@ -357,7 +360,8 @@ class EngineService:
             now.step, now.num_running, now.num_waiting, now.num_preemptions, now.kv_blocks_used,
             now.prefix_cache_queries, now.prefix_cache_hits, now.generation_tokens_total, time=time.time(),
             step_ms=step_ms, ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
-            tpot_s=sum(tpots) / len(tpots) if tpots else None))
+            tpot_s=sum(tpots) / len(tpots) if tpots else None, num_started=len(ttfts),
+            num_finished=len(stats.finished), prompt_tokens=stats.num_prompt_tokens))
         # the whole snapshot (every block's state, every live request) at most every SNAPSHOT_INTERVAL_S while
         # stepping: a reader polls it at most a few times a second, and it cost 0.2-0.25 ms a step of a 10-13 ms
         # batch-1 step here; at once for step_once, a configuration change, or the last step before idling

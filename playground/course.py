@@ -13,6 +13,8 @@ from engine.bench import load_feature_preset
 from engine.config import EngineConfig
 from engine.workloads import list_workloads
 
+from .lesson_numbers import Evidence
+
 LESSON_DIR = Path(__file__).resolve().parent.parent / "presets" / "lessons"
 CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # the dashboard's figures (DashboardFigures)
 
@@ -58,6 +60,8 @@ class Lesson:
     after_s: float = 30.0
     needs: str | None = None  # "cuda": what this machine may lack
     measured: str = ""  # with `needs`: the last measured result, and where it was measured
+    # more than LessonRunner.need asks for before a phase may end (requests, finished, tokens, prompt_tokens, steps)
+    evidence: dict = field(default_factory=dict)
 
     def configuration(self) -> dict:
         """The fields the lesson starts from, over EngineConfig's defaults."""
@@ -108,6 +112,9 @@ def check_lesson(lesson: Lesson) -> list[str]:
         problems.append("before_s and after_s must be > 0")
     if lesson.needs not in (None, "cuda"):
         problems.append(f"needs must be 'cuda' or absent, got {lesson.needs!r}")
+    fields = {f.name for f in dataclasses.fields(Evidence)}
+    if bad := sorted(k for k, v in lesson.evidence.items() if k not in fields or not isinstance(v, int) or v < 0):
+        problems.append(f"evidence: {', '.join(bad)} (each of {', '.join(sorted(fields))}: a count >= 0)")
     if lesson.needs and not lesson.measured:
         problems.append("a lesson that needs what a machine may lack says what was measured where (measured)")
     try:
@@ -137,9 +144,26 @@ def format_value(metric: Metric, value: float | None) -> str:
 
 
 def verdict(result: dict) -> str:
+    """The lesson's number in one sentence: which way it moved beyond the noise (its spread over the parts of each
+    phase), or why there is nothing to say, and what to do about it."""
     metric = METRICS[result["metric"]]
+    name = metric.label.capitalize()
+    short = result.get("short") or {}
+    thin = "; ".join(f"the {phase} phase had {what}" for phase, what in short.items())
+    noise = _ranges(metric, result.get("spread") or {})
     if result["moved"] is None:
-        return f"{metric.label.capitalize()}: nothing to compare this time (no change measured)."
+        if thin:
+            return (f"{name}: nothing to compare this time: {thin} when its time ran out. To make it teach: "
+                    f"{result.get('remedy') or 'lengthen the phases'}.")
+        return f"{name}: no change beyond the noise this time" + (f" ({noise})." if noise else ".")
     said = ("as the lesson expected" if result["as_expected"]
             else f"not the way the lesson expected ({result['expect']})")
-    return f"**{metric.label.capitalize()} went {result['moved']}**, {said}."
+    return (f"**{name} went {result['moved']}**" + (f" beyond the noise ({noise})" if noise else "") + f", {said}."
+            + (f" (On thin evidence: {thin}.)" if thin else ""))
+
+
+def _ranges(metric: Metric, spread: dict) -> str:
+    """"before 0%–0%, after 88%–95% over three parts of each phase" from the result's spread."""
+    parts = [f"{phase} {format_value(metric, r[0])}–{format_value(metric, r[1])}" for phase in ("before", "after")
+             if (r := spread.get(phase))]
+    return ", ".join(parts) + " over the parts of each phase" if parts else ""

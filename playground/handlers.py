@@ -10,6 +10,7 @@ what is playground/access.py's to say, and what every visitor sees of it, room.p
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -114,14 +115,18 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
                              stat_listeners=self.stat_listeners, follows=follows, runner=self.runner)
 
     # ---- traffic generator -----------------------------------------------------------------------------
-    def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0) -> str:
-        """N simulated users sending the workload's requests for duration_s (0: each once), in the background.
+    def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0, scale: float = 1.0) -> str:
+        """N simulated users sending the workload's requests for duration_s (0: each once), in the background;
+        `scale`: their replies' lengths, as a share of the workload's (a lesson on a slow machine shortens them).
         Returns "" when started, or why not."""
         if note := self.local_only("The traffic generator (it loads this process's engine)"):
             return note
         try:
             workload = load_workload(workload_name).tokenized(self.llm.tokenizer)
-            self.traffic.start(workload.name, workload.requests, int(num_users), float(duration_s or 0))
+            requests = workload.requests if scale >= 1 else [
+                dataclasses.replace(r, params=dataclasses.replace(
+                    r.params, max_tokens=max(4, round(r.params.max_tokens * scale)))) for r in workload.requests]
+            self.traffic.start(workload.name, requests, int(num_users), float(duration_s or 0))
         except ValueError as exc:
             return f"⚠️ {exc}"
         self.room.note(f"started {plural(int(num_users), 'simulated user')} ({workload.name})")

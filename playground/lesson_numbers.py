@@ -1,8 +1,13 @@
 """A lesson's numbers, from the engine's own time series (its history samples): each METRIC over a window of wall
-time, and the same bin by bin for the record's chart, so chart and table never disagree."""
+time, what that number rests on (requests, tokens, steps: `evidence`), how much it varies inside a phase
+(`spread`, over equal parts of it), and the same bin by bin for the charts, so chart and table never disagree."""
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+PARTS = 3  # a phase's number is also measured over this many equal parts of it: its spread is the noise
 
 
 def _increase(values: Sequence[float]) -> float:
@@ -13,12 +18,35 @@ def _increase(values: Sequence[float]) -> float:
     return total
 
 
+def _ordered(history: Iterable) -> list:
+    """The samples in time order (the service appends them in order: this is a copy, and sorting it is linear)."""
+    return sorted(history, key=lambda s: s.time)
+
+
+def _window(samples: list, t0: float, t1: float) -> tuple[list, list]:
+    """(the sample just before t0, if any; the samples in [t0, t1]) of time-ordered samples."""
+    times = [s.time for s in samples] if not isinstance(samples, _Timed) else samples.times
+    lo, hi = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
+    return samples[max(0, lo - 1):lo], samples[lo:hi]
+
+
+class _Timed(list):
+    """Time-ordered samples with their times alongside, for repeated windows over one history."""
+
+    def __init__(self, samples: Iterable) -> None:
+        super().__init__(_ordered(samples))
+        self.times = [s.time for s in self]
+
+
+def timed(history: Iterable) -> list:
+    """The history made ready for many windows (each then costs a bisection, not a pass over every sample)."""
+    return history if isinstance(history, _Timed) else _Timed(history)
+
+
 def window_metrics(history: Iterable, t0: float, t1: float) -> dict[str, float | None]:
     """Every METRIC over the engine's history samples in [t0, t1] (wall times). The sample just before t0 is the
     counters' baseline; a number with nothing to say in the window (no request got its first token) is None."""
-    samples = sorted(history, key=lambda s: s.time)
-    inside = [s for s in samples if t0 <= s.time <= t1]
-    before = [s for s in samples if s.time < t0][-1:]
+    before, inside = _window(timed(history), t0, t1)
     span = max(t1 - t0, 1e-9)
     counted = before + inside
 
@@ -53,10 +81,59 @@ def window_metrics(history: Iterable, t0: float, t1: float) -> dict[str, float |
     }
 
 
+@dataclass(frozen=True)
+class Evidence:
+    """What a window's numbers rest on."""
+    requests: int = 0  # requests that got their first token in it
+    finished: int = 0
+    tokens: int = 0  # generated
+    prompt_tokens: int = 0  # of the requests that started in it
+    steps: int = 0
+
+    def covers(self, need: Evidence) -> bool:
+        return all(getattr(self, k) >= getattr(need, k) for k in ("requests", "finished", "tokens", "prompt_tokens",
+                                                                  "steps"))
+
+    def missing(self, need: Evidence) -> str:
+        """What is still short, in words ("" when nothing is)."""
+        words = {"requests": "requests started", "finished": "requests finished", "tokens": "tokens",
+                 "prompt_tokens": "prompt tokens read", "steps": "steps"}
+        return ", ".join(f"{getattr(self, k)} of {getattr(need, k)} {w}" for k, w in words.items()
+                         if getattr(self, k) < getattr(need, k))
+
+
+def evidence(history: Iterable, t0: float, t1: float) -> Evidence:
+    before, inside = _window(timed(history), t0, t1)
+    return Evidence(requests=sum(s.num_started for s in inside), finished=sum(s.num_finished for s in inside),
+                    tokens=int(_increase([s.generation_tokens_total for s in before + inside])),
+                    prompt_tokens=sum(s.prompt_tokens for s in inside), steps=len(inside))
+
+
+def spread(history: Iterable, metric: str, t0: float, t1: float, parts: int = PARTS) -> tuple[float, float] | None:
+    """The lowest and highest value of `metric` over `parts` equal parts of [t0, t1] (the parts with nothing to say
+    left out): how much the number moves by itself inside one phase. None with fewer than two parts to compare."""
+    samples, width = timed(history), (t1 - t0) / parts
+    values = [v for i in range(parts)
+              if (v := window_metrics(samples, t0 + i * width, t0 + (i + 1) * width)[metric]) is not None]
+    return (min(values), max(values)) if len(values) >= 2 else None
+
+
+def moved_beyond_noise(before: float | None, after: float | None, noise_before: tuple[float, float] | None,
+                       noise_after: tuple[float, float] | None) -> str | None:
+    """"up" or "down" when the number moved by more than it varies inside either phase; None when it did not (or
+    there is nothing to compare)."""
+    if before is None or after is None or before == after:
+        return None
+    noise = max(((r[1] - r[0]) / 2 for r in (noise_before, noise_after) if r is not None), default=0.0)
+    if abs(after - before) <= noise:
+        return None
+    return "up" if after > before else "down"
+
+
 def series(history: Iterable, metric: str, t0: float, t1: float, bin_s: float = 2.0) -> list[tuple[float, float]]:
-    """(seconds since t0, the metric over that bin): what the record's chart draws. The same numbers as the
+    """(seconds since t0, the metric over that bin): what the lesson's charts draw. The same numbers as the
     table's, bin by bin (window_metrics), so chart and table never disagree."""
-    samples = list(history)
+    samples = timed(history)
     out, t = [], t0
     while t < t1:
         value = window_metrics(samples, t, min(t + bin_s, t1))[metric]

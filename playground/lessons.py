@@ -12,21 +12,31 @@ puts the engine back as it was before the lesson began. No gradio here: lessons_
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import queue
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.config import LOAD_TIME_FIELDS, EngineConfig
+from engine.sampler import SamplingParams
+from engine.workloads import load_workload
 
 from .course import METRICS, Lesson, format_value, from_toml, load_lessons, verdict
-from .lesson_numbers import series, window_metrics
+from .lesson_numbers import Evidence, evidence, moved_beyond_noise, series, spread, timed, window_metrics
 from .room import plain
 
 if TYPE_CHECKING:
     from .handlers import Playground
 
 SETTLE = 0.25  # share of each phase left out of its numbers: the engine filling up, or just rebuilt
+MAX_FACTOR = 4.0  # a phase waiting for its evidence runs at most this many times its own length
+PROBE_TOKENS = 8  # the reply that measures the engine's speed before a lesson sizes its traffic
+MIN_SCALE = 1 / 16  # replies are never shortened below this share of the workload's lengths (nor below 4 tokens)
+SPEED_METRICS = ("tokens_per_s", "time_per_token_ms", "tpot_s")
 
 
 @dataclass
@@ -43,6 +53,12 @@ class LessonRun:
     flip_now: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
     result: dict | None = None
+    need: Evidence = field(default_factory=Evidence)  # what each phase's number must rest on before it ends
+    scale: float = 1.0  # the workload's reply lengths, sized for this engine's speed (1: as written)
+    probe_tok_s: float | None = None  # the engine's speed at one reply, measured before the traffic started
+    extended: str = ""  # why the phase now running goes on past its length ("" while it does not)
+    short: dict = field(default_factory=dict)  # phase -> what its number still lacked when its time ran out
+    restored: str = ""  # what letting go of the lesson's configuration did, once it was done
 
     @property
     def active(self) -> bool:
@@ -132,6 +148,8 @@ class LessonRunner:
         traffic = pg.traffic.status()
         if traffic is not None and traffic.running:
             return "simulated users are running: stop them on the Dashboard first (a lesson brings its own)"
+        if pg.service.paused:
+            return "the engine is paused (step mode): press Resume on the Step mode tab first"
         return None
 
     def _current(self) -> dict:
@@ -152,17 +170,22 @@ class LessonRunner:
             run.phase = "stopped"
         if self.pg.traffic.status() is not None and self.pg.traffic.status().running:
             self.pg.stop_traffic()
-        said = f"Left {run.lesson.title}."
-        if self._saved is not None:
-            now = self._current()
-            back = {k: v for k, v in self._saved.items() if now.get(k) != v}
-            self._saved = None
-            if back:
-                outcome = self.pg._update(back)
-                said += (f" The engine is back as it was ({', '.join(back)})." if not outcome.startswith("⚠️")
-                         else f" {outcome}")
+        said = f"Left {run.lesson.title}." + self._restore()
         self.run = None
         return said
+
+    def _restore(self) -> str:
+        """Put the engine back as it was before the lesson (once); what that did, in words."""
+        saved, self._saved = self._saved, None  # taken once: the lesson's thread at its end, or Stop / Next
+        if saved is None:
+            return ""
+        now = self._current()
+        back = {k: v for k, v in saved.items() if now.get(k) != v}
+        if not back:
+            return ""
+        outcome = self.pg._update(back)
+        return (f" The engine is back as it was before the lesson ({', '.join(back)})." if not outcome.startswith("⚠️")
+                else f" {outcome}")
 
     def _apply(self, run: LessonRun, changes: dict) -> bool:
         changes = {k: self.pg._config_value(k, v) for k, v in from_toml(changes).items()}
@@ -174,7 +197,6 @@ class LessonRunner:
         if outcome.startswith("⚠️"):
             run.phase, run.note = "failed", outcome
             return False
-        run.note = outcome
         return True
 
     def _wait_for_traffic(self, run: LessonRun, since: float, timeout_s: float = 30.0) -> None:
@@ -188,24 +210,100 @@ class LessonRunner:
                 return
             time.sleep(0.05)
 
-    def _wait(self, run: LessonRun, seconds: float, flip_ends_it: bool = False) -> None:
-        deadline = time.time() + seconds
-        while not run.stop.is_set() and time.time() < deadline:
+    def limits(self, lesson: Lesson) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Each phase's (shortest, longest) time: its own length, and MAX_FACTOR times that while its number still
+        lacks the evidence it needs."""
+        before_s, after_s = self.durations(lesson)
+        return (before_s, MAX_FACTOR * before_s), (after_s, MAX_FACTOR * after_s)
+
+    def need(self, lesson: Lesson, longest_prompt: int = 0) -> Evidence:
+        """What the lesson's number must rest on in each phase's measured part: requests that started (most of the
+        users' first round), and for a speed enough tokens and steps, for the longest step the longest prompt read,
+        for a count of preemptions requests that finished. A lesson file may ask for more (`evidence`)."""
+        metric, users = lesson.metric, lesson.users
+        requests = max(3, min(users, 8))
+        need = Evidence(requests=requests,
+                        tokens=64 if metric in SPEED_METRICS else 0,
+                        steps=20 if metric in SPEED_METRICS else 30 if metric in ("running", "kv_blocks_used",
+                                                                                  "peak_kv_blocks") else 0,
+                        prompt_tokens=longest_prompt if metric == "max_step_ms" else 0,
+                        finished=requests if metric == "preemptions" else 0)
+        return dataclasses.replace(need, **lesson.evidence)
+
+    def _size_traffic(self, run: LessonRun, requests: list, phase_s: float) -> None:
+        """Measure the engine's speed on one short reply (this machine, now, in the lesson's configuration, with
+        whatever else runs beside it) and shorten the workload's replies so that one takes at most a quarter of a
+        phase among the lesson's users: on a machine too slow for the replies as written, a 30 s phase would
+        otherwise end before a single one finished."""
+        service = self.pg.service
+        prompt = list(requests[0].prompt_token_ids)
+        params = SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True)
+        rid, q = service.submit(prompt, params)
+        first = last = None
+        deadline = time.monotonic() + 120
+        try:
+            while not run.stop.is_set() and time.monotonic() < deadline:
+                try:
+                    out = q.get(timeout=0.25)
+                except queue.Empty:
+                    continue
+                now = time.perf_counter()
+                if out.token_ids and first is None:
+                    first = (now, len(out.token_ids))
+                last = (now, len(out.token_ids))
+                if out.finished:
+                    break
+        finally:
+            if service.is_streaming(rid):
+                service.abort(rid)
+        if first is None or last is None or last[1] <= first[1]:
+            return  # no speed measured: the replies stay as written
+        tpot = (last[0] - first[0]) / (last[1] - first[1])
+        run.probe_tok_s = 1 / tpot if tpot > 0 else None
+        typical = statistics.median(r.params.max_tokens for r in requests)
+        per_reply_s = typical * tpot * max(1.0, run.lesson.users) ** 0.5  # a batch's steps are slower than one's
+        run.scale = max(MIN_SCALE, min(1.0, (phase_s / 4) / per_reply_s))
+
+    def _phase(self, run: LessonRun, name: str, limits: tuple[float, float], flip_ends_it: bool = False) -> None:
+        """Run a phase until its number rests on the evidence it needs (within its shortest and longest time), or
+        the presenter flips or stops. Says when and why it goes on past its length; what is still short when its
+        longest time runs out is kept for the verdict."""
+        shortest, longest = limits
+        started = time.time()
+        run.extended = ""
+        while not run.stop.is_set():
             if flip_ends_it and run.flip_now.is_set():
                 return
-            time.sleep(0.1)
+            elapsed = time.time() - started
+            if elapsed >= shortest:
+                got = evidence(timed(self.pg.service.history), started + SETTLE * elapsed, time.time())
+                if got.covers(run.need):
+                    run.extended = ""
+                    return
+                if elapsed >= longest:
+                    run.short[name] = got.missing(run.need)
+                    run.extended = ""
+                    return
+                run.extended = (f"going on past {shortest:.0f} s (up to {longest:.0f} s): the number needs more to "
+                                f"rest on, so far {got.missing(run.need)}")
+            time.sleep(0.25 if elapsed >= shortest else 0.1)
 
     def _drive(self, run: LessonRun) -> None:
         lesson = run.lesson
-        before_s, after_s = self.durations(lesson)
+        before, after = self.limits(lesson)
         try:
             # the defaults, but the weights stay as they are unless the lesson names them (a rebuild is slow)
             start = {k: v for k, v in EngineConfig().to_dict().items() if k not in LOAD_TIME_FIELDS}
             start.update(lesson.configuration())
             if not self._apply(run, start) or run.stop.is_set():
                 return
+            requests = load_workload(lesson.workload).tokenized(self.pg.llm.tokenizer).requests
+            run.need = self.need(lesson, max(len(r.prompt_token_ids) for r in requests))
+            self._size_traffic(run, requests, before[0])
+            if run.stop.is_set():
+                return
             traffic_at = time.time()
-            note = self.pg.start_traffic(lesson.workload, lesson.users, before_s + after_s + 60)
+            note = self.pg.start_traffic(lesson.workload, lesson.users, before[1] + after[1] + 60, scale=run.scale)
             if note:
                 run.phase, run.note = "failed", note
                 return
@@ -213,7 +311,7 @@ class LessonRunner:
             if run.stop.is_set():
                 return
             run.phase, run.t_before = "before", time.time()
-            self._wait(run, before_s, flip_ends_it=True)
+            self._phase(run, "before", before, flip_ends_it=True)
             if run.stop.is_set():
                 return
             run.phase, run.t_flip = "flipping", time.time()
@@ -221,44 +319,65 @@ class LessonRunner:
                 return
             self.pg.room.note(f"lesson {lesson.title!r}: flipped {lesson.describe_switch()}")
             run.phase, run.t_after = "after", time.time()
-            self._wait(run, after_s)
+            self._phase(run, "after", after)
             if run.stop.is_set():
                 return
             run.t_end = time.time()
             run.result = self.measure(run)
             self.records.append(run.result)
-            run.phase = "done"
             self.pg.stop_traffic()
+            # the lesson lets go: the presenter's own configuration comes back now, not at Stop or Next
+            run.restored = self._restore()
+            run.phase = "done"
+            if run.restored:
+                self.pg.room.note(f"lesson {lesson.title!r} done: the engine is back as it was before it")
         except Exception as exc:  # noqa: BLE001 - a lesson that breaks says why; the engine carries on
             run.phase, run.note = "failed", f"⚠️ the lesson stopped: {exc}"
 
     def measure(self, run: LessonRun) -> dict:
-        """Before and after, each phase's settled part, from the engine's own history; and the record's chart."""
-        history = list(self.pg.service.history)
+        """Before and after, each phase's settled part, from the engine's own history; how much each varies over
+        its parts (the noise a change must beat); what each rested on; and the record's chart."""
+        history = timed(self.pg.service.history)
         b0, b1 = run.t_before, run.t_flip
         a0, a1 = run.t_after, run.t_end
-        before = window_metrics(history, b0 + SETTLE * (b1 - b0), b1)
-        after = window_metrics(history, a0 + SETTLE * (a1 - a0), a1)
+        windows = {"before": (b0 + SETTLE * (b1 - b0), b1), "after": (a0 + SETTLE * (a1 - a0), a1)}
+        before, after = (window_metrics(history, *windows[k]) for k in ("before", "after"))
         lesson = run.lesson
-        x, y = before[lesson.metric], after[lesson.metric]
-        moved = None if x is None or y is None or x == y else ("up" if y > x else "down")
+        noise = {k: spread(history, lesson.metric, *w) for k, w in windows.items()}
+        moved = moved_beyond_noise(before[lesson.metric], after[lesson.metric], noise["before"], noise["after"])
         return {"lesson": lesson.slug, "title": lesson.title, "switch": lesson.switch, "workload": lesson.workload,
                 "users": lesson.users, "metric": lesson.metric, "expect": lesson.expect, "moved": moved,
                 "as_expected": None if moved is None else moved == lesson.expect,
-                "before": before, "after": after, "seconds": {"before": b1 - b0, "after": a1 - a0},
+                "before": before, "after": after, "spread": noise,
+                "evidence": {k: dataclasses.asdict(evidence(history, *w)) for k, w in windows.items()},
+                "short": dict(run.short), "remedy": self.remedy() if run.short else "",
+                "scale": run.scale, "probe_tok_s": run.probe_tok_s,
+                "seconds": {"before": b1 - b0, "after": a1 - a0},
                 "flip_at_s": a0 - b0, "started": run.started, "device": self.device_type,
                 "precision": self.pg.service.snapshot().precision,
                 "chart": series(history, lesson.metric, b0, a1)}
+
+    def remedy(self) -> str:
+        """What to do when a phase ran out of time before its number had enough to rest on."""
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = None
+        cores = os.cpu_count() or 1
+        busy = (f"this machine is busy (load average {load:.1f} on {cores} cores): stop what else runs on it, "
+                if load is not None and load > cores else "")
+        return (f"{busy}run a faster configuration (e.g. start with --preset int8), or lengthen the phases "
+                f"(--lesson-seconds 60)")
 
     # ---- what every visitor sees ------------------------------------------------------------------------
     def phase_line(self) -> str:
         run = self.run
         if run is None:
             return "No lesson is running. The presenter starts one; everyone's page follows."
-        before_s, after_s = self.durations(run.lesson)
+        (before_s, _), (after_s, _) = self.limits(run.lesson)
         now = time.time()
         line = {
-            "setting up": "setting up the engine for this lesson",
+            "setting up": "setting up the engine for this lesson, and measuring its speed on one short reply",
             "before": f"**before** the switch: {now - (run.t_before or now):.0f}/{before_s:.0f} s, then "
                       f"{run.lesson.describe_switch()}",
             "flipping": f"flipping {run.lesson.describe_switch()}",
@@ -268,7 +387,15 @@ class LessonRunner:
             "unavailable": "not on this machine: below, the last measured result",
             "failed": "could not run",
         }[run.phase]
-        return f"Lesson **{plain(run.lesson.title)}**: {line}" + (f"  \n{plain(run.note)}" if run.note else "")
+        notes = [run.note]
+        if run.extended and run.phase in ("before", "after"):
+            notes.append(f"⏳ {run.extended}")
+        if run.scale < 1 and run.phase in ("before", "flipping", "after"):
+            notes.append(f"Sized for this machine: replies at {run.scale:.0%} of the workload's lengths (the engine "
+                         f"made {run.probe_tok_s:.1f} tokens/s on one reply, too slow for the replies as written)")
+        if run.phase == "done" and run.restored:
+            notes.append(run.restored.strip())
+        return f"Lesson **{plain(run.lesson.title)}**: {line}" + "".join(f"  \n{plain(n, 400)}" for n in notes if n)
 
     def result_table(self, result: dict | None) -> str:
         if not result:

@@ -64,6 +64,37 @@ def test_window_numbers_come_from_the_history_and_survive_a_restart():
     assert empty["ttft_s"] is None and empty["prefix_hit_rate"] is None and empty["max_step_ms"] is None
 
 
+def test_a_phase_knows_what_its_number_rests_on_and_how_much_it_varies():
+    from playground.lesson_numbers import Evidence, evidence, moved_beyond_noise, spread
+    history = [dataclasses.replace(sample(t, gen=10 * t, hits=5 * t, queries=10 * t, step_ms=10 + t % 3),
+                                   num_started=1 if t % 2 else 0, num_finished=1 if t % 4 == 3 else 0,
+                                   prompt_tokens=100 if t % 2 else 0) for t in range(13)]
+    got = evidence(history, 0.5, 12)
+    assert got == Evidence(requests=6, finished=3, tokens=120, prompt_tokens=600, steps=12)
+    assert got.covers(Evidence(requests=6, tokens=100)) and not got.covers(Evidence(requests=7))
+    assert got.missing(Evidence(requests=8, steps=12)) == "6 of 8 requests started"
+    assert spread(history, "max_step_ms", 0.5, 12) == (12, 12)  # each third holds a step of 12 ms
+    assert spread(history, "ttft_s", 0.5, 12) is None  # nothing to say in any part: no spread to give
+    assert moved_beyond_noise(0.0, 0.9, (0.0, 0.0), (0.85, 0.95)) == "up"
+    assert moved_beyond_noise(10.0, 10.4, (9.5, 10.5), (10.0, 10.9)) is None  # inside the noise
+    assert moved_beyond_noise(10.0, 6.0, (9.5, 10.5), None) == "down"
+    assert moved_beyond_noise(None, 1.0, None, None) is None
+
+
+def test_the_verdict_says_beyond_the_noise_or_why_there_is_nothing_to_say():
+    from playground.course import verdict
+    base = {"metric": "prefix_hit_rate", "expect": "up", "spread": {"before": [0.0, 0.0], "after": [0.8, 0.95]}}
+    assert verdict({**base, "moved": "up", "as_expected": True}) == (
+        "**Prefix-cache hit rate went up** beyond the noise (before 0%–0%, after 80%–95% over the parts of each "
+        "phase), as the lesson expected.")
+    quiet = verdict({**base, "moved": None, "as_expected": None, "spread": {"before": [0.1, 0.2], "after": None}})
+    assert quiet.startswith("Prefix-cache hit rate: no change beyond the noise this time (before 10%–20%")
+    short = verdict({**base, "moved": None, "as_expected": None, "short": {"before": "2 of 6 requests started"},
+                     "remedy": "stop what else runs on it"})
+    assert "nothing to compare this time: the before phase had 2 of 6 requests started when its time ran out" in short
+    assert short.endswith("To make it teach: stop what else runs on it.")
+
+
 def test_the_record_is_one_page_of_escaped_text_and_inline_svg():
     result = {"lesson": "x", "title": "<script>alert(1)</script> caching", "switch": {"prefix_caching": True},
               "workload": "shared-system-prompt", "users": 4, "metric": "prefix_hit_rate", "expect": "up",
@@ -119,10 +150,14 @@ def test_a_lesson_measures_before_and_after_and_puts_the_engine_back(pg):
     said_to_room = [n.what for n in pg.room.notices()]
     assert "started the lesson 'Prefix caching'" in said_to_room
     assert "lesson 'Prefix caching': flipped prefix_caching → on" in said_to_room
-    said = runner.leave()
-    assert "back as it was" in said
+    # a lesson done lets go at once: the presenter's configuration is back before anyone presses Stop or Next
+    assert "back as it was before the lesson" in runner.run.restored and "back as it was" in runner.phase_line()
     assert pg.settings()["prefix_caching"] is True and pg.settings()["max_num_seqs"] == 12
-    assert runner.run is None and not pg.traffic.status().running
+    assert not pg.traffic.status().running
+    assert "lesson 'Prefix caching' done: the engine is back as it was before it" in [n.what for n in pg.room.notices()]
+    said = runner.leave()
+    assert said == "Left Prefix caching."  # nothing left to put back
+    assert runner.run is None
     deadline = time.monotonic() + 30
     while pg.service.snapshot().num_running or pg.service.snapshot().kv_blocks_used:
         assert time.monotonic() < deadline, "blocks still in use after the lesson"
@@ -196,3 +231,43 @@ def test_a_lesson_whose_number_is_a_count_moves_the_way_it_says(pg, slug):
     result = runner.run.result
     assert runner.run.phase == "done" and result["as_expected"] is True, (
         result["before"]["running"], result["after"]["running"], result["before"], result["after"])
+
+
+def test_a_phase_without_enough_to_go_on_runs_on_then_says_why_and_what_to_do(pg):
+    """A phase whose number lacks its evidence goes on past its length (said on the page), up to MAX_FACTOR times
+    it; then the verdict names what was short and the remedy, instead of a number resting on nothing."""
+    lesson = dataclasses.replace(load_lessons()[4], evidence={"requests": 100_000})
+    runner = LessonRunner(pg, lessons=[lesson], seconds=1)
+    pg.lessons = runner
+    runner.start(lesson.slug)
+    wait_phase(runner, ("before",), timeout_s=60)
+    deadline = time.monotonic() + 10
+    while "going on past 1 s" not in runner.phase_line():
+        assert time.monotonic() < deadline, runner.phase_line()
+        time.sleep(0.05)
+    wait_phase(runner, ("done", "failed"), timeout_s=60)
+    result = runner.run.result
+    assert runner.run.phase == "done" and 4 <= result["seconds"]["before"] < 8
+    assert set(result["short"]) == {"before", "after"} and "of 100000 requests started" in result["short"]["before"]
+    table = runner.result_table(result)
+    # a number that still moved beyond its noise is given, flagged as resting on thin evidence; none is never a verdict
+    assert ("On thin evidence: the before phase had" in table if result["moved"] else
+            "nothing to compare this time" in table and "lengthen the phases" in table), table
+
+
+def test_a_lesson_sizes_its_replies_to_the_engines_speed(pg, monkeypatch):
+    """The runner measures one short reply, and shortens the workload's replies when one would take more than a
+    quarter of a phase among the lesson's users; the page says so."""
+    from playground import lessons as lessons_mod
+    lesson = load_lessons()[4]
+    runner = LessonRunner(pg, lessons=[lesson], seconds=0.02)  # a phase far too short for any reply as written
+    monkeypatch.setattr(lessons_mod, "MAX_FACTOR", 300.0)  # (so the phases still gather their evidence)
+    pg.lessons = runner
+    runner.start(lesson.slug)
+    wait_phase(runner, ("before", "after", "done"), timeout_s=60)
+    run = runner.run
+    assert run.probe_tok_s and run.probe_tok_s > 0 and run.scale == lessons_mod.MIN_SCALE
+    sent = {r.params.max_tokens for r in pg.traffic._run.requests}
+    assert max(sent) <= max(4, round(48 * lessons_mod.MIN_SCALE))  # the workload's longest reply is 48 tokens
+    assert "Sized for this machine\\: replies at 6% of the workload's lengths" in runner.phase_line()
+    runner.leave()
