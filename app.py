@@ -50,6 +50,7 @@ from playground.access import (
 from playground.engine_tabs import build_ablation_tab, build_compare_tab, build_settings_tab, build_step_tab
 from playground.features_tab import build_features_tab
 from playground.handlers import Playground
+from playground.lesson_record import record_folder
 from playground.lessons_tab import TAB_ID as LESSONS_TAB
 from playground.lessons_tab import build_lessons_tab
 from playground.live_tabs import build_chat_tab, build_dashboard_tab, chart_updates, track_shown_tab
@@ -172,12 +173,15 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             now = {"run": run.run_id if follow else followed["run"], "back": show_back, "sent": sent}
             charts = chart_updates(serialised, f, sent, "Lessons" if follow else on_tab)
             *words, chart = lesson["parts"](picked)
+            # while a lesson runs every page's lesson picker names it (what the tab shows is that lesson)
+            pick = run.lesson.slug if run is not None and picked != run.lesson.slug else gr.skip()
             return (pg.status(presenter), *charts, *words, serialised.unless_sent(chart, "lesson", sent),
                     gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
                     gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(), intro(pg, presenter),
-                    "Lessons" if follow else gr.skip())
+                    "Lessons" if follow else gr.skip(), pick, lesson["record"](sent))
         clock.tick(refresh, [lesson["pick"], seen, shown],
-                   [status, *plots, *lesson["outputs"], tabs, seen, back, header, shown],
+                   [status, *plots, *lesson["outputs"], tabs, seen, back, header, shown, lesson["pick"],
+                    lesson["record_output"]],
                    concurrency_limit=4, show_progress="hidden", api_name="dashboard", postprocess=False)
         back.click(audience(lambda: (gr.Tabs(selected=LESSONS_TAB), "Lessons")), None, [tabs, shown],
                    api_name="back_to_lesson", show_progress="hidden")
@@ -289,7 +293,9 @@ def launch(pg: Playground | Watcher, model_name: str, access: Access | None = No
     api = OpenAIApi(lambda: pg.service, pg.llm.tokenizer, model_name, api_key=api_key, seats=pg.seats,
                     share=access.api_share)
     pg.stat_listeners.append(api.metrics.record)
-    serve(demo, access, {"app_kwargs": {"routes": api.routes()}, **launch_kwargs})
+    # the session's record, prepared on the Lessons tab, is served to every page from its one folder
+    serve(demo, access, {"app_kwargs": {"routes": api.routes()}, "allowed_paths": [str(record_folder())],
+                         **launch_kwargs})
     return demo
 
 

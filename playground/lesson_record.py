@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import html
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from .course import METRICS, format_value, switch_text, verdict
 
@@ -69,6 +72,17 @@ def machine_name(runner: LessonRunner) -> str:
     from .results import machine_description
     weights = runner.pg.service.snapshot().precision
     return f"{machine_description(runner.pg.llm)}, weights {weights}: measured with watch-llm"
+
+
+def record_folder() -> Path:
+    """Where this process writes the session's record: one folder, rewritten at each preparation (anyone may
+    press Prepare, so it must not add files with each press), served to every page (app.launch allows it)."""
+    return Path(tempfile.gettempdir()) / f"watch-llm-lessons-record-{os.getpid()}"
+
+
+def record_links(files: list[str]) -> str:
+    """Markdown links to the record's files as gradio serves them (relative: right behind a proxy's prefix too)."""
+    return " · ".join(f"[{Path(f).name}](gradio_api/file={quote(str(Path(f).resolve()))})" for f in files)
 
 
 def write_record(records: list[dict], machine: str, folder: Path) -> list[str]:

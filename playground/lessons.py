@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from engine.config import LOAD_TIME_FIELDS, EngineConfig
 from engine.sampler import SamplingParams
 from engine.workloads import load_workload
+from viz.lesson_figure import LessonChart, lesson_figure
 
 from .course import METRICS, Lesson, format_value, from_toml, load_lessons, verdict
 from .lesson_numbers import Evidence, evidence, moved_beyond_noise, series, spread, timed, window_metrics
@@ -82,6 +83,8 @@ class LessonRunner:
         self._lock = threading.Lock()  # one start / leave at a time
         self._saved: dict | None = None  # the engine's settings before the lesson: put back on leaving
         self._thread: threading.Thread | None = None
+        self._chart: tuple | None = None  # (what it shows, the figure): one figure a second for every visitor
+        self.record_files: tuple[int, list[str], str] | None = None  # the record prepared: (version, files, line)
 
     def index(self, slug: str) -> int:
         for i, lesson in enumerate(self.lessons):
@@ -396,6 +399,40 @@ class LessonRunner:
         if run.phase == "done" and run.restored:
             notes.append(run.restored.strip())
         return f"Lesson **{plain(run.lesson.title)}**: {line}" + "".join(f"  \n{plain(n, 400)}" for n in notes if n)
+
+    def chart(self, lesson: Lesson | None) -> dict | None:
+        """The chart of the lesson shown: the running one's number so far, or the picked one's last result in this
+        session. Rebuilt at most once a second while a lesson runs (every visitor's clock asks for it), and the
+        same object until then, so each page is sent it only when it changed."""
+        run = self.run
+        if run is not None and run.lesson is lesson and run.t_before is not None:
+            live = run.active
+            key = (run.run_id, run.phase, int(time.time()) if live else None)
+            if self._chart is None or self._chart[0] != key:
+                history = timed(self.pg.service.history)
+                now = time.time() if live else (run.t_end or time.time())
+                flip = run.t_after - run.t_before if run.t_after else None
+                self._chart = (key, lesson_figure(self._lesson_chart(
+                    lesson, series(history, lesson.metric, run.t_before, now), flip, now - run.t_before,
+                    run.result or {})))
+            return self._chart[1]
+        if lesson is None:
+            return None
+        record = next((r for r in reversed(self.records) if r["lesson"] == lesson.slug), None)
+        key = ("record", id(record), lesson.slug)
+        if self._chart is None or self._chart[0] != key:
+            points = [tuple(p) for p in record["chart"]] if record else []
+            self._chart = (key, lesson_figure(self._lesson_chart(
+                lesson, points, record["flip_at_s"] if record else None,
+                points[-1][0] if points else 0.0, record or {})))
+        return self._chart[1]
+
+    @staticmethod
+    def _lesson_chart(lesson: Lesson, points, flip_at_s, now_s: float, result: dict) -> LessonChart:
+        metric = METRICS[lesson.metric]
+        return LessonChart(lesson.title, metric.label, metric.unit, "%" in metric.fmt, lesson.describe_switch(),
+                           points, flip_at_s, now_s, (result.get("before") or {}).get(lesson.metric),
+                           (result.get("after") or {}).get(lesson.metric))
 
     def result_table(self, result: dict | None) -> str:
         if not result:

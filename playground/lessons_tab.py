@@ -7,15 +7,11 @@ and downloading the session's record are everyone's.
 """
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
 import gradio as gr
 
 from .access import audience
 from .course import METRICS, Lesson
-from .lesson_record import machine_name, write_record
+from .lesson_record import machine_name, record_folder, record_links, write_record
 from .lessons import LessonRunner
 from .room import plain
 
@@ -80,13 +76,21 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
             return None
 
     def parts(slug: str | None) -> tuple[str, str, str, dict | None]:
-        """The view's phase line, text, numbers and the spec of the chart to watch (the page's clock sends the
+        """The view's phase line, text, numbers and the spec of the lesson's chart (the page's clock sends the
         chart only when it changed)."""
         lesson, run = shown(slug), runner.run
         result = run.result if run is not None else None
         return (runner.phase_line(), lesson_text(lesson) if lesson else "",
-                runner.result_table(result) if result else "",
-                getattr(pg.dashboard(), lesson.chart) if lesson else None)
+                runner.result_table(result) if result else "", runner.chart(lesson))
+
+    def record_line(sent: dict):
+        """The session's record, once prepared, on every page (not only the one that pressed Prepare): its links,
+        sent to each page once per preparation."""
+        prepared = runner.record_files
+        if prepared is None or sent.get("record") == prepared[0]:
+            return gr.skip()
+        sent["record"] = prepared[0]
+        return prepared[2]
 
     @audience
     def view(slug: str | None):
@@ -95,11 +99,12 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
 
     @audience
     def prepare_record():
-        # one folder for the process, rewritten: anyone may press this, so it must not add files with each press
-        folder = Path(tempfile.gettempdir()) / f"watch-llm-lessons-record-{os.getpid()}"
         done = len(runner.records)
-        return write_record(runner.records, machine_name(runner), folder), (
-            f"{done} lesson(s) in the record." if done else "No lesson has finished yet: the record is empty.")
+        files = write_record(runner.records, machine_name(runner), record_folder())
+        said = (f"The record of {done} lesson(s), on everyone's page: {record_links(files)}" if done else
+                "No lesson has finished yet: the record is empty.")
+        runner.record_files = (runner.record_files[0] + 1 if runner.record_files else 1, files, said)
+        return files, said
 
     def start_lesson(slug: str | None):
         if not slug:
@@ -117,4 +122,5 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
     prev.click(lambda: walk(-1), None, [said, pick], api_name="lesson_previous")
     nxt.click(lambda: walk(+1), None, [said, pick], api_name="lesson_next")
     make.click(prepare_record, None, [files, records], api_name="lesson_record")
-    return {"parts": parts, "pick": pick, "outputs": [phase, text, numbers, plot]}
+    return {"parts": parts, "pick": pick, "outputs": [phase, text, numbers, plot], "record": record_line,
+            "record_output": records}

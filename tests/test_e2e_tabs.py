@@ -249,9 +249,9 @@ def test_every_tab_readable_at_1600x1200(served, page, shots):
     page.get_by_role("tab", name="Dashboard").click()
     page.wait_for_function("() => Array.from(document.querySelectorAll('.js-plotly-plot'))"
                            ".some(p => p.textContent.includes('prefix caching is off'))", timeout=30_000)
-    page.wait_for_function(f"() => ({MARKER_LABELS})('prefix_caching=False').length === 3", timeout=30_000)
+    page.wait_for_function(f"() => ({MARKER_LABELS})('prefix_caching off').length === 3", timeout=30_000)
     visit(page, "Dashboard", shots, min_charts=5, name="dashboard-prefix-caching-off")
-    assert page.evaluate(MARKER_LABELS, "prefix_caching=False") == [True, True, True]
+    assert page.evaluate(MARKER_LABELS, "prefix_caching off") == [True, True, True]
 
 
 VISIBLE_TRACES = "() => Array.from(document.querySelectorAll('.js-plotly-plot'))" \

@@ -1,6 +1,7 @@
 """viz/: figure builders on hand-made snapshots (no engine, no server)."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -380,7 +381,7 @@ def test_configuration_changes_are_marked_on_every_time_series():
         lines = [s for s in spec["layout"]["shapes"]]
         assert [s["x0"] for s in lines] == [5.0, 8.0, 12.0] and all(s["yref"] == "paper" for s in lines)
         labels = [a for a in spec["layout"]["annotations"] if a.get("textangle") == -90]
-        assert [a["text"] for a in labels] == ["prefix_caching=False", "✗ num_kv_blocks=9999", "max_num_seqs=4"]
+        assert [a["text"] for a in labels] == ["prefix_caching off", "✗ num_kv_blocks=9999", "max_num_seqs=4"]
         assert all(a["y"] == 1 and a["yref"] == "paper" and a["yanchor"] == "top" for a in labels)  # inside the plot
         assert "step 5: prefix_caching=False (applied in place)" in labels[0]["hovertext"]
         assert "not applied: MemoryError" in labels[1]["hovertext"]
@@ -390,13 +391,13 @@ def test_configuration_changes_are_marked_on_every_time_series():
     assert figures.queues_figure([], changes=changes)["layout"]["shapes"] == []  # no time axis yet
 
 
-def test_changes_close_in_time_share_one_marker_and_long_labels_are_shortened():
+def test_changes_close_in_time_share_one_marker_and_labels_stay_short():
     hist = [sample(0.0), sample(100.0)]
     close = [change(50.0, prefix_caching=False), change(51.0, continuous_batching=False, max_num_seqs=4)]
     shapes, annotations = figures.change_markers(hist, close)
     assert len(shapes) == len(annotations) == 1
     text = annotations[0]["text"]
-    assert len(text) == figures.MARKER_LABEL_CHARS and text.endswith("…") and text.startswith("prefix_caching=False")
+    assert text == "2 changes"  # one short label a marker, readable from the back of a room
     assert "prefix_caching=False" in annotations[0]["hovertext"] and "max_num_seqs=4" in annotations[0]["hovertext"]
     far = [change(10.0, prefix_caching=False), change(60.0, prefix_caching=True)]
     assert len(figures.change_markers(hist, far)[0]) == 2
@@ -481,3 +482,32 @@ def test_the_block_table_and_every_chat_view_share_one_snapshot_s_cells(monkeypa
     alone = figures.highlighted_block_figure(snap, "b", True)
     assert cache.chat_view(snap, hist, "b", True).blocks == alone  # the same figure as built on its own
     assert cache.get(snap, hist).blocks == figures.block_table_figure(snap)
+
+
+def test_a_lessons_chart_names_its_lines_axes_and_one_flip():
+    from viz.lesson_figure import LessonChart, lesson_figure
+    chart = LessonChart("Prefix caching", "prefix-cache hit rate", "", True, "prefix_caching → on",
+                        [(1.0, 0.0), (3.0, 0.0), (5.0, 0.6), (7.0, 0.9)], flip_at_s=4.0, now_s=8.0, before=0.0,
+                        after=0.88)
+    spec = lesson_figure(chart)
+    figures.to_figure(spec)  # a valid plotly figure
+    names = [t["name"] for t in spec["data"]]
+    assert names == ["before the switch", "after: prefix_caching → on", "before: 0 %", "after: 88 %"]
+    assert spec["data"][0]["x"] == [1.0, 3.0] and spec["data"][1]["y"] == [60.0, 90.0]  # percent drawn in %
+    layout = spec["layout"]
+    assert layout["xaxis"]["title"]["text"] == "seconds since the lesson's before phase began"
+    assert layout["yaxis"]["title"]["text"] == "prefix-cache hit rate (%)"
+    assert layout["xaxis"]["range"][0] == 0 and len(layout["shapes"]) == 1  # this lesson's window, one marker
+    assert [a["text"] for a in layout["annotations"]] == ["flip"]
+    assert "prefix_caching → on at 4 s" in layout["annotations"][0]["hovertext"]
+    waiting = lesson_figure(LessonChart("Paged KV", "requests running", "", False, "paged_kv → on", [], None, 0.0))
+    assert "appear here once" in json.dumps(waiting)
+
+
+def test_a_markers_label_is_short_and_hover_has_the_rest():
+    from engine.service import ConfigChange
+    one = ConfigChange(1.0, 5, {"num_kv_blocks": 96, "max_model_len": 384}, "rebuilt the KV pool")
+    assert figures.marker_label([one]) == "num_kv_blocks=96 +1"
+    long = ConfigChange(1.0, 5, {"quantization_smoothing_calibration_text": "x" * 80}, "rebuilt")
+    assert len(figures.marker_label([long])) <= figures.MARKER_LABEL_CHARS
+    assert figures.marker_label([ConfigChange(1.0, 5, {}, "restarted")]) == "engine restarted"

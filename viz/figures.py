@@ -316,6 +316,20 @@ def change_label(change) -> str:
     return f"✗ {text}" if change.error else text
 
 
+def marker_label(group: Sequence) -> str:
+    """A marker's label, short enough to read whole from the back of a room: one field ('prefix_caching off'),
+    the first of several ('num_kv_blocks=96 +1'), or how many changes share the marker; hover has them all."""
+    if len(group) > 1:
+        return f"{len(group)} changes"
+    change = group[0]
+    if not change.changes:
+        return f"engine {change.action}"
+    (name, value), more = next(iter(change.changes.items())), len(change.changes) - 1
+    word = "on" if value is True else "off" if value is False else "auto" if value is None else value
+    text = f"{name} {word}" if isinstance(value, bool) else f"{name}={word}"
+    return ("✗ " if change.error else "") + _shorten(text, MARKER_LABEL_CHARS - 4) + (f" +{more}" if more else "")
+
+
 def change_markers(history: Sequence, changes: Sequence) -> tuple[list[dict], list[dict]]:
     """(shapes, annotations): a dotted vertical line and an upright label for each configuration change (the
     service's ConfigChange records) since the first sample, on the same time axis as the samples."""
@@ -334,7 +348,7 @@ def change_markers(history: Sequence, changes: Sequence) -> tuple[list[dict], li
             groups.append((x, [change]))
     shapes, annotations = [], []
     for x, group in groups:
-        label = " · ".join(change_label(c) for c in group)
+        label = marker_label(group)
         colour = "#999" if all(c.error for c in group) else "#333"
         hover = "<br>".join(f"step {c.step}: {change_label(c)} "
                             + (f"(not applied: {c.error})" if c.error else f"({c.action})") for c in group)
