@@ -132,9 +132,9 @@ def build_projector(demo: gr.Blocks, parts: Callable[[], ProjectorView | None], 
     return {"path": f"/{path}", "outputs": outputs, "timer": timer}
 
 
-def lesson_view(runner, figures) -> ProjectorView | None:
-    """The running lesson as the projector shows it (None while none runs): a LessonRunner (playground/lessons.py)
-    and the dashboard's figures (Playground.dashboard(): one attribute per chart name)."""
+def lesson_view(runner) -> ProjectorView | None:
+    """The running lesson as the projector shows it (None while none runs), from a LessonRunner
+    (playground/lessons.py): its chart is the lesson's own (runner.chart), the one the Lessons tab shows."""
     run = runner.run
     if run is None:
         return None
@@ -143,4 +143,4 @@ def lesson_view(runner, figures) -> ProjectorView | None:
             f"**Question for the room:** {plain(lesson.question, LONG)}")
     return ProjectorView(title=lesson.title, text=text,
                          numbers=runner.result_table(run.result) if run.result else "",
-                         chart=getattr(figures, lesson.chart, None), phase=runner.phase_line())
+                         chart=runner.chart(lesson), phase=runner.phase_line())

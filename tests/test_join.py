@@ -362,17 +362,18 @@ def test_lesson_view_shows_the_running_lesson():
     from playground.course import load_lessons
     from playground.projector import lesson_view
     lesson = load_lessons()[0]
-    figures = SimpleNamespace(**{lesson.chart: chart_spec("the lesson's chart")})
-    idle = SimpleNamespace(run=None)
-    assert lesson_view(idle, figures) is None
+    spec = chart_spec("the lesson's chart")
+    assert lesson_view(SimpleNamespace(run=None)) is None
     run = SimpleNamespace(lesson=lesson, result=None)
-    runner = SimpleNamespace(run=run, phase_line=lambda: "**before** the switch", result_table=lambda r: "table")
-    view = lesson_view(runner, figures)
-    assert view.title == lesson.title and view.chart is getattr(figures, lesson.chart)
+    asked = []
+    runner = SimpleNamespace(run=run, phase_line=lambda: "**before** the switch", result_table=lambda r: "table",
+                             chart=lambda shown: asked.append(shown) or spec)
+    view = lesson_view(runner)
+    assert view.title == lesson.title and view.chart is spec and asked == [lesson]
     assert "Look for:" in view.text and "Question for the room:" in view.text and view.numbers == ""
     assert view.phase == "**before** the switch"
     run.result = {"metric": "x"}
-    assert lesson_view(runner, figures).numbers == "table"
+    assert lesson_view(runner).numbers == "table"
 
 
 # ---- served, in Chromium ---------------------------------------------------------------------------------------
