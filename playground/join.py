@@ -67,6 +67,15 @@ def join_address(server_name: str | None, port: int, share_url: str | None,
                        f"whose network reaches it can open it.")
 
 
+def launched_address(demo, env: Mapping[str, str] = os.environ) -> JoinAddress:
+    """join_address for a gr.Blocks as its launch() left it (the host and port it bound, the share link once up):
+    what a page built before the launch can call at every refresh."""
+    port = getattr(demo, "server_port", None)
+    if port is None:  # not launched yet: gradio sets these in launch()
+        return JoinAddress(None, "The app has not started serving yet.", room_can_open=False)
+    return join_address(getattr(demo, "server_name", None), port, getattr(demo, "share_url", None), env=env)
+
+
 def host_in_url(name: str) -> str:
     """An IPv6 address goes in brackets in a URL; a host name or an IPv4 address as it is."""
     try:

@@ -96,6 +96,15 @@ def test_the_lan_address_falls_back_to_the_host_name_never_loopback(monkeypatch)
     assert got.url is None and not got.room_can_open and "--share" in got.how
 
 
+def test_a_launched_page_gives_the_address_it_was_launched_on(on_a_lan):
+    demo = SimpleNamespace(share_url=None)  # a gr.Blocks before launch()
+    assert join.launched_address(demo, env={}).url is None
+    demo.server_name, demo.server_port = "0.0.0.0", 7862
+    assert join.launched_address(demo, env={}).url == f"http://{LAN_IP}:7862/"
+    demo.share_url = "https://0123abcd.gradio.live"  # the tunnel came up
+    assert join.launched_address(demo, env={}).url == "https://0123abcd.gradio.live"
+
+
 def test_this_machines_lan_address_is_never_loopback():
     ip = join.lan_ipv4()
     assert ip is None or not ip.startswith(("127.", "0.", "169.254."))
@@ -407,6 +416,8 @@ def test_projector_and_join_panel_in_a_real_browser(browser, tmp_path):
     port = free_port()
     demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     url = f"http://127.0.0.1:{port}/"
+    assert join.launched_address(demo, env={}) == join_address("127.0.0.1", port, None, env={})
+    assert join.launched_address(demo, env={}).url == url
     context = browser.new_context(viewport={"width": 1600, "height": 1200})
     try:
         page = context.new_page()
