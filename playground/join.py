@@ -12,6 +12,7 @@ import io
 import ipaddress
 import os
 import socket
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -85,16 +86,18 @@ def host_in_url(name: str) -> str:
 
 
 def lan_ipv4() -> str | None:
-    """This machine's IPv4 address on the interface its default route uses, without sending anything; else the
-    first its host name resolves to. Never a loopback, unspecified or link-local address: none is reachable from
-    another machine (None when there is no other)."""
+    """This machine's IPv4 address on the interface its default route uses, found without sending anything; else
+    (a room's own router with no way out: no default route) the first on a network interface, else the first its
+    host name resolves to. Never a loopback, unspecified or link-local address: no other machine reaches those
+    (None when there is no other)."""
     candidates: list[str] = []
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect(ROUTE_PROBE)  # no packet: a UDP connect only picks the route and the source address
             candidates.append(probe.getsockname()[0])
-    except OSError:  # no route at all (no network, or only loopback)
+    except OSError:  # no default route
         pass
+    candidates += [ip for name, ip in interface_ipv4s() if not name.startswith(VIRTUAL_INTERFACES)]
     try:
         candidates += socket.gethostbyname_ex(socket.gethostname())[2]
     except OSError:
@@ -107,6 +110,30 @@ def lan_ipv4() -> str | None:
         if not (ip.is_loopback or ip.is_unspecified or ip.is_link_local):
             return str(ip)
     return None
+
+
+# a container's or a VM's bridge: its address is this machine's own, not one the room's network reaches
+VIRTUAL_INTERFACES = ("lo", "docker", "br-", "veth", "virbr", "vmnet", "cni", "flannel", "tailscale", "zt")
+SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
+
+
+def interface_ipv4s() -> list[tuple[str, str]]:
+    """(interface, IPv4 address) for each interface that has one, in the kernel's order; [] where the standard
+    library cannot tell (it lists interfaces everywhere, their addresses only through this Linux ioctl)."""
+    try:
+        import fcntl
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError):
+        return []
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:  # an interface with no IPv4 address
+                continue
+            found.append((name, socket.inet_ntoa(packed[20:24])))
+    return found
 
 
 QR_ERROR = "m"  # medium (15% of the code may be unreadable): a projected code is blurred, keystoned, glared

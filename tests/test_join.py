@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
@@ -48,6 +49,7 @@ class FakeUdp:
 def on_a_lan(monkeypatch):
     FakeUdp.connected = []
     monkeypatch.setattr(join.socket, "socket", FakeUdp)
+    monkeypatch.setattr(join, "interface_ipv4s", lambda: [("lo", "127.0.0.1")])
     monkeypatch.setattr(join.socket, "gethostbyname_ex", lambda name: (name, [], ["127.0.1.1"]))
     return FakeUdp
 
@@ -83,12 +85,18 @@ def test_on_all_interfaces_the_lan_address_found_without_sending(on_a_lan, bound
     assert on_a_lan.connected and all(not address[0].startswith("127.") for address in on_a_lan.connected)
 
 
-def test_the_lan_address_falls_back_to_the_host_name_never_loopback(monkeypatch):
+def test_without_a_default_route_the_lan_address_is_an_interfaces_never_loopback(monkeypatch):
     class NoRoute(FakeUdp):
         def connect(self, address):
             raise OSError("Network is unreachable")
     monkeypatch.setattr(join.socket, "socket", NoRoute)
     monkeypatch.setattr(join.socket, "gethostbyname_ex", lambda name: (name, [], ["127.0.1.1", "10.1.2.3"]))
+    # a room's own router with no way out: the Wi-Fi interface's address, not a container bridge's
+    monkeypatch.setattr(join, "interface_ipv4s", lambda: [("lo", "127.0.0.1"), ("docker0", "172.17.0.1"),
+                                                          ("wlan0", "192.168.8.23")])
+    assert join_address("0.0.0.0", 7860, None, env={}).url == "http://192.168.8.23:7860/"
+    # no interface said: what the host name resolves to
+    monkeypatch.setattr(join, "interface_ipv4s", lambda: [])
     assert join_address("0.0.0.0", 7860, None, env={}).url == "http://10.1.2.3:7860/"
     # only loopback (and a route through it): nothing to give, and the panel says what to do
     monkeypatch.setattr(join.socket, "gethostbyname_ex", lambda name: (name, [], ["127.0.1.1"]))
@@ -108,6 +116,10 @@ def test_a_launched_page_gives_the_address_it_was_launched_on(on_a_lan):
 def test_this_machines_lan_address_is_never_loopback():
     ip = join.lan_ipv4()
     assert ip is None or not ip.startswith(("127.", "0.", "169.254."))
+    found = dict(join.interface_ipv4s())
+    if sys.platform == "linux":  # the ioctl reads the kernel's own list: loopback is always on it
+        assert found.get("lo") == "127.0.0.1"
+    assert ip is None or ip in found.values() or not found
 
 
 def test_a_specific_address_is_that_address(on_a_lan):
