@@ -16,13 +16,14 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import gradio as gr
 import segno
 
 from .access import is_loopback
 
 ALL_INTERFACES = ("0.0.0.0", "::", "")
 # The UDP socket is connected to this address only for the kernel to pick the interface its default route leaves
-# by (a UDP connect() sends nothing). A documentation address (TEST-NET-1): no host will ever answer it anyway.
+# by (a UDP connect() sends nothing). Any address off this machine would do: a documentation one (TEST-NET-1).
 ROUTE_PROBE = ("192.0.2.1", 80)
 HOW_TO_OPEN = ("To open it to the room, start it as GRADIO_SERVER_NAME=0.0.0.0 python app.py --presenter-token "
                "SECRET (people on this network can then open it), or with --share (a public link).")
@@ -51,7 +52,7 @@ def join_address(server_name: str | None, port: int, share_url: str | None,
                            "anyone can open it from anywhere.")
     if share_url and share_url.startswith(("https://", "http://")):
         return JoinAddress(share_url, "gradio's share link (--share): anyone can open it from anywhere while this "
-                           "app runs, for a week at most.")
+                           "app runs (gradio keeps a link up to a week).")
     name = (env.get("GRADIO_SERVER_NAME") or "127.0.0.1") if server_name is None else server_name.strip()
     if name in ALL_INTERFACES:
         ip = lan_ipv4()
@@ -182,8 +183,6 @@ def build_join_panel(get_address: Callable[[], JoinAddress], count_people: Calla
     `sent`: the page's own record of what it was sent last (a dict, updated); what has not changed since comes
     back as gr.skip(), so the page's 1 s clock sends the QR code again only when the address changes (once, when
     a share link comes up). `get_address` and `count_people` are called on every refresh: keep them cheap."""
-    import gradio as gr
-
     url, qr, how, people = join_parts(get_address(), count_people())
     with gr.Accordion("Join this session", open=open, elem_id="join-panel") as accordion:
         with gr.Row(equal_height=False):
