@@ -50,6 +50,12 @@ class ChatHandlers:
         engine is bounded (self.seats: replies in flight, theirs and their address's; max_tokens)."""
         seated = False
         try:
+            if message and (why := self.message_refused(message)):
+                if session is not None:  # the live view stops showing the last reply as this tab's, and says why
+                    session.request_id, session.refused = None, why
+                yield list(history or []) + [{"role": "user", "content": message[:200] + "…"},
+                                             {"role": "assistant", "content": f"{WARNING} {why}"}], ""
+                return
             if audience is not None and message and message.strip():
                 if int(max_tokens) > self.seats.max_tokens:
                     max_tokens = self.seats.max_tokens
@@ -69,6 +75,14 @@ class ChatHandlers:
                 self.seats.give_back(audience)
             if session is not None:
                 session.handled += 1
+
+    def message_refused(self, message: str) -> str:
+        """Why a chat message is refused unread ("" when it is not): one longer than the context could hold."""
+        if (remote := self.remote) is not None:
+            return "" if len(message) <= conversation.MAX_REMOTE_CHARS else (
+                f"your message is {len(message):,} characters: at most {conversation.MAX_REMOTE_CHARS:,} are sent "
+                f"to {remote.url}")
+        return conversation.too_long(message, self.service.config_view().resolved)
 
     def chat_sent(self, session: ChatSession) -> None:
         """A tab sent a message: its live view keeps polling until the chat for it has ended."""

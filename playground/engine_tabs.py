@@ -18,6 +18,8 @@ from .serialised import SerialisedFigures
 from .settings import LM_HEAD_WORDS, NO_QUANTIZATION, form_value
 from .tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
 
+LOCKED_FORM = ("🔒 Only the presenter can change the engine's settings: this form shows what the shared engine "
+               "runs now, kept up to date.")
 NO_ABLATION = "Press Run ablation: the full engine, then each switch off in turn, measured on this machine"
 
 WEIGHT_DTYPES = ("float32", "bfloat16")  # what the form offers; LLM(dtype=...) and the API take any EngineConfig dtype
@@ -78,6 +80,7 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         settings_out = gr.Markdown()
         settings_note = gr.Markdown()
         loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
+        follow = gr.Timer(1.0)  # in the tab: it ticks once the tab has been opened
 
     inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
     names = list(switches) + list(sizes) + list(weights)
@@ -85,12 +88,25 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         component.elem_id = f"setting-{name}"  # the field each input sets, for scripts and tests
 
     @audience
-    def load_settings():
+    def load_settings(changed: str = ""):
+        """The form as the engine runs now, for this visitor: the presenter edits it, everyone else reads it."""
         cfg, hints = pg.settings(), pg.settings_hints()
-        fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n]) if n in hints else form_value(n, cfg[n])
-                  for n in names]
-        return *fields, cfg, pg.settings_note(), pg.weights_note()
+        steer = pg.access.visitor().presenter
+        fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n], interactive=steer) if n in hints
+                  else gr.update(value=form_value(n, cfg[n]), interactive=steer) for n in names]
+        notes = [changed, pg.settings_note()] + ([] if steer else [LOCKED_FORM])
+        return *fields, cfg, "\n\n".join(n for n in notes if n), pg.weights_note()
     form = [*inputs, loaded, settings_note, weights_note]
+
+    @audience
+    def follow_engine(shown: dict):
+        """Every second while the tab is open: the form again when the engine's configuration is no longer the one
+        it shows (a lesson, a rebuild, another presenter tab changed it)."""
+        if shown and pg.settings() == shown:
+            return [gr.skip()] * len(form)
+        return load_settings("ℹ️ The engine's configuration changed: the form shows what it runs now." if shown
+                             else "")
+    follow.tick(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, api_name="settings_follow")
 
     # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
     def do_apply(progress=gr.Progress(), *args):

@@ -108,6 +108,8 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
             return gr.skip(), "", gr.skip(), gr.skip()
         if s.expecting():
             return gr.skip(), "", gr.skip(), "⏳ your reply is still on its way: press Stop, or send this after it"
+        if why := pg.message_refused(message):  # refused at once, and left in the box to shorten
+            return gr.skip(), "", gr.skip(), f"⚠️ {why}"
         pg.chat_sent(s)
         return "", message, gr.Timer(active=True), ""
 

@@ -331,14 +331,16 @@ def test_the_weights_change_from_the_settings_tab(served, page, shots):
 
 
 def test_attaching_to_an_address_where_nothing_answers_is_refused_in_the_page(served, page, shots):
-    """The reason is shown, and the page keeps watching the local engine."""
+    """One message for every way of failing (the reason is in the server's log), and the page keeps watching the
+    local engine."""
     url, pg = served
     page.goto(url)
     page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
     page.get_by_role("tab", name="Remote server").click()
     page.locator("#remote-url input, #remote-url textarea").first.fill("http://127.0.0.1:9")
     page.get_by_role("button", name="Attach").click()
-    # shown as text: the address as typed, nothing the (absent) server said
-    page.get_by_text("could not attach to http://127.0.0.1:9: no answer from").first.wait_for(timeout=30_000)
+    # shown as text: the address as scheme://host:port, nothing the (absent) server said
+    page.get_by_text("could not attach to http://127.0.0.1:9: could not reach a metrics endpoint").first.wait_for(
+        timeout=30_000)
     visit(page, "Remote server", shots)
     assert pg.remote is None

@@ -81,7 +81,10 @@ def test_second_turn_reuses_the_conversation_prefix(pg):
 
 def test_empty_and_too_long_messages(pg):
     assert list(pg.chat("   ", [], 0.0, 8)) == [([], "")]
-    history, _ = list(pg.chat("word " * 600, [], 0.0, 8))[-1]
+    history, _ = list(pg.chat("word " * 600, [], 0.0, 8))[-1]  # longer than the context could hold: unread
+    assert history[-1]["role"] == "assistant" and "at most 2,048 characters" in history[-1]["content"]
+    assert len(history[0]["content"]) < 300  # the page does not send the paste back whole
+    history, _ = list(pg.chat("x " * 1000, [], 0.0, 8))[-1]  # short enough to read, too many tokens to fit
     assert history[-1]["role"] == "assistant" and "max_model_len" in history[-1]["content"]
     assert pg.service.alive
 
@@ -168,7 +171,7 @@ def test_a_chat_tells_its_tab_which_request_is_its_own(pg):
     assert history[-1]["content"].startswith("⚠️") and session.request_id is None
     view, polling = pg.chat_view(session)
     assert not polling and view.request_id is None and "your last message was refused" in view.summary
-    assert "max_model_len" in view.summary and "step" in view.summary  # the reason, then the engine's state
+    assert "at most 2,048 characters" in view.summary and "step" in view.summary  # the reason, then the engine's
     list(pg.chat("Hello again", [], 0.0, 2, session))  # the next message that goes through clears the note
     view, _ = pg.chat_view(session)
     assert view.request_id == session.request_id != rid and "refused" not in view.summary
@@ -658,3 +661,27 @@ def test_a_restart_keeps_the_charts_history_marks_itself_and_counts_what_it_ende
         pg.figures.min_interval_s = interval
         pg.stat_listeners.pop()
         pg.service.resume()
+
+
+def test_the_settings_form_follows_the_engine_and_the_audience_only_reads_it(pg):
+    """A change made elsewhere (a lesson, a rebuild, another presenter tab) reaches every open settings form within
+    its one-second tick; nothing is sent while the form already shows what runs. The audience's form is read-only
+    and says who can change it."""
+    import gradio as gr
+
+    import app
+    from playground.access import TOKEN, Access
+    demo = app.build_app(pg)
+    block_fn = next(f for f in demo.fns.values() if f.api_name == "settings_follow")
+    fields = [getattr(c, "elem_id", None) or "" for c in block_fn.outputs]
+    shown = pg.settings()
+    assert all(o == gr.skip() for o in block_fn.fn(shown))
+    assert "Applied" in pg.apply_settings(max_num_seqs=7)
+    out = block_fn.fn(shown)
+    assert out[fields.index("setting-max_num_seqs")]["value"] == 7 and out[len(fields) - 3] == pg.settings()
+    assert "configuration changed" in out[len(fields) - 2]
+    assert all(u["interactive"] for u in out if isinstance(u, dict) and "interactive" in u)  # a desk: everyone edits
+    pg.access = Access(TOKEN, "secret")  # a visitor of a shared page, not unlocked
+    out = block_fn.fn(shown)
+    assert not any(u["interactive"] for u in out if isinstance(u, dict) and "interactive" in u)
+    assert "Only the presenter can change the engine's settings" in out[len(fields) - 2]

@@ -189,7 +189,7 @@ def test_the_settings_api_shows_and_changes_the_weights(folder):
     with serve_app(LLM(folder, max_model_len=512)) as (url, playground):
         client = Client(url, verbose=False)
         *form, note, weights_note = client.predict(api_name="/settings")
-        form = [f["value"] if isinstance(f, dict) else f for f in form]  # the sizes come with their hints
+        form = [f["value"] if isinstance(f, dict) else f for f in form]  # each field with whether it may be edited
         # the form's fields in order: the switches, the six sizes and the keys' smoothing, then the weights
         # (quantization, group size, LM head, dtype, and any weight switch EngineConfig has beyond them)
         w = len(BUILT_SWITCHES) + 7
@@ -202,7 +202,7 @@ def test_the_settings_api_shows_and_changes_the_weights(folder):
         msg = client.predict(*fields("int8", 32, head, "float32"), api_name="/apply_settings")
         assert msg.startswith("Rebuilt the engine for float32, int8 weights"), msg
         assert isinstance(projection(playground), Int8Linear)
-        assert list(client.predict(api_name="/settings")[w:w + 4]) == ["int8", 32, head, "float32"]
+        assert [f["value"] for f in client.predict(api_name="/settings")[w:w + 4]] == ["int8", 32, head, "float32"]
         with pytest.raises(Exception, match="yes"):  # the LM head's field takes its words or a scheme, nothing else
             client.predict(*fields("int8", 32, "yes", "float32"), api_name="/apply_settings")
         status, *_ = client.predict(api_name="/dashboard")
