@@ -50,10 +50,12 @@ from playground.access import (
 from playground.engine_tabs import build_ablation_tab, build_compare_tab, build_settings_tab, build_step_tab
 from playground.features_tab import build_features_tab
 from playground.handlers import Playground
+from playground.join import build_join_panel, launched_address
 from playground.lesson_record import record_folder
 from playground.lessons_tab import TAB_ID as LESSONS_TAB
 from playground.lessons_tab import build_lessons_tab
 from playground.live_tabs import build_chat_tab, build_dashboard_tab, chart_updates, track_shown_tab
+from playground.projector import build_projector, lesson_view
 from playground.remote_tab import build_remote_tab
 from playground.room import plain
 from playground.serialised import SerialisedFigures
@@ -142,6 +144,8 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
     with gr.Blocks(title="watch-llm playground") as demo:
         header = gr.Markdown(intro(pg))
         role = build_presenter_box(access)
+        # how the room joins (the address and its QR code) and how many are here; open it for the room to see
+        join = build_join_panel(lambda: launched_address(demo), access.ids.count, open=False)
         status = gr.Markdown(pg.status(), elem_id="status")
         back = gr.Button("Back to the lesson", visible=False, size="sm", elem_id="lesson-back")
         clock = gr.Timer(1.0)
@@ -178,14 +182,16 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             return (pg.status(presenter), *charts, *words, serialised.unless_sent(chart, "lesson", sent),
                     gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
                     gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(), intro(pg, presenter),
-                    "Lessons" if follow else gr.skip(), pick, lesson["record"](sent))
+                    "Lessons" if follow else gr.skip(), pick, lesson["record"](sent), *join["refresh"](sent))
         clock.tick(refresh, [lesson["pick"], seen, shown],
                    [status, *plots, *lesson["outputs"], tabs, seen, back, header, shown, lesson["pick"],
-                    lesson["record_output"]],
+                    lesson["record_output"], *join["outputs"]],
                    concurrency_limit=4, show_progress="hidden", api_name="dashboard", postprocess=False)
         back.click(audience(lambda: (gr.Tabs(selected=LESSONS_TAB), "Lessons")), None, [tabs, shown],
                    api_name="back_to_lesson", show_progress="hidden")
         wire_roles(demo, access, role)
+    # a page of its own, /projector, for a second window on the projector: the lesson in large type, nothing else
+    build_projector(demo, lambda: lesson_view(pg.lessons))
     access.guard(demo, refuse)  # last: every event registered above, gated unless marked audience
     return demo
 
@@ -237,9 +243,19 @@ def build_presenter_box(access: Access) -> dict:
     return parts
 
 
+def welcome_visitors(demo: gr.Blocks, access: Access) -> None:
+    """Each page's visitor id, issued as it loads and kept in the browser (a reload is the same visitor): what its
+    shares, its queue bound and its unlock are keyed by (playground/identity.py), and how many are here."""
+    kept = gr.BrowserState(None, storage_key=VISITOR_STORAGE_KEY)
+    demo.load(audience(lambda token: access.admit(token) or gr.skip()), kept, kept, api_name="visitor",
+              api_visibility="private", show_progress="hidden")
+    demo.unload(audience(lambda: access.forget()))
+
+
 def wire_roles(demo: gr.Blocks, access: Access, role: dict) -> None:
     """On page load (and after an unlock): the visitor's role, and the presenter's buttons locked for the
     audience. Locking is what the page shows; the server's gate (access.guard) is what protects."""
+    welcome_visitors(demo, access)
     if access.mode == OPEN:
         return
     controls = presenter_controls(demo)
@@ -250,13 +266,7 @@ def wire_roles(demo: gr.Blocks, access: Access, role: dict) -> None:
             + ((note,) if "unlock_note" in role else ())
 
     outputs = [role["banner"], *controls, *([role["unlock_note"]] if "unlock_note" in role else [])]
-    # each page's visitor id, issued as it loads and kept in the browser (a reload is the same visitor): what its
-    # shares, its queue bound and its unlock are keyed by (playground/identity.py)
-    kept = gr.BrowserState(None, storage_key=VISITOR_STORAGE_KEY)
-    demo.load(audience(lambda token: access.admit(token) or gr.skip()), kept, kept, api_name="visitor",
-              api_visibility="private", show_progress="hidden")
     demo.load(audience(lambda: view()), None, outputs, api_visibility="private")
-    demo.unload(audience(lambda: access.forget()))
     if "unlock" in role:
         def unlock(token: str):
             return (*view(access.unlock(token)), "")  # the token never stays in the box

@@ -19,7 +19,8 @@ TAB_ID = "lessons"
 INTRO = """The course, taught live on this engine: each lesson sets the engine up, starts simulated users, flips
 one switch half-way and measures before and after, **now, on this machine**. When the presenter starts a lesson,
 everyone's page comes here; go and chat meanwhile (your request shows in the block table), and come back with
-**Back to the lesson** at the top."""
+**Back to the lesson** at the top. For the room's screen: the [projector view](projector) (a second window: the
+lesson in large type, nothing else), and **Join this session** at the top has the address and its QR code."""
 
 
 LONG = 2000  # a lesson's texts are the project's own files, shown whole (and still escaped)
