@@ -18,6 +18,7 @@ from .serialised import SerialisedFigures
 from .settings import LM_HEAD_WORDS, NO_QUANTIZATION, form_value
 from .tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
 
+ROLE_KEY = "_presenter"  # beside the form's values in its state: whether it was drawn editable (unlocking redraws it)
 LOCKED_FORM = ("🔒 Only the presenter can change the engine's settings: this form shows what the shared engine "
                "runs now, kept up to date.")
 NO_ABLATION = "Press Run ablation: the full engine, then each switch off in turn, measured on this machine"
@@ -95,17 +96,20 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n], interactive=steer) if n in hints
                   else gr.update(value=form_value(n, cfg[n]), interactive=steer) for n in names]
         notes = [changed, pg.settings_note()] + ([] if steer else [LOCKED_FORM])
-        return *fields, cfg, "\n\n".join(n for n in notes if n), pg.weights_note()
+        return *fields, {**cfg, ROLE_KEY: steer}, "\n\n".join(n for n in notes if n), pg.weights_note()
     form = [*inputs, loaded, settings_note, weights_note]
 
     @audience
     def follow_engine(shown: dict):
         """Every second while the tab is open: the form again when the engine's configuration is no longer the one
         it shows (a lesson, a rebuild, another presenter tab changed it)."""
-        if shown and pg.settings() == shown:
+        shown = dict(shown or {})
+        steered = shown.pop(ROLE_KEY, None)
+        same = pg.settings() == shown
+        if shown and same and steered == pg.access.visitor().presenter:
             return [gr.skip()] * len(form)
-        return load_settings("ℹ️ The engine's configuration changed: the form shows what it runs now." if shown
-                             else "")
+        return load_settings("" if same or not shown else
+                             "ℹ️ The engine's configuration changed: the form shows what it runs now.")
     follow.tick(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, api_name="settings_follow")
 
     # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
