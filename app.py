@@ -120,11 +120,21 @@ KEEP_CHART_HEIGHTS = """() => {
 }"""
 
 
+# The page's clock refreshes these every second: gradio's status tracker (its "0.7s" timer, "queue: 1/1") showed
+# inside the status line while a tick waited its turn under load. The line is the news; the tracker is not.
+CLOCK_TEXTS = ("#status", "#role-banner", "#lesson-phase", "#lesson-text", "#lesson-numbers", "#lesson-said",
+               "#join-panel")
+QUIET_TRACKERS = ("() => { const style = document.createElement('style'); style.textContent = '"
+                  + ", ".join(f"{sel} [data-testid=status-tracker]" for sel in CLOCK_TEXTS)
+                  + " { display: none !important; }'; document.head.appendChild(style); }")
+
+
 def keep_charts_in_shape(demo: gr.Blocks, tabs: gr.Tabs) -> None:
-    """The page's two chart scripts (browser-only events, nothing runs on the server): a resize when a tab opens,
-    and every chart's box held at its drawn height."""
+    """The page's browser-only scripts (nothing runs on the server): a resize when a tab opens, every chart's box
+    held at its drawn height, and no progress tracker over the texts the clock refreshes."""
     tabs.select(None, None, None, js=RESIZE_CHARTS)
     demo.load(None, None, None, js=KEEP_CHART_HEIGHTS)
+    demo.load(None, None, None, js=QUIET_TRACKERS)
 
 
 def refuse(message: str) -> gr.Error:

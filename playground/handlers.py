@@ -115,10 +115,11 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
                              stat_listeners=self.stat_listeners, follows=follows, runner=self.runner)
 
     # ---- traffic generator -----------------------------------------------------------------------------
-    def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0, scale: float = 1.0) -> str:
+    def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0, scale: float = 1.0,
+                      who: str = "presenter") -> str:
         """N simulated users sending the workload's requests for duration_s (0: each once), in the background;
         `scale`: their replies' lengths, as a share of the workload's (a lesson on a slow machine shortens them).
-        Returns "" when started, or why not."""
+        `who`: whom the room is told started them. Returns "" when started, or why not."""
         if note := self.local_only("The traffic generator (it loads this process's engine)"):
             return note
         try:
@@ -129,13 +130,13 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
             self.traffic.start(workload.name, requests, int(num_users), float(duration_s or 0))
         except ValueError as exc:
             return f"⚠️ {exc}"
-        self.room.note(f"started {plural(int(num_users), 'simulated user')} ({workload.name})")
+        self.room.note(f"started {plural(int(num_users), 'simulated user')} ({workload.name})", who)
         return ""
 
-    def stop_traffic(self) -> str:
+    def stop_traffic(self, who: str = "presenter") -> str:
         if not self.traffic.stop():
             return "No traffic is running."
-        self.room.note("stopped the simulated users")
+        self.room.note("stopped the simulated users", who)
         status = self.traffic.wait(timeout=10)
         return status.describe() if status else ""
 

@@ -43,9 +43,12 @@ def timed(history: Iterable) -> list:
     return history if isinstance(history, _Timed) else _Timed(history)
 
 
-def window_metrics(history: Iterable, t0: float, t1: float) -> dict[str, float | None]:
+def window_metrics(history: Iterable, t0: float, t1: float, phase: bool = True) -> dict[str, float | None]:
     """Every METRIC over the engine's history samples in [t0, t1] (wall times). The sample just before t0 is the
-    counters' baseline; a number with nothing to say in the window (no request got its first token) is None."""
+    counters' baseline; a number with nothing to say in the window (no request got its first token) is None.
+    `phase`: the window is a whole phase, whose requests were all looked up in the prefix cache if it was on: one
+    that served requests and looked nothing up had caching off, and reused nothing (0%). A part of a phase (a
+    chart's bin, a part of the spread) may just have had no request arrive: its rate is None."""
     before, inside = _window(timed(history), t0, t1)
     span = max(t1 - t0, 1e-9)
     counted = before + inside
@@ -60,7 +63,7 @@ def window_metrics(history: Iterable, t0: float, t1: float) -> dict[str, float |
     queries, generated = grew("prefix_cache_queries"), grew("generation_tokens_total")
     # with prefix caching off nothing is looked up: an engine that served requests then hit nothing (0), and
     # one that served none has no rate to give (None)
-    hit_rate = grew("prefix_cache_hits") / queries if queries else 0.0 if generated else None
+    hit_rate = grew("prefix_cache_hits") / queries if queries else 0.0 if generated and phase else None
     return {
         "tokens_per_s": generated / span if counted else None,
         "ttft_s": mean(s.ttft_s for s in inside),
@@ -114,7 +117,7 @@ def spread(history: Iterable, metric: str, t0: float, t1: float, parts: int = PA
     left out): how much the number moves by itself inside one phase. None with fewer than two parts to compare."""
     samples, width = timed(history), (t1 - t0) / parts
     values = [v for i in range(parts)
-              if (v := window_metrics(samples, t0 + i * width, t0 + (i + 1) * width)[metric]) is not None]
+              if (v := window_metrics(samples, t0 + i * width, t0 + (i + 1) * width, phase=False)[metric]) is not None]
     return (min(values), max(values)) if len(values) >= 2 else None
 
 
@@ -136,7 +139,7 @@ def series(history: Iterable, metric: str, t0: float, t1: float, bin_s: float = 
     samples = timed(history)
     out, t = [], t0
     while t < t1:
-        value = window_metrics(samples, t, min(t + bin_s, t1))[metric]
+        value = window_metrics(samples, t, min(t + bin_s, t1), phase=False)[metric]
         if value is not None:
             out.append((t - t0 + bin_s / 2, value))
         t += bin_s

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 SETTLE = 0.25  # share of each phase left out of its numbers: the engine filling up, or just rebuilt
 MAX_FACTOR = 4.0  # a phase waiting for its evidence runs at most this many times its own length
 PROBE_TOKENS = 8  # the reply that measures the engine's speed before a lesson sizes its traffic
+KEEP_AS_WRITTEN = 0.75  # replies that would need shortening by less than this share are left as written
 MIN_SCALE = 1 / 16  # replies are never shortened below this share of the workload's lengths (nor below 4 tokens)
 SPEED_METRICS = ("tokens_per_s", "time_per_token_ms", "tpot_s")
 
@@ -265,7 +266,8 @@ class LessonRunner:
         run.probe_tok_s = 1 / tpot if tpot > 0 else None
         typical = statistics.median(r.params.max_tokens for r in requests)
         per_reply_s = typical * tpot * max(1.0, run.lesson.users) ** 0.5  # a batch's steps are slower than one's
-        run.scale = max(MIN_SCALE, min(1.0, (phase_s / 4) / per_reply_s))
+        scale = max(MIN_SCALE, min(1.0, (phase_s / 4) / per_reply_s))
+        run.scale = 1.0 if scale > KEEP_AS_WRITTEN else scale  # a reply a little long is no reason to change it
 
     def _phase(self, run: LessonRun, name: str, limits: tuple[float, float], flip_ends_it: bool = False) -> None:
         """Run a phase until its number rests on the evidence it needs (within its shortest and longest time), or
@@ -306,7 +308,8 @@ class LessonRunner:
             if run.stop.is_set():
                 return
             traffic_at = time.time()
-            note = self.pg.start_traffic(lesson.workload, lesson.users, before[1] + after[1] + 60, scale=run.scale)
+            note = self.pg.start_traffic(lesson.workload, lesson.users, before[1] + after[1] + 60, scale=run.scale,
+                                         who=f"the lesson {lesson.title!r}")
             if note:
                 run.phase, run.note = "failed", note
                 return
@@ -328,7 +331,7 @@ class LessonRunner:
             run.t_end = time.time()
             run.result = self.measure(run)
             self.records.append(run.result)
-            self.pg.stop_traffic()
+            self.pg.stop_traffic(who=f"the lesson {lesson.title!r}")
             # the lesson lets go: the presenter's own configuration comes back now, not at Stop or Next
             run.restored = self._restore()
             run.phase = "done"

@@ -59,7 +59,8 @@ def lesson_figure(chart: LessonChart) -> dict:
     y_title = chart.label + (f" ({unit})" if unit else "")
     return figure(data, title=_short(f"{chart.title}: {chart.label}", 60), height=340,
                   xaxis=dict(title={"text": "seconds since the lesson's before phase began"}, range=[0, end * 1.02]),
-                  yaxis=dict(title={"text": _short(y_title, 40)}, rangemode="tozero"),
+                  yaxis=dict(title={"text": _short(y_title, 40)}, rangemode="tozero",
+                             **({"range": [0, 105]} if chart.percent else {})),
                   legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=13)),
                   margin=dict(l=60, r=20, t=90, b=50), shapes=shapes, annotations=annotations)
 
