@@ -25,6 +25,7 @@ WEIGHT_FIELDS = ("dtype", "quantization", "quantization_group_size", "quantize_l
 # These need a new model load and cannot change while serving.
 LOAD_TIME_FIELDS = ("model", "device", *WEIGHT_FIELDS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
+SCHEDULING_POLICIES = ("priority", "fcfs")  # engine/policies.py
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 ATTENTION_BACKENDS = ("sdpa", "triton")  # None: triton on CUDA (with a KV cache), sdpa elsewhere
 DEFAULT_CPU_KV_CACHE_GB = 0.5
@@ -60,6 +61,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: see default_max_num_batched_tokens
     max_model_len: int | None = None  # None: min(model context, 2048)
     seed: int = 0
+    # which request goes first (engine/policies.py): "priority" (a request's priority, lower first, then first
+    # come: equal priorities are served as "fcfs") or "fcfs"
+    scheduling_policy: str = "priority"
     # feature switches
     kv_cache: bool = True
     paged_kv: bool = True
@@ -132,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         check_scheme(self.quantization, self.quantization_group_size, self.quantization_smoothing,
                      self.quantization_gptq, self.quantize_lm_head)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -122,8 +122,11 @@ class LLMEngine:
                                          f"{config.num_kv_blocks}")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0) -> str:
+        """`priority`: lower goes first under the priority policy (vLLM's), equal ones first come, first served."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -153,7 +156,7 @@ class LLMEngine:
         gen = self.generator
         if params.seed is not None:
             gen = torch.Generator(device=self.model.device).manual_seed(params.seed)
-        req = Request(request_id, token_ids, params, text, arrival_time, gen)
+        req = Request(request_id, token_ids, params, text, arrival_time, gen, priority)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id

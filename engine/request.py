@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .sampler import SamplingParams, TokenLogprobs
+
+_ARRIVALS = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -60,8 +63,10 @@ class RequestOutput:
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, arrival_time: float | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, priority: int = 0) -> None:
         self.request_id = request_id
+        self.priority = priority  # lower first, under the priority policy (engine/policies.py)
+        self.arrival_seq = next(_ARRIVALS)  # first come, first served among equal priorities
         self.prompt = prompt
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)

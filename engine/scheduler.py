@@ -3,9 +3,10 @@
 The scheduler thinks in {request: num_new_tokens}: a prefill is many new tokens, a decode is one, so
 both share one token budget. It decides each scheduled request's phase once (prefill, decode, verify) and
 hands it on in `SchedulerOutput`: the runner and the step log read it, neither guesses it again.
-Running requests go first (FCFS); when the pool runs dry the newest running request is preempted by
-recompute (blocks freed, requeued at the front). Waiting requests are admitted while seats (max_num_seqs),
-budget and blocks last; static batching admits only into an empty batch.
+Running requests go first; when the pool runs dry the policy's victim (the newest, or the worst priority's) is
+preempted by recompute (blocks freed, requeued). Waiting requests are admitted in the policy's order while seats
+(max_num_seqs), budget and blocks last; static batching admits only into an empty batch. Who goes first is the
+scheduling policy's (engine/policies.py): first come, first served, or priority.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from .blocks import KVCacheManager, NoKVCache
 from .config import EngineConfig
+from .policies import POLICIES
 from .request import Request, RequestStatus
 from .spec import adaptive_k, propose_ngram
 
@@ -75,6 +77,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager | NoKVCache) -> None:
         self.config = config
         self.kv = kv
+        self.policy = POLICIES[config.scheduling_policy]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
@@ -84,6 +87,7 @@ class Scheduler:
     def use(self, config: EngineConfig, kv: KVCacheManager | NoKVCache) -> None:
         """Schedule with this configuration and KV manager from the next step on (a reconfiguration)."""
         self.config, self.kv = config, kv
+        self.policy = POLICIES[config.scheduling_policy]
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -100,10 +104,14 @@ class Scheduler:
         self.spec_k = (adaptive_k(c.num_speculative_tokens, num_decoding, c.speculative_token_budget)
                        if c.speculative_decoding_active else 0)
 
-        # Running requests: decodes first, so streams never stall behind a long prompt's chunks.
+        # Running requests: decodes first, so streams never stall behind a long prompt's chunks. Under the priority
+        # policy, while a better request reads its prompt (or waits to), the worse ones sit this step out
+        cutoff = self.policy.cutoff(self.running, self.waiting)
         for req in sorted(self.running, key=lambda r: r.is_prefilling):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room for an older request
+            if cutoff is not None and req.priority > cutoff:
+                continue
             cached = self.kv.find_cached_prefix(req) if req.is_prefilling else []
             drafts = [] if req.is_prefilling else self._propose(req)
             start = req.num_computed_tokens + len(cached) * self.kv.block_size
@@ -124,14 +132,28 @@ class Scheduler:
             self.kv.cache_full_blocks(s.request, s.known_end)
 
         admit = self.config.continuous_batching or batch_was_empty
-        while admit and not out.preempted and self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        while admit and self.waiting:
+            req = self.policy.next_waiting(self.waiting)
+            # a request the policy ranks above a running one takes that one's seat and blocks (priority only)
+            outranks = self.policy.outranks(req, self.running)
+            if out.preempted and not outranks:
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                if not outranks:
+                    break
+                self._give_way(out)
+                continue
             cached = self.kv.find_cached_prefix(req)
             num_hit = len(cached) * self.kv.block_size
             n = self._fit(num_hit, req.num_tokens - num_hit)
-            if n == 0 or not self.kv.allocate_slots(req, n, cached):
+            if n == 0:
                 break
-            self.waiting.popleft()
+            if not self.kv.allocate_slots(req, n, cached):
+                if not outranks:
+                    break
+                self._give_way(out)
+                continue
+            self.waiting.remove(req)
             if req.metrics.first_scheduled_time is None:  # a re-admission after preemption is not a new query
                 req.metrics.first_scheduled_time = time.perf_counter()
                 req.metrics.num_cached_tokens = num_hit
@@ -165,20 +187,25 @@ class Scheduler:
         return aligned if aligned > 0 else self._budget
 
     def _allocate_or_preempt(self, req: Request, n: int, cached: list[int], out: SchedulerOutput) -> bool:
-        """Slots for n new tokens, preempting the newest running requests until they fit. A victim scheduled
-        earlier in this step (a decode that went first) leaves the batch and gives its tokens back."""
+        """Slots for n new tokens, preempting the policy's victims (the newest running requests, or the worst
+        priority's) until they fit."""
         while not self.kv.allocate_slots(req, n, cached):
-            victim = self.running[-1]
-            self.preempt(victim)
-            out.preempted.append(victim.request_id)
-            for s in out.scheduled:
-                if s.request is victim:
-                    out.scheduled.remove(s)
-                    self._budget += s.num_tokens
-                    break
-            if victim is req:
+            if self._give_way(out) is req:
                 return False
         return True
+
+    def _give_way(self, out: SchedulerOutput) -> Request:
+        """Preempt the policy's victim; one scheduled earlier in this step (a decode that went first) leaves the
+        batch and gives its tokens back."""
+        victim = self.policy.victim(self.running)
+        self.preempt(victim)
+        out.preempted.append(victim.request_id)
+        for s in out.scheduled:
+            if s.request is victim:
+                out.scheduled.remove(s)
+                self._budget += s.num_tokens
+                break
+        return victim
 
     def preempt(self, req: Request, count: bool = True) -> None:
         """Free the request's blocks and requeue it at the front; it will be recomputed from scratch."""

@@ -157,11 +157,11 @@ class EngineService:
 
     # ---- API for any thread --------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams,
-               sink: OutputSink | None = None) -> tuple[str, queue.Queue]:
+               sink: OutputSink | None = None, priority: int = 0) -> tuple[str, queue.Queue]:
         """Add a request; raises ValueError (bad input) or ServiceBusy in the caller's thread. Returns (id, its
         stream): a new queue.Queue, or `sink` if given (an asyncio server passes one that hands each output to
-        its event loop, so no thread waits on a queue per request)."""
-        rid, stream = self._call(self._add, prompt, params, sink)
+        its event loop, so no thread waits on a queue per request). `priority`: lower first (engine/policies.py)."""
+        rid, stream = self._call(self._add, prompt, params, sink, priority)
         return rid, stream
 
     def stream(self, prompt: str | list[int], params: SamplingParams,
@@ -248,12 +248,12 @@ class EngineService:
         self._commands.put((lambda: fn(*args, **kwargs), future))
         return future.result(timeout=120)
 
-    def _add(self, prompt, params, sink) -> tuple[str, OutputSink]:
+    def _add(self, prompt, params, sink, priority: int = 0) -> tuple[str, OutputSink]:
         waiting = len(self.engine.scheduler.waiting)
         if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
             raise ServiceBusy(f"busy: {waiting} requests are already waiting for the engine "
                               f"(max_waiting_requests={self.max_waiting_requests}); retry in a moment")
-        rid = self.engine.add_request(prompt, params)
+        rid = self.engine.add_request(prompt, params, priority=priority)
         q = sink if sink is not None else queue.Queue()
         self._streams[rid] = q
         if self.paused:  # no step will refresh the snapshot: the queue chart and /metrics show the request now

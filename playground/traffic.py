@@ -23,10 +23,14 @@ from engine.workloads import WorkloadRequest
 
 class Service(Protocol):
     """What a user needs of EngineService."""
-    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, queue.Queue]: ...
+    def submit(self, prompt: list[int], params: SamplingParams, sink=None, priority: int = 0
+               ) -> tuple[str, queue.Queue]: ...
     def abort(self, request_id: str) -> None: ...
 
 
+# people (the page's chat, the API) are priority 0: under the engine's priority policy a simulated user's request
+# waits while a person's is read, and gives its seat to one (engine/policies.py)
+SIMULATED_PRIORITY = 1
 POLL_S = 0.25  # how often a waiting user looks up from its reply to see whether Stop was pressed
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this much recent time
 
@@ -224,7 +228,7 @@ class TrafficGenerator:
                     return
                 service = self._service()
             try:
-                rid, q = service.submit(list(request.prompt_token_ids), request.params)
+                rid, q = service.submit(list(request.prompt_token_ids), request.params, priority=SIMULATED_PRIORITY)
             except EngineStopped as exc:  # sent as a restart or a rebuild stopped the engine: ended by it
                 run.count(sent=1)
                 run.problem("failed", str(exc))

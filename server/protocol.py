@@ -26,6 +26,7 @@ UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalt
                "suffix": None, "best_of": 1, "prompt_logprobs": None, "min_tokens": 0}
 # as SamplingParams names them; ignore_eos is vLLM's extra field (fixed-length benchmarks: `vllm bench serve`)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos")
+MAX_PRIORITY = 1_000_000
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a logprob of -inf (a logit at -inf) reports this, as vLLM's server does
 # An error's message and param, cut to this: they may quote what another module raised about the client's input
 # (the sampler's `got {value!r}`, a tokenizer's error), and a 3 MB model name once came back whole in a 404.
@@ -94,6 +95,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # how many top logprobs per token; None: none asked for
+    priority: int = 0  # lower first (the engine's priority policy); the audience of a shared engine: 0 or more
     id: str = ""
     created: int = 0
 
@@ -181,7 +183,13 @@ def _generation(body: dict, model_name: str, chat: bool, prompt, max_param: str 
     sampling = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     if max_param is not None:
         sampling["max_tokens"] = body[max_param]
-    return GenerationRequest(chat, prompt, sampling, max_param, stream, include_usage, logprobs)
+    priority = body.get("priority", 0)  # vLLM's extra field: lower goes first under the priority policy
+    if priority is None:
+        priority = 0
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+        raise bad_request(f"priority must be an integer from -{MAX_PRIORITY:,} to {MAX_PRIORITY:,}, got "
+                          f"{excerpt(priority)}", "priority")
+    return GenerationRequest(chat, prompt, sampling, max_param, stream, include_usage, logprobs, priority)
 
 
 def _text_format(value) -> bool:

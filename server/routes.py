@@ -184,6 +184,9 @@ class OpenAIApi:
         who = self.share(request) if self.seats is not None and self.share is not None else None
         if who is None:
             return None
+        if req.priority < 0:  # ahead of the other people on a shared engine: the presenter's alone
+            raise protocol.bad_request(f"priority {req.priority}: an audience request's priority on this shared "
+                                       f"engine is 0 or more (lower goes first)", "priority")
         cap, asked = self.seats.max_tokens, req.sampling.get("max_tokens")
         if isinstance(asked, int) and not isinstance(asked, bool) and asked > cap:
             raise protocol.bad_request(f"{req.max_tokens_param or 'max_tokens'}={asked} is above {cap}, the longest "
@@ -234,7 +237,7 @@ class OpenAIApi:
                 raise protocol.bad_request(f"the tokenizer refused the prompt: {exc}", "prompt") from exc
         params = req.sampling_params(len(prompt), max_len)
         try:
-            rid, _ = service.submit(prompt, params, sink)
+            rid, _ = service.submit(prompt, params, sink, priority=req.priority)
         except ServiceBusy as exc:
             raise ApiError(429, str(exc), "rate_limit_exceeded", None, "too_many_waiting_requests",
                            {"Retry-After": str(RETRY_AFTER_S)}) from exc

@@ -216,3 +216,18 @@ def test_behind_nginx_each_real_client_gets_its_share_and_spoofing_gains_nothing
                 for http in clients.values():
                     http.close()
             assert wait_until(lambda: not pg.seats._by_address)
+
+
+def test_the_apis_priority_is_vllms_and_the_audience_cannot_jump_the_queue(room):
+    url, pg, _ = room
+    ok = httpx.post(url + "v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": 3}, timeout=60)
+    assert ok.status_code == 200
+    ahead = httpx.post(url + "v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": -1}, timeout=60)
+    assert ahead.status_code == 400 and ahead.json()["error"]["param"] == "priority"
+    for bad in ("high", 1.5, True, 10**12):
+        r = httpx.post(url + "v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": bad}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", bad
+    presenter = {"X-Presenter-Token": SECRET}
+    first = httpx.post(url + "v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": -1},
+                       headers=presenter, timeout=60)
+    assert first.status_code == 200  # the presenter may put a request before everyone's

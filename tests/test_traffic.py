@@ -13,7 +13,7 @@ from engine.request import RequestMetrics, RequestOutput
 from engine.sampler import SamplingParams
 from engine.workloads import WorkloadRequest
 from playground import Playground
-from playground.traffic import TrafficGenerator, progress_bar
+from playground.traffic import SIMULATED_PRIORITY, TrafficGenerator, progress_bar
 from tests.conftest import assert_all_blocks_free
 
 FAST = (0.01, 0.03)  # think time in the tests: short, but long enough that users interleave
@@ -32,11 +32,14 @@ class FakeService:
         self.submitted: list[str] = []
         self.max_tokens: list[int] = []  # of each request accepted
         self.aborted: list[str] = []
+        self.priorities: list[int] = []  # each request's, as sent
         self.streams: dict[str, queue.Queue] = {}
         self._ids = iter(range(10**9))
         self._lock = threading.Lock()
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, queue.Queue]:
+    def submit(self, prompt: list[int], params: SamplingParams, sink=None, priority: int = 0
+               ) -> tuple[str, queue.Queue]:
+        self.priorities.append(priority)
         if prompt[0] == 0:
             raise ValueError("prompt has 600 tokens but max_model_len is 512")
         with self._lock:
@@ -80,6 +83,7 @@ def test_users_keep_sending_until_the_duration_ends():
     assert end.requests_sent == end.requests_done == len(service.submitted)
     assert end.requests_refused == end.requests_failed == end.requests_stopped == 0
     assert end.tokens == sum(service.max_tokens) and {3, 5} <= set(service.max_tokens)
+    assert set(service.priorities) == {SIMULATED_PRIORITY} and SIMULATED_PRIORITY > 0  # behind people's
     bar, state, counts = end.describe().split("\n\n")
     assert bar == f"`{'█' * 30}` 100%" and state.startswith("**done** · 3 users from 'w' · ")
     assert f"done **{end.requests_done}**" in counts
@@ -89,7 +93,7 @@ def test_users_keep_sending_until_the_duration_ends():
 def test_user_i_walks_the_workload_from_request_i():
     service, sent = FakeService(), []
     real_submit = service.submit
-    service.submit = lambda prompt, params: (sent.append(prompt[0]), real_submit(prompt, params))[1]
+    service.submit = lambda prompt, params, **kw: (sent.append(prompt[0]), real_submit(prompt, params, **kw))[1]
     gen = TrafficGenerator(lambda: service, think_s=FAST)
     gen.start("w", [request([i + 1]) for i in range(5)], num_users=2, duration_s=0)
     status = gen.wait(timeout=10)
@@ -217,3 +221,29 @@ def test_watching_a_one_shot_run_ends_with_its_last_status(pg):
     assert seen[-1].requests_done == 5 and not seen[-1].running and seen[-1].fraction == 1.0
     assert all(a.elapsed_s <= b.elapsed_s for a, b in zip(seen, seen[1:]))
     assert pg.start_traffic("no-such-workload", 5, 0).startswith("⚠️ unknown workload")
+
+
+def test_a_person_goes_before_the_simulated_users_on_the_live_engine(tiny_models, tmp_path):
+    """Simulated users fill every seat; a person's request (priority 0, as the page's chat and the API send) is
+    read in the very next step, alone, and the users carry on after it."""
+    from engine import LLM
+    from playground import Playground
+    pg = Playground(LLM(tiny_models["llama"][0], max_model_len=256, max_num_seqs=2), store=tmp_path / "a.json")
+    try:
+        assert pg.start_traffic("long-document", 4, 60) == ""
+        deadline = time.monotonic() + 30
+        while pg.service.snapshot().num_running < 2:
+            assert time.monotonic() < deadline, "the users never filled the seats"
+            time.sleep(0.05)
+        pg.service.pause()
+        rid, q = pg.service.submit(list(range(100, 140)), SamplingParams(temperature=0, max_tokens=4))
+        pg.service.step_once()
+        step = pg.service.engine.steps[-1]
+        assert [e.request_id for e in step.entries] == [rid] and len(step.preempted) == 1
+        pg.service.step_once()
+        assert len(pg.service.engine.steps[-1].entries) >= 2  # its first token is out: the users are back
+    finally:
+        pg.service.resume()
+        pg.traffic.stop()
+        pg.traffic.wait(timeout=10)
+        pg.service.shutdown()

@@ -1,0 +1,62 @@
+"""Scheduling policies: which waiting request is admitted next, which running one gives its blocks back when the
+pool runs dry, and whether a step belongs to some requests before others. The scheduler asks; a policy is one
+small class and one line in POLICIES (EngineConfig.scheduling_policy names it, as vLLM's --scheduling-policy).
+
+- fcfs: first come, first served; the newest running request is preempted first.
+- priority (vLLM's): a request's `priority`, lower first, then first come. A request of a better priority that is
+  waiting takes the seat and blocks of the worst running one, and while one is still reading its prompt the
+  worse ones wait a step: a person's first token does not queue behind simulated users'. Equal priorities are
+  first come, first served.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+class FCFS:
+    name = "fcfs"
+
+    def next_waiting(self, waiting: Sequence[Request]) -> Request:
+        return waiting[0]
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        return running[-1]
+
+    def outranks(self, request: Request, running: Sequence[Request]) -> bool:
+        """Whether `request` may take a running one's seat and blocks."""
+        return False
+
+    def cutoff(self, running: Sequence[Request], waiting: Sequence[Request]) -> int | None:
+        """The worst priority that runs this step (None: every running request does)."""
+        return None
+
+
+class Priority(FCFS):
+    name = "priority"
+
+    @staticmethod
+    def rank(request: Request) -> tuple[int, int]:
+        return request.priority, request.arrival_seq
+
+    def next_waiting(self, waiting: Sequence[Request]) -> Request:
+        return min(waiting, key=self.rank)
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        return max(running, key=self.rank)
+
+    def outranks(self, request: Request, running: Sequence[Request]) -> bool:
+        return any(r.priority > request.priority for r in running)
+
+    def cutoff(self, running: Sequence[Request], waiting: Sequence[Request]) -> int | None:
+        first = [r.priority for r in running if r.is_prefilling]
+        if waiting:
+            first.append(self.next_waiting(waiting).priority)
+        best = min(first, default=None)
+        return best if best is not None and any(r.priority > best for r in running) else None
+
+
+POLICIES = {policy.name: policy for policy in (FCFS(), Priority())}
