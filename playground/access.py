@@ -36,6 +36,7 @@ OPEN, TOKEN, PUBLIC = "open", "token", "public"
 TOKEN_ENV = "WATCH_LLM_PRESENTER_TOKEN"  # a Space keeps it as a secret (Settings -> Variables and secrets)
 TOKEN_HEADER = "x-presenter-token"  # gradio_client(url, headers={"X-Presenter-Token": ...}) for scripts
 OWNER_ENV = "WATCH_LLM_SPACE_OWNER_PRESENTS"  # "1" on a Space with `hf_oauth: true`: its owner, logged in, presents
+MAX_PERSON_PRIORITY = 999  # people's priorities stay ahead of simulated users' (traffic.SIMULATED_PRIORITY)
 MAX_UNLOCKED = 64  # presenter visitors remembered (oldest forgotten first)
 
 
@@ -372,8 +373,10 @@ class Seats:
         self._by_address: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def take(self, who: Who) -> None:
-        """One more reply for `who`; ValueError (said in the chat, a 429 on the API) past either share."""
+    def take(self, who: Who) -> int:
+        """One more reply for `who`; ValueError (said in the chat, a 429 on the API) past either share. Returns how
+        many its address already had on their way: the reply's priority (engine/policies.py), so the first reply
+        of an address is served before a flood's sixteenth."""
         with self._lock:
             held = self._in_flight.get(who.key, 0)
             if held >= self.per_visitor:
@@ -386,6 +389,7 @@ class Seats:
                                  f"for one to finish")
             self._in_flight[who.key] = held + 1
             self._by_address[who.address] = from_there + 1
+            return min(from_there, MAX_PERSON_PRIORITY)
 
     def give_back(self, who: Who) -> None:
         with self._lock:
@@ -428,9 +432,10 @@ class QueueBound:
             who = self.access.who(request, session=body.session_hash or "")
             live = queue.event_ids_to_events
             why = self.check(who, body.fn_index in loads, live)
-            if why:
+            if why:  # too many from this visitor: 429, as the API says it (gradio's own "queue full" is the room's)
                 self.refused += 1
-                return False, why, "queue_full"
+                from fastapi import HTTPException
+                raise HTTPException(status_code=429, detail=why, headers={"Retry-After": "1"})
             ok, event_id, state = await push(body, request, username)
             if ok:
                 with self._lock:

@@ -48,7 +48,7 @@ class ChatHandlers:
         request is submitted (the tab's live view highlights that request).
         `audience`: who the visitor is (identity.Who) when they are audience on a shared page: their share of the
         engine is bounded (self.seats: replies in flight, theirs and their address's; max_tokens)."""
-        seated = False
+        seated, priority = False, 0
         try:
             if message and (why := self.message_refused(message)):
                 if session is not None:  # the live view stops showing the last reply as this tab's, and says why
@@ -60,7 +60,7 @@ class ChatHandlers:
                 if int(max_tokens) > self.seats.max_tokens:
                     max_tokens = self.seats.max_tokens
                 try:
-                    self.seats.take(audience)
+                    priority = self.seats.take(audience)
                     seated = True
                 except ValueError as exc:
                     yield list(history or []) + [{"role": "user", "content": message},
@@ -69,7 +69,7 @@ class ChatHandlers:
             if (remote := self.remote) is not None:
                 yield from remote.chat(message, history, temperature, max_tokens)
             else:
-                yield from self._chat(message, history, temperature, max_tokens, session)
+                yield from self._chat(message, history, temperature, max_tokens, session, priority)
         finally:
             if seated:
                 self.seats.give_back(audience)
@@ -90,7 +90,7 @@ class ChatHandlers:
         session.sent_at = time.monotonic()
 
     def _chat(self, message: str, history: list[dict], temperature: float, max_tokens: int,
-              session: ChatSession | None) -> Iterator[tuple[list[dict], str]]:
+              session: ChatSession | None, priority: int = 0) -> Iterator[tuple[list[dict], str]]:
         if (turn := conversation.next_turn(message, history)) is None:
             yield list(history or []), ""
             return
@@ -107,7 +107,7 @@ class ChatHandlers:
             trimmed = f"too long for max_model_len {config['max_model_len']}: left out {oldest} · " if dropped else ""
             service = self.service
             rid, q = service.submit(prompt, SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
-                                                           seed=None))
+                                                           seed=None), priority=priority)
             if session is not None:
                 session.request_id, session.refused = rid, ""
             try:

@@ -28,12 +28,16 @@ class Session:
     1 ms sleep loop each, and with 8 chats and 30 polling sessions in one process that loop, not the server,
     decided when the tokens were seen (the same 8 chats read over plain SSE: no gap above 0.44 s)."""
 
-    def __init__(self, url: str, fn_ids: dict[str, int], headers: dict | None = None) -> None:
+    def __init__(self, url: str, fn_ids: dict[str, int], headers: dict | None = None, source: str | None = None
+                 ) -> None:
+        """`source`: the local address to connect from (a loopback address such as 127.0.0.7: another client, as
+        far as the server can tell)."""
         import httpx
         self.api = url + "gradio_api/"
         self.fn_ids = fn_ids
         self.hash = uuid.uuid4().hex[:11]
-        self.http = httpx.Client(timeout=httpx.Timeout(120.0, read=None), headers=headers)
+        transport = httpx.HTTPTransport(local_address=source) if source else None
+        self.http = httpx.Client(timeout=httpx.Timeout(120.0, read=None), headers=headers, transport=transport)
         self._lock = threading.Lock()
         self._events: dict[str, queue.Queue] = {}
         self._reader: threading.Thread | None = None
@@ -124,17 +128,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(model: str | None, timeout_s: float = 180.0, presenter_token: str | None = None
-           ) -> tuple[subprocess.Popen, str]:
-    """`python app.py` in its own process, as a user runs it; the clients here play the browsers."""
+def launch(model: str | None, timeout_s: float = 180.0, presenter_token: str | None = None,
+           log: Path | None = None, args: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`python app.py` in its own process, as a user runs it; the clients here play the browsers. The token goes in
+    through the environment (a command line shows in `ps`); `log`: where its output goes (default: nowhere)."""
     port = free_port()
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)}
-    cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "app.py"), "--device", "cpu"]
+    if presenter_token:
+        env["WATCH_LLM_PRESENTER_TOKEN"] = presenter_token
+    cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "app.py"), "--device", "cpu", *(args or [])]
     if model:
         cmd += ["--model", model]
-    if presenter_token:
-        cmd += ["--presenter-token", presenter_token]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child's, for its life
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -28,9 +28,10 @@ class Service(Protocol):
     def abort(self, request_id: str) -> None: ...
 
 
-# people (the page's chat, the API) are priority 0: under the engine's priority policy a simulated user's request
-# waits while a person's is read, and gives its seat to one (engine/policies.py)
-SIMULATED_PRIORITY = 1
+# people (the page's chat, the API) are priority 0 and up (how many their address already has on their way, at most
+# 999: access.Seats): under the engine's priority policy a simulated user's request waits while a person's is read,
+# and gives its seat to one (engine/policies.py)
+SIMULATED_PRIORITY = 1000
 POLL_S = 0.25  # how often a waiting user looks up from its reply to see whether Stop was pressed
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this much recent time
 

@@ -195,7 +195,8 @@ class OpenAIApi:
         if asked is None:
             req.sampling["max_tokens"] = cap
         try:
-            self.seats.take(who)
+            # the first reply of an address before a flood's sixteenth (Seats.take: how many it already has)
+            req.priority = max(req.priority, self.seats.take(who))
         except ValueError as exc:
             raise ApiError(429, str(exc), "rate_limit_exceeded", None, "too_many_requests_in_flight",
                            {"Retry-After": str(RETRY_AFTER_S)}) from exc

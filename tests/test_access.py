@@ -155,14 +155,14 @@ def test_seats_bound_each_visitor_and_each_address():
     seats = Seats(per_visitor=2, max_tokens=64, per_address=3)
     a, b = Who("v:a", "192.0.2.1", True), Who("v:b", "192.0.2.1", True)
     stranger = Who("ip:198.51.100.1", "198.51.100.1", False)
-    seats.take(a)
-    seats.take(a)
+    # each reply's priority is how many its address already has on their way: an address's first goes first
+    assert [seats.take(a), seats.take(a)] == [0, 1]
     with pytest.raises(ValueError, match="at most 2 at a time for each visitor"):
         seats.take(a)
     seats.take(b)  # another visitor has their own share ...
     with pytest.raises(ValueError, match="at most 3 at a time from one address"):
         seats.take(b)  # ... but their address has had its fill
-    seats.take(stranger)
+    assert seats.take(stranger) == 0
     seats.give_back(a)
     seats.take(b)
     for who in (a, b, b, stranger):
@@ -291,8 +291,8 @@ def test_an_audience_chat_is_capped_and_answered(public, monkeypatch):
     # past the page, the handler caps it too, and a visitor past their share is told so in the chat
     asked = []
     submit = pg.service.submit
-    monkeypatch.setattr(pg.service, "submit", lambda prompt, params, *a: (asked.append(params.max_tokens),
-                                                                          submit(prompt, params, *a))[1])
+    monkeypatch.setattr(pg.service, "submit", lambda prompt, params, *a, **kw: (asked.append(params.max_tokens),
+                                                                                submit(prompt, params, *a, **kw))[1])
     monkeypatch.setattr(pg.seats, "max_tokens", 6)
     one, two = Who("v:1", "192.0.2.1", True), Who("v:2", "192.0.2.2", True)
     list(pg.chat("Hello", [], 0.0, 500, audience=one))

@@ -527,7 +527,7 @@ def test_gradio_client_two_chats_stream_concurrently_and_settings_apply(server):
                                        api_name="/apply_settings")
     threading.Event().wait(0.2)
     submitted, submit = [], playground.service.submit
-    playground.service.submit = lambda *args: (out := submit(*args), submitted.append(out[0]))[0]
+    playground.service.submit = lambda *args, **kw: (out := submit(*args, **kw), submitted.append(out[0]))[0]
     try:
         client.predict("x", [], 0.0, 8, api_name="/chat")
     finally:
