@@ -25,6 +25,7 @@ from .sampler import SamplingParams, TokenLogprobs, draw, processed_logits, toke
 from .scheduler import Phase, ScheduledRequest, Scheduler
 from .snapshot import EngineCounters, EngineSnapshot, RequestView, StepEntry, StepRecord
 from .spec import SpecDecodeStats, verify
+from .threads import CoreShare
 from .utils import cdiv
 from .workloads import TOKEN_RANGE
 
@@ -53,6 +54,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.spec_stats = SpecDecodeStats()
         self.steps: deque[StepRecord] = deque(maxlen=256)
+        # on a CPU the compute threads follow the cores other processes leave free; a GPU's host thread is one
+        self.cores = CoreShare() if model.device.type == "cpu" else CoreShare(most=1)
         self.generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
         self.eos_token_ids = _eos_ids(tokenizer, hf_config)
 
@@ -178,6 +181,7 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.reconfig.apply()
+        self.cores.adjust()  # the compute threads follow the cores nobody else wants (engine/threads.py)
         outputs = [self._pop(r) for r in self._aborted]
         self._aborted = []
         rec = StepRecord(self.step_count, time.time())
@@ -349,7 +353,7 @@ class LLMEngine:
         if self._kernels is None:
             self._kernels = {**self.model.kernels(), "attention": self.runner.attention_kernel if self.config.kv_cache
                              else "torch SDPA (no KV cache: the whole sequence each step)"}
-        return dict(self._kernels)
+        return {**self._kernels, "threads": self.cores.describe()}
 
     def _speculation(self) -> dict:
         c, stats = self.config, self.spec_stats

@@ -1,0 +1,84 @@
+"""The engine's compute threads follow the cores nobody else wants.
+
+A step is hundreds of parallel regions (every projection, norm and attention call), each ending at a barrier. With
+a thread per core on a machine where another process wants a core too, the OS keeps taking one thread away and the
+other waits at every barrier: on a 2-core machine beside one busy process, two threads made a quarter of what one
+thread made (docs/measurements.md, "Beside a busy neighbour"). So before a step, every half second, the engine
+counts the threads that want a CPU and are not its own (Linux: /proc/stat's procs_running less its own running
+threads) and uses the cores left over, at least one and at most what it started with; it drops at once after two
+such readings in a row, and comes back after four, so a passing process does not make it flap.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+EVERY_S = 0.5
+DROP_AFTER, RISE_AFTER = 2, 4
+
+
+def _running_threads_of_this_process() -> int:
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if stat[stat.rindex(")") + 2:stat.rindex(")") + 3] == "R":
+            count += 1
+    return count
+
+
+def others_running() -> int | None:
+    """Threads of other processes that are running or want to run now; None where the system does not say."""
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("procs_running "):
+                return max(0, int(line.split()[1]) - _running_threads_of_this_process())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class CoreShare:
+    """Sets torch's thread count (from the thread that steps: an OpenMP setting is that thread's) to the cores left
+    over by everyone else. `adjust()` before each step; it reads the system at most every EVERY_S."""
+
+    def __init__(self, most: int | None = None) -> None:
+        self.most = most or torch.get_num_threads()  # what it was given (a test lane's 1, a user's OMP_NUM_THREADS)
+        self.threads = self.most
+        self.others = 0  # the other threads wanting a CPU, at the last reading
+        self._due = 0.0
+        self._fewer = self._more = 0
+
+    def adjust(self, now: float | None = None) -> None:
+        if self.most <= 1:
+            return
+        now = time.monotonic() if now is None else now
+        if now < self._due:
+            return
+        self._due = now + EVERY_S
+        others = others_running()
+        if others is None:
+            return
+        self.others = others
+        want = max(1, min(self.most, usable_cores() - others))
+        self._fewer = self._fewer + 1 if want < self.threads else 0
+        self._more = self._more + 1 if want > self.threads else 0
+        if self._fewer >= DROP_AFTER or self._more >= RISE_AFTER:
+            self.threads, self._fewer, self._more = want, 0, 0
+            torch.set_num_threads(self.threads)  # only on a change: whoever set it otherwise since is left alone
+
+    def describe(self) -> str:
+        return (f"{self.threads} of {self.most} threads" + (f" ({self.others} other threads want a core)"
+                                                            if self.threads < self.most else ""))
