@@ -147,6 +147,8 @@ class EngineService:
         self._step_waiters: deque[Future] = deque()  # step_once callers, one step each
         self.error: str | None = None
         self._stop_reason = "shut down"  # what shutdown() was told: a request sent too late is told the same
+        # when this engine replaced another (a restart or a rebuild): its counters start again from 0 here
+        self.replaced_at: float | None = time.time() if follows is not None else None
         if follows is not None:
             self.history.extend(follows.history)
             self.config_changes.extend(follows.config_changes)

@@ -147,7 +147,8 @@ class ChatHandlers:
             return remote.chat_view(), False
         service, rid = self.service, session.request_id if session else None
         streaming = rid is not None and service.is_streaming(rid)
-        view = self.figures.chat_view(service.snapshot(), service.history, rid, streaming, service.config_changes)
+        view = self.figures.chat_view(service.snapshot(), service.history, rid, streaming, service.config_changes,
+                                      service.replaced_at)
         polling = streaming or view.in_snapshot or bool(session and session.expecting())
         if rid is not None and rid in (waiting := service.snapshot().waiting):
             view = replace(view, summary=f"⏳ your request waits for a seat: place {waiting.index(rid) + 1} of "

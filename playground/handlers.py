@@ -21,7 +21,7 @@ from engine import LLM, bench
 from engine.host import EngineLoop, on_its_own_thread
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS, EngineService, IterationStats
 from engine.workloads import list_workloads, load_workload
-from viz.dashboard import DashboardFigures, FigureCache
+from viz.dashboard import DashboardFigures, FigureCache, since_rebuild
 
 from .access import Access, Seats
 from .chat import ChatHandlers
@@ -100,7 +100,7 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
         shared = snap.kernels.get("threads", "")  # said only when another process has taken a core from it
         kernel = (kernel or "") + (f" on {shared}" if "want a core" in shared else "")
         return (f"**{state}** · {snap.precision}" + (f" · {kernel}" if kernel else "")
-                + f" · steps done: {snap.step} · running {snap.num_running} · "
+                + f" · steps done{since_rebuild(self.service.replaced_at)}: {snap.step} · running {snap.num_running} · "
                 f"waiting {snap.num_waiting} · preemptions {snap.num_preemptions} · "
                 f"KV {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks · "
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "

@@ -686,3 +686,14 @@ def test_the_settings_form_follows_the_engine_and_the_audience_only_reads_it(pg)
     out = block_fn.fn(out[len(fields) - 3])
     assert not any(u["interactive"] for u in out if isinstance(u, dict) and "interactive" in u)
     assert "Only the presenter can change the engine's settings" in out[len(fields) - 2]
+
+
+def test_counters_that_start_again_with_a_new_engine_say_so_everywhere(pg):
+    from playground.chat import ChatSession
+    session = ChatSession()
+    list(pg.chat("Hello", [], 0.0, 4, session))
+    assert "steps done: " in pg.status() and "since the rebuild" not in pg.chat_view(session)[0].summary
+    assert pg.restart().startswith("Engine restarted")
+    list(pg.chat("Hello again", [], 0.0, 4, session))
+    assert "steps done since the rebuild " in pg.status()  # the status line and the chat's live view alike
+    assert "since the rebuild " in pg.chat_view(session)[0].summary

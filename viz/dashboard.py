@@ -35,8 +35,16 @@ class ChatView:
     in_snapshot: bool = False
 
 
-def chat_summary(snapshot, tokens_per_s: float) -> str:
-    return (f"step **{snapshot.step}** · running **{snapshot.num_running}** · waiting **{snapshot.num_waiting}** · "
+def since_rebuild(replaced_at: float | None, now: float | None = None) -> str:
+    """How a counter that restarted with a new engine says so (" since the rebuild 12 s ago"; "" for none)."""
+    if replaced_at is None:
+        return ""
+    return f" since the rebuild {max(0.0, (time.time() if now is None else now) - replaced_at):.0f} s ago"
+
+
+def chat_summary(snapshot, tokens_per_s: float, replaced_at: float | None = None) -> str:
+    return (f"step **{snapshot.step}**{since_rebuild(replaced_at)} · running **{snapshot.num_running}** · "
+            f"waiting **{snapshot.num_waiting}** · "
             f"**{tokens_per_s:.1f}** tokens/s over the last 10 steps (all requests) · "
             f"KV {snapshot.kv_blocks_used}/{snapshot.kv_blocks_total} blocks")
 
@@ -107,7 +115,8 @@ class FigureCache:
             self.builds += 1
         return self._cached
 
-    def chat_view(self, snapshot, history, request_id: str | None, live: bool, changes=()) -> ChatView:
+    def chat_view(self, snapshot, history, request_id: str | None, live: bool, changes=(),
+                  replaced_at: float | None = None) -> ChatView:
         """The block table with one chat's request highlighted, of the same snapshot as the dashboard's figures:
         built once per (snapshot, request) however many times that chat's tab asks."""
         with self._lock:
@@ -118,6 +127,6 @@ class FigureCache:
                 source = self._source
                 view = self._views[key] = ChatView(
                     request_id, live, figures.highlighted_block_figure(source, request_id, live, self._cells),
-                    chat_summary(source, self._tokens_per_s), request_id in source.requests)
+                    chat_summary(source, self._tokens_per_s, replaced_at), request_id in source.requests)
                 self.view_builds += 1
             return view
