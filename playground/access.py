@@ -234,7 +234,8 @@ class Access:
             while len(self._unlocked) > MAX_UNLOCKED:
                 self._unlocked.pop(min(self._unlocked, key=self._unlocked.get))
         log.info("presenter: unlocked by %s", who.describe())
-        return "Unlocked: you are the presenter in this tab. Every change you make is shown to the room."
+        return ("Unlocked: you are the presenter (in every tab of this browser while one of them stays open). Every "
+                "change you make is shown to the room.")
 
     def forget(self, request=None) -> None:
         """A tab closed: its session's visitor id goes, and with the last tab of a presenter, its rights."""

@@ -81,7 +81,9 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         settings_out = gr.Markdown()
         settings_note = gr.Markdown()
         loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
-        follow = gr.Timer(1.0)  # in the tab: it ticks once the tab has been opened
+        # in the tab: it ticks once the tab has been opened; twice a second, so a change made elsewhere shows within a
+        # second, round trip included (each tick is one comparison when nothing changed)
+        follow = gr.Timer(0.5)
 
     inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
     names = list(switches) + list(sizes) + list(weights)
