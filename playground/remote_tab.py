@@ -43,5 +43,9 @@ def build_remote_tab(pg: Playground | Watcher, serialised: Callable[[dict | None
     attach.click(attach_to, url, note, api_name="attach")
     url.submit(attach_to, url, note, api_visibility="private")
     detach.click(pg.detach, None, note, api_name="detach")
-    gr.on(None, audience(lambda: (pg.remote.url if pg.remote else "", attached_note(pg))), None, [url, note],
-          api_visibility="private")  # on page load
+    @audience
+    def on_load() -> tuple:
+        # what runs now; while nothing is attached the box is left alone (a fresh page's is empty), so an address
+        # typed before a slow page-load answer came back is not wiped
+        return (pg.remote.url if pg.remote else gr.skip()), attached_note(pg)
+    gr.on(None, on_load, None, [url, note], api_visibility="private")  # on page load

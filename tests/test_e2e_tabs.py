@@ -337,6 +337,7 @@ def test_attaching_to_an_address_where_nothing_answers_is_refused_in_the_page(se
     page.goto(url)
     page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
     page.get_by_role("tab", name="Remote server").click()
+    page.get_by_text("Not attached: the page shows the engine in this process").wait_for(timeout=60_000)
     page.locator("#remote-url input, #remote-url textarea").first.fill("http://127.0.0.1:9")
     page.get_by_role("button", name="Attach").click()
     # shown as text: the address as scheme://host:port, nothing the (absent) server said
