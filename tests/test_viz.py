@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -450,6 +451,9 @@ def test_chat_views_come_from_the_shared_cache():
     throttled = FigureCache(min_interval_s=60.0)
     first = throttled.chat_view(snap, hist, "a", True)
     assert throttled.chat_view(later, hist, "a", True) is first and throttled.builds == 1  # at most once a minute
+    rebuilt = throttled.chat_view(snapshot(step=1), list(hist), "a", True, replaced_at=time.time() - 3)
+    assert rebuilt is not first and throttled.builds == 2  # a new engine (its own history) is drawn at once
+    assert "step **1** since the rebuild 3 s ago" in rebuilt.summary
 
 
 def test_the_time_series_cover_minutes_whatever_the_step_rate():

@@ -76,6 +76,7 @@ class FigureCache:
         self._lock = threading.Lock()
         self._cached: DashboardFigures | None = None
         self._source = None  # the snapshot the cached figures show
+        self._history = None  # and the history (one per engine service) they were drawn from
         self._tokens_per_s = 0.0  # and the generation rate then
         self._views: dict[tuple[str | None, bool], ChatView] = {}  # chat views of the cached snapshot
         self._cells: list[dict] = []  # its block cells, shared by the block table and every chat's view
@@ -97,8 +98,10 @@ class FigureCache:
     def _get(self, snapshot, history, changes) -> DashboardFigures:
         now = time.monotonic()
         stale = self._cached is None or snapshot is not self._source
-        if stale and (self._cached is None or now - self._built_at >= self.min_interval_s):
-            self._built_at = now
+        # a new engine (a rebuild or restart brings its own history) is drawn at once, not after the interval
+        new_engine = history is not self._history
+        if stale and (new_engine or self._cached is None or now - self._built_at >= self.min_interval_s):
+            self._built_at, self._history = now, history
             samples = list(history)
             recent = figures.recent_samples(samples, self.history_s, self.history_points)
             marks = list(changes)
