@@ -32,8 +32,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
 import gradio as gr
 
 from engine import LLM
-from engine.bench import load_feature_preset, parse_assignments
 from engine.host import EngineHost
+from engine.measure import load_feature_preset, parse_assignments
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.access import (
     OPEN,

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .runs import TOKEN_RANGE
+from ..measure.runs import TOKEN_RANGE
 from .serve import ServeRequest, ServeResult, run_serve
 
 # Quiet before each run: vLLM's CPU server took 0.36 s of CPU in the second after its last request ended, then ~1%
