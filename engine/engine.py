@@ -26,8 +26,7 @@ from .scheduler import Phase, ScheduledRequest, Scheduler
 from .snapshot import EngineCounters, EngineSnapshot, RequestView, StepEntry, StepRecord
 from .spec import SpecDecodeStats, verify
 from .threads import CoreShare
-from .utils import cdiv
-from .workloads import TOKEN_RANGE
+from .utils import TOKEN_RANGE, cdiv
 
 
 class ContextLengthError(ValueError):
