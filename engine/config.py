@@ -30,9 +30,9 @@ KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 ATTENTION_BACKENDS = ("sdpa", "triton")  # None: triton on CUDA (with a KV cache), sdpa elsewhere
 DEFAULT_CPU_KV_CACHE_GB = 0.5
 # Tokens per step with chunked prefill, by device type. A step's budget bounds how long one step (and so every
-# stream's gap between tokens) can take. CPU: measured on a 2-core CPU (docs/measurements.md, chunked prefill: 256
-# keeps the chats' longest gap 4.6-8.2x shorter while a 1,500-token document arrives, at the same throughput;
-# 512 only 1.9-2.6x). GPU: vLLM's long-standing default, where 2,048 tokens take milliseconds (not measured here).
+# stream's gap between tokens) can take. CPU: 256 keeps the chats' longest gap several times shorter while a long
+# document arrives, at the same throughput, and 512 far less so (measured: docs/measurements.md, "Chunked
+# prefill"). GPU: vLLM's long-standing default, where 2,048 tokens take milliseconds (not measured here).
 CHUNKED_PREFILL_BUDGET = {"cpu": 256, "cuda": 2048}
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -75,8 +75,8 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # shortest n-gram matched to propose drafts
     prompt_lookup_max: int = 4  # longest n-gram tried first
     # rows (decodes + drafts) a step may verify before drafts shrink: k = min(k, budget // decoding - 1), so
-    # none above 8 decoding requests: measured on a 2-core CPU, k=4 on answers that do not copy the prompt breaks
-    # even at 8 and loses at 32 (0.84x; docs/measurements.md's speculative-decoding table)
+    # none above 8 decoding requests: k=4 on answers that do not copy the prompt breaks even at 8 and loses at 32
+    # (measured: docs/measurements.md, "Speculative decoding")
     speculative_token_budget: int = 16
     cuda_graphs: bool = False  # CUDA only: decode steps replayed from graphs captured per batch-size bucket
     # precision: weights quantized at load (None, "int8", "int4" or "w8a8"), and the KV cache's element type

@@ -4,41 +4,41 @@ shown) into the cache, one folder per source, CPU, Python and torch install; Pyt
 replaces torch calls that spent most of their time outside the arithmetic for the few rows of a decode step:
 
 - w8a8's per-row work around fbgemm's matmul: quantizing each token's activations before it and scaling the int32
-  sums back after. As torch calls each is about a dozen small operations, which took 2-4x as long as the matmul
-  itself (SmolLM2's four projections of a layer at 16 rows: 627 us with the torch calls against 287 us fused, the
-  matmuls alone 224 us; at one row 381 against 100). Both paths compute the same floats, operation for operation
-  (the test compares them bit for bit), so which one runs changes the speed only.
+  sums back after. As torch calls each is about a dozen small operations, which took longer than the matmul
+  itself at decode sizes (docs/measurements.md, "The engine's own weight-only kernels"). Both paths compute the
+  same floats, operation for operation (the test compares them bit for bit), so which one runs changes the speed
+  only.
 - decode attention straight over the paged KV pool (attention/sdpa.py): one query per row against its own slots,
   without first gathering K and V into a padded batch for SDPA (an int8 pool dequantized as it is read). Its sums
   run in another order than SDPA's, so it agrees with it to float rounding (tested), not bit for bit. With AVX-512
-  (head sizes 16-128) each query and its sums stay in vector registers: 16 rows x 100 slots 52 us, one row 6.5 us
-  (the portable loops: 132 and 18.5; SDPA over the gathered batch: 310 and 40). It asks for each row's K and V some
-  keys ahead (a row's slots are scattered over the pool, too few bytes in a row for the hardware's prefetchers),
-  scores a bf16 pool with AVX-512 BF16's dot products where the CPU has them, and splits the rows between the
-  threads by the slots they read (`bench attention-cost`: 32 cold decode rows 10.5-11.0 -> 4.1-5.0 ms a bf16 step,
-  a 224-row causal chunk 12.6-13.3 -> 7.8-8.0).
+  (head sizes 16-128) each query and its sums stay in vector registers, several times faster than the portable
+  loops and than SDPA over the gathered batch (docs/measurements.md, "int4 beats llama.cpp on the AMD CPU"). It
+  asks for each row's K and V some keys ahead (a row's slots are scattered over the pool, too few bytes in a row
+  for the hardware's prefetchers), scores a bf16 pool with AVX-512 BF16's dot products where the CPU has them, and
+  splits the rows between the threads by the slots they read (`bench attention-cost`; docs/measurements.md, "The
+  attention kernel's memory, and the table again").
 - writing a step's K and V into the pool, one call a layer: as they are (torch's two scatters), or into an int8
   pool, each token and KV head quantized and stored, where quantize_int8's torch calls, their dequantization and
-  four scatters were ~26 (5-6 ms of an int4 token at batch 1 with the int8 cache, measured on the Intel machine:
-  23.5 -> 17.5 ms, the same as without the int8 cache). The same integers and scales bit for bit (tested).
+  four scatters were ~26, a good share of an int4 token at batch 1; in one call the int8 cache costs a token
+  nothing (docs/measurements.md, "On a CPU"). The same integers and scales bit for bit (tested).
 - int8 and int4 weight-only matmuls (models/linear.py), the weights widened in registers as they are read, the
   next block's prefetched, the activations taken as they come (fp32 or bf16) with fp32 sums: torch's kernels
-  take bf16 activations only and moved about half the bytes a second at one row on the Intel machine (SmolLM2's
-  projections of a step: int8 7.6 ms against 15.1, int4 6.4 against 7.8). Built with AVX-512 only (elsewhere
-  torch's kernels run); a row's result is the same in any batch (tested).
+  take bf16 activations only and streamed the weights more slowly at one row (docs/measurements.md, "The engine's
+  own weight-only kernels"). Built with AVX-512 only (elsewhere torch's kernels run); a row's result is the same
+  in any batch (tested).
 - float32 and bf16 matmuls for the unquantized projections (quant/linear.py's Linear), over a weight packed once
   into blocks of 16 outputs, each k's (bf16: each pair's) weights of a block one 64-byte vector: one fused
   multiply-add (bf16: one AVX-512 BF16 dot product) per block and k, no reduction across lanes, groups of blocks
   taken from a shared counter so a thread the OS pauses leaves its share to the other. A decode step's
-  projections and LM head ran 1.2-1.4x as fast as on oneDNN's linear (what ran before) at 1-32 rows on the AMD
-  EPYC, 1.02-1.1x at 256 (`bench kernels`). Built with AVX-512 (bf16: AVX-512 BF16; with AMX, oneDNN keeps bf16);
-  a row's result is the same in any batch (tested).
+  projections and LM head run faster than on oneDNN's linear (what ran before) at a few rows, and about as fast
+  at hundreds (`bench kernels`; docs/measurements.md, "The projections in C++, and the table again"). Built with
+  AVX-512 (bf16: AVX-512 BF16; with AMX, oneDNN keeps bf16); a row's result is the same in any batch (tested).
 - a decoder layer's elementwise steps (models/llama.py): RMSNorm with the residual add before it, RoPE, and
-  silu(gate) * up, one call each where the torch formulas are 7, 6 and 4 calls, whose dispatch was about 40% of
-  an int4 token's time at batch 1 (with the attention above: 11.2-11.8 -> 7.9-8.2 ms a token, faster than
-  llama.cpp's 10.2-11.5 in the same runs; docs/measurements.md). Each rounds where
-  transformers' formula rounds; RoPE is bit for bit the same, the norm's sum of squares and silu's exp differ in
-  the last bits (tested; greedy tokens the same with and without).
+  silu(gate) * up, one call each where the torch formulas are 7, 6 and 4 calls, whose dispatch was a large share
+  of an int4 token's time at batch 1 (with the attention above, it took int4 past llama.cpp's speed in the same
+  runs: docs/measurements.md, "int4 beats llama.cpp on the AMD CPU"). Each rounds where transformers' formula
+  rounds; RoPE is bit for bit the same, the norm's sum of squares and silu's exp differ in the last bits (tested;
+  greedy tokens the same with and without).
 
 At run time (compiled(): app.py, LLM(), the tests) nothing is compiled: a build present in its folder is imported as
 it is, and without one a single line on stderr says how to build it and torch's calls run (the same results, more

@@ -26,8 +26,7 @@ from .scheduler import Phase, ScheduledRequest, Scheduler
 from .snapshot import EngineCounters, EngineSnapshot, RequestView, StepEntry, StepRecord
 from .spec import SpecDecodeStats, verify
 from .threads import CoreShare
-from .utils import cdiv
-from .workloads import TOKEN_RANGE
+from .utils import TOKEN_RANGE, cdiv
 
 
 class ContextLengthError(ValueError):
@@ -220,7 +219,8 @@ class LLMEngine:
         single = [i for i, s in enumerate(batch.scheduled) if s.num_logits == 1]
         params = [batch.scheduled[i].request.params for i in single]
         picked = [rows[i] for i in single]
-        # most often every row, in order: the logits themselves, not a copy (32 rows of 49k: ~4 ms on 2 cores)
+        # most often every row, in order: the logits themselves, not a copy, whose fresh tensor costs page faults
+        # (docs/measurements.md, "The sampler, again: fresh 6 MB tensors")
         raw = logits if picked == list(range(logits.shape[0])) else logits[picked]
         sampled = draw(processed_logits(raw, params), params, [batch.scheduled[i].request.generator for i in single])
         logprobs = token_logprobs(raw, sampled, [p.logprobs for p in params])

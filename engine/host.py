@@ -1,8 +1,8 @@
 """Where an engine loop runs. By default on a thread of its own; app.py runs the served engine's loop on the
 process's main thread instead (EngineHost): on CPU the OpenMP work a step is made of costs more from any other
-thread. On a 2-core AMD EPYC, a torch.add of 200,000 floats took 20 us from the main thread and 100-140 us from
-a second one, and the served engine stepping on its own thread made 0.65-0.75x the tokens/s of LLM.generate
-(docs/measurements.md, "What the HTTP path costs")."""
+thread: a small torch.add took several times as long from a second thread as from the main one, and the served
+engine stepping on its own thread made clearly fewer tokens/s than LLM.generate (docs/measurements.md, "bf16, and
+vLLM on both cores", and "What the HTTP path costs")."""
 from __future__ import annotations
 
 import queue

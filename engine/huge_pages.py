@@ -2,9 +2,9 @@
 
 A decode step at a few rows reads every projection's weights once, from RAM: it is a stream of the model's bytes
 (SmolLM2-135M in fp32: 537 MB a token). Over 4 KB pages that stream crosses a page, and misses the TLB, every 64
-cache lines. Over 2 MB pages it does so 512 times less. Measured on a 2-core AMD EPYC (AVX-512, family 26), the
-dense kernel over 591 MB of fp32 weights shaped like SmolLM2's, one row, six alternating runs: 8.7-10.1 ms on 4 KB
-pages, 8.2-9.4 on 2 MB ones (5-9% less); docs/measurements.md has the engine's own numbers.
+cache lines. Over 2 MB pages it does so 512 times less, and the dense kernel's one-row stream of SmolLM2's fp32
+weights takes a few percent less time (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every
+50 ms", with the engine's own numbers).
 
 Linux gives a process 2 MB pages (transparent huge pages) everywhere when
 /sys/kernel/mm/transparent_hugepage/enabled says [always], and only where it asks with madvise(MADV_HUGEPAGE) when it

@@ -12,6 +12,7 @@ from .models.random_models import random_name
 from .quant.format import WeightFormat
 from .request import RequestOutput
 from .sampler import SamplingParams
+from .utils import chat_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,12 +23,6 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but no CUDA GPU is available")
     return torch.device(device)
-
-
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """A conversation as prompt token ids, through the model's chat template, ready for the reply."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 class LLM:

@@ -258,8 +258,8 @@ def draw(processed: torch.Tensor, params: list[SamplingParams], generators: list
         for i, token in zip(greedy, most_likely(processed[greedy]).tolist()):
             out[i] = token
     # each sampled row's probabilities up to a scale of its own, which is all the inversion needs: exp(x - max) in
-    # place, without softmax's division or its new tensor (32 rows of 49k: 1.4 ms instead of 5.9 ms on 2 cores,
-    # most of it the fresh 6 MB's page faults)
+    # place, without softmax's division or its new tensor, whose fresh 6 MB's page faults cost most of softmax's
+    # time at 32 rows (docs/measurements.md, "The sampler, again: fresh 6 MB tensors")
     probs = processed if len(rows) == len(params) else processed[rows]
     by_generator: dict[int, list[int]] = {}
     for j, i in enumerate(rows):
@@ -278,9 +278,10 @@ def draw(processed: torch.Tensor, params: list[SamplingParams], generators: list
 
 def _exp_and_invert(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """shifted_exp then invert_cdf, in one C++ call where it is built (cpu_kernels.cpp, draw_rows: a row a task, the
-    same tokens to an ulp of a chunk's sum), else the two in torch. The torch way is ~15 calls on small tensors:
-    in the engine's fp32 batch-1 step, between the forward passes, a sampled row took 0.59 ms to sample, 0.15 now
-    (greedy 0.08); alone, 85 -> 22 us a row, 137 -> 78 us for 8 rows, even at 32 (2 cores, AMD EPYC)."""
+    same tokens to an ulp of a chunk's sum), else the two in torch. The torch way is ~15 calls on small tensors,
+    whose dispatch, not their arithmetic, made a sampled row at batch 1 several times greedy's cost; the one call
+    pays at one row and at a few, and is even at 32 (docs/measurements.md, "A sampled row's draw, in one C++
+    call")."""
     if (ext := _native(probs)) is not None:  # a build is keyed by its source: this one has draw_rows
         return ext.draw_rows(probs, uniform)
     return invert_cdf(shifted_exp(probs), uniform)
@@ -291,8 +292,9 @@ EXP_FLOOR = -87.0  # float32's exp underflows below about this; torch's exp_ tak
 
 def shifted_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x - each row's max) in place, exactly 0 where x is -inf (a token a filter dropped: never drawn). torch's
-    exp_ is 10-90x slower below ~-87 (a filtered row's -inf; a low temperature's far tail), so what lies below is
-    taken at the floor, ~1e-38 of the top token's mass, where the float would underflow anyway."""
+    exp_ takes a slow path below ~-87 (a filtered row's -inf; a low temperature's far tail; docs/measurements.md, "A
+    decode step's own work, then the sampler's rows in C++"), so what lies below is taken at the floor, ~1e-38 of the
+    top token's mass, where the float would underflow anyway."""
     if (ext := _native(x)) is not None:
         return ext.exp_shifted_rows(x)
     dropped = x == float("-inf")
@@ -301,8 +303,8 @@ def shifted_exp(x: torch.Tensor) -> torch.Tensor:
 
 def most_likely(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, the first of equal maxima (the first NaN) as argmax gives it: in C++ where it is built
-    (float32 on a CPU), else by max(dim=1), which takes half of argmax's time on a CPU (32 rows of 49k: 2.2 ms
-    against 4.7 ms on 2 cores)."""
+    (float32 on a CPU), else by max(dim=1), which is faster than argmax on a CPU (docs/measurements.md, "The sampler,
+    again: fresh 6 MB tensors")."""
     if logits.shape[0] and (ext := _native(logits)) is not None:
         return ext.argmax_rows(logits)
     return logits.max(dim=1).indices

@@ -30,9 +30,9 @@ DEFAULT_MAX_WAITING_REQUESTS = 256
 # while the engine steps, its whole snapshot is taken at most this often (every step's counters go to the history)
 SNAPSHOT_INTERVAL_S = 0.05
 # steps the time series keeps (one sample each, ~350 bytes: 21 MB at most). It must outlast the dashboard's 180 s
-# charts and a lesson's phases (30 s + 45 s, measured at its end) at the fastest step: 3,600 held 36-43 s of
-# SmolLM2's 10-12 ms batch-1 steps, and 3.2 s of a tiny model's, which had evicted a 3 s before phase by the time
-# the lesson measured it
+# charts and a lesson's phases (30 s + 45 s, measured at its end) at the fastest step: 3,600 steps held only
+# seconds of a tiny model's, which had evicted a before phase by the time the lesson measured it
+# (docs/measurements.md, "The lessons, rehearsed")
 HISTORY_LEN = 60_000
 
 
@@ -365,8 +365,9 @@ class EngineService:
             tpot_s=sum(tpots) / len(tpots) if tpots else None, num_started=len(ttfts),
             num_finished=len(stats.finished), prompt_tokens=stats.num_prompt_tokens))
         # the whole snapshot (every block's state, every live request) at most every SNAPSHOT_INTERVAL_S while
-        # stepping: a reader polls it at most a few times a second, and it cost 0.2-0.25 ms a step of a 10-13 ms
-        # batch-1 step here; at once for step_once, a configuration change, or the last step before idling
+        # stepping: a reader polls it at most a few times a second, and taking it every step cost a share of a
+        # batch-1 step worth saving (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every 50 ms");
+        # at once for step_once, a configuration change, or the last step before idling
         if (changed or self._step_waiters or not self._should_step()
                 or time.perf_counter() - self._snapshot_at >= SNAPSHOT_INTERVAL_S):
             self._refresh()

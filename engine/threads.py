@@ -2,8 +2,8 @@
 
 A step is hundreds of parallel regions (every projection, norm and attention call), each ending at a barrier. With
 a thread per core on a machine where another process wants a core too, the OS keeps taking one thread away and the
-other waits at every barrier: on a 2-core machine beside one busy process, two threads made a quarter of what one
-thread made (docs/measurements.md, "Beside a busy neighbour"). So before a step, every half second, the engine
+other waits at every barrier: beside one busy process, two threads made far less than one thread did
+(docs/measurements.md, "Beside a busy neighbour"). So before a step, every half second, the engine
 counts the threads that want a CPU and are not its own (Linux: /proc/stat's procs_running less its own running
 threads) and uses the cores left over, at least one and at most what it started with; it drops at once after two
 such readings in a row, and comes back after four, so a passing process does not make it flap.

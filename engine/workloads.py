@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .sampler import SamplingParams
+from .utils import TOKEN_RANGE, chat_token_ids
 
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "presets" / "workloads"
-TOKEN_RANGE = (1000, 20000)  # ordinary word pieces in the default vocabulary, and valid in the tiny test models
 
 
 @dataclass
@@ -46,7 +46,6 @@ class Workload:
 
     def tokenized(self, tokenizer) -> Workload:
         """The same workload with every text request turned into token ids (the model's chat template)."""
-        from .llm import chat_token_ids
         ids = {t: chat_token_ids(tokenizer, [{"role": "user", "content": t}]) for t in {r.text for r in self.requests}
                if t is not None}
         requests = [r if r.text is None else dataclasses.replace(r, prompt_token_ids=ids[r.text])

@@ -9,8 +9,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.bench import load_feature_preset
 from engine.config import EngineConfig
+from engine.measure import load_feature_preset
 from engine.workloads import list_workloads
 
 from .lesson_numbers import Evidence

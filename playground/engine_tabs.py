@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from engine.bench import Cancelled, compare_report
 from engine.config import BUILT_SWITCHES, KV_CACHE_DTYPES, NOT_YET_BUILT, WEIGHT_FIELDS
+from engine.measure import Cancelled, compare_report
 from engine.quant.format import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES
 from viz.figures import placeholder_figure
 from viz.result_figures import ablation_figure, compare_figure

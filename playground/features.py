@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import bench
+from engine import measure
 from engine.workloads import Workload, load_workload
 from viz.figures import placeholder_figure
 from viz.result_figures import concurrency_figure, cumulative_figure, memory_sweep_figure, quality_figure
@@ -35,7 +35,7 @@ DEFAULT_WORKLOADS = {"cumulative": "ablation", "concurrency": "ablation", "memor
 CONCURRENCY_LEVELS = (1, 8, 32)
 POOL_SIZES = (32, 64, 128, 256)  # KV blocks, `memory --blocks`' default
 QUALITY_WINDOW = 1024  # tokens per teacher-forced prompt, `quality --window`'s default (shorter if the model is)
-FEATURE_NAMES = {f.switch: f.name for f in bench.FEATURES}
+FEATURE_NAMES = {f.switch: f.name for f in measure.FEATURES}
 NAMES = {"cumulative": "cumulative ablation", "quality": "quality against fp32", "concurrency": "concurrency sweep",
          "memory": "memory sweep"}
 EMPTY = {"cumulative": "No results yet: press Run to add the features back one by one on this machine",
@@ -66,8 +66,8 @@ class FeatureExperiments:
     # ---- running ---------------------------------------------------------------------------------------
     def run(self, kind: str, workload_name: str | None = None, quick: bool = True,
             progress: ProgressFn | None = None, levels: Sequence[int] = CONCURRENCY_LEVELS,
-            pool_sizes: Sequence[int] = POOL_SIZES, specs: Sequence[str] = bench.QUALITY_SPECS) -> list:
-        """Run one experiment (EXPERIMENTS) and keep its rows. Raises bench.Cancelled if cancelled, ValueError if
+            pool_sizes: Sequence[int] = POOL_SIZES, specs: Sequence[str] = measure.QUALITY_SPECS) -> list:
+        """Run one experiment (EXPERIMENTS) and keep its rows. Raises measure.Cancelled if cancelled, ValueError if
         another measurement is running or the workload is unknown. quality takes specs, not a workload."""
         if kind not in EXPERIMENTS:
             raise ValueError(f"unknown experiment {kind!r}; one of {', '.join(EXPERIMENTS)}")
@@ -78,44 +78,44 @@ class FeatureExperiments:
         workload = load_workload(name, quick).tokenized(llm.tokenizer)
         quick_flag = " --quick" if quick else ""
         if kind == "memory":
-            total = 2 * len(pool_sizes) * len(bench.KV_CACHE_DTYPES_SWEPT)
+            total = 2 * len(pool_sizes) * len(measure.KV_CACHE_DTYPES_SWEPT)
             command = f"python -m engine.bench memory --workload {name} --blocks {_csv(pool_sizes)}{quick_flag}"
         elif kind == "concurrency":
-            total = len(levels) * (len(bench.FEATURES) + 1)
+            total = len(levels) * (len(measure.FEATURES) + 1)
             command = f"python -m engine.bench ablate --concurrency {_csv(levels)} --workload {name}{quick_flag}"
         else:
-            total = len(bench.FEATURES) + 1
+            total = len(measure.FEATURES) + 1
             command = f"python -m engine.bench ablate --cumulative --workload {name}{quick_flag}"
         with self.pg.measuring(NAMES[kind], total, progress) as m:
             stop = m.cancel.is_set
             if kind == "memory":
-                rows = bench.memory_sweep(llm, workload, pool_sizes, progress=m.report, should_stop=stop)
+                rows = measure.memory_sweep(llm, workload, pool_sizes, progress=m.report, should_stop=stop)
             elif kind == "concurrency":
-                rows = bench.ablate_concurrency(llm, workload, levels, progress=m.report, should_stop=stop)
+                rows = measure.ablate_concurrency(llm, workload, levels, progress=m.report, should_stop=stop)
             else:
-                rows = bench.ablate_cumulative(llm, workload, progress=m.report, should_stop=stop)
+                rows = measure.ablate_cumulative(llm, workload, progress=m.report, should_stop=stop)
         save_local(self.store, kind, Measured(
             rows, machine_description(llm), now(), command,
             kv_bytes_per_token=llm.engine.model.kv_bytes_per_token() if kind == "memory" else None,
             note=_seats_note(workload, levels) if kind == "concurrency" else ""))
         return rows
 
-    def run_quality(self, specs: Sequence[str], progress: ProgressFn | None = None) -> list[bench.QualityRow]:
-        """engine.bench.quality from the page: each spec's engine against the fp32 one over the shipped text. It
+    def run_quality(self, specs: Sequence[str], progress: ProgressFn | None = None) -> list[measure.QualityRow]:
+        """engine.measure.quality from the page: each spec's engine against the fp32 one over the shipped text. It
         has no stop check of its own: Cancel takes effect at its next progress call, between two specs."""
         specs = [s.strip() for s in specs if s and s.strip()]
         if not specs:
             raise ValueError("choose at least one precision to score against fp32")
         for spec in specs:
-            bench.resolve_spec(spec)  # a bad spec is refused before the live engine pauses
+            measure.resolve_spec(spec)  # a bad spec is refused before the live engine pauses
         llm = self.pg.llm
         window = min(QUALITY_WINDOW, llm.engine.model.max_len - 1)  # one new token after each window must fit
         with self.pg.measuring(NAMES["quality"], len(specs) + 1, progress) as m:
             def report(done: int, total: int, current: str) -> None:
                 if m.cancel.is_set():
-                    raise bench.Cancelled(f"cancelled before {current!r} ({done}/{total} done)")
+                    raise measure.Cancelled(f"cancelled before {current!r} ({done}/{total} done)")
                 m.report(done, total, current)
-            rows = bench.quality(llm, specs, window=window, progress=report)
+            rows = measure.quality(llm, specs, window=window, progress=report)
         command = "python -m engine.bench quality " + " ".join(f"--spec {s}" for s in specs) + (
             f" --window {window}" if window != QUALITY_WINDOW else "")
         save_local(self.store, "quality", Measured(rows, machine_description(llm), now(), command,
@@ -192,23 +192,23 @@ def source_line(measured: Measured | None) -> str:
     return f"*{what}*{command}" + (f"\n\n{measured.note}" if measured.note else "")
 
 
-def quality_note(rows: Sequence[bench.QualityRow], window: int) -> str:
+def quality_note(rows: Sequence[measure.QualityRow], window: int) -> str:
     """What a quality run scored: the positions of the text, and fp32's own perplexity on it."""
     if not rows:
         return ""
-    return (f"Teacher-forced over `{bench.QUALITY_TEXT.relative_to(bench.QUALITY_TEXT.parents[2])}`: "
+    return (f"Teacher-forced over `{measure.QUALITY_TEXT.relative_to(measure.QUALITY_TEXT.parents[2])}`: "
             f"{rows[0].positions} positions in windows of {window} tokens; fp32's perplexity "
             f"{rows[0].reference_perplexity:.2f}.")
 
 
-def concurrency_lesson(rows: Sequence[bench.AblationRow]) -> str:
+def concurrency_lesson(rows: Sequence[measure.AblationRow]) -> str:
     """Each feature's worth at the lowest and the highest concurrency, in words: speculation fades under load."""
     levels = sorted({r.concurrency for r in rows if r.concurrency is not None})
     if len(levels) < 2:
         return ""
     by = {(r.switch, r.concurrency): r for r in rows}
     parts = []
-    for f in bench.FEATURES:
+    for f in measure.FEATURES:
         lo, hi = by.get((f.switch, levels[0])), by.get((f.switch, levels[-1]))
         if lo and hi and lo.ratio and hi.ratio:
             parts.append(f"{f.name} {1 / lo.ratio:.2f}x → {1 / hi.ratio:.2f}x")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import gradio as gr
 from gradio.components.plot import PlotData
 
-from engine.bench import FEATURES, QUALITY_SPECS, Cancelled
+from engine.measure import FEATURES, QUALITY_SPECS, Cancelled
 
 from .access import audience
 from .features import CONCURRENCY_LEVELS, DEFAULT_WORKLOADS, EXPERIMENTS, NAMES, FeatureExperiments

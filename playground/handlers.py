@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine import LLM, bench
+from engine import LLM, measure
 from engine.host import EngineLoop, on_its_own_thread
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS, EngineService, IterationStats
 from engine.workloads import list_workloads, load_workload
@@ -178,7 +178,7 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
 
 
 def feature_presets() -> list[str]:
-    return bench.list_feature_presets()
+    return measure.list_feature_presets()
 
 
 def workloads() -> list[str]:

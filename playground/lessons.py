@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.config import LOAD_TIME_FIELDS, EngineConfig
 from engine.sampler import SamplingParams
@@ -30,8 +30,23 @@ from .course import METRICS, Lesson, format_value, from_toml, load_lessons, verd
 from .lesson_numbers import Evidence, evidence, moved_beyond_noise, series, spread, timed, window_metrics
 from .room import plain
 
-if TYPE_CHECKING:
-    from .handlers import Playground
+
+class LessonHost(Protocol):
+    """What a lesson needs of the playground it runs on (handlers.Playground): its engine, its room, its users."""
+    llm: object
+    service: object  # the live EngineService
+    traffic: object  # the TrafficGenerator
+    room: object
+    remote: object
+    measurement: object
+    rebuilding: str | None
+
+    def start_traffic(self, workload_name: str, num_users: int, duration_s: float = 0.0, scale: float = 1.0,
+                      who: str = "presenter") -> str: ...
+    def stop_traffic(self, who: str = "presenter") -> str: ...
+    def _update(self, changes: dict, progress=None) -> str: ...
+    def _config_value(self, name: str, value): ...
+    def _busy(self) -> str: ...
 
 SETTLE = 0.25  # share of each phase left out of its numbers: the engine filling up, or just rebuilt
 MAX_FACTOR = 4.0  # a phase waiting for its evidence runs at most this many times its own length
@@ -71,7 +86,7 @@ class LessonRunner:
     """The lessons, and the one run at a time on the page's engine. Every visitor reads it; only the presenter's
     handlers call start / flip / leave (access.py guards them)."""
 
-    def __init__(self, pg: Playground, lessons: list[Lesson] | None = None, seconds: float | None = None,
+    def __init__(self, pg: LessonHost, lessons: list[Lesson] | None = None, seconds: float | None = None,
                  device_type: str | None = None) -> None:
         """`seconds`: every phase this long instead of the lesson's own (a rehearsal, a short workshop, tests)."""
         self.pg = pg

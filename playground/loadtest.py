@@ -299,7 +299,7 @@ def main() -> None:
     parser.add_argument("--toggle-s", type=float, default=20.0, help="--workshop: seconds between the flips")
     args = parser.parse_args()
     sessions = args.sessions if args.sessions is not None else args.chats + args.dashboards
-    from engine.bench import markdown_table
+    from engine.measure import markdown_table
     phases = loadtest(sessions, args.chats, args.max_tokens, args.model, args.workshop, args.duration, args.toggle_s)
     print(markdown_table([p.row() for p in phases]))
     errors = Counter()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import bench
+from engine import measure
 from engine.cache import cache_dir
 from engine.workloads import load_workload
 
@@ -59,13 +59,14 @@ class MeasurementHandlers:
     """ablate, compare, cancel_measurement, last_ablation, and the `measuring` hold every run goes through."""
 
     def ablate(self, workload_name: str, quick: bool = True,
-               progress: ProgressFn | None = None) -> list[bench.AblationRow]:
-        """Raises bench.Cancelled if cancelled, ValueError if another measurement is running."""
+               progress: ProgressFn | None = None) -> list[measure.AblationRow]:
+        """Raises measure.Cancelled if cancelled, ValueError if another measurement is running."""
         workload = load_workload(workload_name, quick)
-        with self.measuring("ablation", len(bench.ABLATIONS) + 1, progress) as m:
-            rows = bench.ablate(self.llm, workload, progress=m.report, should_stop=m.cancel.is_set)
+        with self.measuring("ablation", len(measure.ABLATIONS) + 1, progress) as m:
+            rows = measure.ablate(self.llm, workload, progress=m.report, should_stop=m.cancel.is_set)
         self.store.parent.mkdir(parents=True, exist_ok=True)
-        self.store.write_text(json.dumps(bench.to_jsonable({"workload": workload.name, "quick": quick, "rows": rows})))
+        kept = {"workload": workload.name, "quick": quick, "rows": rows}
+        self.store.write_text(json.dumps(measure.to_jsonable(kept)))
         return rows
 
     def full_engine_note(self) -> str:
@@ -73,23 +74,23 @@ class MeasurementHandlers:
         int8 KV and speculation of the full engine are not the live engine's defaults: "no quantization" came
         out fastest, and the page did not say why)."""
         live = self.service.config_view().requested
-        full = ", ".join(f"{k}={v}" for k, v in bench.FULL_FIELDS.items())
-        differ = [f"{k}={live.get(k)}" for k, v in bench.FULL_FIELDS.items() if live.get(k) != v]
+        full = ", ".join(f"{k}={v}" for k, v in measure.FULL_FIELDS.items())
+        differ = [f"{k}={live.get(k)}" for k, v in measure.FULL_FIELDS.items() if live.get(k) != v]
         return (f"The **full engine** of this run is every feature on: {full}. " + (
             f"The live engine differs: it runs {', '.join(differ)}." if differ else "The live engine runs the same."))
 
-    def last_ablation(self) -> list[bench.AblationRow]:
+    def last_ablation(self) -> list[measure.AblationRow]:
         try:
-            return [bench.AblationRow(**r) for r in json.loads(self.store.read_text())["rows"]]
+            return [measure.AblationRow(**r) for r in json.loads(self.store.read_text())["rows"]]
         except (OSError, ValueError, KeyError, TypeError):  # none yet, or written by an older version
             return []
 
     def compare(self, workload_name: str, spec_a: str, spec_b: str, quick: bool = True,
-                progress: ProgressFn | None = None) -> bench.CompareResult:
-        """Raises bench.Cancelled if cancelled, ValueError for a bad spec or if another measurement is running."""
+                progress: ProgressFn | None = None) -> measure.CompareResult:
+        """Raises measure.Cancelled if cancelled, ValueError for a bad spec or if another measurement is running."""
         workload = load_workload(workload_name, quick)
         with self.measuring("comparison", 2, progress) as m:
-            return bench.compare(self.llm, workload, spec_a, spec_b, progress=m.report, should_stop=m.cancel.is_set)
+            return measure.compare(self.llm, workload, spec_a, spec_b, progress=m.report, should_stop=m.cancel.is_set)
 
     def cancel_measurement(self) -> str:
         if (measuring := self.measurement) is None:

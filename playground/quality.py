@@ -1,6 +1,6 @@
 """What each precision should cost in quality: the project's quality goals, and which quality row each applies to.
 
-The goals are targets, not results: a row's own numbers come from `engine.bench.quality` (measured on
+The goals are targets, not results: a row's own numbers come from `engine.measure.quality` (measured on
 this machine from the page, or shipped). A row whose spec changes more than one of these (int8 weights with an
 int8 KV cache, bf16 with int4) matches none of them and has no goal.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.bench import resolve_spec
+from engine.measure import resolve_spec
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.bench import NAIVE_LOOP, AblationRow, MemoryRow, QualityRow, to_jsonable
+from engine.measure import NAIVE_LOOP, AblationRow, MemoryRow, QualityRow, to_jsonable
 
 # in the tab's order: quality under the cumulative ablation, whose quantization row is what precision costs in speed
 EXPERIMENTS = ("cumulative", "quality", "concurrency", "memory")

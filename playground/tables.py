@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.bench import Report
-from engine.bench.report import COMPARE_HEADERS, format_cell
+from engine.measure import Report
+from engine.measure.report import COMPARE_HEADERS, format_cell
 
 from .quality import goal_for
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from engine import bench, cpu_kernels, huge_pages
+from engine import cpu_kernels, huge_pages, measure
 from engine.bench import cli
 from engine.config import EngineConfig
 from engine.workloads import build_workload
@@ -31,56 +31,56 @@ def tiny_workload(**overrides):
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_models):
     folder, _ = tiny_models["llama"]
-    return bench.load_llm({"model": folder})
+    return measure.load_llm({"model": folder})
 
 
 # ---- specs -------------------------------------------------------------------------------------------
 def test_parse_value():
-    assert bench.parse_value("true") is True and bench.parse_value("False") is False
-    assert bench.parse_value("none") is None and bench.parse_value("null") is None
-    assert bench.parse_value("8") == 8 and isinstance(bench.parse_value("8"), int)
-    assert bench.parse_value("0.25") == 0.25
-    assert bench.parse_value(" bfloat16 ") == "bfloat16"
+    assert measure.parse_value("true") is True and measure.parse_value("False") is False
+    assert measure.parse_value("none") is None and measure.parse_value("null") is None
+    assert measure.parse_value("8") == 8 and isinstance(measure.parse_value("8"), int)
+    assert measure.parse_value("0.25") == 0.25
+    assert measure.parse_value(" bfloat16 ") == "bfloat16"
 
 
 def test_flag_specs():
-    assert bench.resolve_spec("prefix_caching=false,max_num_seqs=8") == {"prefix_caching": False, "max_num_seqs": 8}
-    assert bench.parse_assignments(["block_size=32", "num_kv_blocks=none"]) == {"block_size": 32,
+    assert measure.resolve_spec("prefix_caching=false,max_num_seqs=8") == {"prefix_caching": False, "max_num_seqs": 8}
+    assert measure.parse_assignments(["block_size=32", "num_kv_blocks=none"]) == {"block_size": 32,
                                                                               "num_kv_blocks": None}
     with pytest.raises(ValueError, match="bogus_field"):
-        bench.resolve_spec("bogus_field=1")
+        measure.resolve_spec("bogus_field=1")
     with pytest.raises(ValueError, match="key=value"):
-        bench.parse_assignments("block_size=32,oops")
+        measure.parse_assignments("block_size=32,oops")
 
 
 def test_feature_presets():
-    names = bench.list_feature_presets()
+    names = measure.list_feature_presets()
     for expected in ("naive", "full", "no-prefix-cache", "contiguous-kv", "static-batching"):
         assert expected in names
-    assert bench.resolve_spec("naive") == {"kv_cache": False}
-    assert bench.resolve_spec("full") == {}
-    assert bench.resolve_spec("no-prefix-cache") == {"prefix_caching": False}
-    assert bench.resolve_spec("contiguous-kv") == {"paged_kv": False}
-    assert bench.resolve_spec("static-batching") == {"continuous_batching": False}
+    assert measure.resolve_spec("naive") == {"kv_cache": False}
+    assert measure.resolve_spec("full") == {}
+    assert measure.resolve_spec("no-prefix-cache") == {"prefix_caching": False}
+    assert measure.resolve_spec("contiguous-kv") == {"paged_kv": False}
+    assert measure.resolve_spec("static-batching") == {"continuous_batching": False}
     for name in names:
-        EngineConfig.from_kwargs(**bench.resolve_spec(name))
+        EngineConfig.from_kwargs(**measure.resolve_spec(name))
 
 
 def test_bad_preset_name_names_it():
     with pytest.raises(ValueError, match="no-such-preset"):
-        bench.resolve_spec("no-such-preset")
+        measure.resolve_spec("no-such-preset")
 
 
 def test_spec_cannot_change_the_checkpoint_or_device(tiny_llm):
     with pytest.raises(ValueError, match="device='cuda' differs from the loaded model's"):
-        bench.compare(tiny_llm, tiny_workload(), "full", "device=cuda", SMALL_POOL)
+        measure.compare(tiny_llm, tiny_workload(), "full", "device=cuda", SMALL_POOL)
     with pytest.raises(ValueError, match="model='other' differs"):
-        bench.compare(tiny_llm, tiny_workload(), "full", "model=other", SMALL_POOL)
+        measure.compare(tiny_llm, tiny_workload(), "full", "model=other", SMALL_POOL)
 
 
 def test_spec_can_change_the_weights_precision(tiny_llm):
     """dtype and quantization are loaded once more from the same checkpoint (and kept for the next run)."""
-    result = bench.compare(tiny_llm, tiny_workload(), "full", "int8", SMALL_POOL)
+    result = measure.compare(tiny_llm, tiny_workload(), "full", "int8", SMALL_POOL)
     int8 = result.results[1].config
     assert (int8["quantization"], int8["kv_cache_dtype"]) == ("int8", "int8")
     assert tiny_llm.weights_for(tiny_llm.config_for({"quantization": "int8"})).lm_head.scheme == "int8"
@@ -89,14 +89,14 @@ def test_spec_can_change_the_weights_precision(tiny_llm):
 
 def test_config_order_workload_then_settings_then_spec():
     wl = tiny_workload(config={"num_kv_blocks": 48, "block_size": 8})
-    fields = bench.config_fields(wl, {"block_size": 16, "max_num_seqs": 4}, {"max_num_seqs": 2})
+    fields = measure.config_fields(wl, {"block_size": 16, "max_num_seqs": 4}, {"max_num_seqs": 2})
     assert fields == {"num_kv_blocks": 48, "block_size": 16, "max_num_seqs": 2}
 
 
 # ---- run_workload and compare ------------------------------------------------------------------------
 def test_run_workload_counts_and_structure(tiny_llm):
     wl = tiny_workload()
-    result = bench.run_config(tiny_llm, wl, FEW_SEATS)
+    result = measure.run_config(tiny_llm, wl, FEW_SEATS)
     assert result.num_requests == len(wl.requests)
     assert result.generated_tokens == wl.num_output_tokens
     assert result.prompt_tokens == wl.num_prompt_tokens
@@ -105,14 +105,14 @@ def test_run_workload_counts_and_structure(tiny_llm):
     assert result.prefix_queries == wl.num_prompt_tokens  # warm-up queries are not counted
     assert result.prefix_hits > 0 and 0 < result.hit_rate <= 1  # the shared group hits
     assert result.mean_ttft_s is not None and result.mean_tpot_s is not None
-    assert result.steps.num_steps > 0 and set(result.steps.mean_ms) == set(bench.PHASES)
+    assert result.steps.num_steps > 0 and set(result.steps.mean_ms) == set(measure.PHASES)
     assert result.steps.mean_running >= 1
     assert result.config["num_kv_blocks"] == 256
 
 
 def test_run_workload_more_steps_than_the_engine_keeps(tiny_llm):
     wl = build_workload({"name": "long", "groups": [{"count": 1, "prompt_tokens": 4, "output_tokens": 300}]})
-    result = bench.run_config(tiny_llm, wl, SMALL_POOL)
+    result = measure.run_config(tiny_llm, wl, SMALL_POOL)
     assert result.steps.num_steps == 300  # every step counted, though engine.steps keeps only 256
     assert result.generated_tokens == 300
 
@@ -120,13 +120,13 @@ def test_run_workload_more_steps_than_the_engine_keeps(tiny_llm):
 def test_run_workload_honours_arrivals(tiny_llm):
     wl = tiny_workload(arrival="poisson", rate=200.0)
     assert wl.requests[-1].arrival_s > 0
-    result = bench.run_config(tiny_llm, wl, SMALL_POOL)
+    result = measure.run_config(tiny_llm, wl, SMALL_POOL)
     assert result.generated_tokens == wl.num_output_tokens
 
 
 def test_compare_naive_vs_full_same_greedy_outputs(tiny_llm):
     wl = tiny_workload()
-    result = bench.compare(tiny_llm, wl, "naive", "full", FEW_SEATS)
+    result = measure.compare(tiny_llm, wl, "naive", "full", FEW_SEATS)
     naive, full = result.results
     assert result.labels == ("naive", "full")
     assert result.same_outputs and naive.output_token_ids == full.output_token_ids
@@ -134,7 +134,7 @@ def test_compare_naive_vs_full_same_greedy_outputs(tiny_llm):
     assert naive.peak_kv_blocks == 0 and naive.prefix_hits == 0 and naive.config["kv_cache"] is False
     assert full.peak_kv_blocks > 0 and full.prefix_hits > 0
     assert result.ratio > 0
-    report = bench.compare_report(result)
+    report = measure.compare_report(result)
     rows = report.tables["configurations"]
     assert [r["config"] for r in rows] == ["naive", "full"]
     assert list(rows[0]) == ["config", "throughput tok/s", "mean TTFT (s)", "mean TPOT (s)", "peak KV blocks",
@@ -146,14 +146,14 @@ def test_compare_naive_vs_full_same_greedy_outputs(tiny_llm):
                                   "num_kv_blocks=12,block_size=4"])
 def test_compare_features_keep_greedy_outputs(tiny_llm, spec):
     wl = tiny_workload()
-    result = bench.compare(tiny_llm, wl, "full", spec, {"num_kv_blocks": 256, "max_model_len": 128})
+    result = measure.compare(tiny_llm, wl, "full", spec, {"num_kv_blocks": 256, "max_model_len": 128})
     assert result.same_outputs
     assert result.results[1].generated_tokens == wl.num_output_tokens
 
 
 def test_compare_preempts_with_a_small_pool(tiny_llm):
     wl = tiny_workload(config={"block_size": 4, "num_kv_blocks": 16})
-    result = bench.compare(tiny_llm, wl, "full", "full")
+    result = measure.compare(tiny_llm, wl, "full", "full")
     assert result.results[0].config["num_kv_blocks"] == 16  # the workload's own config applies
     assert result.results[0].preemptions > 0
     assert result.results[0].peak_kv_blocks <= 16
@@ -162,58 +162,58 @@ def test_compare_preempts_with_a_small_pool(tiny_llm):
 
 # ---- table, hf-static, sched-cost --------------------------------------------------------------------
 def test_table_rows(tiny_llm):
-    rows = bench.run_table(tiny_llm, [1, 3], input_len=8, output_len=5, settings=SMALL_POOL, hf=True)
+    rows = measure.run_table(tiny_llm, [1, 3], input_len=8, output_len=5, settings=SMALL_POOL, hf=True)
     assert [r.batch for r in rows] == [1, 3]
     for r in rows:
         assert r.generated_tokens == r.batch * 5
         assert r.peak_kv_blocks == r.batch  # 13 tokens per request in blocks of 16
-        assert r.memory_gb * bench.GIB == pytest.approx(
+        assert r.memory_gb * measure.GIB == pytest.approx(
             r.peak_kv_blocks * 16 * tiny_llm.engine.model.kv_bytes_per_token()
-            + bench.weight_bytes(tiny_llm.engine.model))
+            + measure.weight_bytes(tiny_llm.engine.model))
         assert r.hf_tps > 0 and r.ratio == pytest.approx(r.tps / r.hf_tps)
         assert r.steps.num_steps == 5 and r.steps.mean_running == r.batch
-    report = bench.table_report(rows, 8, 5)
+    report = measure.table_report(rows, 8, 5)
     assert list(report.tables["reference"][0]) == ["Batch", "Time (s)", "TTFT (s)", "TPOT (s)", "Memory (GB)", "TPS"]
     assert "engine / HF" in report.tables["vs transformers generate"][0]
 
 
 def test_table_without_hf(tiny_llm):
-    rows = bench.run_table(tiny_llm, [2], input_len=8, output_len=3, settings=SMALL_POOL, hf=False)
+    rows = measure.run_table(tiny_llm, [2], input_len=8, output_len=3, settings=SMALL_POOL, hf=False)
     assert rows[0].hf_tps is None
-    assert "vs transformers generate" not in bench.table_report(rows, 8, 3).tables
+    assert "vs transformers generate" not in measure.table_report(rows, 8, 3).tables
 
 
 def test_weight_bytes_matches_hf_parameters(tiny_models, tiny_llm):
     _, hf_model = tiny_models["llama"]  # tied embeddings: HF holds one tensor, we add a transposed head copy
     hf_bytes = sum(p.numel() * 4 for p in hf_model.parameters())
     head_copy = hf_model.lm_head.weight.numel() * 4
-    assert bench.weight_bytes(tiny_llm.engine.model) == hf_bytes + head_copy
+    assert measure.weight_bytes(tiny_llm.engine.model) == hf_bytes + head_copy
 
 
 def test_hf_static(tiny_llm):
     wl = tiny_workload()
-    result = bench.hf_static(tiny_llm, wl, batch_size=3, settings=SMALL_POOL)
+    result = measure.hf_static(tiny_llm, wl, batch_size=3, settings=SMALL_POOL)
     assert result.num_batches == 3
     assert result.hf_useful_tokens == wl.num_output_tokens == result.engine.generated_tokens
     longest = [max(r.params.max_tokens for r in wl.requests[i:i + 3]) * len(wl.requests[i:i + 3])
                for i in range(0, len(wl.requests), 3)]
     assert result.hf_generated_tokens == sum(longest) >= result.hf_useful_tokens
     assert result.hf_throughput > 0 and result.ratio > 0
-    assert len(bench.hf_static_report(result).tables["throughput"]) == 2
+    assert len(measure.hf_static_report(result).tables["throughput"]) == 2
 
 
 def test_sched_cost(tiny_llm):
-    result = bench.sched_cost(tiny_llm, running=5, prompt_len=6, decode_steps=4, settings=SMALL_POOL)
+    result = measure.sched_cost(tiny_llm, running=5, prompt_len=6, decode_steps=4, settings=SMALL_POOL)
     assert result.decode.num_steps == 4 and result.decode.mean_running == 5
     assert result.all_steps.num_steps == 5
     assert result.decode.max_ms["schedule_ms"] >= result.decode.mean_ms["schedule_ms"] >= 0
-    rows = bench.sched_cost_report(result).tables["cost per step"]
+    rows = measure.sched_cost_report(result).tables["cost per step"]
     assert rows[0]["count"] == 4
 
 
 def test_sampling_cost_runs_every_mode_batched_and_times_the_sampler(tiny_llm):
-    from engine.bench.experiments import SAMPLING_MODES, sampling_cost
-    from engine.bench.report import sampling_cost_report
+    from engine.measure.experiments import SAMPLING_MODES, sampling_cost
+    from engine.measure.report import sampling_cost_report
     rows = sampling_cost(tiny_llm, batch=3, prompt_len=5, tokens=4, rounds=2, settings=SMALL_POOL)
     assert [r.mode for r in rows] == [m for m, _ in SAMPLING_MODES] and rows[0].mode == "greedy"
     assert rows[0].vs_greedy == [1.0, 1.0] and all(len(r.tok_s) == 2 and min(r.tok_s) > 0 for r in rows)
@@ -223,14 +223,14 @@ def test_sampling_cost_runs_every_mode_batched_and_times_the_sampler(tiny_llm):
 
 
 def test_sched_cost_raises_max_num_seqs(tiny_llm):
-    result = bench.sched_cost(tiny_llm, running=6, prompt_len=4, decode_steps=2,
+    result = measure.sched_cost(tiny_llm, running=6, prompt_len=4, decode_steps=2,
                               settings={**SMALL_POOL, "max_num_seqs": 2})
     assert result.decode.mean_running == 6
 
 
 # ---- rendering and the command line ------------------------------------------------------------------
 def test_markdown_table():
-    text = bench.markdown_table([{"a": 1, "b": 0.5, "c": None, "d": 1234.5}, {"a": 2, "b": 2.0, "c": True, "d": 0.0}])
+    text = measure.markdown_table([{"a": 1, "b": 0.5, "c": None, "d": 1234.5}, {"a": 2, "b": 2.0, "c": True, "d": 0.0}])
     assert text.splitlines() == ["| a | b | c | d |", "|---|---|---|---|", "| 1 | 0.5000 | - | 1234.5 |",
                                  "| 2 | 2.00 | True | 0.0000 |"]
 
@@ -282,8 +282,8 @@ def test_cli_ablate_writes_rows_for_the_page(tiny_models, tmp_path, capsys):
     assert cli.main(["ablate", "--model", folder, "--set", "block_size=4", "--workload", str(path),
                        "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["feature"] for r in rows] == [bench.FULL_ENGINE] + [name for name, _ in bench.ABLATIONS]
-    assert [r["switch"] for r in rows] == [None] + [switch for _, switch in bench.ABLATIONS]
+    assert [r["feature"] for r in rows] == [measure.FULL_ENGINE] + [name for name, _ in measure.ABLATIONS]
+    assert [r["switch"] for r in rows] == [None] + [switch for _, switch in measure.ABLATIONS]
     assert rows[0]["ratio"] == 1.0 and all(r["throughput_tok_s"] > 0 for r in rows)
     assert all(r["same_output_as_full"] for r in rows if r["precision"] == rows[0]["precision"])
     assert "x full engine" in capsys.readouterr().out
@@ -292,10 +292,10 @@ def test_cli_ablate_writes_rows_for_the_page(tiny_models, tmp_path, capsys):
 def test_ablate_reports_a_configuration_that_cannot_run(tiny_llm):
     workload = load_workload_text('name = "x"\n[config]\nnum_kv_blocks = 8\nmax_model_len = 256\n'
                                   '[[groups]]\ncount = 2\nprompt_tokens = 8\noutput_tokens = 2\n')
-    rows = {r.switch: r for r in bench.ablate(tiny_llm, workload)}
+    rows = {r.switch: r for r in measure.ablate(tiny_llm, workload)}
     contiguous = rows["paged_kv"]
     assert contiguous.throughput_tok_s is None and "contiguous KV reserves" in contiguous.error
-    assert rows[None].error is None and rows[None].feature == bench.FULL_ENGINE
+    assert rows[None].error is None and rows[None].feature == measure.FULL_ENGINE
 
 
 def load_workload_text(text: str):
@@ -307,53 +307,53 @@ def load_workload_text(text: str):
 
 def test_compare_repeats_side_by_side_and_reports_token_gaps(tiny_llm):
     wl = tiny_workload()
-    result = bench.compare(tiny_llm, wl, "chunked_prefill=false", "max_num_batched_tokens=16", SMALL_POOL, repeat=2)
+    result = measure.compare(tiny_llm, wl, "chunked_prefill=false", "max_num_batched_tokens=16", SMALL_POOL, repeat=2)
     assert len(result.ratios) == 2 and len(result.gap_ratios) == 2 and result.same_outputs
     a, b = result.results
     assert a.max_token_gap_s >= a.p95_token_gap_s > 0 and b.peak_running >= 1
-    notes = "\n".join(bench.compare_report(result).notes)
+    notes = "\n".join(measure.compare_report(result).notes)
     assert "median of 2" in notes and "longest gap between two tokens" in notes
 
 
 def test_every_built_switch_has_an_ablation_row(tiny_llm):
     from engine.config import BUILT_SWITCHES
-    rows = bench.ablate(tiny_llm, tiny_workload(), FEW_SEATS)
-    assert [r.switch for r in rows] == [None, *[f.switch for f in bench.FEATURES]]
+    rows = measure.ablate(tiny_llm, tiny_workload(), FEW_SEATS)
+    assert [r.switch for r in rows] == [None, *[f.switch for f in measure.FEATURES]]
     assert set(BUILT_SWITCHES) < {r.switch for r in rows}
     # within the full engine's precision (int4 weights, int8 KV) no switch changes greedy output; the unquantized
     # row computes in another precision and is reported as such, never claimed identical
-    full, asked = rows[0].precision, tiny_llm.config_for(bench.FULL_FIELDS)
+    full, asked = rows[0].precision, tiny_llm.config_for(measure.FULL_FIELDS)
     assert (asked.quantization, asked.kv_cache_dtype) == ("int4", "int8") and full == asked.precision
     assert all(r.error is None and r.same_output_as_full for r in rows if r.precision == full)
     assert [r.switch for r in rows if r.precision != full] == ["quantization"]
-    assert rows[0].ratio == 1.0 and rows[0].feature == bench.FULL_ENGINE
-    notes = "\n".join(bench.ablate_report(tiny_workload(), rows).notes)
+    assert rows[0].ratio == 1.0 and rows[0].feature == measure.FULL_ENGINE
+    notes = "\n".join(measure.ablate_report(tiny_workload(), rows).notes)
     assert "rows in another precision (float32) are not expected to match it token for token" in notes
 
 
 def test_cumulative_ablation_adds_features_back_in_the_course_order(tiny_llm):
-    rows = bench.ablate_cumulative(tiny_llm, tiny_workload(), FEW_SEATS)
-    assert [r.feature for r in rows] == [bench.NAIVE_LOOP] + [f"+ {f.name}" for f in bench.FEATURES]
+    rows = measure.ablate_cumulative(tiny_llm, tiny_workload(), FEW_SEATS)
+    assert [r.feature for r in rows] == [measure.NAIVE_LOOP] + [f"+ {f.name}" for f in measure.FEATURES]
     assert rows[0].peak_kv_blocks == 0 and rows[0].step_ratio is None and rows[0].ratio == 1.0
     # greedy output never changes as features come back, until quantization changes the precision
-    quantized = [f.switch for f in bench.FEATURES].index("quantization") + 1
+    quantized = [f.switch for f in measure.FEATURES].index("quantization") + 1
     assert all(r.same_output_as_full for r in rows[:quantized])
-    assert {r.precision for r in rows[quantized:]} == {tiny_llm.config_for(bench.FULL_FIELDS).precision}
+    assert {r.precision for r in rows[quantized:]} == {tiny_llm.config_for(measure.FULL_FIELDS).precision}
     assert rows[1].step_ratio == pytest.approx(rows[1].ratio)
-    text = bench.render_report(bench.ablate_report(tiny_workload(), rows, cumulative=True))
+    text = measure.render_report(measure.ablate_report(tiny_workload(), rows, cumulative=True))
     assert "x previous" in text and "+ speculative decoding" in text
 
 
 def test_ablation_at_each_concurrency(tiny_llm):
-    rows = bench.ablate_concurrency(tiny_llm, tiny_workload(), [1, 3], SMALL_POOL)
-    assert [r.concurrency for r in rows] == [1] * (len(bench.FEATURES) + 1) + [3] * (len(bench.FEATURES) + 1)
-    text = bench.render_report(bench.ablate_report(tiny_workload(), rows))
+    rows = measure.ablate_concurrency(tiny_llm, tiny_workload(), [1, 3], SMALL_POOL)
+    assert [r.concurrency for r in rows] == [1] * (len(measure.FEATURES) + 1) + [3] * (len(measure.FEATURES) + 1)
+    text = measure.render_report(measure.ablate_report(tiny_workload(), rows))
     assert "x full @ 1" in text and "x full @ 3" in text
 
 
 def test_memory_sweep_paged_fits_more_than_contiguous(tiny_llm):
     wl = tiny_workload(config={"max_model_len": 64})
-    rows = bench.memory_sweep(tiny_llm, wl, [16, 40], {"block_size": 4, "max_num_seqs": 8}, kv_cache_dtypes=["auto"])
+    rows = measure.memory_sweep(tiny_llm, wl, [16, 40], {"block_size": 4, "max_num_seqs": 8}, kv_cache_dtypes=["auto"])
     assert [(r.num_kv_blocks, r.paged) for r in rows] == [(16, True), (16, False), (40, True), (40, False)]
     assert all(r.kv_cache_dtype is None for r in rows)  # one dtype: nothing to tell apart
     by = {(r.num_kv_blocks, r.paged): r for r in rows}
@@ -367,7 +367,7 @@ def test_memory_sweep_paged_fits_more_than_contiguous(tiny_llm):
 def test_memory_sweep_int8_kv_fits_more_requests_in_the_same_memory(tiny_llm):
     wl = tiny_workload(config={"max_model_len": 64})
     # 20 fp32 blocks: one contiguous reservation (max_model_len 64 = 16 blocks) fits, and a few paged requests
-    rows = bench.memory_sweep(tiny_llm, wl, [20], {"block_size": 4, "max_num_seqs": 8})
+    rows = measure.memory_sweep(tiny_llm, wl, [20], {"block_size": 4, "max_num_seqs": 8})
     assert [(r.kv_cache_dtype, r.paged) for r in rows] == [("float32", True), ("float32", False), ("int8", True),
                                                           ("int8", False)]
     fp32, int8 = rows[0], rows[2]
@@ -375,7 +375,7 @@ def test_memory_sweep_int8_kv_fits_more_requests_in_the_same_memory(tiny_llm):
     assert int8.kv_cache_mb == pytest.approx(fp32.kv_cache_mb, rel=0.02)  # the same memory
     assert int8.peak_running > fp32.peak_running and int8.preemptions < fp32.preemptions
     assert rows[3].peak_running > rows[1].peak_running  # contiguous too: more reservations fit
-    text = bench.render_report(bench.memory_report(wl, rows, 1, 1))
+    text = measure.render_report(measure.memory_report(wl, rows, 1, 1))
     assert "| KV dtype |" in text and "| int8 |" in text
 
 
@@ -388,23 +388,23 @@ def test_text_workloads_and_group_arrivals(tiny_llm):
     tokenized = wl.tokenized(tiny_llm.tokenizer)
     assert tokenized.requests[0].prompt_token_ids == tiny_llm.apply_chat_template(
         [{"role": "user", "content": "Repeat: a b c"}])
-    result = bench.run_config(tiny_llm, wl, SMALL_POOL)
+    result = measure.run_config(tiny_llm, wl, SMALL_POOL)
     assert result.num_requests == 4 and result.prompt_tokens == tokenized.num_prompt_tokens
     assert result.wall_s >= 0.2
 
 
 def test_quality_against_fp32_over_the_same_text(tiny_llm):
-    text = bench.QUALITY_TEXT.read_text()[:600]
-    rows = bench.quality(tiny_llm, ["dtype=float32", "quantization=int8"], text=text, window=48)
+    text = measure.QUALITY_TEXT.read_text()[:600]
+    rows = measure.quality(tiny_llm, ["dtype=float32", "quantization=int8"], text=text, window=48)
     same, int8 = rows
-    windows = bench.text_windows(tiny_llm, text, 48)
+    windows = measure.text_windows(tiny_llm, text, 48)
     assert same.positions == int8.positions == sum(len(w) - 1 for w in windows) > 100
     # the fp32 engine against itself: every position agrees, nothing differs
     assert (same.top1_agreement, same.max_abs_logprob_diff) == (1.0, 0.0)
     assert same.perplexity == same.reference_perplexity == int8.reference_perplexity
     assert int8.precision == "float32, int8 weights" and int8.max_abs_logprob_diff > 0
     assert 0.9 <= int8.top1_agreement < 1 or int8.mean_abs_logprob_diff > 0
-    text = bench.render_report(bench.quality_report(rows, 48))
+    text = measure.render_report(measure.quality_report(rows, 48))
     assert "| quantization=int8 | float32, int8 weights |" in text
 
 
@@ -412,7 +412,7 @@ def test_quality_arithmetic():
     windows = [[7, 1, 2]]
     ref = [[None, {1: -0.5, 3: -0.4}, {2: -1.0}]]
     got = [[None, {1: -0.3}, {2: -2.0, 5: -0.1}]]
-    m = bench.compare_logprobs(windows, ref, got)
+    m = measure.compare_logprobs(windows, ref, got)
     assert m["positions"] == 2 and m["top1_agreement"] == 0.0  # 3 vs 1, then 2 vs 5
     assert m["mean_abs_logprob_diff"] == pytest.approx(0.6) and m["max_abs_logprob_diff"] == pytest.approx(1.0)
     assert m["perplexity"] == pytest.approx(math.exp(1.15)) and m["reference_perplexity"] == pytest.approx(
@@ -426,7 +426,7 @@ def test_cli_quality_compares_the_set_precision(tiny_models):
     assert quality_specs(args, settings_from_args(args)) == ["quantization=int4"]
     args = parse_args(["quality", "--spec", "kv_cache_dtype=int8"])
     assert quality_specs(args, settings_from_args(args)) == ["kv_cache_dtype=int8"]
-    assert quality_specs(parse_args(["quality"]), {}) == list(bench.QUALITY_SPECS)
+    assert quality_specs(parse_args(["quality"]), {}) == list(measure.QUALITY_SPECS)
 
 
 def test_cli_kernels_and_decode_time_each_precision(tiny_models, tmp_path, capsys):
@@ -496,7 +496,7 @@ def test_kernel_worth_times_each_kernel_off_and_puts_it_back(tiny_models, tmp_pa
 def test_kernel_worth_takes_a_preset_name_as_decode_does():
     """`--spec int4` is the int4 preset's fields (as `bench decode` reads it), not a malformed key=value."""
     from engine.bench import kernel_worth as kw
-    from engine.bench.specs import resolve_spec
+    from engine.measure.specs import resolve_spec
 
     class Stop(Exception):
         pass
@@ -589,7 +589,7 @@ def test_a_random_model_loads_in_another_precision_for_the_benchmarks():
 
 
 def test_busy_process_runs_only_inside_its_block():
-    from engine.bench.experiments import busy_process
+    from engine.measure.experiments import busy_process
     with busy_process(1, 1) as proc:
         assert proc.poll() is None  # spinning while the block runs
     assert proc.poll() is not None  # killed and reaped after it
@@ -598,8 +598,8 @@ def test_busy_process_runs_only_inside_its_block():
 def test_prefill_cost_beside_a_busy_process_times_each_budget_twice(tiny_llm, monkeypatch):
     from contextlib import contextmanager
 
-    from engine.bench import experiments
-    from engine.bench.report import prefill_cost_report
+    from engine.measure import experiments
+    from engine.measure.report import prefill_cost_report
     started = []
     real = experiments.busy_process
 
@@ -631,8 +631,8 @@ def test_beside_busy_wants_two_finite_milliseconds():
 
 
 def test_prefill_cost_times_a_wave_at_each_budget(tiny_llm):
-    from engine.bench.experiments import prefill_cost
-    from engine.bench.report import prefill_cost_report
+    from engine.measure.experiments import prefill_cost
+    from engine.measure.report import prefill_cost_report
     rows = prefill_cost(tiny_llm, [8, 64], batch=4, prompt_len=6, rounds=2, settings=SMALL_POOL)
     assert [r.budget for r in rows] == [8, 64]
     assert rows[0].steps == [3, 3] and rows[1].steps == [1, 1]  # 24 prompt tokens: 8 a step, then all in one
@@ -645,8 +645,8 @@ def test_attention_cost_times_the_kernel_over_a_pool_per_layer(tiny_llm):
     """Both cases are timed over every layer, reading the slots they say (a causal chunk of n rows reads
     1 + ... + n), and the report carries them."""
     from engine import cpu_kernels
-    from engine.bench.experiments import attention_cost
-    from engine.bench.report import attention_cost_report
+    from engine.measure.experiments import attention_cost
+    from engine.measure.report import attention_cost_report
     if cpu_kernels.compiled() is None:
         pytest.skip("the C++ kernels did not build here")
     rows = attention_cost(tiny_llm, rows=3, context=20, chunk=5, rounds=2)
@@ -659,8 +659,8 @@ def test_attention_cost_times_the_kernel_over_a_pool_per_layer(tiny_llm):
 def test_closed_loop_keeps_its_requests_in_flight_and_runs_them_all(tiny_llm):
     """Every request runs to its length (tok/s counts them), at most `concurrency` at once (the engine's
     max_num_seqs is set to it), and decode-only and mixed steps are both timed."""
-    from engine.bench.experiments import closed_loop
-    from engine.bench.report import closed_loop_report
+    from engine.measure.experiments import closed_loop
+    from engine.measure.report import closed_loop_report
     seen = []
     real = tiny_llm.build_engine
 

@@ -9,7 +9,8 @@ import torch
 
 from engine import LLM
 from engine.attention import AttentionMetadata, PrefillSeq
-from engine.models.loader import build_model, load_hf_config, load_state_dict, resolve_model, ties_head
+from engine.models.build import build_model, ties_head
+from engine.models.loader import load_hf_config, load_state_dict, resolve_model
 from engine.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from engine.quant.calibrate import HEAD_KEY, Fake, Inputs, best_scale, calibrate
 from engine.quant.kernels import w8a8_weight_max

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import QUALITY_SPECS
+from engine.measure import QUALITY_SPECS
 from playground.results import SHIPPED_RESULTS
 from tests.conftest import serve_app
 from tests.test_e2e_browser import BROWSER_MARKS, CHROMIUM, DOCS, FLAGS

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from engine import LLM, bench
+from engine import LLM, measure
 from playground import Playground
 from playground.features import NAMES, FeatureExperiments, concurrency_lesson
 from playground.results import (
@@ -72,10 +72,11 @@ def measured(pg, workload, tmp_path_factory):
 @pytest.mark.slow
 def test_each_experiment_runs_through_the_measurement_and_is_kept(pg, workload, measured, tmp_path):
     experiments, rows, progress = measured
-    assert [r.feature for r in rows["cumulative"]] == [bench.NAIVE_LOOP] + [f"+ {f.name}" for f in bench.FEATURES]
+    assert [r.feature for r in rows["cumulative"]] == [measure.NAIVE_LOOP] + [f"+ {f.name}" for f in measure.FEATURES]
     base = rows["cumulative"][0].precision
     assert all(r.same_output_as_full for r in rows["cumulative"] if r.precision == base)
-    assert [r.concurrency for r in rows["concurrency"]] == [lv for lv in LEVELS for _ in range(len(bench.FEATURES) + 1)]
+    per_level = len(measure.FEATURES) + 1
+    assert [r.concurrency for r in rows["concurrency"]] == [lv for lv in LEVELS for _ in range(per_level)]
     by = {(r.num_kv_blocks, r.paged): r for r in rows["memory"]}
     assert by[(24, True)].peak_running > by[(24, False)].peak_running == 24 // 8
     for kind, seen in progress.items():  # the bar moves, says what runs, and ends full
@@ -115,12 +116,12 @@ def test_a_measurement_from_the_tab_can_be_cancelled_and_keeps_nothing(pg, workl
     def run():
         try:
             experiments.run("concurrency", workload, quick=False, levels=LEVELS, progress=lambda f, d: started.set())
-        except bench.Cancelled as exc:
+        except measure.Cancelled as exc:
             outcome["cancelled"] = exc
     worker = threading.Thread(target=run)
     worker.start()
     assert started.wait(60)
-    total = len(LEVELS) * (len(bench.FEATURES) + 1)
+    total = len(LEVELS) * (len(measure.FEATURES) + 1)
     measuring = pg.measurement
     assert pg.service.paused and (measuring.name, measuring.done, measuring.total) == ("concurrency sweep", 0, total)
     with pytest.raises(ValueError, match="another measurement is running"):
@@ -132,7 +133,7 @@ def test_a_measurement_from_the_tab_can_be_cancelled_and_keeps_nothing(pg, workl
 
 def cli_json(rows: list) -> list:
     """What `python -m engine.bench ... --json PATH` writes: the report's rows as plain JSON."""
-    return json.loads(json.dumps(bench.to_jsonable(rows), indent=2))
+    return json.loads(json.dumps(measure.to_jsonable(rows), indent=2))
 
 
 @pytest.mark.slow
@@ -213,24 +214,24 @@ def test_rows_from_newer_or_older_versions_still_load():
 
 
 def test_kv_dtype_hook_in_the_memory_table():
-    plain = [bench.MemoryRow(32, True, 1.5, 3, 0, 40.0, 0.2, 0.9), bench.MemoryRow(32, False, 0.0, error="no room")]
+    plain = [measure.MemoryRow(32, True, 1.5, 3, 0, 40.0, 0.2, 0.9), measure.MemoryRow(32, False, 0.0, error="no room")]
     table = memory_table(plain)
     assert "KV dtype" not in table["headers"] and table["data"][1][-1] == "no room" and table["data"][0][-2] == "90%"
-    quantized = plain + [bench.MemoryRow(32, True, 0.4, 9, 0, 41.0, kv_cache_dtype="int8")]
+    quantized = plain + [measure.MemoryRow(32, True, 0.4, 9, 0, 41.0, kv_cache_dtype="int8")]
     table = memory_table(quantized)
     column = table["headers"].index("KV dtype")
     assert [r[column] for r in table["data"]] == ["model's dtype", "model's dtype", "int8"]
 
 
 def test_cumulative_and_concurrency_tables_and_the_lesson():
-    rows = [bench.AblationRow(bench.NAIVE_LOOP, None, 5.0, 1.0),
-            bench.AblationRow("+ KV cache", "kv_cache", 50.0, 10.0, step_ratio=10.0)]
-    assert [r[:4] for r in cumulative_table(rows)["data"]] == [[bench.NAIVE_LOOP, "5.00", "-", "1.00"],
+    rows = [measure.AblationRow(measure.NAIVE_LOOP, None, 5.0, 1.0),
+            measure.AblationRow("+ KV cache", "kv_cache", 50.0, 10.0, step_ratio=10.0)]
+    assert [r[:4] for r in cumulative_table(rows)["data"]] == [[measure.NAIVE_LOOP, "5.00", "-", "1.00"],
                                                               ["+ KV cache", "50.00", "10.00", "10.00"]]
-    conc = [bench.AblationRow("full engine", None, 40.0, 1.0, concurrency=1),
-            bench.AblationRow("no speculative decoding", "speculative_decoding", 20.0, 0.5, concurrency=1),
-            bench.AblationRow("full engine", None, 80.0, 1.0, concurrency=32),
-            bench.AblationRow("no speculative decoding", "speculative_decoding", 80.0, 1.0, concurrency=32)]
+    conc = [measure.AblationRow("full engine", None, 40.0, 1.0, concurrency=1),
+            measure.AblationRow("no speculative decoding", "speculative_decoding", 20.0, 0.5, concurrency=1),
+            measure.AblationRow("full engine", None, 80.0, 1.0, concurrency=32),
+            measure.AblationRow("no speculative decoding", "speculative_decoding", 80.0, 1.0, concurrency=32)]
     table = concurrency_table(conc)
     assert table["headers"] == ["configuration", "tok/s @ 1", "feature worth @ 1", "tok/s @ 32", "feature worth @ 32"]
     assert table["data"] == [["full engine", "40.00", "reference", "80.00", "reference"],
@@ -243,14 +244,14 @@ def test_cumulative_and_concurrency_tables_and_the_lesson():
 def test_quality_runs_from_the_page_one_row_per_precision(pg, measured):
     experiments, rows, progress = measured
     quality = rows["quality"]
-    assert [r.spec for r in quality] == list(bench.QUALITY_SPECS)
+    assert [r.spec for r in quality] == list(measure.QUALITY_SPECS)
     for r in quality:
         assert 0 <= r.top1_agreement <= 1 and r.perplexity > 1 and r.reference_perplexity > 1, r
         assert r.positions > 100 and r.mean_abs_logprob_diff >= 0
     assert len({r.reference_perplexity for r in quality}) == 1  # one fp32 reference for every precision
     # what the page ran is what engine.bench.quality gives for that precision on this model (deterministic)
     window = pg.llm.engine.model.max_len - 1
-    (direct,) = bench.quality(pg.llm, [quality[0].spec], window=window)
+    (direct,) = measure.quality(pg.llm, [quality[0].spec], window=window)
     assert (direct.top1_agreement, direct.perplexity) == (quality[0].top1_agreement, quality[0].perplexity)
     assert [d for _, d in progress["quality"]][1].endswith("running: quantization=int8")
     view = experiments.view("quality")
@@ -260,7 +261,7 @@ def test_quality_runs_from_the_page_one_row_per_precision(pg, measured):
     assert goals["quantization=int8"].startswith("top-1 ≥ 97%, ppl ≤ +2%: ")
     assert goals["kv_cache_dtype=int8"].startswith("top-1 ≥ 98%: ")
     assert goals["int8"] == goals["int4"] == "-"  # the presets: weights with an int8 KV cache, no goal of their own
-    assert f"python -m engine.bench quality --spec {bench.QUALITY_SPECS[0]}" in view.source
+    assert f"python -m engine.bench quality --spec {measure.QUALITY_SPECS[0]}" in view.source
     assert f"--window {window}" in view.source and f"{quality[0].positions} positions" in view.source
     fig = to_figure(view.figure)
     bars = [t for t in fig.data if t.type == "bar"]
@@ -278,7 +279,7 @@ def test_quality_from_the_tab_can_be_cancelled_and_keeps_nothing(pg, tmp_path):
         try:
             experiments.run("quality", specs=["quantization=int8", "quantization=int4"],
                             progress=lambda f, d: started.set())
-        except bench.Cancelled as exc:
+        except measure.Cancelled as exc:
             outcome["cancelled"] = exc
     worker = threading.Thread(target=run)
     worker.start()
@@ -348,13 +349,13 @@ def test_quality_goals_and_table():
     assert goal_for("kv_cache_dtype=int8") is KV_GOAL
     assert goal_for("quantization=int8,kv_cache_dtype=int8") is None and goal_for("dtype=bfloat16") is None
     assert goal_for("no_such_preset") is None
-    row = bench.QualityRow("quantization=w8a8", "float32, w8a8 weights", 100, 0.9, 0.2, 1.0, 15.9, 15.2, 1.0,
+    row = measure.QualityRow("quantization=w8a8", "float32, w8a8 weights", 100, 0.9, 0.2, 1.0, 15.9, 15.2, 1.0,
                            "w8a8 weights · fbgemm kernel", "0.61x fp32 at 16 rows (slower than fp32 here)")
     table = quality_table([row])
     assert table["data"][0] == ["float32, w8a8 weights", "90.0%", "0.200", "15.90", "+4.61%",
                                 "w8a8 weights · fbgemm kernel", "0.61x fp32 at 16 rows (slower than fp32 here)",
                                 "top-1 ≥ 95%, ppl ≤ +4%: top-1 and ppl short"]
-    met = bench.QualityRow("kv_cache_dtype=int8", "float32, int8 KV", 100, 0.99, 0.02, 0.1, 15.2, 15.2, 1.0)
+    met = measure.QualityRow("kv_cache_dtype=int8", "float32, int8 KV", 100, 0.99, 0.02, 0.1, 15.2, 15.2, 1.0)
     assert quality_table([met])["data"][0][-1] == "top-1 ≥ 98%: met"
 
 

@@ -11,9 +11,9 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams, cpu_kernels
 from engine.attention import AttentionMetadata, KeyScale, LayerKV, PrefillSeq, attention
-from engine.bench import weight_bytes
 from engine.config import BUILT_SWITCHES
 from engine.engine import LLMEngine
+from engine.measure import weight_bytes
 from engine.quant import (
     dequantize_int4,
     dequantize_int8,
@@ -648,7 +648,7 @@ REAL_MODEL_QUALITY = {"quantization=int8": (0.93, 0.02), "int4": (0.93, 0.10), "
 
 @pytest.mark.slow
 def test_quality_on_the_real_model():
-    from engine.bench import QUALITY_TEXT, load_llm, quality
+    from engine.measure import QUALITY_TEXT, load_llm, quality
     rows = quality(load_llm({}), list(REAL_MODEL_QUALITY), text=QUALITY_TEXT.read_text()[:1400], window=512)
     for row in rows:
         agreement, perplexity = REAL_MODEL_QUALITY[row.spec]

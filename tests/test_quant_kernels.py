@@ -159,7 +159,7 @@ def test_the_page_and_tables_show_a_slower_scheme(tiny_models, monkeypatch):
     note = Playground(LLM(tiny_models["llama"][0], num_kv_blocks=16)).weights_note()
     assert "Test CPU (AVX2)" in note and "**w8a8** (fbgemm kernel) 0.90x fp32 at 1 row, 0.61x at 16 (slower" in note
     assert "**int4** (torch kernel) 3.00x fp32" in note
-    from engine.bench.ablation import AblationRow
+    from engine.measure.ablation import AblationRow
     from playground.tables import ablation_table
     rows = [AblationRow("full engine", None, precision="float32", kernel="float32 weights · oneDNN kernel"),
             AblationRow("no quantization", "quantization", precision="float32, w8a8 weights",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.bench.runs import random_prompts
 from engine.blocks import ContiguousKVCache, NoKVCache, PagedKVCache
+from engine.measure.runs import random_prompts
 from tests.conftest import assert_all_blocks_free
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

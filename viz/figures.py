@@ -3,7 +3,8 @@
 Nothing here touches the engine: inputs are the plain data objects the engine publishes
 (`EngineSnapshot`, `HistorySample`, ablation rows), read by attribute name only. Figures are plotly's JSON
 form ({"data": [...], "layout": {...}}) rather than `go.Figure` objects: building those validates every
-property and took ~150 ms per refresh, time the engine thread needs the GIL for. `to_figure` (and the
+property, which took a long time per refresh (docs/measurements.md, "Does the page stay responsive?"), time the
+engine thread needs the GIL for. `to_figure` (and the
 tests) check that every spec is a valid plotly figure.
 """
 from __future__ import annotations

@@ -217,7 +217,7 @@ def _against_goal(value: float, goal: float | None, higher_is_better: bool) -> s
 
 
 def quality_figure(rows: Sequence, goals: Sequence[tuple[float, float | None] | None] | None = None) -> dict:
-    """What each precision costs in quality (QualityRows of engine.bench.quality): how often its most likely next
+    """What each precision costs in quality (QualityRows of engine.measure.quality): how often its most likely next
     token is fp32's, and how far its perplexity on the same text moves. One row per precision, read across two
     panels (horizontal bars: a precision's name fits on the left). goals: per row, (least top-1 agreement, most
     perplexity change or None), or None for a row without one: a black dash on the bar, which is green when it

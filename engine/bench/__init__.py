@@ -1,95 +1,12 @@
-"""Benchmarks as a library: presets and specs, running workloads, experiments, the HF baseline, reports.
+"""`python -m engine.bench ...`: the command line over engine/measure (the library the playground calls too), and
+the tools only a command line needs:
 
-    specs.py        feature presets and "key=value" flags -> EngineConfig fields
-    runs.py         weights loaded once, an engine per configuration, a workload run -> RunResult
-    hf.py           transformers' generate over the same weights
-    experiments.py  table, compare, hf-static, sched-cost, sampling-cost, prefill-cost
-    ablation.py     what each feature is worth: ablate (--cumulative, --concurrency), memory
-    precision.py    what each precision costs: kernels, decode (beside llama.cpp), quality
-    kernel_worth.py each C++ CPU kernel against its torch path, end to end
-    report.py       captioned tables rendered as markdown, JSON rows
+    cli.py          the subcommands: the only module that prints
     serve.py        `serve`: an HTTP load generator for any OpenAI-compatible server (httpx; no engine)
+    versus.py       `versus`: this engine's server against another (vLLM), alternated cell by cell
     overhead.py     `serve-overhead`: python app.py + serve vs LLM.generate in fresh processes, side by side
-    cli.py          `python -m engine.bench ...`: the only module that prints
+    kernel_worth.py `kernel-worth`: each C++ CPU kernel against its torch path, end to end
+    gpu_check.py    `gpu-check`: the GPU path checked on a lent GPU
 
-The playground imports the experiments from here; only `python -m engine.bench` uses cli.py.
+Nothing imports this package but its own command line and its tests.
 """
-from .ablation import (
-                          ABLATIONS,
-                          FEATURES,
-                          FULL_ENGINE,
-                          FULL_FIELDS,
-                          KV_CACHE_DTYPES_SWEPT,
-                          NAIVE_LOOP,
-                          AblationRow,
-                          Feature,
-                          MemoryRow,
-                          ablate,
-                          ablate_concurrency,
-                          ablate_cumulative,
-                          memory_sweep,
-)
-from .experiments import (
-                          CompareResult,
-                          HFStaticResult,
-                          SchedCostResult,
-                          TableRow,
-                          compare,
-                          hf_static,
-                          run_table,
-                          sched_cost,
-)
-from .precision import (
-                          DECODE_SPECS,
-                          QUALITY_SPECS,
-                          QUALITY_TEXT,
-                          DecodeRow,
-                          KernelRow,
-                          QualityRow,
-                          compare_logprobs,
-                          decode_timings,
-                          kernel_timings,
-                          quality,
-                          text_windows,
-)
-from .report import (
-                          Report,
-                          ablate_report,
-                          compare_report,
-                          decode_report,
-                          hf_static_report,
-                          kernels_report,
-                          markdown_table,
-                          memory_report,
-                          quality_report,
-                          render_report,
-                          sched_cost_report,
-                          table_report,
-                          to_jsonable,
-)
-from .runs import (
-                          GIB,
-                          PHASES,
-                          Cancelled,
-                          RunResult,
-                          StepBreakdown,
-                          config_fields,
-                          load_llm,
-                          run_config,
-                          run_workload,
-                          weight_bytes,
-)
-from .specs import list_feature_presets, load_feature_preset, parse_assignments, parse_value, resolve_spec
-
-__all__ = [
-    "ABLATIONS", "FEATURES", "FULL_ENGINE", "FULL_FIELDS", "GIB", "KV_CACHE_DTYPES_SWEPT", "NAIVE_LOOP", "PHASES",
-    "AblationRow", "Cancelled", "CompareResult", "Feature", "HFStaticResult", "KernelRow", "MemoryRow", "Report",
-    "RunResult", "SchedCostResult", "StepBreakdown", "TableRow", "ablate", "ablate_concurrency", "ablate_cumulative",
-    "ablate_report", "compare", "compare_report", "config_fields", "hf_static",
-    "hf_static_report", "kernel_timings", "kernels_report", "list_feature_presets", "load_feature_preset",
-    "load_llm", "markdown_table", "memory_report", "memory_sweep", "quality", "quality_report",
-    "QUALITY_SPECS", "QUALITY_TEXT", "QualityRow", "compare_logprobs", "text_windows", "parse_assignments",
-    "parse_value", "DECODE_SPECS", "DecodeRow", "decode_timings", "decode_report",
-    "render_report", "resolve_spec", "run_config", "run_table", "run_workload", "sched_cost", "sched_cost_report",
-    "table_report", "to_jsonable", "weight_bytes",
-]

@@ -36,14 +36,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..measure import ablation
+from ..measure import experiments as ex
+from ..measure import precision as pr
+from ..measure import report as rp
+from ..measure.runs import load_llm
+from ..measure.specs import parse_assignments
 from ..workloads import load_workload
-from . import ablation
-from . import experiments as ex
 from . import kernel_worth as kw_mod
-from . import precision as pr
-from . import report as rp
-from .runs import load_llm
-from .specs import parse_assignments
 
 COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "kernel-worth", "decode",
             "quality", "serve", "serve-overhead", "versus", "sampling-cost", "prefill-cost", "attention-cost",

@@ -164,9 +164,9 @@ def sweep(plan: Plan, rows: list[dict] | None = None, on_row=lambda: None) -> li
     `rows` as they finish (on_row() after each, so the report can be written); a row that fails holds its error."""
     import torch
 
+    from ..measure.experiments import run_table_row
+    from ..measure.runs import load_llm
     from ..utils import cdiv
-    from .experiments import run_table_row
-    from .runs import load_llm
     if plan.overrides:  # the dry run's tiny model: run_table_row needs an LLM, so wrap an engine's weights
         llm = _tiny_llm(plan)
     else:
@@ -208,8 +208,8 @@ def hf_ratio(plan: Plan, rows: list[dict]) -> dict:
     """transformers' generate at hf_batch on the same weights vs the engine's best row at that batch."""
     import torch
 
-    from .experiments import table_prompts
-    from .hf import hf_generate
+    from ..measure.experiments import table_prompts
+    from ..measure.hf import hf_generate
     hf = _hf_model(plan.model, plan.dtype, plan.device, plan.overrides)
     hf_generate(hf, table_prompts(1, 8, 0), 2, 0)  # warm-up
     seconds = hf_generate(hf, table_prompts(plan.hf_batch, plan.input_len, 0), plan.output_len, 0)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import cpu_kernels, huge_pages
+from ..measure.runs import random_prompts
+from ..measure.specs import resolve_spec
 from ..quant import kernels as quant_kernels
 from ..sampler import SamplingParams
-from .runs import random_prompts
-from .specs import resolve_spec
 
 SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
 

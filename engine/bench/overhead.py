@@ -25,9 +25,9 @@ from typing import Any
 
 import httpx
 
+from ..measure.specs import parse_assignments
 from ..workloads import Workload
 from . import serve as sv
-from .specs import parse_assignments
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 STARTUP_TIMEOUT_S = 300.0  # a loaded 2-core machine can take a minute to serve the page
@@ -185,7 +185,7 @@ def render(result: OverheadResult) -> str:
              "HTTP / generate": r.ratio, "HTTP failed": r.http_failed, "tokens (HTTP, generate)":
              f"{r.http_tokens}, {r.offline_tokens}", "seconds (HTTP, generate)": f"{r.http_s:.1f}, {r.offline_s:.1f}"}
             for r in result.rounds]
-    from .report import markdown_table
+    from ..measure.report import markdown_table
     ratios = result.ratios
     median = statistics.median(ratios)
     lines = [f"## HTTP streaming path vs LLM.generate: workload {result.workload!r}, {result.num_requests} requests, "

@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .runs import TOKEN_RANGE
+from ..measure.runs import TOKEN_RANGE
 from .serve import ServeRequest, ServeResult, run_serve
 
-# Quiet before each run: vLLM's CPU server took 0.36 s of CPU in the second after its last request ended, then ~1%
-# of a core (measured here); the engine's threads sleep within milliseconds
+# Quiet before each run: vLLM's CPU server keeps working for a moment after its last request ends, where the
+# engine's threads sleep at once (measured: docs/measurements.md, "Quiet between runs, and the table once more")
 SETTLE_S = 2.0
 
 # (label, how to read it from a ServeResult's summary)

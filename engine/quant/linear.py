@@ -6,10 +6,9 @@ On CPU with AVX-512 (bf16: AVX-512 BF16 without AMX) and the C++ kernels built, 
 the unquantized projections over a weight packed once at load (cpu_kernels.py says how, and how much faster).
 Elsewhere:
 on CPU in float32, oneDNN's linear over a weight reordered once at load beats MKL's `x @ W` for the few rows a
-decode batch or a speculative verify has (the 30 layers' projections plus the LM head of SmolLM2-135M, min of 7,
-same process: 2 rows 56 ms vs 79, 5 rows 69 vs 158, 9 rows 77 vs 127, 16 rows 85 vs 159, 32 rows 106 vs 187;
-one row 55 vs 52), and each row's result does not depend on how many rows share the call (MKL's does for
-one or two rows), so a request's tokens are the same whoever it is batched with. So in bf16 on a CPU with bf16
+decode batch or a speculative verify has (about even at one row: docs/measurements.md, "Projections through
+oneDNN"), and each row's result does not depend on how many rows share the call (MKL's does for one or two
+rows), so a request's tokens are the same whoever it is batched with. So in bf16 on a CPU with bf16
 instructions. Elsewhere (CUDA, bf16 without them, a torch without oneDNN) it is `x @ W` over the weight stored
 transposed. Quantized formats are chosen by measurement (docs/measurements.md, `python -m engine.bench kernels`;
 quant/speed.py says, per machine, whether one is faster than fp32 here at all).
@@ -24,14 +23,13 @@ call:
                                                              (CUDA: torch._weight_int4pack_mm, bf16 activations)
   w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums,
                                                              each row quantized and scaled back in C++ (cpu_kernels.py)
-torch's two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path: 5-70x
-slower, measured on AVX2 and on AVX-512), so an fp32 model's activations enter them as bf16 and come back fp32.
-torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI: fbgemm was 10-100x faster on AVX2, and
-with VNNI _int_mm is still slower (one 3072 x 576 projection: 288 us at 32 rows; fbgemm 107 us at 16).
-On CUDA (an H200, torch 2.11, the matmuls of Qwen3-0.6B's shapes, bf16 x @ W 13-16 us at 1-64 rows): int4's kernel
-takes 7-8 us at 1-16 rows (the LM head 56 vs 78 us at one row), so it is offered there; int8's `_weight_int8pack_mm`
-took 40-2,400 us and w8a8's `_int_mm` needs more than 16 rows and took 100 us with the activations' quantization,
-so both are refused on CUDA, saying so.
+torch's two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path, on AVX2
+and on AVX-512: docs/measurements.md, "The engine's own weight-only kernels"), so an fp32 model's activations enter
+them as bf16 and come back fp32. torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI, far behind
+fbgemm, and with VNNI it is still slower (docs/measurements.md, "Quantization on this CPU"). On CUDA int4's kernel
+is faster than bf16's x @ W, so it is offered there; int8's `_weight_int8pack_mm` is far slower than bf16 and
+w8a8's `_int_mm` needs more than 16 rows and is slower with the activations' quantization, so both are refused on
+CUDA, saying so (docs/measurements.md, "On a GPU").
 
 w8a8: fbgemm multiplies uint8 activations by int8 weights. On AVX2 it adds pairs of products in int16, which
 overflows when both use 8 bits (measured: 52% error at full range; exact with either side at 7 bits); with AVX-512
@@ -80,7 +78,8 @@ class _Quantized:
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         y = self._matmul(x)
-        # (each cast skipped in Python where it would do nothing: a torch call costs ~1 us even then, 121 a token)
+        # (each cast skipped in Python where it would do nothing: a torch call costs its dispatch even then, and
+        # there are 121 a token; docs/measurements.md, "The engine's own weight-only kernels")
         return y if x.dtype == torch.float32 or y.dtype == x.dtype else y.to(x.dtype)
 
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -210,7 +209,8 @@ class W8A8Linear(_Quantized):
         # what one unit of zero point adds to each output: the correction for a row's own zero point
         self.zero_point_unit = stored_q.double().sum(1).mul_(stored_scales.double()).float()
         self._quantize_rows, self._dequantize_rows, _ = cpu_kernels.row_helpers()
-        # the op's one overload, called directly: the packet's Python dispatch checks cost ~5 us a call
+        # the op's one overload, called directly: the packet's Python dispatch checks cost time on every call
+        # (docs/measurements.md, "The engine's own weight-only kernels")
         self._kernel = getattr(torch.ops.quantized, W8A8_OP).default
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:

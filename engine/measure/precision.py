@@ -108,7 +108,7 @@ LLAMA_CPP_ROW = "llama.cpp"
 class LlamaCppDecoder:
     """llama.cpp (through the llama-cpp-python package) on a GGUF file, timed as `decode` times the engine: greedy,
     batch 1, the same prompt, as many threads as torch uses. The package is not a requirement: installing it builds
-    llama.cpp from source (about 10 minutes on 2 cores: `pip install llama-cpp-python`)."""
+    llama.cpp from source, which takes minutes (`pip install llama-cpp-python`; docs/measurements.md, "On a CPU")."""
 
     def __init__(self, gguf: Path) -> None:
         try:

@@ -245,8 +245,8 @@ class PrefillCostRow:
     beside_busy: bool = False  # timed while another process kept part of a core busy (busy_process)
 
 
-# A process that computes busy_ms, then sleeps idle_ms, until killed: another program sharing the cores (the
-# benchmark client beside a server on a 2-core host takes about a quarter of a core, docs/measurements.md).
+# A process that computes busy_ms, then sleeps idle_ms, until killed: another program sharing the cores (as the
+# benchmark client does beside a server: docs/measurements.md, "Why c=32 loses served but not offline").
 _BUSY_LOOP = """
 import sys, time
 busy, idle = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
