@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams, bench
+from engine import LLM, EngineConfig, SamplingParams, measure
 from engine.config import WEIGHT_FIELDS
 from playground import Playground, conversation
 from playground.chat import ChatSession
@@ -360,7 +360,7 @@ def test_ablation_and_compare(pg):
     assert result.same_outputs and result.results[1].generated_tokens == 4 * 64
     # the bar advances after each configuration instead of sitting at one value for the whole run
     assert [f for f, _ in steps] == [0.0, 0.5, 1.0] and "running: naive" in steps[0][1]
-    table = compare_table(bench.compare_report(result))
+    table = compare_table(measure.compare_report(result))
     assert table["headers"] == COMPARE_HEADERS and [r[0] for r in table["data"]] == ["naive", "full"]
     cells = [c for r in table["data"] for c in r]
     assert all(isinstance(c, str) and not re.search(r"\.\d{5}", c) for c in cells), cells  # not 5.665796017719589
@@ -462,12 +462,12 @@ def test_a_measurement_says_why_the_engine_waits_and_can_be_cancelled(pg):
     def run():
         try:
             outcome["rows"] = pg.ablate("fixed-16", quick=True, progress=lambda f, d: started.set())
-        except bench.Cancelled as exc:
+        except measure.Cancelled as exc:
             outcome["cancelled"] = exc
     worker = threading.Thread(target=run)
     worker.start()
     assert started.wait(60)
-    configurations = len(bench.FEATURES) + 1
+    configurations = len(measure.FEATURES) + 1
     measuring = pg.measurement
     assert pg.service.paused and (measuring.name, measuring.done, measuring.total) == ("ablation", 0, configurations)
     chat = pg.chat("hello", [], 0.0, 4)
