@@ -40,7 +40,9 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.hf_config = hf_config
-        self.reconfig = Reconfiguration(self, config)  # sizes filled in and checked (reconfigure.py)
+        # sizes filled in and checked (reconfigure.py); a GPU's memory profile counts the pool this engine holds
+        self.reconfig = Reconfiguration(model, tokenizer, config,
+                                        lambda: self.runner.kv_cache_bytes if hasattr(self, "runner") else 0)
         self.config = self.reconfig.current
         self.kv: KVCacheManager | NoKVCache = NoKVCache(self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv)
@@ -91,7 +93,10 @@ class LLMEngine:
 
     def update_config(self, **changes) -> None:
         """Validate now (ValueError leaves everything as it was); apply at the next step boundary."""
-        self.reconfig.update(**changes)
+        def fits(resolved: EngineConfig) -> None:  # every request in flight must fit what comes
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.check_fits(req.num_prompt_tokens, req.params, resolved)
+        self.reconfig.update(changes, fits)
 
     def pending_config(self) -> tuple[EngineConfig, EngineConfig]:
         """(requested, resolved): what the engine runs once the pending changes apply (what it runs now if none
@@ -101,7 +106,20 @@ class LLMEngine:
     def apply_pending(self) -> dict | None:
         """Apply waiting changes now; only between steps (the service calls it when the engine is idle, so a
         change does not wait for a step that may never come). Returns the reconfiguration record, if any."""
-        return self.reconfig.apply()
+        change = self.reconfig.take()
+        if change is None:
+            return None
+        moved = []
+        if change.built is not None:
+            # Re-prefill: free every running request's blocks in the old pool and requeue them, oldest first.
+            for req in reversed(list(self.scheduler.running)):
+                self.scheduler.preempt(req, count=False)
+                moved.append(req.request_id)
+            self.use(change.config, *change.built)
+        elif change.config is not None:
+            self.use(change.config, self.kv, self.runner)
+            self.kv.set_prefix_caching(change.config.prefix_caching_active)
+        return self.reconfig.record(change, self.step_count, moved[::-1])
 
     def warm_up(self) -> None:
         """One tiny greedy request run to the end, so what follows does not pay first-call costs (and a
@@ -179,7 +197,7 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.reconfig.apply()
+        self.apply_pending()
         self.cores.adjust()  # the compute threads follow the cores nobody else wants (engine/threads.py)
         outputs = [self._pop(r) for r in self._aborted]
         self._aborted = []

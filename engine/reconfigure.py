@@ -5,14 +5,16 @@ LLMEngine runs one resolved configuration; this module is everything about getti
   sizes fit together and in the memory free now (every way in passes here: LLM(...), update_config, the page);
 - build: the KV manager and the model runner for a configuration, changing nothing in the engine, so a failure
   (no memory for the pool, a calibration that cannot run) leaves it serving;
-- update / apply: a change is validated at once (a ValueError leaves everything as it was) and applied at the next
-  step boundary. A change to the pool's structure (STRUCTURAL_FIELDS) builds the new pool first, then frees every
-  running request's blocks in the old one and requeues them oldest first: they are re-prefilled, nothing in flight
-  is lost. Other changes apply in place.
+- update / take: a change is validated at once (a ValueError leaves everything as it was) and taken at the next
+  step boundary, resolved and checked again, with the new pool built beside the old one when its structure
+  (STRUCTURAL_FIELDS) changes. The engine carries it out (it frees its running requests' blocks in the old pool and
+  requeues them oldest first, to be re-prefilled: nothing in flight is lost; other changes apply in place) and this
+  module records what was done. It knows nothing of the engine: what it needs of it comes in as arguments.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .blocks import KVCacheManager, NoKVCache, kv_cache_for
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
@@ -23,16 +25,24 @@ from .quant.calibrate import key_scales_for
 from .runner import ModelRunner
 from .utils import cdiv
 
-if TYPE_CHECKING:
-    from .engine import LLMEngine
+
+@dataclass
+class Change:
+    """The waiting changes, taken at a step boundary: the configuration they make, and the new pool and runner when
+    the pool's structure changes (None: they apply in place). `error`: why they cannot be made (nothing changes)."""
+    changes: dict
+    config: EngineConfig | None = None
+    built: tuple[KVCacheManager | NoKVCache, ModelRunner] | None = None
+    error: str = ""
 
 
 class Reconfiguration:
-    """One engine's configuration life: what it asked for, what that resolved to, what waits to apply."""
+    """One engine's configuration life: what it asked for, what that resolved to, what waits to apply.
+    `pool_bytes`: the bytes the engine's current KV pool holds (0 before it has one), which a GPU's memory profile
+    counts as taken."""
 
-    def __init__(self, engine: LLMEngine, requested: EngineConfig) -> None:
-        self.engine = engine
-        self.model = engine.model
+    def __init__(self, model, tokenizer, requested: EngineConfig, pool_bytes: Callable[[], int] = lambda: 0) -> None:
+        self.model, self.tokenizer, self.pool_bytes = model, tokenizer, pool_bytes
         self.gpu_memory: GpuMemoryPlan | None = None  # CUDA: how the pool was sized (gpu.py)
         self.current: EngineConfig | None = None  # None until the first configuration is resolved
         self.requested = requested  # with None for the sizes left automatic
@@ -62,9 +72,7 @@ class Reconfiguration:
         """Profile once per (utilization, step size); a settings change that keeps both reuses the plan."""
         plan = self.gpu_memory
         if plan is None or (plan.utilization, plan.profile_tokens) != (config.gpu_memory_utilization, budget_tokens):
-            runner = getattr(self.engine, "runner", None)
-            pool = runner.kv_cache_bytes if runner is not None else 0
-            self.gpu_memory = profile_gpu_memory(self.model, config, max_len, budget_tokens, pool)
+            self.gpu_memory = profile_gpu_memory(self.model, config, max_len, budget_tokens, self.pool_bytes())
 
     def kv_bytes_per_block(self, config: EngineConfig) -> int:
         return self.model.kv_bytes_per_token(config.kv_cache_dtype) * config.block_size
@@ -107,7 +115,7 @@ class Reconfiguration:
         """A KV manager and runner for config c. Changes nothing in the engine, so a failure here leaves it serving."""
         kv = kv_cache_for(c.kv_cache, c.paged_kv, c.prefix_caching_active, c.num_kv_blocks, c.block_size,
                           c.max_model_len)
-        key_scales = key_scales_for(self.model, self.engine.tokenizer) if c.key_smoothing_active else None
+        key_scales = key_scales_for(self.model, self.tokenizer) if c.key_smoothing_active else None
         runner = ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache, c.kv_cache_dtype,
                              c.attention_backend, scratch_block=c.cuda_graphs, key_scales=key_scales)
         if c.cuda_graphs:
@@ -116,16 +124,15 @@ class Reconfiguration:
         return kv, runner
 
     # ---- changing -----------------------------------------------------------------------------------------
-    def update(self, **changes) -> None:
-        """Validate now (ValueError leaves everything as it was); apply at the next step boundary."""
+    def update(self, changes: dict, check: Callable[[EngineConfig], None]) -> None:
+        """Validate now (ValueError leaves everything as it was); the change waits for take(). `check(resolved)`:
+        the engine's own check that what it holds (every request in flight) fits the new configuration."""
         if bad := [k for k in changes if k in LOAD_TIME_FIELDS]:
             raise ValueError(f"{', '.join(bad)} cannot change while serving (the weights are loaded with it): "
                              f"create a new LLM")
         requested = self.requested.replace(**{**self.pending, **changes})
         resolved = self.resolve(requested)
-        scheduler = self.engine.scheduler
-        for req in list(scheduler.running) + list(scheduler.waiting):
-            self.engine.check_fits(req.num_prompt_tokens, req.params, resolved)
+        check(resolved)
         self.pending.update(changes)
         self.pending_config = resolved
 
@@ -134,39 +141,33 @@ class Reconfiguration:
         wait). Requested keeps None for the sizes left automatic; resolved has the numbers they come to."""
         return self.requested.replace(**self.pending), self.pending_config
 
-    def apply(self) -> dict | None:
-        """Apply the waiting changes now, between two steps; the record of what was done, or None if nothing
-        waited. A change that can no longer be made (free memory shrank since it was checked) is recorded as not
-        applied, and the previous configuration keeps serving."""
+    def take(self) -> Change | None:
+        """The waiting changes, to be carried out now, between two steps (None if nothing waits). They are resolved
+        and checked again (free memory may have shrunk since update) and a new pool is built while the old one still
+        serves: a change that can no longer be made comes back with its error, and the current configuration stays."""
         if not self.pending:
             return None
-        engine = self.engine
         changes, self.pending = self.pending, {}
         old = self.current
         try:
             requested = self.requested.replace(**changes)
-            new = self.resolve(requested)  # checked again: free memory may have shrunk since update()
+            new = self.resolve(requested)
             structural = any(getattr(old, f) != getattr(new, f) for f in STRUCTURAL_FIELDS)
-            # The new pool is built while the old one still serves: if memory runs out, nothing has changed.
             built = self.build(new) if structural else None
         except (ValueError, MemoryError, RuntimeError) as exc:  # torch's out-of-memory is a RuntimeError
             self.pending_config = old
-            self.last = {"step": engine.step_count, "changes": changes,
-                         "action": "not applied: the previous configuration keeps serving",
-                         "requests_re_prefilled": [], "error": f"{type(exc).__name__}: {exc}"}
-            return self.last
+            return Change(changes, error=f"{type(exc).__name__}: {exc}")
         self.requested, self.current, self.pending_config = requested, new, new
-        moved = []
-        if built is not None:
-            # Re-prefill: free every running request's blocks in the old pool and requeue them, oldest first.
-            for req in reversed(list(engine.scheduler.running)):
-                engine.scheduler.preempt(req, count=False)
-                moved.append(req.request_id)
-            engine.use(new, *built)
+        return Change(changes, new, built)
+
+    def record(self, change: Change, step: int, re_prefilled: list[str]) -> dict:
+        """What was done, kept as the last change's record (the service notes each new one)."""
+        if change.error:
+            self.last = {"step": step, "changes": change.changes,
+                         "action": "not applied: the previous configuration keeps serving",
+                         "requests_re_prefilled": [], "error": change.error}
         else:
-            engine.use(new, engine.kv, engine.runner)
-            engine.kv.set_prefix_caching(new.prefix_caching_active)
-        self.last = {"step": engine.step_count, "changes": changes,
-                     "action": "re-prefill running requests" if structural else "applied in place",
-                     "requests_re_prefilled": moved[::-1]}
+            self.last = {"step": step, "changes": change.changes,
+                         "action": "re-prefill running requests" if change.built else "applied in place",
+                         "requests_re_prefilled": re_prefilled}
         return self.last

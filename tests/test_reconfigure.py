@@ -107,3 +107,30 @@ def test_a_change_that_can_no_longer_be_built_leaves_the_old_configuration_servi
     assert record["action"].startswith("not applied") and "MemoryError" in record["error"]
     assert engine.config == old and engine.pending_config()[1] == old and len(out[rid]) == 12
     assert_all_blocks_free(engine)
+
+
+def test_a_change_is_planned_without_an_engine(llm):
+    """reconfigure.py knows nothing of the engine: given the model, it validates a change (with the caller's own
+    check of what it holds), builds the new pool for a structural one, and records what the caller did."""
+    from engine.blocks import KVCacheManager
+    from engine.reconfigure import Reconfiguration
+    engine = llm.build_engine({})
+    r, before = Reconfiguration(engine.model, engine.tokenizer, engine.requested_config), engine.config
+    assert r.take() is None  # nothing waits
+
+    def refuse(resolved):
+        raise ValueError(f"a request in flight needs more than {resolved.num_kv_blocks} blocks")
+    with pytest.raises(ValueError, match="needs more than 8 blocks"):
+        r.update({"num_kv_blocks": 8}, refuse)
+    assert not r.pending and r.pending_view()[1] == r.current  # refused: nothing waits
+    r.update({"num_kv_blocks": 16}, lambda resolved: None)
+    change = r.take()
+    kv, runner = change.built  # the pool's structure changed: a new pool, the old one untouched
+    assert isinstance(kv, KVCacheManager) and kv.num_blocks == 16 and change.config.num_kv_blocks == 16
+    assert r.current.num_kv_blocks == 16 and engine.config == before  # the engine carries it out, not this
+    assert r.record(change, 7, ["a"]) == {"step": 7, "changes": {"num_kv_blocks": 16},
+                                          "action": "re-prefill running requests", "requests_re_prefilled": ["a"]}
+    r.update({"prefix_caching": False}, lambda resolved: None)
+    change = r.take()
+    assert change.built is None and not change.config.prefix_caching  # applies in place
+    assert r.record(change, 8, [])["action"] == "applied in place"
