@@ -16,7 +16,8 @@ import torch
 
 from .blocks import KVCacheManager, NoKVCache
 from .config import EngineConfig
-from .gpu import GpuMemoryPlan, resolve_dtype
+from .factory import resolve_dtype
+from .gpu import GpuMemoryPlan
 from .quant.format import WeightFormat
 from .reconfigure import Reconfiguration
 from .request import Request, RequestOutput, RequestStatus

@@ -5,7 +5,7 @@ import torch
 
 from .config import LOAD_TIME_FIELDS, WEIGHT_FIELDS, EngineConfig
 from .engine import LLMEngine, stored_as
-from .gpu import resolve_dtype
+from .factory import resolve_device, resolve_dtype
 from .models import LlamaFamilyModel, load_model
 from .models.loader import load_weights
 from .models.random_models import random_name
@@ -15,14 +15,6 @@ from .sampler import SamplingParams
 from .utils import chat_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but no CUDA GPU is available")
-    return torch.device(device)
 
 
 class LLM:

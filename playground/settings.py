@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from engine import EngineConfig
 from engine.config import BUILT_SWITCHES, WEIGHT_FIELDS
-from engine.gpu import resolve_dtype
+from engine.factory import resolve_dtype
 from engine.quant.format import WeightFormat
 from engine.quant.speed import model_speeds
 
