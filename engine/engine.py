@@ -16,7 +16,8 @@ import torch
 
 from .blocks import KVCacheManager, NoKVCache
 from .config import EngineConfig
-from .gpu import GpuMemoryPlan, resolve_dtype
+from .factory import Resolved
+from .gpu import GpuMemoryPlan
 from .quant.format import WeightFormat
 from .reconfigure import Reconfiguration
 from .request import Request, RequestOutput, RequestStatus
@@ -34,16 +35,21 @@ class ContextLengthError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model, tokenizer, hf_config=None) -> None:
-        config = config.replace(dtype=resolve_dtype(config.dtype, model.device))  # "auto": the device decides
+    def __init__(self, config: EngineConfig, model, tokenizer, hf_config=None,
+                 requested: EngineConfig | None = None) -> None:
+        """`config`: what to run, its dtype decided (engine/factory.py; its sizes may be left None, the factory
+        fills them through reconfigure.py). `requested`: as asked, kept to report (dtype "auto" there); it may
+        differ from config in nothing else. LLM builds engines so (llm.py's engine_for)."""
+        _check_resolved(config, config if requested is None else requested)
         _check_weights(config, model)
         self.model = model
         self.tokenizer = tokenizer
         self.hf_config = hf_config
         # sizes filled in and checked (reconfigure.py); a GPU's memory profile counts the pool this engine holds
-        self.reconfig = Reconfiguration(model, tokenizer, config,
+        self.reconfig = Reconfiguration(model, tokenizer, config if requested is None else requested,
                                         lambda: self.runner.kv_cache_bytes if hasattr(self, "runner") else 0)
         self.config = self.reconfig.current
+        _check_weights(self.config, model)  # a requested "auto" decided otherwise than config's dtype
         self.kv: KVCacheManager | NoKVCache = NoKVCache(self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv)
         self.use(self.config, *self.reconfig.build(self.config))
@@ -75,6 +81,11 @@ class LLMEngine:
     @property
     def requested_config(self) -> EngineConfig:
         return self.reconfig.requested
+
+    @property
+    def resolved(self) -> Resolved:
+        """What was asked and what runs (engine/factory.py): resolved.chosen() says what each "auto" came to."""
+        return Resolved(self.reconfig.requested, self.config)
 
     @property
     def last_reconfig(self) -> dict | None:
@@ -385,6 +396,18 @@ class LLMEngine:
 def stored_as(model) -> tuple[str, WeightFormat]:
     """How a loaded model's weights are stored: its dtype's name and its weight format."""
     return str(model.dtype).removeprefix("torch."), model.weight_format
+
+
+def _check_resolved(config: EngineConfig, requested: EngineConfig) -> None:
+    """An engine runs one resolved configuration: the dtype is decided before it is built (the weights are loaded
+    in it), by engine/factory.py, never here."""
+    if config.dtype == "auto":
+        raise ValueError("LLMEngine was given dtype='auto': the dtype is decided by engine/factory.py before an "
+                         "engine is built (resolve_weights(config, model.device), or llm.py's engine_for, does it)")
+    if differ := [k for k, v in requested.to_dict().items()
+                  if getattr(config, k) != v and not (k == "dtype" and v == "auto")]:
+        raise ValueError(f"the requested configuration may differ from the one given only in its dtype ('auto'), "
+                         f"not in {', '.join(differ)}")
 
 
 def _check_weights(config: EngineConfig, model) -> None:

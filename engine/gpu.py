@@ -1,5 +1,5 @@
-"""Device-dependent defaults, decided in one place: the dtype, the attention backend, and on CUDA the KV pool's
-size from `gpu_memory_utilization` after a profiling forward.
+"""GPU memory planning: on CUDA the KV pool's byte budget from `gpu_memory_utilization` after a profiling forward
+(engine/factory.py decides the other automatic settings, and the pool's size from this budget).
 
 The pool formula (as vLLM and nano-vllm size theirs):
 
@@ -19,43 +19,6 @@ import torch
 from .config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 
 GIB = 2**30
-
-
-def resolve_dtype(name: str, device: torch.device) -> str:
-    """'auto': bfloat16 on CUDA (half the bytes, the tensor cores' type), float16 on a GPU without bf16 (a T4, as
-    Colab's free tier lends: bf16 there is emulated), float32 on CPU (exact, and fast there)."""
-    if name != "auto":
-        return name
-    if device.type != "cuda":
-        return "float32"
-    return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
-
-
-def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str:
-    """None: triton on CUDA when there is a KV cache to page through (in the model's dtype), sdpa otherwise. An
-    explicit 'triton' is checked here (triton importable, a device it can run on), so a bad choice fails at
-    construction."""
-    backend = config.attention_backend
-    if backend is None:
-        backend = ("triton" if device.type == "cuda" and config.kv_cache and config.kv_cache_dtype != "int8"
-                   and _triton_importable() else "sdpa")
-    if backend == "triton":
-        if config.kv_cache_dtype == "int8":
-            raise ValueError("kv_cache_dtype='int8' is dequantized by the sdpa attention backend only: use "
-                             "attention_backend='sdpa' with it (the triton kernels read the model's dtype)")
-        if not config.kv_cache:
-            raise ValueError("attention_backend='triton' reads K/V from the paged cache: it needs kv_cache=True "
-                             "(use attention_backend='sdpa' for the naive loop)")
-        if not _triton_importable():
-            raise ValueError("attention_backend='triton' needs the triton package: pip install triton")
-        from .attention.triton_paged import require_triton
-        require_triton(device)
-    return backend
-
-
-def _triton_importable() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)

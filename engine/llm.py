@@ -1,11 +1,9 @@
 """LLM: the offline entry point. generate() and chat() drive LLMEngine.step() until every request is done."""
 from __future__ import annotations
 
-import torch
-
 from .config import LOAD_TIME_FIELDS, WEIGHT_FIELDS, EngineConfig
 from .engine import LLMEngine, stored_as
-from .gpu import resolve_dtype
+from .factory import TORCH_DTYPES, resolve_device, resolve_weights
 from .models import LlamaFamilyModel, load_model
 from .models.loader import load_weights
 from .models.random_models import random_name
@@ -14,30 +12,26 @@ from .request import RequestOutput
 from .sampler import SamplingParams
 from .utils import chat_token_ids
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but no CUDA GPU is available")
-    return torch.device(device)
+def engine_for(requested: EngineConfig, model: LlamaFamilyModel, tokenizer, hf_config=None) -> LLMEngine:
+    """An engine for `requested` (as asked: "auto" and None kept, and reported so) over a loaded model: the factory
+    decides the dtype for the model's device, and the engine's other automatic fields as it resolves them."""
+    return LLMEngine(resolve_weights(requested, model.device), model, tokenizer, hf_config, requested=requested)
 
 
 class LLM:
     def __init__(self, model: str | None = None, **config_fields) -> None:
-        config = EngineConfig.from_kwargs(model=model, **config_fields)
-        device = resolve_device(config.device)
-        self.config = config.replace(dtype=resolve_dtype(config.dtype, device))
-        net, tokenizer, hf_config, folder = load_model(model, DTYPES[self.config.dtype], device,
+        requested = EngineConfig.from_kwargs(model=model, **config_fields)
+        device = resolve_device(requested.device)
+        self.config = resolve_weights(requested, device)  # as loaded: the dtype decided (the engine keeps "auto")
+        net, tokenizer, hf_config, folder = load_model(model, TORCH_DTYPES[self.config.dtype], device,
                                                        self.config.max_model_len, WeightFormat.of(self.config))
         self.model_path = folder
         self.tokenizer = tokenizer
-        self.engine = LLMEngine(self.config, net, tokenizer, hf_config)
+        self.engine = engine_for(requested, net, tokenizer, hf_config)
         self._variant: tuple[tuple, LlamaFamilyModel] | None = None
 
-    # ---- the one factory: every engine over this checkpoint (the benchmarks', the playground's rebuilds) ----
+    # ---- every engine over this checkpoint (the benchmarks', the playground's rebuilds), through engine_for ----
     def config_for(self, fields: dict) -> EngineConfig:
         """EngineConfig for an engine over this checkpoint: the model and device must be the loaded ones; the
         weights' dtype and quantization (WEIGHT_FIELDS) may differ (build_engine then loads that variant once)."""
@@ -56,14 +50,14 @@ class LLM:
     def build_engine(self, fields: dict) -> LLMEngine:
         """A fresh engine with these fields over this checkpoint's weights (loaded in another format once if the
         fields ask for one: weights_for). Nothing of this LLM's own engine changes."""
-        config = self.config_for(fields)
-        return LLMEngine(config, self.weights_for(config), self.tokenizer, self.engine.hf_config)
+        requested = self.config_for(fields)
+        return engine_for(requested, self.weights_for(requested), self.tokenizer, self.engine.hf_config)
 
     def weights_for(self, config: EngineConfig) -> LlamaFamilyModel:
         """The model with config's dtype and quantization (WEIGHT_FIELDS), over the same checkpoint, device and
         RoPE length: the loaded one when they agree, else loaded once from the same folder and kept (one variant
         at a time, so comparing two precisions holds two models, not one per configuration tried)."""
-        config = config.replace(dtype=resolve_dtype(config.dtype, self.engine.model.device))
+        config = resolve_weights(config, self.engine.model.device)
         key = (config.dtype, WeightFormat.of(config))
         if key == stored_as(self.engine.model):  # the engine's own (after a rebuild, maybe not self.config's)
             return self.engine.model
@@ -75,7 +69,7 @@ class LLM:
     def load_weights(self, config: EngineConfig) -> LlamaFamilyModel:
         """A fresh copy of the model with config's dtype and quantization (not kept: see weights_for)."""
         loaded = self.engine.model
-        dtype = DTYPES[resolve_dtype(config.dtype, loaded.device)]
+        dtype = TORCH_DTYPES[resolve_weights(config, loaded.device).dtype]
         if random_name(str(self.model_path)) is not None:  # the same seeded weights, in another format
             return load_model(str(self.model_path), dtype, loaded.device, loaded.max_len, WeightFormat.of(config))[0]
         return load_weights(self.model_path, self.engine.hf_config, dtype, loaded.device,

@@ -1,8 +1,8 @@
 """Changing a running engine's configuration: validate, build the new KV pool beside the old one, re-prefill, swap.
 
 LLMEngine runs one resolved configuration; this module is everything about getting from one to the next:
-- resolve: the sizes left automatic (None) filled from the model and the memory budget, and every check that the
-  sizes fit together and in the memory free now (every way in passes here: LLM(...), update_config, the page);
+- resolve: the fields left automatic filled by engine/factory.py, and every check that the sizes fit together and
+  in the memory free now (every way in passes here: LLM(...), update_config, the page);
 - build: the KV manager and the model runner for a configuration, changing nothing in the engine, so a failure
   (no memory for the pool, a calibration that cannot run) leaves it serving;
 - update / take: a change is validated at once (a ValueError leaves everything as it was) and taken at the next
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from .blocks import KVCacheManager, NoKVCache, kv_cache_for
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
 from .cuda_graphs import DecodeGraphs, check_cuda_graphs
-from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory, resolve_attention_backend
+from .factory import automatic_sizes, kv_bytes_per_block, resolve
+from .gpu import GpuMemoryPlan, profile_gpu_memory
 from .memory import check_kv_pool_fits
 from .quant.calibrate import key_scales_for
 from .runner import ModelRunner
@@ -52,42 +53,28 @@ class Reconfiguration:
         self.last: dict | None = None  # the last change's record: what changed, what was done, who re-prefilled
 
     # ---- sizing and checks -------------------------------------------------------------------------------
-    def automatic_sizes(self, config: EngineConfig) -> dict[str, int]:
-        """What each size left empty (None) comes to, given config's other fields (the settings form says it)."""
-        max_len = config.max_model_len or self.model.max_len
-        device = self.model.device
-        per_block = self.kv_bytes_per_block(config)
-        budget_tokens = config.max_num_batched_tokens or config.default_max_num_batched_tokens(max_len, device.type)
-        if (device.type == "cuda" and config.kv_cache_memory_gb is None and config.num_kv_blocks is None
-                and config.kv_cache):
-            self._plan_gpu_memory(config, max_len, budget_tokens)
-        num_blocks = max(1, kv_budget_bytes(config, device, self.gpu_memory) // per_block)
-        # never more than every seat filled to max_model_len: beyond that the memory would sit idle
-        num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
-        return {"max_model_len": self.model.max_len,
-                "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len, device.type),
-                "num_kv_blocks": num_blocks, "attention_backend": resolve_attention_backend(config, device)}
+    def automatic_sizes(self, config: EngineConfig) -> dict:
+        """What each size left empty (None) comes to, given config's other fields (the settings form says it):
+        the factory decides; a GPU's memory profile is measured here once and kept."""
+        return automatic_sizes(config, self.model, self._plan_gpu_memory)
 
-    def _plan_gpu_memory(self, config: EngineConfig, max_len: int, budget_tokens: int) -> None:
+    def _plan_gpu_memory(self, config: EngineConfig, max_len: int, budget_tokens: int) -> GpuMemoryPlan:
         """Profile once per (utilization, step size); a settings change that keeps both reuses the plan."""
         plan = self.gpu_memory
         if plan is None or (plan.utilization, plan.profile_tokens) != (config.gpu_memory_utilization, budget_tokens):
             self.gpu_memory = profile_gpu_memory(self.model, config, max_len, budget_tokens, self.pool_bytes())
+        return self.gpu_memory
 
     def kv_bytes_per_block(self, config: EngineConfig) -> int:
-        return self.model.kv_bytes_per_token(config.kv_cache_dtype) * config.block_size
+        return kv_bytes_per_block(config, self.model)
 
     def resolve(self, config: EngineConfig) -> EngineConfig:
-        """Fill the sizes left as None from the model and the memory budget, and check they fit together and
-        in the memory free now."""
-        auto = self.automatic_sizes(config)
-        max_len = config.max_model_len or auto["max_model_len"]
+        """Every automatic field filled (engine/factory.py decides: sizes from the model and the memory budget, the
+        attention backend, the dtype), then checked: the sizes fit together and in the memory free now."""
+        resolved = resolve(config, self.model, self._plan_gpu_memory).config
+        max_len, num_blocks = resolved.max_model_len, resolved.num_kv_blocks
         if max_len > self.model.max_len:
             raise ValueError(f"max_model_len {max_len} exceeds the loaded model's limit ({self.model.max_len})")
-        budget = config.max_num_batched_tokens or auto["max_num_batched_tokens"]
-        num_blocks = config.num_kv_blocks or auto["num_kv_blocks"]
-        resolved = config.replace(max_model_len=max_len, max_num_batched_tokens=budget, num_kv_blocks=num_blocks,
-                                  attention_backend=auto["attention_backend"])
         if resolved.cuda_graphs:
             check_cuda_graphs(self.model.device, resolved.attention_backend, resolved.kv_cache)
         if resolved.kv_cache and not resolved.paged_kv and cdiv(max_len, config.block_size) > num_blocks:

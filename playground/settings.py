@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from engine import EngineConfig
 from engine.config import BUILT_SWITCHES, WEIGHT_FIELDS
-from engine.gpu import resolve_dtype
+from engine.factory import resolve_dtype, resolve_weights
 from engine.quant.format import WeightFormat
 from engine.quant.speed import model_speeds
 
@@ -35,8 +35,9 @@ class SettingsHandlers:
     def settings(self) -> dict:
         """What the form shows: the configuration the engine runs once pending changes apply (so sending the form
         back never undoes one), with None for a size left automatic and for no quantization."""
-        cfg = self.service.config_view().requested
-        return {k: cfg[k] for k in (*BUILT_SWITCHES, *SIZE_FIELDS, *KV_DTYPE_FIELDS, *WEIGHT_FIELDS)}
+        cfg = self.service.config_view().requested  # dtype as this device resolves it: the form offers no "auto"
+        return {k: self._config_value(k, cfg[k]) if k == "dtype" else cfg[k]
+                for k in (*BUILT_SWITCHES, *SIZE_FIELDS, *KV_DTYPE_FIELDS, *WEIGHT_FIELDS)}
 
     def weights_note(self) -> str:
         """What the weights are now, what runs them here, whether each scheme is faster than fp32 on this CPU at all,
@@ -142,8 +143,9 @@ class SettingsHandlers:
         weights = {k: v for k, v in changes.items() if k in WEIGHT_FIELDS}
         kept = f"⚠️ Not applied: the engine keeps its weights ({before}) and its requests"
         try:
-            now, new = (self.llm.config_for(fields) for fields in (view.requested,
-                                                                             {**view.requested, **changes}))
+            # as the weights would be loaded: a requested dtype "auto" is what this device resolves it to
+            now, new = (resolve_weights(self.llm.config_for(fields), self.llm.engine.model.device)
+                        for fields in (view.requested, {**view.requested, **changes}))
         except ValueError as exc:
             return f"{kept}: {exc}"
         if (now.dtype, WeightFormat.of(now)) == (new.dtype, WeightFormat.of(new)):

@@ -247,7 +247,8 @@ def reference_outputs(tiny, prompts: list[list[int]]) -> dict[tuple[int, ...], l
     missing = list({tuple(p) for p in prompts} - set(_reference))
     if missing:
         folder, model, tokenizer, hf_config = tiny
-        cfg = EngineConfig.from_kwargs(model=folder, block_size=16, num_kv_blocks=512, prefix_caching=False)
+        cfg = EngineConfig.from_kwargs(model=folder, dtype="float32", block_size=16, num_kv_blocks=512,
+                                       prefix_caching=False)
         eng = LLMEngine(cfg, model, tokenizer, hf_config)
         params = SamplingParams(temperature=0, max_tokens=REF_TOKENS, ignore_eos=True)
         ids = {eng.add_request(list(p), params): p for p in missing}
@@ -305,7 +306,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
     if not cfg["paged_kv"]:
         cfg = {**cfg, "max_model_len": CONTIGUOUS_MAX_LEN,
                "num_kv_blocks": max(cfg["num_kv_blocks"], CONTIGUOUS_MAX_LEN // cfg["block_size"])}
-    eng = LLMEngine(EngineConfig.from_kwargs(model=folder, **cfg), model, tokenizer, hf_config)
+    eng = LLMEngine(EngineConfig.from_kwargs(model=folder, dtype="float32", **cfg), model, tokenizer, hf_config)
     bs, num_blocks, max_len = cfg["block_size"], cfg["num_kv_blocks"], eng.config.max_model_len
     base = data.draw(st.lists(st.integers(3, 49151), min_size=24, max_size=24), label="shared prefix")
 
@@ -450,7 +451,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
 def test_engine_properties_exercise_preemption_and_prefix_hits(tiny):
     """The random test above is only as good as what it reaches: this fixed case must preempt and hit the cache."""
     folder, model, tokenizer, hf_config = tiny
-    cfg = EngineConfig.from_kwargs(model=folder, block_size=2, num_kv_blocks=16, max_num_seqs=4)
+    cfg = EngineConfig.from_kwargs(model=folder, dtype="float32", block_size=2, num_kv_blocks=16, max_num_seqs=4)
     eng = LLMEngine(cfg, model, tokenizer, hf_config)
     prefix = list(range(100, 110))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -474,7 +475,7 @@ def test_prefix_cache_after_a_block_size_change_reads_the_right_tokens(tiny):
     shared = [500, 501, 502, 503, 504, 505]
     prompts = [shared + [600 + i for i in range(8)], shared + [700 + i for i in range(8)]]
     ref = reference_outputs(tiny, prompts)
-    cfg = EngineConfig.from_kwargs(model=folder, block_size=2, num_kv_blocks=64)
+    cfg = EngineConfig.from_kwargs(model=folder, dtype="float32", block_size=2, num_kv_blocks=64)
     eng = LLMEngine(cfg, model, tokenizer, hf_config)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts]

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.cuda_graphs import StaticDecodeInputs, batch_buckets, bucket_for, check_cuda_graphs  # noqa: E402
-from engine.gpu import resolve_attention_backend, resolve_dtype  # noqa: E402
+from engine.factory import resolve_attention_backend, resolve_dtype  # noqa: E402
 from engine.models import random_models as rm  # noqa: E402
 
 

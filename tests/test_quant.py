@@ -747,4 +747,5 @@ def test_weights_cannot_change_while_serving(fp32):
 
 def test_an_engine_refuses_weights_stored_otherwise_than_its_config_says(fp32):
     with pytest.raises(ValueError, match="weights are float32, unquantized, but the config asks for float32, int8"):
-        LLMEngine(EngineConfig.from_kwargs(quantization="int8", num_kv_blocks=8), fp32.engine.model, fp32.tokenizer)
+        LLMEngine(EngineConfig.from_kwargs(dtype="float32", quantization="int8", num_kv_blocks=8), fp32.engine.model,
+                  fp32.tokenizer)

@@ -475,8 +475,8 @@ def test_seeded_request_joining_a_running_batch(llm, alone):
 
 def test_seeded_request_is_reproduced_through_preemption(llm, alone):
     """A tiny pool preempts and recomputes it: each generated token still takes one draw of its generator."""
-    cfg = EngineConfig.from_kwargs(model=str(llm.model_path), block_size=4, num_kv_blocks=12, max_num_seqs=4,
-                                   max_model_len=256)
+    cfg = EngineConfig.from_kwargs(model=str(llm.model_path), dtype="float32", block_size=4, num_kv_blocks=12,
+                                   max_num_seqs=4, max_model_len=256)
     eng = LLMEngine(cfg, llm.engine.model, llm.tokenizer, llm.engine.hf_config)
     rids = [eng.add_request(p, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)) for p in OTHERS[:2]]
     rid = eng.add_request(PROMPT, SamplingParams(**SEEDED, seed=1234))

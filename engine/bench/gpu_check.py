@@ -77,7 +77,7 @@ def random_engine(model: str, dtype: str, device: str, overrides: dict, fields: 
 
     from ..config import EngineConfig
     from ..engine import LLMEngine
-    from ..llm import DTYPES
+    from ..factory import TORCH_DTYPES as DTYPES
     from ..models.random_models import load_random_model
     from ..quant.format import WeightFormat
     config = EngineConfig.from_kwargs(model=model, dtype=dtype, device=device, **fields)
@@ -103,7 +103,7 @@ def _hf_model(model: str, dtype: str, device: str, overrides: dict):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..llm import DTYPES
+    from ..factory import TORCH_DTYPES as DTYPES
     from ..models.random_models import hf_config, random_name, random_state_dict
     config = hf_config(random_name(model), **overrides)
     hf = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], attn_implementation="sdpa")

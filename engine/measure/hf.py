@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from ..llm import DTYPES, LLM
+from ..factory import TORCH_DTYPES
+from ..llm import LLM
 from ..workloads import Workload
 from .runs import random_prompts
 
@@ -14,7 +15,7 @@ from .runs import random_prompts
 def load_hf_model(llm: LLM) -> Any:
     """transformers' model over the same weights, in the engine's dtype (float32 by default) and device."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=DTYPES[llm.config.dtype])
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=TORCH_DTYPES[llm.config.dtype])
     return hf.to(llm.engine.model.device).eval()
 
 

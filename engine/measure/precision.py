@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..engine import LLMEngine, stored_as
-from ..llm import LLM
+from ..llm import LLM, engine_for
 from ..quant.format import WeightFormat
 from ..quant.speed import model_speeds
 from ..sampler import SamplingParams
@@ -154,7 +154,7 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
             progress(len(specs) + r, len(specs) + rounds, f"round {r + 1} of {rounds}")
         for i, (config, model) in enumerate(zip(configs, models, strict=True)):
             fields = {**(settings or {}), **config.to_dict(), "speculative_decoding": False}
-            engine = LLMEngine(llm.config_for(fields), model, llm.tokenizer, llm.engine.hf_config)
+            engine = engine_for(llm.config_for(fields), model, llm.tokenizer, llm.engine.hf_config)
             engine.add_request(prompt, params)
             for _ in range(4):  # the prefill and a few decodes: first-call costs stay out
                 engine.step()

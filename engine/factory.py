@@ -1,0 +1,130 @@
+"""The one place an automatic setting is decided: the device ("auto"), the dtype ("auto"), the attention backend
+(None), the sizes left None (max_model_len, max_num_batched_tokens, num_kv_blocks) and the kernel that runs the
+weights' precision. `resolve` turns what was asked into a `Resolved`: the request as asked, every choice made, and
+what each automatic field came to.
+
+Layering: these are pure decisions over a config, a device and a loaded model; this module imports neither the
+engine nor reconfigure.py, so both may import it (llm.py builds engines from its answers, reconfigure.py resolves
+each new configuration through it). A CUDA memory profile is measured by gpu.py and cached by the caller; the
+factory only says when one is needed and what the pool comes to from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .gpu import GpuMemoryPlan, kv_budget_bytes
+from .quant.kernels import choose_kernel
+from .utils import cdiv
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# (config, max_model_len, step tokens) -> the CUDA memory plan, measured by the caller (which keeps it)
+PlanGpuMemory = Callable[[EngineConfig, int, int], GpuMemoryPlan | None]
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto': CUDA when a GPU is there, else the CPU; a CUDA device asked for without one is refused."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but no CUDA GPU is available")
+    return torch.device(device)
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """'auto': bfloat16 on CUDA (half the bytes, the tensor cores' type), float16 on a GPU without bf16 (a T4, as
+    Colab's free tier lends: bf16 there is emulated), float32 on CPU (exact, and fast there)."""
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
+
+
+def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str:
+    """None: triton on CUDA when there is a KV cache to page through (in the model's dtype), sdpa otherwise. An
+    explicit 'triton' is checked here (triton importable, a device it can run on), so a bad choice fails at
+    construction."""
+    backend = config.attention_backend
+    if backend is None:
+        backend = ("triton" if device.type == "cuda" and config.kv_cache and config.kv_cache_dtype != "int8"
+                   and _triton_importable() else "sdpa")
+    if backend == "triton":
+        if config.kv_cache_dtype == "int8":
+            raise ValueError("kv_cache_dtype='int8' is dequantized by the sdpa attention backend only: use "
+                             "attention_backend='sdpa' with it (the triton kernels read the model's dtype)")
+        if not config.kv_cache:
+            raise ValueError("attention_backend='triton' reads K/V from the paged cache: it needs kv_cache=True "
+                             "(use attention_backend='sdpa' for the naive loop)")
+        if not _triton_importable():
+            raise ValueError("attention_backend='triton' needs the triton package: pip install triton")
+        from .attention.triton_paged import require_triton
+        require_triton(device)
+    return backend
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def automatic_sizes(config: EngineConfig, model, plan_gpu_memory: PlanGpuMemory | None = None) -> dict:
+    """What each size left empty (None) and the attention backend come to, given config's other fields and the
+    loaded model. On CUDA with nothing fixing the pool's size, `plan_gpu_memory` is asked for the memory profile."""
+    max_len = config.max_model_len or model.max_len
+    device = model.device
+    budget_tokens = config.max_num_batched_tokens or config.default_max_num_batched_tokens(max_len, device.type)
+    plan = None
+    if (plan_gpu_memory is not None and device.type == "cuda" and config.kv_cache_memory_gb is None
+            and config.num_kv_blocks is None and config.kv_cache):
+        plan = plan_gpu_memory(config, max_len, budget_tokens)
+    num_blocks = max(1, kv_budget_bytes(config, device, plan) // kv_bytes_per_block(config, model))
+    # never more than every seat filled to max_model_len: beyond that the memory would sit idle
+    num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
+    return {"max_model_len": model.max_len,
+            "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len, device.type),
+            "num_kv_blocks": num_blocks, "attention_backend": resolve_attention_backend(config, device)}
+
+
+def kv_bytes_per_block(config: EngineConfig, model) -> int:
+    return model.kv_bytes_per_token(config.kv_cache_dtype) * config.block_size
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A configuration as asked (`requested`: "auto" and None kept) and as it runs (`config`: every choice made)."""
+    requested: EngineConfig
+    config: EngineConfig
+
+    def weights_kernel(self) -> str:
+        """The kernel this device runs the weights' precision with, and why (quant/kernels.py decides)."""
+        choice = choose_kernel(self.config.quantization, self.config.device, TORCH_DTYPES[self.config.dtype])
+        return f"{choice.kernel}: {choice.why}"
+
+    def chosen(self) -> dict:
+        """For each field left automatic, what it came to; and the weights' kernel."""
+        out = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(EngineConfig)
+               if getattr(self.requested, f.name) in (None, "auto")
+               and getattr(self.config, f.name) != getattr(self.requested, f.name)}
+        return {**out, "weights_kernel": self.weights_kernel()}
+
+
+def resolve_weights(requested: EngineConfig, device: torch.device) -> EngineConfig:
+    """What loading the weights needs decided before there is a model: the dtype (the device is `device`)."""
+    return requested.replace(dtype=resolve_dtype(requested.dtype, device))
+
+
+def resolve(requested: EngineConfig, model, plan_gpu_memory: PlanGpuMemory | None = None) -> Resolved:
+    """Every automatic field of `requested` decided for this loaded model (checks that sizes fit are
+    reconfigure.py's)."""
+    auto = automatic_sizes(requested, model, plan_gpu_memory)
+    device = requested.device if requested.device != "auto" else model.device.type
+    config = resolve_weights(requested, model.device).replace(
+        device=device, max_model_len=requested.max_model_len or auto["max_model_len"],
+        max_num_batched_tokens=requested.max_num_batched_tokens or auto["max_num_batched_tokens"],
+        num_kv_blocks=requested.num_kv_blocks or auto["num_kv_blocks"], attention_backend=auto["attention_backend"])
+    return Resolved(requested, config)
