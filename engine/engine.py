@@ -18,6 +18,7 @@ from .blocks import KVCacheManager, NoKVCache
 from .config import EngineConfig
 from .factory import Resolved
 from .gpu import GpuMemoryPlan
+from .output import OutputProcessor, eos_token_ids
 from .quant.format import WeightFormat
 from .reconfigure import Reconfiguration
 from .request import Request, RequestOutput, RequestStatus
@@ -64,7 +65,16 @@ class LLMEngine:
         # on a CPU the compute threads follow the cores other processes leave free; a GPU's host thread is one
         self.cores = CoreShare() if model.device.type == "cpu" else CoreShare(most=1)
         self.generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
-        self.eos_token_ids = _eos_ids(tokenizer, hf_config)
+        # each new token's text and whether it ends its request (engine/output.py)
+        self.output = OutputProcessor(tokenizer, eos_token_ids(tokenizer, hf_config))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.output.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.output.eos_token_ids = set(ids)
 
     # ---- configuration (engine/reconfigure.py does the work) -------------------------------------------
     def use(self, config: EngineConfig, kv: KVCacheManager | NoKVCache, runner: ModelRunner) -> None:
@@ -189,6 +199,7 @@ class LLMEngine:
             gen = torch.Generator(device=self.model.device).manual_seed(params.seed)
         req = Request(request_id, token_ids, params, text, arrival_time, gen, priority)
         self.requests[request_id] = req
+        self.output.add(request_id)
         self.scheduler.add(req)
         return request_id
 
@@ -301,8 +312,7 @@ class LLMEngine:
                 if req.logprobs is not None:
                     req.logprobs.append(logprobs)
                 entry.num_new_tokens += 1
-                self._detokenize(req)
-                reason = self._stop_reason(req, token)
+                reason = self.output.process(req, token, self.config.max_model_len)
                 if reason:
                     break
             self.generation_tokens_total += entry.num_new_tokens
@@ -314,36 +324,13 @@ class LLMEngine:
                 rec.finished.append((req.request_id, reason))
                 outputs.append(self._pop(req))
             else:
-                outputs.append(req.to_output())
+                outputs.append(req.to_output(self.output.text(req.request_id)))
         return outputs
 
     def _pop(self, req: Request) -> RequestOutput:
+        """A finished or aborted request's last output; the engine and the output processor let it go."""
         self.requests.pop(req.request_id, None)
-        return req.to_output()
-
-    def _detokenize(self, req: Request) -> None:
-        """Append the new token's text, decoding only a short window of recent tokens."""
-        d, ids = req.detok, req.output_token_ids
-        prefix = self.tokenizer.decode(ids[d.prefix_offset:d.read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[d.prefix_offset:], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            req.text += full[len(prefix):]
-            d.prefix_offset, d.read_offset = d.read_offset, len(ids)
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            return "stop"
-        if p.stop:
-            start = max(0, req.detok.stop_scan_from - max(len(s) for s in p.stop))
-            hits = [i for i in (req.text.find(s, start) for s in p.stop) if i >= 0]
-            req.detok.stop_scan_from = len(req.text)
-            if hits:
-                req.text = req.text[:min(hits)]
-                return "stop"
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+        return req.to_output(self.output.pop(req.request_id))
 
     # ---- the view inside -----------------------------------------------------------------------------
     def snapshot(self, num_steps: int = 64) -> EngineSnapshot:
@@ -416,16 +403,6 @@ def _check_weights(config: EngineConfig, model) -> None:
     if have != want:
         raise ValueError(f"the model's weights are {have[0]}, {have[1].describe()}, but the config asks for "
                          f"{want[0]}, {want[1].describe()}: load the model with them (LLM(..., dtype=, quantization=))")
-
-
-def _eos_ids(tokenizer, hf_config) -> set[int]:
-    ids = set()
-    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    return ids
 
 
 __all__ = ["ContextLengthError", "LLMEngine", "RequestStatus"]

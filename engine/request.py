@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -79,11 +79,9 @@ class Request:
         self.recomputing = False  # re-prefilling after a preemption or a pool rebuild: prefix hits are not counted
         self.generator = generator
         self.finish_reason: str | None = None
-        self.text = ""
         self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         # indexed by prompt position, filled in order as the prompt is computed (a recompute never redoes them)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None if params.prompt_logprobs is None else [None]
-        self.detok = _DetokState()
         self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                       num_prompt_tokens=self.num_prompt_tokens)
 
@@ -112,8 +110,9 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def to_output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
+    def to_output(self, text: str) -> RequestOutput:
+        """`text`: the generated text so far, which the output processor keeps (engine/output.py)."""
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, text,
                              self.output_token_ids, self.finished, self.finish_reason, self.metrics,
                              logprobs=None if self.logprobs is None else list(self.logprobs),
                              prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
@@ -122,10 +121,3 @@ class Request:
         return (f"Request({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")
 
-
-@dataclass
-class _DetokState:
-    """Offsets for incremental detokenization (decode a short window, not the whole output)."""
-    prefix_offset: int = 0
-    read_offset: int = 0
-    stop_scan_from: int = field(default=0)
