@@ -1,8 +1,16 @@
-"""Attention over the paged KV cache. `sdpa` is the reference path (CPU and GPU); `triton` the paged kernels
-(triton_paged.py, imported only when used, so triton is never needed on CPU)."""
-from .paged import PagedMetadata
-from .sdpa import AttentionMetadata, KeyScale, LayerKV, PrefillSeq
+"""Attention over the paged KV cache. `sdpa` is the reference path (CPU and GPU; on CPU with the C++ kernels, its
+CppPoolBackend); `triton` the paged kernels (triton_paged.py, imported only when used, so triton is never needed on
+CPU). Each backend builds its own metadata (backend.py); the runner asks the one BACKENDS names."""
+from .backend import AttentionBackend, BackendSetup
+from .paged import PagedMetadata, TritonBackend
+from .sdpa import AttentionMetadata, CppPoolBackend, KeyScale, LayerKV, PrefillSeq, SdpaBackend
 from .sdpa import attention as sdpa_attention
+
+# a backend's name (engine/factory.py resolves which) -> its class, one line a backend
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    "sdpa": SdpaBackend,
+    "triton": TritonBackend,
+}
 
 
 def attention(q, k, v, cache: LayerKV | None, meta):
@@ -16,4 +24,5 @@ def attention(q, k, v, cache: LayerKV | None, meta):
     return sdpa_attention(q, k, v, cache, meta)
 
 
-__all__ = ["AttentionMetadata", "KeyScale", "LayerKV", "PagedMetadata", "PrefillSeq", "attention"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "BackendSetup", "CppPoolBackend", "KeyScale",
+           "LayerKV", "PagedMetadata", "PrefillSeq", "SdpaBackend", "TritonBackend", "attention"]

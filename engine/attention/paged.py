@@ -1,15 +1,19 @@
-"""The metadata of the paged kernels (`attention_backend="triton"`), built once per step from the schedule.
+"""The triton backend (`attention_backend="triton"`): the paged kernels' metadata, built once per step from the
+schedule.
 
-Kept apart from the kernels so the runner can build it without importing triton. Every tensor here is made on
+Kept apart from the kernels (triton_paged.py) so it is built without importing triton. Every tensor here is made on
 the host in one go and copied to the device (pinned and non-blocking on CUDA), so no kernel waits on Python
 lists mid-forward, and nothing is gathered: the kernels read the block tables themselves.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ..scheduler import Phase, ScheduledRequest
+from .backend import AttentionBackend, ToDevice
 
 
 @dataclass
@@ -28,9 +32,6 @@ class PagedMetadata:
     num_prefill: int = 0
     max_prefill_query_len: int = 0
     backend: str = "triton"
-
-
-ToDevice = Callable[[list, torch.dtype], torch.Tensor]
 
 
 def host_to_device(device: torch.device) -> ToDevice:
@@ -70,3 +71,19 @@ def build_paged_metadata(decodes: Sequence[tuple[list[int], int]], prefills: Seq
         meta.prefill_context_lens = to_device(lens, torch.int32)
         meta.max_prefill_query_len = max(p[2] for p in prefills)
     return meta
+
+
+class TritonBackend(AttentionBackend):
+    """The paged Triton kernels read the block tables themselves: nothing is gathered, no mask is built."""
+    kernel = "Triton paged kernels"
+
+    def build(self, ordered: list[ScheduledRequest], decodes: list[ScheduledRequest], slots: list[int],
+              positions: torch.Tensor) -> PagedMetadata:
+        prefills: list[tuple[list[int], int, int, int]] = []
+        row = len(decodes)
+        for s in ordered:
+            if s.phase is not Phase.DECODE:
+                prefills.append((s.request.block_table, row, s.num_tokens, s.end))
+                row += s.num_tokens
+        return build_paged_metadata([(s.request.block_table, s.end) for s in decodes], prefills, slots,
+                                    self.setup.block_size, self.setup.to_device)

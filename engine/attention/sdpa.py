@@ -2,7 +2,7 @@
 
 On CPU with the engine's C++ kernels (cpu_kernels.py) every row of a step reads its own slots of the pool in one
 call a layer: a decode row its request's whole context, a prefill chunk's rows their request's context up to their
-own position (causal), after the step's K/V are written (runner.prepare builds the lists). Without it:
+own position (causal), after the step's K/V are written (CppPoolBackend builds the lists). Without it:
 decode rows (one query each) are batched: their keys are gathered from the cache through a padded slot
 index and a mask hides the padding (no mask when they are all as long: SDPA is faster without one); GQA is
 handled by folding each KV head's query group into the query axis, so K/V are never repeated. Each prefill runs
@@ -10,6 +10,7 @@ on its own: causally on its fresh K/V when nothing was cached before it, or agai
 (prefix-cache hits) with an offset causal mask.
 An int8 cache stores K and V with a scale per token and KV head: quantized as they are written, dequantized as
 they are read. With kv_cache_smoothing its keys are first divided per channel by a calibrated scale (KeyScale).
+The metadata of both: SdpaBackend (gathered K/V) and CppPoolBackend (every row over the pool), at the end.
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .. import cpu_kernels
 from ..quant import dequantize_int8, quantize_int8
+from ..scheduler import Phase, ScheduledRequest
+from ..utils import cdiv
+from .backend import AttentionBackend, BackendSetup, slots_of
 
 
 @dataclass
@@ -65,7 +70,7 @@ class AttentionMetadata:
     # over its rows in flight: those need the rows dequantized)
     write_kv: Callable | None = None
     decode_lens: torch.Tensor | None = None  # [num_decode] int64
-    # [num_tokens] int64, when the C++ kernel attends every row of the step (runner.prepare): row t reads the first
+    # [num_tokens] int64, when the C++ kernel attends every row of the step (CppPoolBackend): row t reads the first
     # decode_lens[t] slots of list decode_slots[decode_lists[t]] (its request's context, up to its own position)
     decode_lists: torch.Tensor | None = None
     prefills: list[PrefillSeq] = field(default_factory=list)
@@ -192,3 +197,98 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV 
                                             attn_mask=mask, is_causal=causal, enable_gqa=group > 1)
         out[rows] = op[0].transpose(0, 1).reshape(seq.num_tokens, num_heads * head_dim)
     return out
+
+
+class SdpaBackend(AttentionBackend):
+    """torch SDPA over K/V gathered from the pool (CPU and GPU, the reference): decodes batched under a mask where
+    they are not all as long, each prefill chunk or verify causally over its cached context plus its new rows."""
+    kernel = "torch SDPA over gathered K/V"
+
+    @classmethod
+    def create(cls, setup: BackendSetup) -> AttentionBackend:
+        """On CPU, with a KV cache, fp32 or bf16 weights (the pool in the same dtype or int8) and the engine's C++
+        kernels built: CppPoolBackend; their functions looked up here, at load, rather than in the first step."""
+        if (setup.use_kv_cache and setup.device.type == "cpu" and setup.dtype in (torch.float32, torch.bfloat16)
+                and (ext := cpu_kernels.compiled()) is not None):
+            return CppPoolBackend(setup, ext.decode_attention, ext.write_kv)
+        return cls(setup)
+
+    def _metadata(self, decodes: list[ScheduledRequest], slots: list[int]) -> AttentionMetadata:
+        s = self.setup
+        return AttentionMetadata(slot_mapping=s.to_device(slots, torch.long) if s.use_kv_cache else None,
+                                 num_decode=len(decodes), kv_int8=s.kv_int8, key_scales=s.key_scales,
+                                 write_kv=self.write_kv)
+
+    def build(self, ordered: list[ScheduledRequest], decodes: list[ScheduledRequest], slots: list[int],
+              positions: torch.Tensor) -> AttentionMetadata:
+        bs, dev = self.setup.block_size, self.setup.device
+        meta = self._metadata(decodes, slots)
+        row = len(decodes)
+        for s in ordered:
+            if s.phase is Phase.DECODE:
+                continue
+            start, n = s.start, s.num_tokens
+            seq = PrefillSeq(row, n)
+            if start > 0:  # earlier tokens come from the cache: attend to all of them
+                seq.context_slots = torch.tensor(slots_of(s.request.block_table, 0, start + n, bs), device=dev)
+                allowed = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)
+                seq.mask = self._additive(allowed)
+            meta.prefills.append(seq)
+            row += n
+        if decodes:  # gathered for SDPA, under a mask where they are not all as long
+            meta.decode_slots = self._slot_lists(decodes)
+            ctx = torch.tensor([s.end for s in decodes], device=dev)
+            max_ctx = meta.decode_slots.shape[1]
+            if int(ctx.min()) < max_ctx:  # all as long (one request, say): nothing to hide, and SDPA without a
+                # mask was several times faster here (adding a mask of zeros changes no float)
+                pos = torch.arange(max_ctx, device=dev)
+                allowed = (pos.unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
+                meta.decode_mask = self._additive(allowed)
+        return meta
+
+    def _slot_lists(self, seqs: list[ScheduledRequest]) -> torch.Tensor:
+        """[len(seqs), longest end] each scheduled request's slots for positions 0 .. its end after this step, the
+        shorter padded with slot 0's (never read: every reader stops at its own length)."""
+        bs, dev, max_ctx = self.setup.block_size, self.setup.device, max(s.end for s in seqs)
+        width = cdiv(max_ctx, bs)
+        tables = torch.tensor([s.request.block_table[:width] + [0] * (width - len(s.request.block_table[:width]))
+                               for s in seqs], dtype=torch.long, device=dev)
+        pos = torch.arange(max_ctx, device=dev)
+        return tables[:, pos // bs] * bs + pos % bs
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A float mask (0 / -inf) built once per step; a bool mask would be converted again in every layer."""
+        mask = torch.zeros(allowed.shape, dtype=self.setup.dtype, device=self.setup.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
+
+
+class CppPoolBackend(SdpaBackend):
+    """The sdpa backend on CPU with the engine's C++ kernels (cpu_kernels.py): this step's K/V written into the pool
+    in one call, then every row of the step, a prefill chunk's as well as decodes, attended over the pool in one
+    call a layer, each row up to its own position. It does a prefill wave's attention in a fraction of the time of
+    torch's SDPA a sequence (docs/measurements.md, "On a faster AMD EPYC, with every row's attention in C++").
+    With decode_attention set to None (tests, `bench kernel-worth`) it builds SdpaBackend's gathered metadata."""
+
+    def __init__(self, setup: BackendSetup, decode_attention: Callable, write_kv: Callable) -> None:
+        super().__init__(setup)
+        self.decode_attention, self.write_kv = decode_attention, write_kv
+
+    @property
+    def kernel(self) -> str:
+        return "C++ over the paged pool" if self.decode_attention is not None else SdpaBackend.kernel
+
+    def build(self, ordered: list[ScheduledRequest], decodes: list[ScheduledRequest], slots: list[int],
+              positions: torch.Tensor) -> AttentionMetadata:
+        """Each scheduled request's slot list (its context up to the end of this step's rows), and for each row
+        which list it reads and how far: up to its own position, so a prefill chunk's rows attend causally over
+        the pool (its own new K/V, written first, and any cached prefix)."""
+        if self.decode_attention is None:
+            return super().build(ordered, decodes, slots, positions)
+        meta = self._metadata(decodes, slots)
+        meta.decode_slots = self._slot_lists(ordered)
+        meta.decode_attention, meta.decode_lens = self.decode_attention, positions + 1
+        if meta.num_decode < len(ordered):  # else row b reads list b: the decode step's own call (its decode rows)
+            dev = self.setup.device
+            counts = torch.tensor([s.num_tokens for s in ordered], device=dev)
+            meta.decode_lists = torch.repeat_interleave(torch.arange(len(ordered), device=dev), counts)
+        return meta
