@@ -72,7 +72,9 @@ def test_the_engine_reports_what_its_automatic_sizes_came_to(llm):
     assert engine.resolved.chosen()["num_kv_blocks"] == engine.config.num_kv_blocks > 0
 
 
-def test_attention_backend_none_is_sdpa_on_cpu_and_a_bad_one_is_refused(llm):
+def test_attention_backend_none_is_sdpa_on_cpu_and_a_bad_one_is_refused(llm, monkeypatch):
+    # tests/test_triton_attention.py sets Triton's CPU interpreter on for the whole session when it is collected
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
     assert resolve_attention_backend(EngineConfig(), cpu) == "sdpa"
     assert llm.engine.requested_config.attention_backend is None and llm.engine.config.attention_backend == "sdpa"
