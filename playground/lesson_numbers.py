@@ -123,14 +123,18 @@ def spread(history: Iterable, metric: str, t0: float, t1: float, parts: int = PA
 
 def moved_beyond_noise(before: float | None, after: float | None, noise_before: tuple[float, float] | None,
                        noise_after: tuple[float, float] | None) -> str | None:
-    """"up" or "down" when the number moved by more than it varies inside either phase; None when it did not (or
+    """"up" or "down" when the number moved beyond the noise: every part of one phase lies above every part of the
+    other (their ranges do not overlap), or it moved by more than half the wider range; None when it did not (or
     there is nothing to compare)."""
     if before is None or after is None or before == after:
         return None
+    way = "up" if after > before else "down"
+    if noise_before is not None and noise_after is not None:
+        low, high = (noise_before, noise_after) if way == "up" else (noise_after, noise_before)
+        if low[1] < high[0]:  # a slow start inside a phase widens its range, but not past the other phase's
+            return way
     noise = max(((r[1] - r[0]) / 2 for r in (noise_before, noise_after) if r is not None), default=0.0)
-    if abs(after - before) <= noise:
-        return None
-    return "up" if after > before else "down"
+    return None if abs(after - before) <= noise else way
 
 
 def series(history: Iterable, metric: str, t0: float, t1: float, bin_s: float = 2.0) -> list[tuple[float, float]]:

@@ -75,7 +75,8 @@ def test_two_lessons_with_a_presenter_and_an_attendee(served, browser, tmp_path_
     phase_has(presenter, "done")
     phase_has(attendee, "done")
     numbers = attendee.locator("#lesson-numbers").inner_text()
-    assert "tokens/s" in numbers and "before" in numbers and "went" in numbers
+    # the verdict is one sentence either way: a tiny model's timing may move or stay within its noise
+    assert "tokens/s" in numbers and "before" in numbers and ("went" in numbers or "beyond the noise" in numbers)
     first = pg.lessons.records[0]  # measured, not copied: the numbers of this run (a tiny model's direction is
     assert first["lesson"] == "01-kv-cache" and first["before"]["tpot_s"] > 0 < first["after"]["tpot_s"]  # noise)
     attendee.screenshot(path=str(docs / "lesson-attendee-done.png"), full_page=True)

@@ -79,6 +79,9 @@ def test_a_phase_knows_what_its_number_rests_on_and_how_much_it_varies():
     assert moved_beyond_noise(10.0, 10.4, (9.5, 10.5), (10.0, 10.9)) is None  # inside the noise
     assert moved_beyond_noise(10.0, 6.0, (9.5, 10.5), None) == "down"
     assert moved_beyond_noise(None, 1.0, None, None) is None
+    # a phase whose parts ranged widely (4.5-21.5 ms, a slow first part) but all above every part of the other's
+    assert moved_beyond_noise(10.0, 2.5, (4.5, 21.5), (1.5, 3.7)) == "down"
+    assert moved_beyond_noise(10.0, 2.5, (2.0, 21.5), (1.5, 3.7)) is None  # overlapping, and within half the range
 
 
 def test_the_verdict_says_beyond_the_noise_or_why_there_is_nothing_to_say():
