@@ -301,6 +301,18 @@ http {{
         `$remote_addr "$http_x_forwarded_for" "$http_forwarded" "$request" $status`."""
         return self._read("logs", "access.log").splitlines()
 
+    def logged(self, expected_start: str, wait_s: float = 5.0) -> bool:
+        """Whether the access log's last line starts with `expected_start`, waiting up to `wait_s` for it: nginx
+        writes a request's line after its response has gone, so a client may read the log before it is there."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            lines = self.access_log()
+            if lines and lines[-1].startswith(expected_start):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
 
 class _PortTaken(RuntimeError):
     pass
