@@ -63,23 +63,6 @@ class ModelRunner:
         """What attends a decode step here, in words."""
         return self.attention.kernel
 
-    # the backend's C++ kernels (None: none); tests and `bench kernel-worth` switch them off here
-    @property
-    def decode_attention(self):
-        return self.attention.decode_attention
-
-    @decode_attention.setter
-    def decode_attention(self, fn) -> None:
-        self.attention.decode_attention = fn
-
-    @property
-    def write_kv(self):
-        return self.attention.write_kv
-
-    @write_kv.setter
-    def write_kv(self, fn) -> None:
-        self.attention.write_kv = fn
-
     @property
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales) if t is not None)

@@ -47,7 +47,7 @@ def test_sdpa_on_cpu_takes_the_cpp_pool_path_and_without_the_kernels_the_gathere
     metas = _steps(monkeypatch)
     llm = LLM(folder, **ENGINE)
     runner = llm.engine.runner
-    assert type(runner.attention) is CppPoolBackend and runner.decode_attention is not None
+    assert type(runner.attention) is CppPoolBackend and runner.attention.decode_attention is not None
     assert runner.attention_kernel == "C++ over the paged pool"
     with_cpp = check_parity(llm, hf_model, prompts)
     assert metas and all(isinstance(m, AttentionMetadata) and not m.prefills for m in metas)
@@ -58,7 +58,8 @@ def test_sdpa_on_cpu_takes_the_cpp_pool_path_and_without_the_kernels_the_gathere
     metas.clear()
     llm = LLM(folder, **ENGINE)
     runner = llm.engine.runner
-    assert type(runner.attention) is SdpaBackend and runner.decode_attention is None and runner.write_kv is None
+    backend = runner.attention
+    assert type(backend) is SdpaBackend and backend.decode_attention is None and backend.write_kv is None
     assert runner.attention_kernel == "torch SDPA over gathered K/V"
     assert check_parity(llm, hf_model, prompts) == with_cpp
     assert all(m.decode_lists is None and m.decode_attention is None for m in metas)

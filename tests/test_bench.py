@@ -461,7 +461,7 @@ def test_kernel_worth_times_each_kernel_off_and_puts_it_back(tiny_models, tmp_pa
 
     def spy(engine, rows, prompt_len, tokens, seed):
         layer = engine.model.layers[0]
-        seen.append((engine.runner.decode_attention is not None, engine.model.cpu_ops is not None,
+        seen.append((engine.runner.attention.decode_attention is not None, engine.model.cpu_ops is not None,
                      getattr(layer.qkv, "_own", None) is not None,
                      getattr(layer.qkv, "_quantize_rows", None) is not cpu_kernels.quantize_rows_python))
         return real(engine, rows, prompt_len, tokens, seed)

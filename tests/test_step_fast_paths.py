@@ -121,7 +121,7 @@ def test_decodes_all_as_long_need_no_mask_and_get_the_same_floats():
 def test_the_runner_masks_only_decodes_of_different_lengths(tiny_models, monkeypatch):
     """(The SDPA path, as without the C++ decode attention, which reads each row's own length instead.)"""
     llm = LLM(tiny_models["llama"][0], max_model_len=256)
-    llm.engine.runner.decode_attention = None
+    llm.engine.runner.attention.decode_attention = None
     masks = []
     execute = ModelRunner.execute
     monkeypatch.setattr(ModelRunner, "execute",
@@ -246,7 +246,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cpp_decode_attention(ti
     without it prefills run torch's SDPA. The same greedy tokens either way, and the kernel did take the prefills."""
     llm = LLM(tiny_models["llama"][0], max_model_len=256, kv_cache_dtype=kv_cache_dtype,
               max_num_batched_tokens=budget, block_size=4)
-    assert llm.engine.runner.decode_attention is not None
+    assert llm.engine.runner.attention.decode_attention is not None
     shared = list(range(40, 52))  # three prompts share 12 tokens: three blocks of the prefix cache
     prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 9)] + [shared + [100 + i] * (i + 2) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -257,7 +257,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_cpp_decode_attention(ti
     with_cpp = [o.token_ids for o in llm.generate(prompts, params)]
     assert any(every_row), "no prefill went through the C++ kernel"
     assert llm.engine.kv.prefix_cache_hits > 0  # and the shared prompts read their prefix from the cache
-    llm.engine.runner.decode_attention = None
+    llm.engine.runner.attention.decode_attention = None
     every_row.clear()
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_cpp
     assert not any(every_row)
@@ -321,13 +321,13 @@ def test_cpp_kv_write_into_a_pool_of_the_models_dtype_is_index_copy(dtype):
 def test_greedy_tokens_are_the_same_with_and_without_the_cpp_kv_write(tiny_models, arch, dtype, kv, smoothing):
     llm = LLM(tiny_models[arch][0], max_model_len=256, dtype=dtype, kv_cache_dtype=kv,
               kv_cache_smoothing=smoothing)
-    assert llm.engine.runner.write_kv is not None
+    assert llm.engine.runner.attention.write_kv is not None
     if smoothing:  # the keys' scales in the model's dtype, so a bf16 query stays bf16
         assert all(s.query.dtype == s.key_inverse.dtype == llm.engine.model.dtype for s in llm.engine.runner.key_scales)
     prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 9)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with_cpp = [o.token_ids for o in llm.generate(prompts, params)]
-    llm.engine.runner.write_kv = None
+    llm.engine.runner.attention.write_kv = None
     assert [o.token_ids for o in llm.generate(prompts, params)] == with_cpp
 
 

@@ -36,7 +36,7 @@ def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> l
 
 class AttentionBackend(ABC):
     # the engine's C++ kernels this backend calls (cpu_kernels.py), None where it calls none; tests and
-    # `bench kernel-worth` set them to None through the runner to run the torch path instead
+    # `bench kernel-worth` set them to None (runner.attention.decode_attention) to run the torch path instead
     decode_attention: Callable | None = None
     write_kv: Callable | None = None
 

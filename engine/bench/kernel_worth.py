@@ -57,12 +57,12 @@ def _off(engine, kernel: str, torch_model):
     """The engine with one kernel on its torch path for the duration (restored after)."""
     runner, model = engine.runner, engine.model
     if kernel == "attention":
-        saved = runner.decode_attention, runner.write_kv
-        runner.decode_attention = runner.write_kv = None
+        saved = runner.attention.decode_attention, runner.attention.write_kv
+        runner.attention.decode_attention = runner.attention.write_kv = None
         try:
             yield engine
         finally:
-            runner.decode_attention, runner.write_kv = saved
+            runner.attention.decode_attention, runner.attention.write_kv = saved
     elif kernel == "layer ops":
         saved = model.cpu_ops
         model.cpu_ops = None
