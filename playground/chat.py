@@ -3,6 +3,7 @@ request, and why a reply waits. A mixin of Playground (playground/handlers.py), 
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -19,6 +20,32 @@ PENDING_S = 120.0  # a message sent this long ago whose chat never started (canc
 # a reply's text is sent to the page at most this often (the newest text each time, nothing dropped): each update
 # re-renders the whole reply in every browser that shows it, and a fast engine made hundreds a second
 FRAME_S = 0.05
+# and the room's streaming replies together at most this often a second: each update is the server's work too
+# (the history diffed, encoded and sent), done on the cores and under the lock the engine's step needs, so
+# sixteen replies sent every token doubled a newcomer's wait for their first one. The first token is never held.
+ROOM_FRAMES_PER_S = 80.0
+
+
+class FrameRate:
+    """How often each streaming reply is sent to its page: FRAME_S, or slower while many stream at once so that
+    the room's updates stay within ROOM_FRAMES_PER_S."""
+
+    def __init__(self, room_per_s: float = ROOM_FRAMES_PER_S, fastest_s: float = FRAME_S) -> None:
+        self.room_per_s, self.fastest_s = room_per_s, fastest_s
+        self.streaming = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> FrameRate:
+        with self._lock:
+            self.streaming += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self.streaming -= 1
+
+    def interval(self) -> float:
+        return max(self.fastest_s, self.streaming / self.room_per_s)
 
 
 @dataclass
@@ -116,20 +143,8 @@ class ChatHandlers:
                 else:  # the message shows at once, before the first token
                     yield history, trimmed + "sent, waiting for the first token"
                 history = history + [{"role": "assistant", "content": ""}]
-                for out in service.follow(rid, q, latest=True):
-                    if out.error:
-                        history[-1]["content"] += f"{conversation.ENGINE_ERROR}{out.error}]"
-                        replaced = self.rebuilding is not None or self.service is not service
-                        yield history, ("ended by an engine restart: send the message again" if replaced else
-                                        "the engine stopped; restart it from the Engine settings tab")
-                        return
-                    history[-1]["content"] = out.text
-                    if out.finished:
-                        self.replies.append(out.text)
-                    shown = time.monotonic()
-                    yield history, trimmed + reply_stats(out)
-                    if not out.finished:  # what arrives meanwhile is taken as one update, the newest
-                        time.sleep(max(0.0, FRAME_S - (time.monotonic() - shown)))
+                with self.frames:
+                    yield from self._stream(service, rid, q, history, trimmed)
             finally:  # Stop pressed or tab closed, even while queued: abort the request now, freeing its blocks
                 if service.is_streaming(rid):
                     service.abort(rid)
@@ -139,6 +154,24 @@ class ChatHandlers:
             history = [m for m in history if m.get("content") != ""]
             history.append({"role": "assistant", "content": f"{WARNING} {exc}"})
             yield history, ""
+
+    def _stream(self, service, rid: str, q, history: list[dict], trimmed: str) -> Iterator[tuple[list[dict], str]]:
+        """The reply's updates, the newest text at most once a frame (self.frames: slower while the room streams
+        many); the first and the last never wait."""
+        for out in service.follow(rid, q, latest=True):
+            if out.error:
+                history[-1]["content"] += f"{conversation.ENGINE_ERROR}{out.error}]"
+                replaced = self.rebuilding is not None or self.service is not service
+                yield history, ("ended by an engine restart: send the message again" if replaced else
+                                "the engine stopped; restart it from the Engine settings tab")
+                return
+            history[-1]["content"] = out.text
+            if out.finished:
+                self.replies.append(out.text)
+            shown = time.monotonic()
+            yield history, trimmed + reply_stats(out)
+            if not out.finished:  # what arrives meanwhile is taken as one update, the newest
+                time.sleep(max(0.0, self.frames.interval() - (time.monotonic() - shown)))
 
     def chat_view(self, session: ChatSession | None) -> tuple[ChatView, bool]:
         """A chat tab's live view (the block table with its request highlighted, from the shared figure cache), and

@@ -24,7 +24,7 @@ from engine.workloads import list_workloads, load_workload
 from viz.dashboard import DashboardFigures, FigureCache, since_rebuild
 
 from .access import Access, Seats
-from .chat import ChatHandlers
+from .chat import ChatHandlers, FrameRate
 from .conversation import WARNING
 from .lessons import LessonRunner
 from .measurements import Measurement, MeasurementHandlers, ablation_store
@@ -55,6 +55,7 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
         self._exclusive = threading.Lock()  # one ablation / comparison at a time
         self.measurement: Measurement | None = None  # the one running now, for every tab's status line
         self.replies: deque[str] = deque(maxlen=32)  # final texts of recent chat replies
+        self.frames = FrameRate()  # how often each streaming reply reaches its page (chat.py)
         # the live service, even after a restart; none while one is being replaced (the users wait for it)
         self.traffic = TrafficGenerator(lambda: None if self.rebuilding else self.service)
         self.remote: RemoteServer | None = None  # attached: the dashboard and the chat show that server instead

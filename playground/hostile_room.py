@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import threading
 import time
@@ -60,25 +61,31 @@ def fn_ids(url: str) -> dict[str, int]:
     return {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")}
 
 
-def chat_ttft(session: Session, message: str, max_tokens: int = 16) -> tuple[float | None, str]:
-    """Send one chat from a page; (seconds to its first reply text or None, the reply)."""
-    start, first, text = time.perf_counter(), None, ""
+def chat_ttft(session: Session, message: str, max_tokens: int = 16) -> tuple[float | None, str, float | None]:
+    """Send one chat from a page; (seconds to its first reply text or None, the reply, the engine's own TTFT from
+    the reply's stats line: the rest of the page's wait is the server's delivery)."""
+    start, first, text, stats = time.perf_counter(), None, "", ""
     for outputs in session.stream("chat", [message, [], 0.0, max_tokens, None]):
         text = reply_text(outputs[0]) if outputs and outputs[0] else ""
+        stats = outputs[1] if outputs and len(outputs) > 1 and isinstance(outputs[1], str) else stats
         if text and first is None:
             first = time.perf_counter() - start
-    return first, text
+    engine = re.search(r"TTFT (\d+) ms", stats)
+    return first, text, int(engine.group(1)) / 1e3 if engine else None
 
 
-def visitor_ttfts(url: str, ids: dict[str, int], n: int) -> list[float]:
+def visitor_ttfts(url: str, ids: dict[str, int], n: int) -> tuple[list[float], list[float]]:
+    """The real visitor's n chats: (the page's times to first token, the engine's)."""
     session = Session(url, ids, source=VISITOR)
     session.load()
-    out = []
+    page, engine = [], []
     for i in range(n):
-        ttft, text = chat_ttft(session, f"Say something short about the number {i}.")
+        ttft, text, engine_ttft = chat_ttft(session, f"Say something short about the number {i}.")
         if ttft is not None and not text.startswith("⚠️"):
-            out.append(ttft)
-    return out
+            page.append(ttft)
+            if engine_ttft is not None:
+                engine.append(engine_ttft)
+    return page, engine
 
 
 def flood(url: str, ids: dict[str, int], tally: Tally, stop: threading.Event, max_calls: int = 150) -> None:
@@ -177,19 +184,19 @@ def guess(url: str, ids: dict[str, int], token: str, n: int = 50) -> tuple[int, 
     return compared, held, took, unlocked[0] if unlocked else float("nan")
 
 
-def run(url: str, token: str, seconds: float = 30.0, n: int = 4) -> dict:
+def run(url: str, token: str, seconds: float = 30.0, n: int = 8) -> dict:
     ids = fn_ids(url)
-    quiet = visitor_ttfts(url, ids, n)
+    quiet, quiet_engine = visitor_ttfts(url, ids, n)
     tally, stop = Tally(), threading.Event()
     flooder = threading.Thread(target=flood, args=(url, ids, tally, stop), daemon=True)
     flooder.start()
     time.sleep(min(5.0, seconds / 3))  # the flood is on before the visitor measures
-    flooded = visitor_ttfts(url, ids, n)
+    flooded, flooded_engine = visitor_ttfts(url, ids, n)
     compared, held, guess_s, unlock_s = guess(url, ids, token)
     time.sleep(max(0.0, seconds - 5.0))
     stop.set()
     flooder.join(timeout=120)
-    return {"quiet": quiet, "flooded": flooded, "most_at_once": tally.most_at_once(),
+    return {"quiet": quiet, "flooded": flooded, "quiet_engine": quiet_engine, "flooded_engine": flooded_engine, "most_at_once": tally.most_at_once(),
             "flooder_replies": len(tally.streaming), "flooder_refused": tally.refused_replies,
             "statuses": tally.statuses, "slowest_refusal_s": max(tally.refusal_s, default=0.0),
             "compared": compared, "held": held, "guess_s": guess_s, "unlock_s": unlock_s}
@@ -221,6 +228,8 @@ def main() -> None:
     print(f"| real visitor's TTFT, quiet (median of {len(quiet)}) | {1e3 * median(quiet):.0f} ms |")
     print(f"| real visitor's TTFT, flooded (median of {len(flooded)}) | {1e3 * median(flooded):.0f} ms "
           f"({median(flooded) / median(quiet):.2f}x) |")
+    print(f"| of which the engine's own TTFT, quiet / flooded | {1e3 * median(out['quiet_engine']):.0f} ms / "
+          f"{1e3 * median(out['flooded_engine']):.0f} ms |")
     print(f"| flooder's replies streaming at once, at most | {out['most_at_once']} |")
     print(f"| flooder's replies served / refused by its share | {out['flooder_replies']} / {out['flooder_refused']} |")
     print(f"| wrong tokens compared / held back (50 sent in {out['guess_s']:.1f} s) | {out['compared']} / "

@@ -41,6 +41,24 @@ def test_chat_streams_a_reply_with_its_stats(pg):
     assert "TTFT" in stats and "prefix cache" in stats and "finished: length" in stats
 
 
+def test_the_rooms_streaming_replies_slow_their_frames_together():
+    """Sixteen replies streaming at once are sent less often each, so that the room's updates stay within
+    ROOM_FRAMES_PER_S; one alone (or a few) at FRAME_S; the count goes back down when a stream ends, even by an
+    error."""
+    from playground.chat import FRAME_S, ROOM_FRAMES_PER_S, FrameRate
+    frames = FrameRate()
+    assert frames.interval() == FRAME_S
+    with frames:
+        assert frames.interval() == FRAME_S
+    streams = [FrameRate.__enter__(frames) for _ in range(16)]
+    assert frames.interval() == pytest.approx(16 / ROOM_FRAMES_PER_S) and frames.interval() > FRAME_S
+    for _ in streams:
+        frames.__exit__(None, None, None)
+    with pytest.raises(RuntimeError), frames:
+        raise RuntimeError("a stream cut")
+    assert frames.streaming == 0 and frames.interval() == FRAME_S
+
+
 def test_a_reply_reaches_the_page_at_most_once_a_frame_and_every_step_shows(pg):
     """Each update re-renders the whole reply in every browser showing it: at most one per FRAME_S (the tiny model
     makes a token every few ms: one per token was ~100 updates for this reply), the newest text each time, and the
