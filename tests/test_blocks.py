@@ -1,7 +1,7 @@
 """Property tests of the block pool, the KV cache manager and the engine's scheduling loop.
 
 Two levels:
-- a hypothesis state machine drives KVCacheManager directly (no model) the way the scheduler does:
+- a hypothesis state machine drives the KV manager directly (no model) the way the scheduler does:
   admit with prefix hits, compute, decode, preempt, finish, toggle prefix caching;
 - random interleavings of add_request / step / abort on a real engine (tiny random model) with small
   pools, so that preemption, prefix-cache sharing and eviction all happen.
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.blocks import KVCacheManager, PagedKVCache
+from engine.blocks import Freed, KVCacheManager, PagedKVCache
 from engine.request import Request, RequestStatus
 from tests.conftest import assert_all_blocks_free, build_tiny_model
 
@@ -43,10 +43,11 @@ def check_pool(kv: KVCacheManager, holders: list[Request], idle: list[Request] =
     pool = kv.pool
     counts = Counter()
     for req in holders:
-        assert len(set(req.block_table)) == len(req.block_table), f"{req} holds a block twice"
-        counts.update(req.block_table)
+        table = kv.block_ids(req)
+        assert len(set(table)) == len(table), f"{req} holds a block twice"
+        counts.update(table)
     for req in idle:
-        assert req.block_table == [], f"{req} is not running but holds blocks"
+        assert kv.block_ids(req) == [], f"{req} is not running but holds blocks"
     for block in pool.blocks:
         assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
         assert block.ref_count == counts[block.block_id], (
@@ -70,7 +71,7 @@ def check_pool(kv: KVCacheManager, holders: list[Request], idle: list[Request] =
     # A registered block's content is the holder's tokens at that position (a prefix hit reads the right K/V).
     for req in holders:
         keys = chain_keys(req.token_ids, kv.block_size)
-        for i, block_id in enumerate(req.block_table):
+        for i, block_id in enumerate(kv.block_ids(req)):
             key = pool.blocks[block_id].hash_key
             if key is not None:
                 assert i < len(keys) and key == keys[i], f"{req}: block {block_id} at {i} caches other tokens"
@@ -104,8 +105,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _state(self):
         pool = self.kv.pool
         return ([(b.ref_count, b.hash_key) for b in pool.blocks], list(pool.free_queue), dict(pool.cached),
-                pool.num_evictions, [(r.request_id, list(r.block_table), r.num_cached_blocks) for r in self.running],
-                [(r.request_id, list(r.block_table)) for r in self.waiting])
+                pool.num_evictions, {rid: (list(t.block_ids), t.num_registered) for rid, t in self.kv.tables.items()})
 
     @rule(tokens=TOKENS, copy_from=st.integers(0, 100), keep=st.integers(0, 16))
     def new_request(self, tokens, copy_from, keep):
@@ -122,28 +122,30 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.new_request(tokens, index, index % 16)
         kv, pool = self.kv, self.kv.pool
         req = self.waiting[index % len(self.waiting)]
-        cached = kv.find_cached_prefix(req)
+        prefix = kv.find_cached_prefix(req)
+        cached = prefix.block_ids
+        assert prefix.num_tokens == len(cached) * kv.block_size
         keys = chain_keys(req.token_ids, kv.block_size)
         assert len(cached) <= (req.num_tokens - 1) // kv.block_size, "the last token must always be recomputed"
         for i, block_id in enumerate(cached):
             assert pool.blocks[block_id].hash_key == keys[i], "a prefix hit on a block holding other tokens"
-        num_hit = len(cached) * kv.block_size
         before = self._state()
         touched_free = [b for b in cached if pool.blocks[b].ref_count == 0]
         remaining = [b for b in pool.free_queue if b not in touched_free]
         plain_free = sum(1 for b in remaining if pool.blocks[b].hash_key is None)
         need = cdiv(req.num_tokens, kv.block_size) - len(cached)
-        ok = kv.allocate_slots(req, req.num_tokens - num_hit, cached)
+        alloc = kv.allocate_slots(req, req.num_tokens - prefix.num_tokens, prefix)
+        ok = alloc is not None
         assert ok == (need + len(touched_free) <= len(before[1])), "allocate_slots refused though the pool had room"
         event(f"admit ok={ok} hits={len(cached) > 0} evicted={ok and need > plain_free}")
         if not ok:
             assert self._state() == before, "a refused allocate_slots changed state"
             return
-        assert req.block_table[:len(cached)] == cached
+        assert kv.block_ids(req)[:len(cached)] == cached
         # new blocks come from the front of the free queue: plain ones first, then the oldest cached-free
-        assert req.block_table[len(cached):] == remaining[:need]
+        assert alloc.new_block_ids == kv.block_ids(req)[len(cached):] == remaining[:need]
         assert pool.num_evictions - before[3] == max(0, need - plain_free)
-        req.num_computed_tokens = num_hit
+        req.num_computed_tokens = prefix.num_tokens
         req.status = RequestStatus.RUNNING
         self.waiting.remove(req)
         self.running.append(req)
@@ -163,19 +165,27 @@ class KVCacheMachine(RuleBasedStateMachine):
         if req.num_tokens >= MACHINE_MAX_LEN:
             self._finish(req)
             return
-        before = self._state()
-        if not kv.allocate_slots(req, 1):
+        before, held = self._state(), list(kv.block_ids(req))
+        alloc = kv.allocate_slots(req, 1)
+        if alloc is None:
             assert self._state() == before, "a refused allocate_slots changed state"
             assert kv.pool.num_free == 0 and req.num_tokens % kv.block_size == 1 % kv.block_size
             self._preempt(req)
+        else:
+            assert held + alloc.new_block_ids == kv.block_ids(req)
+
+    def _free(self, req):
+        held = list(self.kv.block_ids(req))
+        assert self.kv.free(req) == Freed(held[::-1]), "free must return every block the request held, tail first"
+        assert req.request_id not in self.kv.tables
 
     def _finish(self, req):
-        self.kv.free(req)
+        self._free(req)
         self.running.remove(req)
         self.done.append(req)
 
     def _preempt(self, req):
-        self.kv.free(req)
+        self._free(req)
         req.num_computed_tokens = 0
         self.running.remove(req)
         self.waiting.insert(0, req)
@@ -201,15 +211,18 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         check_pool(self.kv, self.running, self.waiting, sharing_needs_hash=not self.toggled_off)
         for req in self.running:
-            assert len(req.block_table) == cdiv(req.num_tokens, self.kv.block_size)
+            assert len(self.kv.block_ids(req)) == cdiv(req.num_tokens, self.kv.block_size)
+        assert set(self.kv.tables) <= {r.request_id for r in self.running + self.waiting}, "a table outlived its req"
 
     def teardown(self):
         if self.kv is None:
             return
         for req in list(self.running):
             self._finish(req)
+        for req in self.waiting:  # a lookup may have left their hash keys: free forgets them too
+            self._free(req)
         check_pool(self.kv, [], self.waiting, sharing_needs_hash=not self.toggled_off)
-        assert self.kv.pool.num_free == self.kv.num_blocks
+        assert self.kv.pool.num_free == self.kv.num_blocks and self.kv.tables == {}
         assert all(b.ref_count == 0 for b in self.kv.pool.blocks)
 
 
@@ -272,11 +285,14 @@ def check_engine(eng: LLMEngine, after_step: bool, sharing_needs_hash: bool = Tr
                 assert 0 < req.num_computed_tokens < req.num_tokens and eng.config.chunked_prefill_active
             else:
                 assert req.num_computed_tokens == req.num_tokens - 1
-            need = cdiv(req.num_computed_tokens, kv.block_size) if kv.paged else kv.blocks_per_reservation
-            assert len(req.block_table) == need
+            paged = isinstance(kv, PagedKVCache)
+            need = cdiv(req.num_computed_tokens, kv.block_size) if paged else kv.blocks_per_reservation
+            assert len(kv.block_ids(req)) == need
     for req in s.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and req.num_computed_tokens == 0
+    assert set(kv.tables) <= {r.request_id for r in s.running + list(s.waiting)}, "a table outlived its request"
     snap = eng.snapshot()
+    assert snap.block_tables == {r.request_id: kv.block_ids(r) for r in s.running}  # the picture reads the manager
     assert snap.kv_blocks_used == kv.num_used == sum(1 for rc in snap.block_ref_counts if rc > 0)
     assert snap.kv_blocks_total == kv.num_blocks == len(snap.block_ref_counts)
     assert snap.kv_blocks_cached_free == sum(1 for b in kv.pool.free_queue if kv.pool.blocks[b].hash_key is not None)
