@@ -1,8 +1,9 @@
 """Property tests of the block pool, the KV cache manager and the engine's scheduling loop.
 
 Two levels:
-- a hypothesis state machine drives the KV manager directly (no model) the way the scheduler does:
-  admit with prefix hits, compute, decode, preempt, finish, toggle prefix caching;
+- the KV manager alone: its typed results name the exact blocks (allocations, prefix hits, frees), and a
+  hypothesis state machine drives it (no model) the way the scheduler does: admit with prefix hits, compute,
+  decode, preempt, finish, toggle prefix caching;
 - random interleavings of add_request / step / abort on a real engine (tiny random model) with small
   pools, so that preemption, prefix-cache sharing and eviction all happen.
 After every operation the block accounting must be exact; at the end every block is free, every
@@ -18,7 +19,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.blocks import Freed, KVCacheManager, PagedKVCache
+from engine.blocks import (
+    NO_PREFIX,
+    Allocation,
+    CachedPrefix,
+    ContiguousKVCache,
+    Freed,
+    KVCache,
+    KVCacheManager,
+    NoKVCache,
+    PagedKVCache,
+)
 from engine.request import Request, RequestStatus
 from tests.conftest import assert_all_blocks_free, build_tiny_model
 
@@ -235,6 +246,87 @@ def test_release_below_zero_is_an_error():
     with pytest.raises(RuntimeError, match="ref_count"):
         kv.pool.release(0)
     assert kv.pool.blocks[0].ref_count == 0 and kv.pool.num_free == 4
+
+
+def request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8))
+
+
+def admit(kv: KVCache, req: Request):
+    """What the scheduler does for a new request: look up its prefix, allocate the rest, register its full blocks."""
+    prefix = kv.find_cached_prefix(req)
+    alloc = kv.allocate_slots(req, req.num_tokens - prefix.num_tokens, prefix)
+    if alloc is not None:
+        kv.mark_computed(req, req.num_tokens)
+        kv.cache_full_blocks(req, req.num_tokens)
+    return prefix, alloc
+
+
+def test_allocations_name_the_blocks_they_took_and_the_manager_holds_them():
+    kv = PagedKVCache(8, 2, prefix_caching=False)
+    a, b, c = request("a", [3] * 5), request("b", [4] * 5), request("c", [5] * 5)
+    assert admit(kv, a) == (NO_PREFIX, Allocation([0, 1, 2])) and kv.block_ids(a) == [0, 1, 2]
+    assert admit(kv, b)[1] == Allocation([3, 4, 5]) and kv.block_ids(b) == [3, 4, 5]
+    assert admit(kv, c)[1] is None and kv.block_ids(c) == [] and kv.pool.num_free == 2  # short: nothing changed
+    a.token_ids.append(6)  # a sixth token fits its last block; a seventh needs a new one
+    assert kv.allocate_slots(a, 1) == Allocation([]) and kv.block_ids(a) == [0, 1, 2]
+    a.token_ids.append(7)
+    kv.mark_computed(a, 6)
+    assert kv.allocate_slots(a, 1) == Allocation([6]) and kv.block_ids(a) == [0, 1, 2, 6]
+    assert not any(hasattr(a, name) for name in ("block_table", "num_cached_blocks", "block_hash_keys"))
+
+
+def test_a_prefix_hit_reuses_the_exact_blocks_that_hold_its_tokens():
+    kv = PagedKVCache(16, 2, prefix_caching=True)
+    first = request("first", [10, 11, 12, 13, 14, 15, 16])  # blocks: [10 11] [12 13] [14 15] [16]
+    admit(kv, first)
+    shared = kv.block_ids(first)[:3]
+    second = request("second", [10, 11, 12, 13, 14, 15, 20, 21])
+    prefix, alloc = admit(kv, second)
+    assert prefix == CachedPrefix(shared, 6) and kv.block_ids(second)[:3] == shared
+    assert alloc.new_block_ids == kv.block_ids(second)[3:] and not set(alloc.new_block_ids) & set(shared)
+    assert [kv.pool.blocks[b].ref_count for b in shared] == [2, 2, 2]
+    # the last token is always computed (its logits are needed): an equal prompt hits all but the block holding it
+    assert kv.find_cached_prefix(request("same", [10, 11, 12, 13, 14, 15])) == CachedPrefix(shared[:2], 4)
+    assert kv.find_cached_prefix(request("other", [99, 11, 12, 13])) == NO_PREFIX
+    # freed, the blocks stay cached: a later request with the prefix gets the very same blocks back
+    kv.free(first), kv.free(second)
+    third = request("third", [10, 11, 12, 13, 14, 15, 30])
+    assert admit(kv, third)[0] == CachedPrefix(shared, 6) and kv.block_ids(third)[:3] == shared
+
+
+def test_free_returns_every_block_the_request_held_tail_first():
+    kv = PagedKVCache(8, 2, prefix_caching=True)
+    a, b = request("a", [3, 4, 5, 6, 7]), request("b", [3, 4, 5, 6, 8])
+    admit(kv, a), admit(kv, b)
+    held_a, held_b = list(kv.block_ids(a)), list(kv.block_ids(b))
+    assert held_a[:2] == held_b[:2]  # shared
+    assert kv.free(a) == Freed(held_a[::-1]) and kv.free(b) == Freed(held_b[::-1])
+    assert kv.free(b) == Freed([])  # nothing left to free
+    assert kv.tables == {} and kv.pool.num_free == 8 and kv.num_used == 0
+    assert all(block.ref_count == 0 for block in kv.pool.blocks)
+
+
+def test_contiguous_reserves_one_run_of_blocks_per_request():
+    kv = ContiguousKVCache(8, 2, max_model_len=6)  # 3 blocks a request, whatever it uses
+    a, b, c = request("a", [3]), request("b", [4] * 5), request("c", [5])
+    assert admit(kv, a) == (NO_PREFIX, Allocation([0, 1, 2])) and admit(kv, b)[1] == Allocation([3, 4, 5])
+    assert kv.allocate_slots(a, 1) == Allocation([])  # its reservation already holds every token it may have
+    assert admit(kv, c)[1] is None  # 2 blocks left: no run of 3
+    assert kv.free(a) == Freed([2, 1, 0]) and admit(kv, c)[1] == Allocation([0, 1, 2])
+
+
+def test_no_kv_cache_is_an_implementation_of_the_interface_not_a_pool_without_one():
+    assert isinstance(NoKVCache(4), KVCache) and not issubclass(NoKVCache, KVCacheManager)
+    assert all(isinstance(kv, KVCache) for kv in (PagedKVCache(4, 2, True), ContiguousKVCache(4, 2, 4)))
+    with pytest.raises(TypeError, match="abstract"):
+        KVCache()
+    kv, req = NoKVCache(4), request("a", [3, 4, 5])
+    assert not hasattr(kv, "pool") and not hasattr(kv, "tables")
+    assert admit(kv, req) == (NO_PREFIX, Allocation([])) and kv.block_ids(req) == []
+    assert req.num_computed_tokens == 0  # nothing was kept: every step recomputes the whole sequence
+    assert kv.free(req) == Freed([]) and kv.num_used == 0 and kv.block_states() == ([], [])
+    assert kv.stats().kv_blocks_total == 0 and kv.prefix_cache_queries == kv.prefix_cache_hits == 0
 
 
 # ---------------------------------------------------------------------------------------------------
