@@ -7,6 +7,7 @@ cached-free blocks at the back in least-recently-freed order, so eviction takes 
 """
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -74,9 +75,6 @@ class BlockPool:
             if block.hash_key is None:  # plain free blocks are reused before any cached one is evicted
                 self.free_queue.move_to_end(block_id, last=False)
 
-    def lookup(self, key: tuple) -> int | None:
-        return self.cached.get(key)
-
     def register(self, block_id: int, key: tuple) -> None:
         if key in self.cached:  # another request computed the same block first; keep that one
             return
@@ -134,8 +132,7 @@ class KVCache(ABC):
     block_size: int
     num_blocks = num_used = 0
     prefix_caching = False
-    prefix_cache_queries = 0  # prompt tokens looked up (first admission only)
-    prefix_cache_hits = 0  # of those, tokens served from the cache
+    prefix_cache_queries = prefix_cache_hits = 0  # as KVCacheStats says
 
     @abstractmethod
     def block_ids(self, request: Request) -> list[int]:
@@ -224,8 +221,7 @@ class KVCacheManager(KVCache):
 
     def free(self, request: Request) -> Freed:
         # Release the tail first: it is the least likely to be shared, so it is evicted first.
-        table = self.tables.pop(request.request_id, None)
-        freed = [] if table is None else table.block_ids[::-1]
+        freed = self.tables.pop(request.request_id, RequestBlocks()).block_ids[::-1]
         for block_id in freed:
             self.pool.release(block_id)
         return Freed(freed)
@@ -288,13 +284,9 @@ class PagedKVCache(KVCacheManager):
             return NO_PREFIX
         if not self.prefix_caching or request.num_computed_tokens != first * self.block_size:
             return NO_PREFIX  # off, or the request's last block is partly written: it must be continued, not replaced
-        hits = []
-        for key in self._hash_keys(request)[first:(request.num_tokens - 1) // self.block_size]:
-            block_id = self.pool.lookup(key)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return CachedPrefix(hits, len(hits) * self.block_size) if hits else NO_PREFIX
+        keys = self._hash_keys(request)[first:(request.num_tokens - 1) // self.block_size]
+        hits = list(itertools.takewhile(lambda block_id: block_id is not None, map(self.pool.cached.get, keys)))
+        return CachedPrefix(hits, len(hits) * self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        cached: CachedPrefix = NO_PREFIX) -> Allocation | None:

@@ -78,8 +78,7 @@ class LLMEngine:
 
     # ---- configuration (engine/reconfigure.py does the work) -------------------------------------------
     def use(self, config: EngineConfig, kv: KVCache, runner: ModelRunner) -> None:
-        """Run `config` from the next step on, over this pool and runner (reconfigure.py has built and checked
-        them; the pool's prefix-cache counters carry over: they describe the engine's life)."""
+        """Run `config` from the next step on, over this pool and runner (reconfigure.py built and checked them)."""
         if kv is not self.kv:
             kv.adopt_counters(self.kv)
         self.config, self.kv, self.runner = config, kv, runner
