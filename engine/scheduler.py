@@ -76,9 +76,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCache) -> None:
-        self.config = config
-        self.kv = kv
-        self.policy = POLICIES[config.scheduling_policy]
+        self.use(config, kv)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
@@ -121,14 +119,8 @@ class Scheduler:
                 continue
             if not self._allocate_or_preempt(req, n, cached, out):
                 continue  # req itself was preempted: it was the newest
-            if cached.num_tokens and not req.recomputing:
-                self.kv.count_prefix_hits(0, cached.num_tokens)  # the prompt was queried at admission
-                req.metrics.num_cached_tokens += cached.num_tokens
-            req.num_computed_tokens = start
-            phase = Phase.VERIFY if drafts else _phase(req, start)
-            out.scheduled.append(ScheduledRequest(req, phase, start, n, cached.num_tokens, drafts,
-                                                  self.kv.block_ids(req)))
-            self._budget -= n
+            self._take(ScheduledRequest(req, Phase.VERIFY if drafts else _phase(req, start), start, n,
+                                        cached.num_tokens, drafts), out)
         for s in out.scheduled:  # no more preemptions this step: the scheduled blocks will be computed
             self.kv.cache_full_blocks(s.request, s.known_end)
 
@@ -155,18 +147,23 @@ class Scheduler:
                 self._give_way(out)
                 continue
             self.waiting.remove(req)
-            if req.metrics.first_scheduled_time is None:  # a re-admission after preemption is not a new query
-                req.metrics.first_scheduled_time = time.perf_counter()
-                req.metrics.num_cached_tokens = num_hit
-                self.kv.count_prefix_hits(req.num_prompt_tokens, num_hit)
-            req.num_computed_tokens = num_hit
-            self.kv.cache_full_blocks(req, num_hit + n)  # later admissions may share them at once
-            req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, Phase.PREFILL, num_hit, n, num_hit,
-                                                  block_ids=self.kv.block_ids(req)))
-            self._budget -= n
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.perf_counter()
+            self._take(ScheduledRequest(req, Phase.PREFILL, num_hit, n, num_hit), out, admitted=True)
+            self.kv.cache_full_blocks(req, num_hit + n)  # later admissions may share them at once
         return out
+
+    def _take(self, s: ScheduledRequest, out: SchedulerOutput, admitted: bool = False) -> None:
+        """Into this step's batch, over the request's blocks; its prefix hits are counted, but never a recompute's."""
+        req = s.request
+        if not req.recomputing:
+            self.kv.count_prefix_hits(req.num_prompt_tokens if admitted else 0, s.prefix_hit_tokens)
+            req.metrics.num_cached_tokens += s.prefix_hit_tokens
+        req.num_computed_tokens, s.block_ids = s.start, self.kv.block_ids(req)
+        out.scheduled.append(s)
+        self._budget -= s.num_tokens
 
     def _propose(self, req: Request) -> list[int]:
         """Draft tokens for a decoding request: never past max_tokens or max_model_len (the verified token
@@ -222,10 +219,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
+        (self.running if req in self.running else self.waiting).remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
 
