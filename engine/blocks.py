@@ -1,4 +1,5 @@
-"""The KV block pool: reference counts, block tables, prefix-cache hash chains and an LRU of cached-free blocks.
+"""The KV manager: which blocks each request holds, in a pool with reference counts, prefix-cache hash chains and an
+LRU of cached-free blocks. Requests hold none of this: the scheduler, the runner and the snapshot ask the manager.
 
 A full block is named by a hash chained over (parent block's hash, the block's tokens), so equal hashes
 mean equal prefixes. Free blocks sit in one ordered queue: plain free blocks at the front (used first),
@@ -6,8 +7,10 @@ cached-free blocks at the back in least-recently-freed order, so eviction takes 
 """
 from __future__ import annotations
 
+import itertools
+from abc import ABC, abstractmethod
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .request import Request
 from .utils import cdiv
@@ -20,10 +23,6 @@ class Block:
     # (parent block's hash, this block's tokens), set once the block is full and registered in the
     # prefix cache. The dict of cached blocks is keyed by it, so a hash collision cannot alias two prefixes.
     hash_key: tuple | None = None
-
-    @property
-    def block_hash(self) -> int | None:
-        return None if self.hash_key is None else hash(self.hash_key)
 
 
 class BlockPool:
@@ -49,19 +48,14 @@ class BlockPool:
 
     def allocate_contiguous(self, n: int) -> list[int] | None:
         """First fit of n consecutive free block ids (the contiguous layout needs one run)."""
-        run_start, run_len = None, 0
-        for block in self.blocks:
-            if block.block_id in self.free_queue:
-                if run_len == 0:
-                    run_start = block.block_id
-                run_len += 1
-                if run_len == n:
-                    ids = list(range(run_start, run_start + n))
-                    for i in ids:
-                        self.touch(i)
-                    return ids
-            else:
-                run_len = 0
+        run = 0
+        for block_id in range(len(self.blocks)):
+            run = run + 1 if block_id in self.free_queue else 0
+            if run == n:
+                ids = list(range(block_id - n + 1, block_id + 1))
+                for i in ids:
+                    self.touch(i)
+                return ids
         return None
 
     def touch(self, block_id: int) -> None:
@@ -80,9 +74,6 @@ class BlockPool:
             self.free_queue[block_id] = None
             if block.hash_key is None:  # plain free blocks are reused before any cached one is evicted
                 self.free_queue.move_to_end(block_id, last=False)
-
-    def lookup(self, key: tuple) -> int | None:
-        return self.cached.get(key)
 
     def register(self, block_id: int, key: tuple) -> None:
         if key in self.cached:  # another request computed the same block first; keep that one
@@ -111,21 +102,98 @@ class KVCacheStats:
     prefix_cache_evictions: int
 
 
-class KVCacheManager:
-    """Gives requests block tables from one pool, and keeps its counters: what every layout with a pool shares.
-    The layouts are its subclasses (PagedKVCache, ContiguousKVCache); NoKVCache has the same interface and no
-    pool. The scheduler asks them for room and never touches the pool itself."""
+@dataclass(frozen=True)
+class CachedPrefix:
+    """Cached blocks that continue a request's block table, and the tokens they hold."""
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
 
-    keeps_kv = True
-    paged = False
+
+NO_PREFIX = CachedPrefix()
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Blocks a request took from the pool (after any cached prefix, which it now shares)."""
+    new_block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Freed:
+    """Blocks a request let go, in release order (the tail first)."""
+    block_ids: list[int]
+
+
+class KVCache(ABC):
+    """What the scheduler and the engine ask of a KV layout: PagedKVCache, ContiguousKVCache and NoKVCache.
+    Each says which blocks a request holds and how it makes room; the defaults are a layout with no pool and no
+    prefix cache (the hooks with empty bodies are deliberately no-ops: only the paged layout shares blocks)."""
+
+    block_size: int
+    num_blocks = num_used = 0
     prefix_caching = False
+    prefix_cache_queries = prefix_cache_hits = 0  # as KVCacheStats says
+
+    @abstractmethod
+    def block_ids(self, request: Request) -> list[int]:
+        """The request's block table: the manager's own list, to read and never to change."""
+
+    @abstractmethod
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached: CachedPrefix = NO_PREFIX) -> Allocation | None:
+        """Room for num_new_tokens more tokens after the cached prefix; None (nothing changed) if the pool is short."""
+
+    @abstractmethod
+    def free(self, request: Request) -> Freed:
+        """Let go of the request's blocks and of all the manager knows of it."""
+
+    def mark_computed(self, request: Request, num_tokens: int) -> None:
+        """The first num_tokens tokens' K/V now sit in the request's blocks."""
+        request.num_computed_tokens = num_tokens
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(self.num_blocks, self.num_used, 0, self.prefix_cache_queries, self.prefix_cache_hits, 0)
+
+    def block_states(self) -> tuple[list[int], list[int | None]]:
+        """(ref count, prefix hash or None) of every physical block, for the block-table picture."""
+        return [], []
+
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        return NO_PREFIX
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Name the blocks that are full once the first num_tokens tokens' K/V are written. Called as soon as a
+        request's place in the step is final, before the forward pass: a request admitted later in the same step can
+        already share them, because every layer writes the whole step's K/V before any attention reads it."""
+
+    def count_prefix_hits(self, num_queried: int, num_hit: int) -> None:
+        """num_queried: the prompt at a request's first admission (0 for a chunk found cached mid-prefill)."""
+        if self.prefix_caching:
+            self.prefix_cache_queries += num_queried
+            self.prefix_cache_hits += num_hit
+
+    def set_prefix_caching(self, on: bool) -> None:
+        """Switched in place; only the paged layout's configuration ever switches it on."""
+
+    def adopt_counters(self, old: KVCache) -> None:
+        """Carry the prefix-cache counters over when the pool is rebuilt (they describe the engine's life)."""
+
+
+@dataclass
+class RequestBlocks:
+    """One request's blocks in a pool, and the prefix-cache names of its full ones."""
+    block_ids: list[int] = field(default_factory=list)
+    hash_keys: list[tuple] = field(default_factory=list)  # chained keys of its full blocks, extended lazily
+    num_registered: int = 0  # leading blocks already registered in the prefix cache
+
+
+class KVCacheManager(KVCache):
+    """What every layout with a pool shares: the pool, each request's blocks in it, and the pool's counters."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.pool = BlockPool(num_blocks)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.prefix_cache_queries = 0  # prompt tokens looked up (first admission only)
-        self.prefix_cache_hits = 0  # of those, tokens served from cache
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.tables: dict[str, RequestBlocks] = {}  # request id -> its blocks
 
     @property
     def num_used(self) -> int:
@@ -138,43 +206,25 @@ class KVCacheManager:
                             self.prefix_cache_hits, pool.num_evictions)
 
     def block_states(self) -> tuple[list[int], list[int | None]]:
-        """(ref count, prefix hash or None) of every physical block, for the block-table picture."""
         blocks = self.pool.blocks
-        return [b.ref_count for b in blocks], [b.block_hash for b in blocks]
+        return [b.ref_count for b in blocks], [None if b.hash_key is None else hash(b.hash_key) for b in blocks]
 
-    def adopt_counters(self, old: KVCacheManager | NoKVCache) -> None:
-        """Carry the prefix-cache counters over when the pool is rebuilt (they describe the engine's life)."""
+    def adopt_counters(self, old: KVCache) -> None:
         self.prefix_cache_queries, self.prefix_cache_hits = old.prefix_cache_queries, old.prefix_cache_hits
 
-    def mark_computed(self, request: Request, num_tokens: int) -> None:
-        """The first num_tokens tokens' K/V now sit in the request's blocks."""
-        request.num_computed_tokens = num_tokens
+    def block_ids(self, request: Request) -> list[int]:
+        table = self.tables.get(request.request_id)
+        return [] if table is None else table.block_ids
 
-    def set_prefix_caching(self, on: bool) -> None:
-        """Prefix caching needs shared blocks: only the paged layout has them."""
+    def _table(self, request: Request) -> RequestBlocks:
+        return self.tables.setdefault(request.request_id, RequestBlocks())
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        return []
-
-    def count_query(self, request: Request, num_hit_tokens: int) -> None:
-        pass
-
-    def count_skipped_chunk(self, num_hit_tokens: int) -> None:
-        pass
-
-    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        pass
-
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Make room for num_new_tokens more tokens. False (and nothing changed) if the pool is short."""
-        raise NotImplementedError
-
-    def free(self, request: Request) -> None:
+    def free(self, request: Request) -> Freed:
         # Release the tail first: it is the least likely to be shared, so it is evicted first.
-        for block_id in reversed(request.block_table):
+        freed = self.tables.pop(request.request_id, RequestBlocks()).block_ids[::-1]
+        for block_id in freed:
             self.pool.release(block_id)
-        request.block_table = []
-        request.num_cached_blocks = 0
+        return Freed(freed)
 
 
 class ContiguousKVCache(KVCacheManager):
@@ -185,21 +235,20 @@ class ContiguousKVCache(KVCacheManager):
         super().__init__(num_blocks, block_size)
         self.blocks_per_reservation = cdiv(max_model_len, block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        if request.block_table:
-            return True
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached: CachedPrefix = NO_PREFIX) -> Allocation | None:
+        if self.block_ids(request):
+            return Allocation([])
         ids = self.pool.allocate_contiguous(self.blocks_per_reservation)
         if ids is None:
-            return False
-        request.block_table = ids
-        return True
+            return None
+        self._table(request).block_ids = ids
+        return Allocation(list(ids))
 
 
 class PagedKVCache(KVCacheManager):
     """Blocks on demand, anywhere in the pool; with prefix caching, full blocks named by their hash chain and shared
     by every request whose prompt starts the same way."""
-
-    paged = True
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
         super().__init__(num_blocks, block_size)
@@ -209,9 +258,9 @@ class PagedKVCache(KVCacheManager):
         """Blocks past the first num_tokens held only the slots of rejected draft tokens (never registered in the
         prefix cache): they go back to the pool."""
         request.num_computed_tokens = num_tokens
-        keep = cdiv(num_tokens, self.block_size)
-        while len(request.block_table) > keep:
-            self.pool.release(request.block_table.pop())
+        blocks = self.block_ids(request)
+        while len(blocks) > cdiv(num_tokens, self.block_size):
+            self.pool.release(blocks.pop())
 
     def set_prefix_caching(self, on: bool) -> None:
         self.prefix_caching = on
@@ -220,114 +269,79 @@ class PagedKVCache(KVCacheManager):
 
     def _hash_keys(self, request: Request) -> list[tuple]:
         """Chained hash keys of the request's full blocks, extended as its tokens grow."""
-        bs, keys = self.block_size, request.block_hash_keys
-        if keys and len(keys[0][1]) != bs:  # made for another block size (the pool was rebuilt): start over
-            keys.clear()
+        bs, keys = self.block_size, self._table(request).hash_keys
         while (len(keys) + 1) * bs <= request.num_tokens:
             i = len(keys)
             keys.append((hash(keys[-1]) if keys else None, tuple(request.token_ids[i * bs:(i + 1) * bs])))
         return keys
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Cached blocks that continue the request's block table: from its first block at admission, or, in the
         middle of a chunked prefill, from its next block (chunks another request computed meanwhile are skipped).
         The last token is always recomputed (its logits are needed)."""
-        first = len(request.block_table)
+        first = len(self.block_ids(request))
         if request.prompt_logprobs is not None:  # every prompt position needs its logits: computed, not cached
-            return []
+            return NO_PREFIX
         if not self.prefix_caching or request.num_computed_tokens != first * self.block_size:
-            return []  # off, or the request's last block is partly written: it must be continued, not replaced
-        keys = self._hash_keys(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
-        for key in keys[first:max_blocks]:
-            block_id = self.pool.lookup(key)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+            return NO_PREFIX  # off, or the request's last block is partly written: it must be continued, not replaced
+        keys = self._hash_keys(request)[first:(request.num_tokens - 1) // self.block_size]
+        hits = list(itertools.takewhile(lambda block_id: block_id is not None, map(self.pool.cached.get, keys)))
+        return CachedPrefix(hits, len(hits) * self.block_size)
 
-    def count_query(self, request: Request, num_hit_tokens: int) -> None:
-        """Called on a request's first admission only: recomputation after a preemption is not a query."""
-        if self.prefix_caching:
-            self.prefix_cache_queries += request.num_prompt_tokens
-            self.prefix_cache_hits += num_hit_tokens
-
-    def count_skipped_chunk(self, num_hit_tokens: int) -> None:
-        """Prompt tokens of a request's first prefill, already queried at admission, found cached mid-prefill."""
-        self.prefix_cache_hits += num_hit_tokens
-
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Make room for num_new_tokens more tokens. False (and nothing changed) if the pool is short."""
-        total = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        num_needed = cdiv(total, self.block_size) - len(request.block_table) - len(cached_blocks)
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached: CachedPrefix = NO_PREFIX) -> Allocation | None:
+        held = len(self.block_ids(request))
+        total = request.num_computed_tokens + cached.num_tokens + num_new_tokens
+        num_needed = cdiv(total, self.block_size) - held - len(cached.block_ids)
         # cached blocks that sit in the free queue leave it when touched: they count against the free pool
-        num_cached_free = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        num_cached_free = sum(1 for b in cached.block_ids if self.pool.blocks[b].ref_count == 0)
         if num_needed + num_cached_free > self.pool.num_free:
-            return False
-        for block_id in cached_blocks:
+            return None
+        table = self._table(request)
+        for block_id in cached.block_ids:
             self.pool.touch(block_id)
-        if cached_blocks:  # every block before them is registered too (full blocks register as they are computed)
-            request.block_table.extend(cached_blocks)
-            request.num_cached_blocks = len(request.block_table)
-        for _ in range(max(num_needed, 0)):
-            request.block_table.append(self.pool.allocate())
-        return True
+        if cached.block_ids:  # every block before them is registered too (full blocks register as they are computed)
+            table.block_ids.extend(cached.block_ids)
+            table.num_registered = len(table.block_ids)
+        new = [self.pool.allocate() for _ in range(num_needed)]
+        table.block_ids.extend(new)
+        return Allocation(new)
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the blocks that are full once the first num_tokens tokens' K/V are written.
-
-        The scheduler calls this as soon as a request's place in the step is final, before the forward
-        pass: a request admitted later in the same step can already share these blocks, because every
-        layer writes the whole step's K/V into the cache before any attention reads it.
-        """
         if not self.prefix_caching:
             return
-        num_full = num_tokens // self.block_size
-        if num_full <= request.num_cached_blocks:
+        table, num_full = self.tables[request.request_id], num_tokens // self.block_size
+        if num_full <= table.num_registered:
             return
         keys = self._hash_keys(request)
-        for i in range(request.num_cached_blocks, min(num_full, len(keys))):
-            self.pool.register(request.block_table[i], keys[i])
-        request.num_cached_blocks = num_full
+        for i in range(table.num_registered, min(num_full, len(keys))):
+            self.pool.register(table.block_ids[i], keys[i])
+        table.num_registered = num_full
 
 
-class NoKVCache(KVCacheManager):
-    """The naive loop's cache: the KV manager's interface, keeping nothing (no pool at all).
+class NoKVCache(KVCache):
+    """The naive loop's cache: nothing is kept, so every step recomputes each sequence from its first token (its
+    num_computed_tokens stays 0), allocation always succeeds, and there is nothing to share or free."""
 
-    Every step recomputes each sequence from its first token, because no K/V survives a step: a request's
-    num_computed_tokens stays 0, allocation always succeeds, and there is nothing to share or free.
-    """
-
-    keeps_kv = False
-    num_blocks = 0
-    num_used = 0
-
-    def __init__(self, block_size: int) -> None:  # no pool
+    def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.prefix_cache_queries = self.prefix_cache_hits = 0
 
-    def stats(self) -> KVCacheStats:
-        return KVCacheStats(0, 0, 0, 0, 0, 0)
+    def block_ids(self, request: Request) -> list[int]:
+        return []
 
-    def block_states(self) -> tuple[list[int], list[int | None]]:
-        return [], []
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached: CachedPrefix = NO_PREFIX) -> Allocation | None:
+        return Allocation([])
 
-    def adopt_counters(self, old) -> None:
-        pass  # nothing is looked up, so nothing to count
-
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        return True
+    def free(self, request: Request) -> Freed:
+        return Freed([])
 
     def mark_computed(self, request: Request, num_tokens: int) -> None:
         request.num_computed_tokens = 0  # nothing was kept
 
-    def free(self, request: Request) -> None:
-        request.block_table = []
-
 
 def kv_cache_for(kv_cache: bool, paged: bool, prefix_caching: bool, num_blocks: int, block_size: int,
-                 max_model_len: int) -> KVCacheManager | NoKVCache:
+                 max_model_len: int) -> KVCache:
     """The manager for a configuration's KV layout: none (the naive loop), contiguous, or paged."""
     if not kv_cache:
         return NoKVCache(block_size)

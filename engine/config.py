@@ -103,18 +103,12 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        unknown = sorted(set(kwargs) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(f"unknown config field(s): {', '.join(unknown)}; "
-                             f"known fields: {', '.join(cls.field_names())}")
-        cfg = cls(**kwargs)
-        cfg.validate()
-        return cfg
+        return cls().replace(**kwargs)
 
     def replace(self, **changes) -> EngineConfig:
-        unknown = sorted(set(changes) - set(self.field_names()))
-        if unknown:
-            raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
+        if unknown := sorted(set(changes) - set(self.field_names())):
+            raise ValueError(f"unknown config field(s): {', '.join(unknown)}; "
+                             f"known fields: {', '.join(self.field_names())}")
         new = dataclasses.replace(self, **changes)
         new.validate()
         return new
@@ -123,7 +117,8 @@ class EngineConfig:
         return {name: getattr(self, name) for name in self.field_names()}
 
     def validate(self) -> None:
-        for name in (*FEATURE_SWITCHES, "quantization_smoothing", "quantization_gptq", "kv_cache_smoothing"):
+        for name in (*FEATURE_SWITCHES, "cuda_graphs", "quantization_smoothing", "quantization_gptq",
+                     "kv_cache_smoothing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in NOT_YET_BUILT:
@@ -132,8 +127,6 @@ class EngineConfig:
                 raise ValueError(
                     f"{name}={value!r} is declared but not built yet in this engine; leave it off "
                     f"(it is never silently ignored)")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -147,8 +140,8 @@ class EngineConfig:
         bs = self.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1 or bs > 1024 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two between 1 and 1024, got {bs!r}")
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_token_budget"):
+        for name in ("max_num_seqs", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "speculative_token_budget"):
             _positive_int(name, getattr(self, name))
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
@@ -166,10 +159,9 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
-        if self.kv_cache_memory_gb is not None and (
-                isinstance(self.kv_cache_memory_gb, bool) or not isinstance(self.kv_cache_memory_gb, (int, float))
-                or self.kv_cache_memory_gb <= 0):
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        gb = self.kv_cache_memory_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or gb <= 0):
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {gb!r}")
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len and not self.chunked_prefill_active):
             why = "chunked prefill is off" if self.kv_cache else "without a KV cache prompts cannot be chunked"

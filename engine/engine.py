@@ -14,7 +14,7 @@ from collections import deque
 
 import torch
 
-from .blocks import KVCacheManager, NoKVCache
+from .blocks import KVCache, NoKVCache
 from .config import EngineConfig
 from .factory import Resolved
 from .gpu import GpuMemoryPlan
@@ -51,7 +51,7 @@ class LLMEngine:
                                         lambda: self.runner.kv_cache_bytes if hasattr(self, "runner") else 0)
         self.config = self.reconfig.current
         _check_weights(self.config, model)  # a requested "auto" decided otherwise than config's dtype
-        self.kv: KVCacheManager | NoKVCache = NoKVCache(self.config.block_size)
+        self.kv: KVCache = NoKVCache(self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv)
         self.use(self.config, *self.reconfig.build(self.config))
         self.requests: dict[str, Request] = {}
@@ -77,9 +77,8 @@ class LLMEngine:
         self.output.eos_token_ids = set(ids)
 
     # ---- configuration (engine/reconfigure.py does the work) -------------------------------------------
-    def use(self, config: EngineConfig, kv: KVCacheManager | NoKVCache, runner: ModelRunner) -> None:
-        """Run `config` from the next step on, over this pool and runner (reconfigure.py has built and checked
-        them; the pool's prefix-cache counters carry over: they describe the engine's life)."""
+    def use(self, config: EngineConfig, kv: KVCache, runner: ModelRunner) -> None:
+        """Run `config` from the next step on, over this pool and runner (reconfigure.py built and checked them)."""
         if kv is not self.kv:
             kv.adopt_counters(self.kv)
         self.config, self.kv, self.runner = config, kv, runner
@@ -343,7 +342,7 @@ class LLMEngine:
             num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
             running=[r.request_id for r in s.running], waiting=[r.request_id for r in s.waiting],
             block_size=self.config.block_size,
-            block_tables={r.request_id: list(r.block_table) for r in s.running},
+            block_tables={r.request_id: list(self.kv.block_ids(r)) for r in s.running},
             block_ref_counts=ref_counts, block_hashes=hashes, **dataclasses.asdict(self.kv.stats()),
             prefill_tokens_total=self.prefill_tokens_total, generation_tokens_total=self.generation_tokens_total,
             requests={r.request_id: RequestView(r.status.value, r.num_prompt_tokens, r.num_output_tokens,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .blocks import KVCacheManager, NoKVCache, kv_cache_for
+from .blocks import KVCache, kv_cache_for
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
 from .cuda_graphs import DecodeGraphs, check_cuda_graphs
 from .factory import automatic_sizes, kv_bytes_per_block, resolve
@@ -33,7 +33,7 @@ class Change:
     the pool's structure changes (None: they apply in place). `error`: why they cannot be made (nothing changes)."""
     changes: dict
     config: EngineConfig | None = None
-    built: tuple[KVCacheManager | NoKVCache, ModelRunner] | None = None
+    built: tuple[KVCache, ModelRunner] | None = None
     error: str = ""
 
 
@@ -98,7 +98,7 @@ class Reconfiguration:
         check_kv_pool_fits(what, resolved.num_kv_blocks, self.kv_bytes_per_block(resolved), self.model.device)
 
     # ---- building -----------------------------------------------------------------------------------------
-    def build(self, c: EngineConfig) -> tuple[KVCacheManager | NoKVCache, ModelRunner]:
+    def build(self, c: EngineConfig) -> tuple[KVCache, ModelRunner]:
         """A KV manager and runner for config c. Changes nothing in the engine, so a failure here leaves it serving."""
         kv = kv_cache_for(c.kv_cache, c.paged_kv, c.prefix_caching_active, c.num_kv_blocks, c.block_size,
                           c.max_model_len)

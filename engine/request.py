@@ -72,10 +72,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + generated
         self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
-        self.block_table: list[int] = []
-        self.block_hash_keys: list[tuple] = []  # prefix-cache keys of its full blocks, filled lazily
-        self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
+        self.num_computed_tokens = 0  # tokens whose K/V sit in the cache, in blocks the KV manager holds for it
         self.recomputing = False  # re-prefilling after a preemption or a pool rebuild: prefix hits are not counted
         self.generator = generator
         self.finish_reason: str | None = None
@@ -119,5 +116,5 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+                f"computed={self.num_computed_tokens})")
 

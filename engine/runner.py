@@ -83,7 +83,7 @@ class ModelRunner:
             input_ids.extend(req.token_ids[start:start + n - len(s.draft_token_ids)] + s.draft_token_ids)
             positions.extend(range(start, start + n))
             if use_cache:
-                slots.extend(slots_of(req.block_table, start, start + n, self.block_size))
+                slots.extend(slots_of(s.block_ids, start, start + n, self.block_size))
             # rows for prompt logprobs (the position before each), then the rows to sample from
             logits_rows.extend(row + p - 1 - start for p in s.prompt_logprob_positions)
             logits_rows.extend(range(row + n - s.num_logits, row + n))

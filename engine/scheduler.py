@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .blocks import KVCacheManager, NoKVCache
+from .blocks import NO_PREFIX, CachedPrefix, KVCache
 from .config import EngineConfig
 from .policies import POLICIES
 from .request import Request, RequestStatus
@@ -36,6 +36,7 @@ class ScheduledRequest:
     num_tokens: int  # positions computed this step: a prefill (chunk), 1 for a decode, 1 + drafts for a verify
     prefix_hit_tokens: int = 0  # tokens this step took from the prefix cache instead of computing them
     draft_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the request's block table, as the KV manager holds it
 
     @property
     def end(self) -> int:
@@ -74,17 +75,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager | NoKVCache) -> None:
-        self.config = config
-        self.kv = kv
-        self.policy = POLICIES[config.scheduling_policy]
+    def __init__(self, config: EngineConfig, kv: KVCache) -> None:
+        self.use(config, kv)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self._budget = 0  # tokens left in the step being scheduled
         self.spec_k = 0  # drafts per decoding request in the last step (adaptive)
 
-    def use(self, config: EngineConfig, kv: KVCacheManager | NoKVCache) -> None:
+    def use(self, config: EngineConfig, kv: KVCache) -> None:
         """Schedule with this configuration and KV manager from the next step on (a reconfiguration)."""
         self.config, self.kv = config, kv
         self.policy = POLICIES[config.scheduling_policy]
@@ -112,22 +111,16 @@ class Scheduler:
                 continue  # preempted earlier in this step to make room for an older request
             if cutoff is not None and req.priority > cutoff:
                 continue
-            cached = self.kv.find_cached_prefix(req) if req.is_prefilling else []
+            cached = self.kv.find_cached_prefix(req) if req.is_prefilling else NO_PREFIX
             drafts = [] if req.is_prefilling else self._propose(req)
-            start = req.num_computed_tokens + len(cached) * self.kv.block_size
+            start = req.num_computed_tokens + cached.num_tokens
             n = self._fit(start, req.num_tokens - start + len(drafts))
             if n == 0:
                 continue
             if not self._allocate_or_preempt(req, n, cached, out):
                 continue  # req itself was preempted: it was the newest
-            num_hit = start - req.num_computed_tokens
-            if num_hit and not req.recomputing:
-                self.kv.count_skipped_chunk(num_hit)
-                req.metrics.num_cached_tokens += num_hit
-            req.num_computed_tokens = start
-            phase = Phase.VERIFY if drafts else _phase(req, start)
-            out.scheduled.append(ScheduledRequest(req, phase, start, n, num_hit, drafts))
-            self._budget -= n
+            self._take(ScheduledRequest(req, Phase.VERIFY if drafts else _phase(req, start), start, n,
+                                        cached.num_tokens, drafts), out)
         for s in out.scheduled:  # no more preemptions this step: the scheduled blocks will be computed
             self.kv.cache_full_blocks(s.request, s.known_end)
 
@@ -144,27 +137,33 @@ class Scheduler:
                 self._give_way(out)
                 continue
             cached = self.kv.find_cached_prefix(req)
-            num_hit = len(cached) * self.kv.block_size
+            num_hit = cached.num_tokens
             n = self._fit(num_hit, req.num_tokens - num_hit)
             if n == 0:
                 break
-            if not self.kv.allocate_slots(req, n, cached):
+            if self.kv.allocate_slots(req, n, cached) is None:
                 if not outranks:
                     break
                 self._give_way(out)
                 continue
             self.waiting.remove(req)
-            if req.metrics.first_scheduled_time is None:  # a re-admission after preemption is not a new query
-                req.metrics.first_scheduled_time = time.perf_counter()
-                req.metrics.num_cached_tokens = num_hit
-                self.kv.count_query(req, num_hit)
-            req.num_computed_tokens = num_hit
-            self.kv.cache_full_blocks(req, num_hit + n)  # later admissions may share them at once
-            req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, Phase.PREFILL, num_hit, n, prefix_hit_tokens=num_hit))
-            self._budget -= n
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.perf_counter()
+            self._take(ScheduledRequest(req, Phase.PREFILL, num_hit, n, num_hit), out, admitted=True)
+            self.kv.cache_full_blocks(req, num_hit + n)  # later admissions may share them at once
         return out
+
+    def _take(self, s: ScheduledRequest, out: SchedulerOutput, admitted: bool = False) -> None:
+        """Into this step's batch, over the request's blocks; its prefix hits are counted, but never a recompute's."""
+        req = s.request
+        if not req.recomputing:
+            self.kv.count_prefix_hits(req.num_prompt_tokens if admitted else 0, s.prefix_hit_tokens)
+            req.metrics.num_cached_tokens += s.prefix_hit_tokens
+        req.num_computed_tokens, s.block_ids = s.start, self.kv.block_ids(req)
+        out.scheduled.append(s)
+        self._budget -= s.num_tokens
 
     def _propose(self, req: Request) -> list[int]:
         """Draft tokens for a decoding request: never past max_tokens or max_model_len (the verified token
@@ -186,10 +185,10 @@ class Scheduler:
         aligned = (start + self._budget) // bs * bs - start
         return aligned if aligned > 0 else self._budget
 
-    def _allocate_or_preempt(self, req: Request, n: int, cached: list[int], out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, req: Request, n: int, cached: CachedPrefix, out: SchedulerOutput) -> bool:
         """Slots for n new tokens, preempting the policy's victims (the newest running requests, or the worst
         priority's) until they fit."""
-        while not self.kv.allocate_slots(req, n, cached):
+        while self.kv.allocate_slots(req, n, cached) is None:
             if self._give_way(out) is req:
                 return False
         return True
@@ -220,10 +219,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
+        (self.running if req in self.running else self.waiting).remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
 

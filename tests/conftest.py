@@ -163,6 +163,7 @@ def assert_all_blocks_free(engine) -> None:
     ref_counts, _ = engine.kv.block_states()
     assert all(rc == 0 for rc in ref_counts)
     assert engine.kv.stats().kv_blocks_used == 0
+    assert not getattr(engine.kv, "tables", None), "the KV manager still holds a finished request's blocks"
 
 
 @pytest.fixture(scope="module")

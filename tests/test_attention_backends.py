@@ -113,8 +113,7 @@ def test_the_triton_backend_builds_paged_metadata_without_triton(tiny_models):
 
     def scheduled(blocks, phase, start, n):
         req = Request("r", list(range(10, 30)), SamplingParams(temperature=0, max_tokens=4))
-        req.block_table = blocks
-        return ScheduledRequest(req, phase, start, n)
+        return ScheduledRequest(req, phase, start, n, block_ids=blocks)
 
     batch = runner.prepare([scheduled([3, 4, 5], Phase.PREFILL, 4, 6), scheduled([1, 2], Phase.DECODE, 6, 1)])
     meta = batch.meta

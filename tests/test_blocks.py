@@ -1,8 +1,9 @@
 """Property tests of the block pool, the KV cache manager and the engine's scheduling loop.
 
 Two levels:
-- a hypothesis state machine drives KVCacheManager directly (no model) the way the scheduler does:
-  admit with prefix hits, compute, decode, preempt, finish, toggle prefix caching;
+- the KV manager alone: its typed results name the exact blocks (allocations, prefix hits, frees), and a
+  hypothesis state machine drives it (no model) the way the scheduler does: admit with prefix hits, compute,
+  decode, preempt, finish, toggle prefix caching;
 - random interleavings of add_request / step / abort on a real engine (tiny random model) with small
   pools, so that preemption, prefix-cache sharing and eviction all happen.
 After every operation the block accounting must be exact; at the end every block is free, every
@@ -18,7 +19,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.blocks import KVCacheManager, PagedKVCache
+from engine.blocks import (
+    NO_PREFIX,
+    Allocation,
+    CachedPrefix,
+    ContiguousKVCache,
+    Freed,
+    KVCache,
+    KVCacheManager,
+    NoKVCache,
+    PagedKVCache,
+)
 from engine.request import Request, RequestStatus
 from tests.conftest import assert_all_blocks_free, build_tiny_model
 
@@ -43,10 +54,11 @@ def check_pool(kv: KVCacheManager, holders: list[Request], idle: list[Request] =
     pool = kv.pool
     counts = Counter()
     for req in holders:
-        assert len(set(req.block_table)) == len(req.block_table), f"{req} holds a block twice"
-        counts.update(req.block_table)
+        table = kv.block_ids(req)
+        assert len(set(table)) == len(table), f"{req} holds a block twice"
+        counts.update(table)
     for req in idle:
-        assert req.block_table == [], f"{req} is not running but holds blocks"
+        assert kv.block_ids(req) == [], f"{req} is not running but holds blocks"
     for block in pool.blocks:
         assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
         assert block.ref_count == counts[block.block_id], (
@@ -70,7 +82,7 @@ def check_pool(kv: KVCacheManager, holders: list[Request], idle: list[Request] =
     # A registered block's content is the holder's tokens at that position (a prefix hit reads the right K/V).
     for req in holders:
         keys = chain_keys(req.token_ids, kv.block_size)
-        for i, block_id in enumerate(req.block_table):
+        for i, block_id in enumerate(kv.block_ids(req)):
             key = pool.blocks[block_id].hash_key
             if key is not None:
                 assert i < len(keys) and key == keys[i], f"{req}: block {block_id} at {i} caches other tokens"
@@ -104,8 +116,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _state(self):
         pool = self.kv.pool
         return ([(b.ref_count, b.hash_key) for b in pool.blocks], list(pool.free_queue), dict(pool.cached),
-                pool.num_evictions, [(r.request_id, list(r.block_table), r.num_cached_blocks) for r in self.running],
-                [(r.request_id, list(r.block_table)) for r in self.waiting])
+                pool.num_evictions, {rid: (list(t.block_ids), t.num_registered) for rid, t in self.kv.tables.items()})
 
     @rule(tokens=TOKENS, copy_from=st.integers(0, 100), keep=st.integers(0, 16))
     def new_request(self, tokens, copy_from, keep):
@@ -122,28 +133,30 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.new_request(tokens, index, index % 16)
         kv, pool = self.kv, self.kv.pool
         req = self.waiting[index % len(self.waiting)]
-        cached = kv.find_cached_prefix(req)
+        prefix = kv.find_cached_prefix(req)
+        cached = prefix.block_ids
+        assert prefix.num_tokens == len(cached) * kv.block_size
         keys = chain_keys(req.token_ids, kv.block_size)
         assert len(cached) <= (req.num_tokens - 1) // kv.block_size, "the last token must always be recomputed"
         for i, block_id in enumerate(cached):
             assert pool.blocks[block_id].hash_key == keys[i], "a prefix hit on a block holding other tokens"
-        num_hit = len(cached) * kv.block_size
         before = self._state()
         touched_free = [b for b in cached if pool.blocks[b].ref_count == 0]
         remaining = [b for b in pool.free_queue if b not in touched_free]
         plain_free = sum(1 for b in remaining if pool.blocks[b].hash_key is None)
         need = cdiv(req.num_tokens, kv.block_size) - len(cached)
-        ok = kv.allocate_slots(req, req.num_tokens - num_hit, cached)
+        alloc = kv.allocate_slots(req, req.num_tokens - prefix.num_tokens, prefix)
+        ok = alloc is not None
         assert ok == (need + len(touched_free) <= len(before[1])), "allocate_slots refused though the pool had room"
         event(f"admit ok={ok} hits={len(cached) > 0} evicted={ok and need > plain_free}")
         if not ok:
             assert self._state() == before, "a refused allocate_slots changed state"
             return
-        assert req.block_table[:len(cached)] == cached
+        assert kv.block_ids(req)[:len(cached)] == cached
         # new blocks come from the front of the free queue: plain ones first, then the oldest cached-free
-        assert req.block_table[len(cached):] == remaining[:need]
+        assert alloc.new_block_ids == kv.block_ids(req)[len(cached):] == remaining[:need]
         assert pool.num_evictions - before[3] == max(0, need - plain_free)
-        req.num_computed_tokens = num_hit
+        req.num_computed_tokens = prefix.num_tokens
         req.status = RequestStatus.RUNNING
         self.waiting.remove(req)
         self.running.append(req)
@@ -163,19 +176,27 @@ class KVCacheMachine(RuleBasedStateMachine):
         if req.num_tokens >= MACHINE_MAX_LEN:
             self._finish(req)
             return
-        before = self._state()
-        if not kv.allocate_slots(req, 1):
+        before, held = self._state(), list(kv.block_ids(req))
+        alloc = kv.allocate_slots(req, 1)
+        if alloc is None:
             assert self._state() == before, "a refused allocate_slots changed state"
             assert kv.pool.num_free == 0 and req.num_tokens % kv.block_size == 1 % kv.block_size
             self._preempt(req)
+        else:
+            assert held + alloc.new_block_ids == kv.block_ids(req)
+
+    def _free(self, req):
+        held = list(self.kv.block_ids(req))
+        assert self.kv.free(req) == Freed(held[::-1]), "free must return every block the request held, tail first"
+        assert req.request_id not in self.kv.tables
 
     def _finish(self, req):
-        self.kv.free(req)
+        self._free(req)
         self.running.remove(req)
         self.done.append(req)
 
     def _preempt(self, req):
-        self.kv.free(req)
+        self._free(req)
         req.num_computed_tokens = 0
         self.running.remove(req)
         self.waiting.insert(0, req)
@@ -201,15 +222,18 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         check_pool(self.kv, self.running, self.waiting, sharing_needs_hash=not self.toggled_off)
         for req in self.running:
-            assert len(req.block_table) == cdiv(req.num_tokens, self.kv.block_size)
+            assert len(self.kv.block_ids(req)) == cdiv(req.num_tokens, self.kv.block_size)
+        assert set(self.kv.tables) <= {r.request_id for r in self.running + self.waiting}, "a table outlived its req"
 
     def teardown(self):
         if self.kv is None:
             return
         for req in list(self.running):
             self._finish(req)
+        for req in self.waiting:  # a lookup may have left their hash keys: free forgets them too
+            self._free(req)
         check_pool(self.kv, [], self.waiting, sharing_needs_hash=not self.toggled_off)
-        assert self.kv.pool.num_free == self.kv.num_blocks
+        assert self.kv.pool.num_free == self.kv.num_blocks and self.kv.tables == {}
         assert all(b.ref_count == 0 for b in self.kv.pool.blocks)
 
 
@@ -222,6 +246,87 @@ def test_release_below_zero_is_an_error():
     with pytest.raises(RuntimeError, match="ref_count"):
         kv.pool.release(0)
     assert kv.pool.blocks[0].ref_count == 0 and kv.pool.num_free == 4
+
+
+def request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8))
+
+
+def admit(kv: KVCache, req: Request):
+    """What the scheduler does for a new request: look up its prefix, allocate the rest, register its full blocks."""
+    prefix = kv.find_cached_prefix(req)
+    alloc = kv.allocate_slots(req, req.num_tokens - prefix.num_tokens, prefix)
+    if alloc is not None:
+        kv.mark_computed(req, req.num_tokens)
+        kv.cache_full_blocks(req, req.num_tokens)
+    return prefix, alloc
+
+
+def test_allocations_name_the_blocks_they_took_and_the_manager_holds_them():
+    kv = PagedKVCache(8, 2, prefix_caching=False)
+    a, b, c = request("a", [3] * 5), request("b", [4] * 5), request("c", [5] * 5)
+    assert admit(kv, a) == (NO_PREFIX, Allocation([0, 1, 2])) and kv.block_ids(a) == [0, 1, 2]
+    assert admit(kv, b)[1] == Allocation([3, 4, 5]) and kv.block_ids(b) == [3, 4, 5]
+    assert admit(kv, c)[1] is None and kv.block_ids(c) == [] and kv.pool.num_free == 2  # short: nothing changed
+    a.token_ids.append(6)  # a sixth token fits its last block; a seventh needs a new one
+    assert kv.allocate_slots(a, 1) == Allocation([]) and kv.block_ids(a) == [0, 1, 2]
+    a.token_ids.append(7)
+    kv.mark_computed(a, 6)
+    assert kv.allocate_slots(a, 1) == Allocation([6]) and kv.block_ids(a) == [0, 1, 2, 6]
+    assert not any(hasattr(a, name) for name in ("block_table", "num_cached_blocks", "block_hash_keys"))
+
+
+def test_a_prefix_hit_reuses_the_exact_blocks_that_hold_its_tokens():
+    kv = PagedKVCache(16, 2, prefix_caching=True)
+    first = request("first", [10, 11, 12, 13, 14, 15, 16])  # blocks: [10 11] [12 13] [14 15] [16]
+    admit(kv, first)
+    shared = kv.block_ids(first)[:3]
+    second = request("second", [10, 11, 12, 13, 14, 15, 20, 21])
+    prefix, alloc = admit(kv, second)
+    assert prefix == CachedPrefix(shared, 6) and kv.block_ids(second)[:3] == shared
+    assert alloc.new_block_ids == kv.block_ids(second)[3:] and not set(alloc.new_block_ids) & set(shared)
+    assert [kv.pool.blocks[b].ref_count for b in shared] == [2, 2, 2]
+    # the last token is always computed (its logits are needed): an equal prompt hits all but the block holding it
+    assert kv.find_cached_prefix(request("same", [10, 11, 12, 13, 14, 15])) == CachedPrefix(shared[:2], 4)
+    assert kv.find_cached_prefix(request("other", [99, 11, 12, 13])) == NO_PREFIX
+    # freed, the blocks stay cached: a later request with the prefix gets the very same blocks back
+    kv.free(first), kv.free(second)
+    third = request("third", [10, 11, 12, 13, 14, 15, 30])
+    assert admit(kv, third)[0] == CachedPrefix(shared, 6) and kv.block_ids(third)[:3] == shared
+
+
+def test_free_returns_every_block_the_request_held_tail_first():
+    kv = PagedKVCache(8, 2, prefix_caching=True)
+    a, b = request("a", [3, 4, 5, 6, 7]), request("b", [3, 4, 5, 6, 8])
+    admit(kv, a), admit(kv, b)
+    held_a, held_b = list(kv.block_ids(a)), list(kv.block_ids(b))
+    assert held_a[:2] == held_b[:2]  # shared
+    assert kv.free(a) == Freed(held_a[::-1]) and kv.free(b) == Freed(held_b[::-1])
+    assert kv.free(b) == Freed([])  # nothing left to free
+    assert kv.tables == {} and kv.pool.num_free == 8 and kv.num_used == 0
+    assert all(block.ref_count == 0 for block in kv.pool.blocks)
+
+
+def test_contiguous_reserves_one_run_of_blocks_per_request():
+    kv = ContiguousKVCache(8, 2, max_model_len=6)  # 3 blocks a request, whatever it uses
+    a, b, c = request("a", [3]), request("b", [4] * 5), request("c", [5])
+    assert admit(kv, a) == (NO_PREFIX, Allocation([0, 1, 2])) and admit(kv, b)[1] == Allocation([3, 4, 5])
+    assert kv.allocate_slots(a, 1) == Allocation([])  # its reservation already holds every token it may have
+    assert admit(kv, c)[1] is None  # 2 blocks left: no run of 3
+    assert kv.free(a) == Freed([2, 1, 0]) and admit(kv, c)[1] == Allocation([0, 1, 2])
+
+
+def test_no_kv_cache_is_an_implementation_of_the_interface_not_a_pool_without_one():
+    assert isinstance(NoKVCache(4), KVCache) and not issubclass(NoKVCache, KVCacheManager)
+    assert all(isinstance(kv, KVCache) for kv in (PagedKVCache(4, 2, True), ContiguousKVCache(4, 2, 4)))
+    with pytest.raises(TypeError, match="abstract"):
+        KVCache()
+    kv, req = NoKVCache(4), request("a", [3, 4, 5])
+    assert not hasattr(kv, "pool") and not hasattr(kv, "tables")
+    assert admit(kv, req) == (NO_PREFIX, Allocation([])) and kv.block_ids(req) == []
+    assert req.num_computed_tokens == 0  # nothing was kept: every step recomputes the whole sequence
+    assert kv.free(req) == Freed([]) and kv.num_used == 0 and kv.block_states() == ([], [])
+    assert kv.stats().kv_blocks_total == 0 and kv.prefix_cache_queries == kv.prefix_cache_hits == 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -272,11 +377,14 @@ def check_engine(eng: LLMEngine, after_step: bool, sharing_needs_hash: bool = Tr
                 assert 0 < req.num_computed_tokens < req.num_tokens and eng.config.chunked_prefill_active
             else:
                 assert req.num_computed_tokens == req.num_tokens - 1
-            need = cdiv(req.num_computed_tokens, kv.block_size) if kv.paged else kv.blocks_per_reservation
-            assert len(req.block_table) == need
+            paged = isinstance(kv, PagedKVCache)
+            need = cdiv(req.num_computed_tokens, kv.block_size) if paged else kv.blocks_per_reservation
+            assert len(kv.block_ids(req)) == need
     for req in s.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and req.num_computed_tokens == 0
+    assert set(kv.tables) <= {r.request_id for r in s.running + list(s.waiting)}, "a table outlived its request"
     snap = eng.snapshot()
+    assert snap.block_tables == {r.request_id: kv.block_ids(r) for r in s.running}  # the picture reads the manager
     assert snap.kv_blocks_used == kv.num_used == sum(1 for rc in snap.block_ref_counts if rc > 0)
     assert snap.kv_blocks_total == kv.num_blocks == len(snap.block_ref_counts)
     assert snap.kv_blocks_cached_free == sum(1 for b in kv.pool.free_queue if kv.pool.blocks[b].hash_key is not None)

@@ -161,8 +161,8 @@ def test_rejected_drafts_give_their_blocks_back(tiny, monkeypatch):
         engine.step()
         req = engine.requests.get(rid)
         if req is not None:  # exactly the blocks its computed tokens need, never the drafts' extra blocks
-            assert len(req.block_table) == -(-req.num_computed_tokens // 2)
-            assert engine.kv.stats().kv_blocks_used == len(req.block_table)
+            assert len(engine.kv.block_ids(req)) == -(-req.num_computed_tokens // 2)
+            assert engine.kv.stats().kv_blocks_used == len(engine.kv.block_ids(req))
     assert_all_blocks_free(engine)
     assert engine.spec_stats.num_draft_tokens > 0
 

@@ -83,7 +83,7 @@ class TritonBackend(AttentionBackend):
         row = len(decodes)
         for s in ordered:
             if s.phase is not Phase.DECODE:
-                prefills.append((s.request.block_table, row, s.num_tokens, s.end))
+                prefills.append((s.block_ids, row, s.num_tokens, s.end))
                 row += s.num_tokens
-        return build_paged_metadata([(s.request.block_table, s.end) for s in decodes], prefills, slots,
+        return build_paged_metadata([(s.block_ids, s.end) for s in decodes], prefills, slots,
                                     self.setup.block_size, self.setup.to_device)

@@ -230,7 +230,7 @@ class SdpaBackend(AttentionBackend):
             start, n = s.start, s.num_tokens
             seq = PrefillSeq(row, n)
             if start > 0:  # earlier tokens come from the cache: attend to all of them
-                seq.context_slots = torch.tensor(slots_of(s.request.block_table, 0, start + n, bs), device=dev)
+                seq.context_slots = torch.tensor(slots_of(s.block_ids, 0, start + n, bs), device=dev)
                 allowed = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)
                 seq.mask = self._additive(allowed)
             meta.prefills.append(seq)
@@ -251,7 +251,7 @@ class SdpaBackend(AttentionBackend):
         shorter padded with slot 0's (never read: every reader stops at its own length)."""
         bs, dev, max_ctx = self.setup.block_size, self.setup.device, max(s.end for s in seqs)
         width = cdiv(max_ctx, bs)
-        tables = torch.tensor([s.request.block_table[:width] + [0] * (width - len(s.request.block_table[:width]))
+        tables = torch.tensor([s.block_ids[:width] + [0] * (width - len(s.block_ids[:width]))
                                for s in seqs], dtype=torch.long, device=dev)
         pos = torch.arange(max_ctx, device=dev)
         return tables[:, pos // bs] * bs + pos % bs

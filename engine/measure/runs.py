@@ -181,7 +181,7 @@ class StepTracker:
         bs = self.engine.config.block_size
         filled: dict[int, int] = {}
         for req in self.engine.scheduler.running:
-            for i, block in enumerate(req.block_table):
+            for i, block in enumerate(self.engine.kv.block_ids(req)):
                 filled[block] = max(filled.get(block, 0), min(bs, max(0, req.num_computed_tokens - i * bs)))
         if filled:
             self.efficiency.append(sum(filled.values()) / (len(filled) * bs))
