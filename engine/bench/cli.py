@@ -8,7 +8,8 @@
     python -m engine.bench prefill-cost --budgets 256,4096        # a wave of prompts: ms per prompt token
     python -m engine.bench prefill-cost --budgets 256,4096 --beside-busy 2,3   # ... and beside a busy process
     python -m engine.bench attention-cost --set dtype=bfloat16   # the C++ attention alone: decode rows, a chunk
-    python -m engine.bench closed-loop --concurrency 32 --beside-busy 0.5,4.5   # bench versus's load, no HTTP
+    python -m engine.bench closed-loop --concurrency 32                    # bench versus's load, no HTTP
+    python -m engine.bench closed-loop --beside-busy 1,2,4,6    # ... quiet, then beside k busy processes: fair share?
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
@@ -75,6 +76,20 @@ def _busy_pair(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"expected BUSY_MS,IDLE_MS (e.g. 2,3), each under 1e6 and BUSY_MS > 0, "
                                          f"got {text!r}")
     return values[0], values[1]
+
+
+def _neighbour_counts(text: str) -> list[int]:
+    """closed-loop's --beside-busy: how many busy processes, one count per condition (1,2,4,6)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers of busy processes (e.g. 1,2,4,6), got {text!r}; the earlier "
+            f"BUSY_MS,IDLE_MS (e.g. 0.5,4.5) is now --beside-busy 1 --busy-duty 0.5,4.5") from None
+    if not values or not all(1 <= v <= ex.MAX_NEIGHBOURS for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers of busy processes from 1 to {ex.MAX_NEIGHBOURS}, "
+                                         f"got {text!r}")
+    return values
 
 
 def _common_parser() -> argparse.ArgumentParser:
@@ -177,8 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--prompt-len", type=_positive, default=128)
     cl.add_argument("--output-len", type=_positive, default=64)
     cl.add_argument("--rounds", type=_positive, default=2)
-    cl.add_argument("--beside-busy", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
-                    help="also run each round beside a process that computes BUSY_MS then sleeps IDLE_MS")
+    cl.add_argument("--beside-busy", type=_neighbour_counts, default=None, metavar="K,K",
+                    help="also run each round beside K busy processes, for each K (e.g. 1,2,4,6): tok/s against "
+                         "the quiet run and against the engine's fair share of the cores")
+    cl.add_argument("--busy-duty", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
+                    help="each busy process computes BUSY_MS then sleeps IDLE_MS (default: always busy); alone, "
+                         "one such process")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -308,8 +327,9 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         return rp.sampling_cost_report(rows, args.batch, args.prompt_len, args.tokens)
     if args.command == "closed-loop":
         rows = ex.closed_loop(llm, args.concurrency, args.requests, args.prompt_len, args.output_len, args.rounds,
-                              settings, busy=args.beside_busy)
-        return rp.closed_loop_report(rows, args.concurrency, args.requests, args.prompt_len, args.output_len)
+                              settings, busy=args.busy_duty, neighbours=args.beside_busy)
+        return rp.closed_loop_report(rows, args.concurrency, args.requests, args.prompt_len, args.output_len,
+                                     busy=args.busy_duty)
     if args.command == "attention-cost":
         rows = ex.attention_cost(llm, args.rows, args.context, args.chunk, args.rounds)
         return rp.attention_cost_report(rows, str(llm.engine.model.dtype).removeprefix("torch."))
