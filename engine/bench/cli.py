@@ -10,6 +10,7 @@
     python -m engine.bench attention-cost --set dtype=bfloat16   # the C++ attention alone: decode rows, a chunk
     python -m engine.bench closed-loop --concurrency 32                    # bench versus's load, no HTTP
     python -m engine.bench closed-loop --beside-busy 1,2,4,6    # ... quiet, then beside k busy processes: fair share?
+    python -m engine.bench roofline                             # decode against the machine's bandwidth and GEMM peak
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
@@ -30,6 +31,7 @@ A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -41,6 +43,7 @@ from ..measure import ablation
 from ..measure import experiments as ex
 from ..measure import precision as pr
 from ..measure import report as rp
+from ..measure import roofline as rf
 from ..measure.runs import load_llm
 from ..measure.specs import parse_assignments
 from ..workloads import load_workload
@@ -48,7 +51,7 @@ from . import kernel_worth as kw_mod
 
 COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "kernel-worth", "decode",
             "quality", "serve", "serve-overhead", "versus", "sampling-cost", "prefill-cost", "attention-cost",
-            "closed-loop")
+            "closed-loop", "roofline")
 
 
 def _number_list(text: str, kind: type, minimum: float, what: str) -> list:
@@ -198,6 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--busy-duty", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
                     help="each busy process computes BUSY_MS then sleeps IDLE_MS (default: always busy); alone, "
                          "one such process")
+    rl = sub.add_parser("roofline", parents=common, help="decode in each precision against this machine's read "
+                                                         "bandwidth (batch 1) and matmul peak (a batch)")
+    rl.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
+                    help=f"precisions (repeatable; default: {' '.join(rf.SPECS)})")
+    rl.add_argument("--quick", action="store_true", help="small sizes: seconds on a tiny model (a check, no result)")
+    rl.add_argument("--batch", type=_positive, default=None, help="rows of the compute-bound step (default 32)")
+    rl.add_argument("--prompt-len", type=_positive, default=None)
+    rl.add_argument("--tokens", type=_positive, default=None, help="decode steps timed per round")
+    rl.add_argument("--rounds", type=_positive, default=None)
+    rl.add_argument("--read-mb", type=_positive, default=None, help="the read buffer, MiB (default: 1 GiB or 4x the "
+                                                                    "last-level cache, whichever is more)")
+    rl.add_argument("--gemm", type=_positive, default=None, metavar="N", help="the square GEMMs' side (default 2048)")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -291,6 +306,14 @@ def quality_specs(args: argparse.Namespace, settings: dict[str, Any]) -> list[st
     return [",".join(given)] if given else list(pr.QUALITY_SPECS)
 
 
+def roofline_sizes(args: argparse.Namespace) -> rf.Sizes:
+    """--quick's sizes or the defaults, each replaced by its option where given."""
+    sizes = rf.QUICK if args.quick else rf.Sizes()
+    given = {"batch": args.batch, "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
+             "gemm_n": args.gemm, "read_bytes": None if args.read_mb is None else args.read_mb * 2**20}
+    return dataclasses.replace(sizes, **{k: v for k, v in given.items() if v is not None})
+
+
 def llama_cpp_gguf(given: str | None) -> Path | None:
     """--llama-cpp's GGUF file: "embedded" is the one the engine's default model comes from."""
     if given is None:
@@ -330,6 +353,8 @@ def run_command(args: argparse.Namespace) -> rp.Report:
                               settings, busy=args.busy_duty, neighbours=args.beside_busy)
         return rp.closed_loop_report(rows, args.concurrency, args.requests, args.prompt_len, args.output_len,
                                      busy=args.busy_duty)
+    if args.command == "roofline":
+        return rf.roofline_report(rf.roofline(llm, args.specs or rf.SPECS, roofline_sizes(args), settings, _bar))
     if args.command == "attention-cost":
         rows = ex.attention_cost(llm, args.rows, args.context, args.chunk, args.rounds)
         return rp.attention_cost_report(rows, str(llm.engine.model.dtype).removeprefix("torch."))
