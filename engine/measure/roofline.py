@@ -144,9 +144,11 @@ def _available_bytes() -> int | None:
     return None
 
 
-def default_read_bytes(llc: int | None) -> int:
+def default_read_bytes(llc: int | None, available: int | None = None) -> int:
+    """At least MIN_READ_BYTES and READ_OVER_LLC x the last-level cache, at most a quarter of `available` (default:
+    the free memory now)."""
     want = max(MIN_READ_BYTES, READ_OVER_LLC * (llc or 0))
-    available = _available_bytes()
+    available = available or _available_bytes()
     return min(want, available // 4) if available else want
 
 
