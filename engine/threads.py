@@ -79,6 +79,15 @@ class CoreShare:
             self.threads, self._fewer, self._more = want, 0, 0
             torch.set_num_threads(self.threads)  # only on a change: whoever set it otherwise since is left alone
 
+    def settle(self, gap_s: float = 0.02) -> None:
+        """Take now, gap_s apart, the readings a change of thread count waits for, so that the count a few seconds
+        of steps would reach is there before they start: a measurement beside a set number of busy processes
+        (bench closed-loop) times their effect, not the half seconds the engine takes to see them come and go."""
+        for _ in range(max(DROP_AFTER, RISE_AFTER)):
+            self._due = 0.0
+            self.adjust()
+            time.sleep(gap_s)
+
     def describe(self) -> str:
         return (f"{self.threads} of {self.most} threads" + (f" ({self.others} other threads want a core)"
                                                             if self.threads < self.most else ""))

@@ -681,6 +681,130 @@ def test_closed_loop_keeps_its_requests_in_flight_and_runs_them_all(tiny_llm):
     assert "beside a busy process" not in table[0] and table[0]["output tok/s (median)"] > 0
 
 
+def test_fair_share_is_an_equal_slice_of_the_cores_per_thread():
+    from engine.measure.experiments import fair_share
+    for k in (0, 1, 2, 4, 6):  # two threads on two cores beside k whole-core neighbours: quiet x 2 / (2 + k)
+        assert math.isclose(fair_share(k, threads=2, cores=2), 2 / (2 + k))
+    assert fair_share(1, threads=1, cores=2) == 1.0  # a core each
+    assert math.isclose(fair_share(2, threads=1, cores=2), 2 / 3)
+    assert math.isclose(fair_share(1, threads=2, cores=2, duty=0.1), 0.95)  # the neighbour takes its tenth only
+    assert math.isclose(fair_share(6, threads=4, cores=4), 0.4)
+
+
+def test_closed_loop_beside_each_number_of_neighbours(tiny_llm, monkeypatch):
+    """Each round runs quiet, then beside each count of busy processes (all of them spinning while it runs, none
+    left after); every row has tok/s against the quiet run's and against its fair share."""
+    from contextlib import contextmanager
+
+    from engine.measure import experiments
+    from engine.measure.report import closed_loop_report
+    started, procs = [], []
+    real = experiments.busy_processes
+
+    @contextmanager
+    def counted(count, busy_ms, idle_ms):
+        with real(count, busy_ms, idle_ms) as running:
+            assert all(p.poll() is None for p in running)
+            started.append((count, busy_ms, idle_ms))
+            procs.extend(running)
+            yield running
+    monkeypatch.setattr(experiments, "busy_processes", counted)
+    threads, cores = torch.get_num_threads(), experiments.usable_cores()
+    rows = experiments.closed_loop(tiny_llm, concurrency=2, requests=3, prompt_len=6, output_len=3, rounds=2,
+                                   settings=SMALL_POOL, neighbours=[1, 2])
+    assert torch.get_num_threads() == threads  # left as found, whatever the engine's count did meanwhile
+    assert [(c, b) for c, b, _ in started] == [(0, math.inf), (1, math.inf), (2, math.inf)] * 2
+    assert len(procs) == 6 and all(p.poll() is not None for p in procs)
+    assert [r.neighbours for r in rows] == [0, 1, 2] and [r.beside_busy for r in rows] == [False, True, True]
+    for r in rows:
+        assert len(r.tok_s) == len(r.vs_quiet) == len(r.threads) == 2 and min(r.tok_s) > 0
+        assert r.fair_share == experiments.fair_share(r.neighbours, threads, cores)
+        assert r.of_fair_share == [v / r.fair_share for v in r.vs_quiet]
+        assert all(1 <= t <= threads for t in r.threads)
+    assert rows[0].vs_quiet == [1.0, 1.0] and rows[0].fair_share == 1.0
+    assert rows[1].vs_quiet == [a / b for a, b in zip(rows[1].tok_s, rows[0].tok_s)]
+    report = closed_loop_report(rows, 2, 3, 6, 3)
+    table = report.tables["per condition"]
+    assert [t["busy neighbours"] for t in table] == [0, 1, 2]
+    assert {"vs quiet (median)", "fair share", "of fair share (median)", "threads (runs)"} <= set(table[2])
+    assert "always busy" in report.notes[0]
+
+
+def test_closed_loop_with_a_duty_cycle_alone_is_one_part_time_neighbour(tiny_llm):
+    from engine.measure import experiments
+    from engine.measure.report import closed_loop_report
+    threads, cores = torch.get_num_threads(), experiments.usable_cores()
+    rows = experiments.closed_loop(tiny_llm, concurrency=2, requests=2, prompt_len=6, output_len=2, rounds=1,
+                                   settings=SMALL_POOL, busy=(1.0, 3.0), settle=False)
+    assert [r.neighbours for r in rows] == [0, 1]
+    assert rows[1].fair_share == experiments.fair_share(1, threads, cores, duty=0.25)
+    assert "25% of a core" in closed_loop_report(rows, 2, 2, 6, 2, busy=(1.0, 3.0)).notes[0]
+    with pytest.raises(ValueError, match="at least 1"):
+        experiments.closed_loop(tiny_llm, neighbours=[0])
+
+
+def test_busy_processes_are_gone_however_the_block_ends():
+    from engine.measure.experiments import MAX_NEIGHBOURS, busy_processes
+    with pytest.raises(RuntimeError, match="the block failed"), busy_processes(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        raise RuntimeError("the block failed")
+    assert all(p.poll() is not None for p in procs)
+    with busy_processes(0) as none:
+        assert none == []
+    for bad in (-1, MAX_NEIGHBOURS + 1):
+        with pytest.raises(ValueError, match="busy processes"), busy_processes(bad):
+            pass
+
+
+def test_a_busy_process_ends_when_its_parent_is_killed(tmp_path):
+    """A parent killed outright runs no finally: its spinners notice it has gone and end by themselves."""
+    import os
+    import signal
+    import subprocess
+    import time
+    script = ("from engine.measure.experiments import busy_processes\n"
+              "import time\n"
+              "with busy_processes(1) as procs:\n"
+              "    print(procs[0].pid, flush=True)\n"
+              "    time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended, not yet reaped by its new parent
+                    break
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the busy process outlived its parent by 10 s")
+    finally:
+        parent.kill()
+        parent.stdout.close()
+
+
+def test_closed_loop_beside_busy_takes_neighbour_counts():
+    import argparse
+
+    from engine.bench.cli import _neighbour_counts
+    args = cli.parse_args(["closed-loop", "--beside-busy", "1,2,4,6"])
+    assert args.beside_busy == [1, 2, 4, 6] and args.busy_duty is None
+    args = cli.parse_args(["closed-loop", "--beside-busy", "1", "--busy-duty", "0.5,4.5"])
+    assert args.beside_busy == [1] and args.busy_duty == (0.5, 4.5)
+    with pytest.raises(argparse.ArgumentTypeError, match="--busy-duty 0.5,4.5"):
+        _neighbour_counts("0.5,4.5")  # the earlier form says what it is now
+    for bad in ("0", "1,0", "65", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _neighbour_counts(bad)
+
+
 def test_a_stream_of_tokens_without_text_counts_by_its_usage():
     """A random prompt can make a model emit only special tokens, which a server streams without text: with its
     usage saying tokens came, the request succeeded (its tokens counted, no TTFT to time); without usage, it failed.

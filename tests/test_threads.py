@@ -51,3 +51,21 @@ def test_the_running_threads_are_read_from_linux():
     others = threads.others_running()
     assert others is None or others >= 0
     assert threads.usable_cores() >= 1
+
+
+def test_settle_takes_the_readings_a_change_waits_for_at_once(monkeypatch):
+    """bench closed-loop settles the count before each run, so a run beside busy processes does not spend its first
+    second on the threads the quiet run left, nor the next quiet run its first two on one thread."""
+    seen = {"others": 1}
+    monkeypatch.setattr(threads, "others_running", lambda: seen["others"])
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        share = threads.CoreShare(most=2)
+        share.settle(gap_s=0)
+        assert share.threads == 1 and torch.get_num_threads() == 1
+        seen["others"] = 0
+        share.settle(gap_s=0)
+        assert share.threads == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -8,7 +8,9 @@
     python -m engine.bench prefill-cost --budgets 256,4096        # a wave of prompts: ms per prompt token
     python -m engine.bench prefill-cost --budgets 256,4096 --beside-busy 2,3   # ... and beside a busy process
     python -m engine.bench attention-cost --set dtype=bfloat16   # the C++ attention alone: decode rows, a chunk
-    python -m engine.bench closed-loop --concurrency 32 --beside-busy 0.5,4.5   # bench versus's load, no HTTP
+    python -m engine.bench closed-loop --concurrency 32                    # bench versus's load, no HTTP
+    python -m engine.bench closed-loop --beside-busy 1,2,4,6    # ... quiet, then beside k busy processes: fair share?
+    python -m engine.bench roofline                             # decode against the machine's bandwidth and GEMM peak
     python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
     python -m engine.bench ablate --cumulative                  # the engine, feature by feature
     python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
@@ -29,6 +31,7 @@ A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -40,6 +43,7 @@ from ..measure import ablation
 from ..measure import experiments as ex
 from ..measure import precision as pr
 from ..measure import report as rp
+from ..measure import roofline as rf
 from ..measure.runs import load_llm
 from ..measure.specs import parse_assignments
 from ..workloads import load_workload
@@ -47,7 +51,7 @@ from . import kernel_worth as kw_mod
 
 COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "kernel-worth", "decode",
             "quality", "serve", "serve-overhead", "versus", "sampling-cost", "prefill-cost", "attention-cost",
-            "closed-loop")
+            "closed-loop", "roofline")
 
 
 def _number_list(text: str, kind: type, minimum: float, what: str) -> list:
@@ -75,6 +79,20 @@ def _busy_pair(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"expected BUSY_MS,IDLE_MS (e.g. 2,3), each under 1e6 and BUSY_MS > 0, "
                                          f"got {text!r}")
     return values[0], values[1]
+
+
+def _neighbour_counts(text: str) -> list[int]:
+    """closed-loop's --beside-busy: how many busy processes, one count per condition (1,2,4,6)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers of busy processes (e.g. 1,2,4,6), got {text!r}; the earlier "
+            f"BUSY_MS,IDLE_MS (e.g. 0.5,4.5) is now --beside-busy 1 --busy-duty 0.5,4.5") from None
+    if not values or not all(1 <= v <= ex.MAX_NEIGHBOURS for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers of busy processes from 1 to {ex.MAX_NEIGHBOURS}, "
+                                         f"got {text!r}")
+    return values
 
 
 def _common_parser() -> argparse.ArgumentParser:
@@ -177,8 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--prompt-len", type=_positive, default=128)
     cl.add_argument("--output-len", type=_positive, default=64)
     cl.add_argument("--rounds", type=_positive, default=2)
-    cl.add_argument("--beside-busy", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
-                    help="also run each round beside a process that computes BUSY_MS then sleeps IDLE_MS")
+    cl.add_argument("--beside-busy", type=_neighbour_counts, default=None, metavar="K,K",
+                    help="also run each round beside K busy processes, for each K (e.g. 1,2,4,6): tok/s against "
+                         "the quiet run and against the engine's fair share of the cores")
+    cl.add_argument("--busy-duty", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
+                    help="each busy process computes BUSY_MS then sleeps IDLE_MS (default: always busy); alone, "
+                         "one such process")
+    rl = sub.add_parser("roofline", parents=common, help="decode in each precision against this machine's read "
+                                                         "bandwidth (batch 1) and matmul peak (a batch)")
+    rl.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
+                    help=f"precisions (repeatable; default: {' '.join(rf.SPECS)})")
+    rl.add_argument("--quick", action="store_true", help="small sizes: seconds on a tiny model (a check, no result)")
+    rl.add_argument("--batch", type=_positive, default=None, help="rows of the compute-bound step (default 32)")
+    rl.add_argument("--prompt-len", type=_positive, default=None)
+    rl.add_argument("--tokens", type=_positive, default=None, help="decode steps timed per round")
+    rl.add_argument("--rounds", type=_positive, default=None)
+    rl.add_argument("--read-mb", type=_positive, default=None, help="the read buffer, MiB (default: 1 GiB or 4x the "
+                                                                    "last-level cache, whichever is more)")
+    rl.add_argument("--gemm", type=_positive, default=None, metavar="N", help="the square GEMMs' side (default 2048)")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
     sc.add_argument("--running", type=int, default=64)
     sc.add_argument("--prompt-len", type=int, default=16)
@@ -272,6 +306,14 @@ def quality_specs(args: argparse.Namespace, settings: dict[str, Any]) -> list[st
     return [",".join(given)] if given else list(pr.QUALITY_SPECS)
 
 
+def roofline_sizes(args: argparse.Namespace) -> rf.Sizes:
+    """--quick's sizes or the defaults, each replaced by its option where given."""
+    sizes = rf.QUICK if args.quick else rf.Sizes()
+    given = {"batch": args.batch, "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
+             "gemm_n": args.gemm, "read_bytes": None if args.read_mb is None else args.read_mb * 2**20}
+    return dataclasses.replace(sizes, **{k: v for k, v in given.items() if v is not None})
+
+
 def llama_cpp_gguf(given: str | None) -> Path | None:
     """--llama-cpp's GGUF file: "embedded" is the one the engine's default model comes from."""
     if given is None:
@@ -308,8 +350,11 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         return rp.sampling_cost_report(rows, args.batch, args.prompt_len, args.tokens)
     if args.command == "closed-loop":
         rows = ex.closed_loop(llm, args.concurrency, args.requests, args.prompt_len, args.output_len, args.rounds,
-                              settings, busy=args.beside_busy)
-        return rp.closed_loop_report(rows, args.concurrency, args.requests, args.prompt_len, args.output_len)
+                              settings, busy=args.busy_duty, neighbours=args.beside_busy)
+        return rp.closed_loop_report(rows, args.concurrency, args.requests, args.prompt_len, args.output_len,
+                                     busy=args.busy_duty)
+    if args.command == "roofline":
+        return rf.roofline_report(rf.roofline(llm, args.specs or rf.SPECS, roofline_sizes(args), settings, _bar))
     if args.command == "attention-cost":
         rows = ex.attention_cost(llm, args.rows, args.context, args.chunk, args.rounds)
         return rp.attention_cost_report(rows, str(llm.engine.model.dtype).removeprefix("torch."))

@@ -6,6 +6,7 @@
     experiments.py  table, compare, hf-static, sched-cost, sampling-cost, prefill-cost, closed-loop
     ablation.py     what each feature is worth: ablate (--cumulative, --concurrency), memory
     precision.py    what each precision costs: kernels, decode (beside llama.cpp), quality
+    roofline.py     decode in each precision against this machine's read bandwidth and matmul peak
     report.py       captioned tables rendered as markdown, JSON rows
 """
 from .ablation import (

@@ -6,6 +6,7 @@ feature is worth (ablate, memory) is ablation.py; what each precision costs (ker
 """
 from __future__ import annotations
 
+import math
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..llm import LLM
 from ..sampler import SamplingParams
+from ..threads import usable_cores
 from ..utils import cdiv
 from ..workloads import Workload
 from .hf import hf_generate, hf_pad_id, hf_static_batches, hf_warm_up, load_hf_model
@@ -246,28 +248,56 @@ class PrefillCostRow:
 
 
 # A process that computes busy_ms, then sleeps idle_ms, until killed: another program sharing the cores (as the
-# benchmark client does beside a server: docs/measurements.md, "Why c=32 loses served but not offline").
+# benchmark client does beside a server: docs/measurements.md, "Why c=32 loses served but not offline"). busy_ms
+# "inf" never sleeps: a neighbour that wants a whole core. It says "spinning" once it is, and ends by itself when
+# the process that started it has gone (a parent killed without its finally: no spinner is left behind).
 _BUSY_LOOP = """
-import sys, time
+import os, sys, time
 busy, idle = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
-while True:
-    start = time.perf_counter()
-    while time.perf_counter() - start < busy:
-        pass
-    time.sleep(idle)
+parent = os.getppid()
+print("spinning", flush=True)
+while os.getppid() == parent:
+    start = last = time.perf_counter()
+    while (now := time.perf_counter()) - start < busy:
+        if now - last > 0.1:
+            if os.getppid() != parent:
+                sys.exit()
+            last = now
+    if idle > 0:
+        time.sleep(idle)
 """
+MAX_NEIGHBOURS = 64  # busy processes one measurement may start at once
+
+
+@contextmanager
+def busy_processes(count: int, busy_ms: float = math.inf, idle_ms: float = 0.0) -> Iterator[list[subprocess.Popen]]:
+    """`count` other processes, each taking busy_ms / (busy_ms + idle_ms) of one core (busy_ms inf: all of it) while
+    the block runs; every one of them spinning before the block starts, and killed and reaped when it ends, however
+    it ends (one that failed to start takes the others down with it)."""
+    if not 0 <= count <= MAX_NEIGHBOURS:
+        raise ValueError(f"busy processes: 0 to {MAX_NEIGHBOURS} at once, got {count}")
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(count):
+            procs.append(subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(busy_ms), str(idle_ms)],
+                                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True))
+        for proc in procs:  # started and spinning before anything is timed
+            if proc.stdout.readline().strip() != "spinning":
+                raise RuntimeError(f"a busy process ended before it spun (exit code {proc.wait()})")
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+            proc.stdout.close()
 
 
 @contextmanager
 def busy_process(busy_ms: float, idle_ms: float) -> Iterator[subprocess.Popen]:
     """Another process taking busy_ms / (busy_ms + idle_ms) of one core while the block runs."""
-    proc = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(busy_ms), str(idle_ms)])
-    try:
-        time.sleep(0.05)  # started and spinning before anything is timed
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
+    with busy_processes(1, busy_ms, idle_ms) as procs:
+        yield procs[0]
 
 
 def prefill_cost(llm: LLM, budgets: list[int], batch: int = 32, prompt_len: int = 128, rounds: int = 3,
@@ -369,29 +399,79 @@ def _attention_step(ext, pools: list[torch.Tensor], args: tuple) -> float:
 
 @dataclass
 class ClosedLoopRow:
-    beside_busy: bool  # timed beside a busy_process
+    neighbours: int  # busy processes beside the engine while it ran (0: quiet)
     tok_s: list[float]  # output tokens over the run's time, one per round
     decode_step_ms: list[float]  # the median forward of the steps that only decode, per round
     mixed_step_ms: list[float]  # the median forward of the steps that also prefill, per round
+    vs_quiet: list[float] = field(default_factory=list)  # tok/s over the same round's quiet run's
+    fair_share: float = 1.0  # of the quiet speed, what an equal slice of the cores per runnable thread leaves it
+    threads: list[int] = field(default_factory=list)  # the engine's compute threads at the end of each run
+
+    @property
+    def beside_busy(self) -> bool:
+        return self.neighbours > 0
+
+    @property
+    def of_fair_share(self) -> list[float]:
+        """Each round's tok/s over its fair share of the quiet run's: 1 gets what sharing fairly leaves."""
+        return [v / self.fair_share for v in self.vs_quiet]
+
+
+def fair_share(neighbours: int, threads: int, cores: int, duty: float = 1.0) -> float:
+    """What the engine keeps of its quiet speed when every thread that wants a CPU gets an equal slice of the cores
+    (a neighbour wanting `duty` of a core gets that much if it is less than the slice): its `threads` (one core
+    each at most) against `neighbours` processes of one thread each. With a thread per core, neighbours that want a
+    whole core leave it cores / (cores + neighbours): 2 / (2 + k) on two cores (docs/measurements.md, "Beside a
+    busy neighbour")."""
+    demands = sorted([1.0] * threads + [duty] * neighbours)
+    left, level = float(cores), 1.0
+    for i, demand in enumerate(demands):  # max-min fair: fill the smallest demands first
+        even = left / (len(demands) - i)
+        if demand > even:
+            level = even
+            break
+        left -= demand
+    return min(1.0, level) * threads / min(threads, cores)
 
 
 def closed_loop(llm: LLM, concurrency: int = 32, requests: int = 64, prompt_len: int = 128, output_len: int = 64,
                 rounds: int = 2, settings: dict[str, Any] | None = None, seed: int = 0,
-                busy: tuple[float, float] | None = None) -> list[ClosedLoopRow]:
+                busy: tuple[float, float] | None = None, neighbours: Sequence[int] | None = None,
+                settle: bool = True) -> list[ClosedLoopRow]:
     """What `bench versus` asks of a server, in-process and without HTTP: `concurrency` requests kept in flight (a
     new one added as soon as one finishes) until `requests` have run, fresh random prompts, ignore_eos, greedy.
-    Output tok/s, and the step times of decode-only and mixed steps. `busy`: each round also runs beside a
-    busy_process, so what a neighbour on the same cores (a benchmark client, an HTTP thread) costs is read side by
-    side (docs/measurements.md)."""
+    Output tok/s, and the step times of decode-only and mixed steps. `neighbours` (counts, e.g. 1, 2, 4, 6): each
+    round runs quiet, then beside that many busy processes for each count (busy_processes), so what neighbours on
+    the same cores (a benchmark client, an HTTP thread, other tenants) cost is read side by side, against the quiet
+    run and against the engine's fair share of the cores (docs/measurements.md, "Beside a busy neighbour").
+    `busy` (busy_ms, idle_ms): each neighbour's duty cycle (default: always busy); given alone, one such neighbour.
+    `settle`: before each run the engine's thread count takes the readings it would take over the run's first
+    seconds (engine/threads.py), so no run starts with the threads the previous condition left."""
+    counts = list(neighbours) if neighbours else ([1] if busy is not None else [])
+    if any(k < 1 for k in counts):
+        raise ValueError(f"neighbour counts must be at least 1 (the quiet run is always made), got {counts}")
+    busy_ms, idle_ms = busy if busy is not None else (math.inf, 0.0)
+    duty = busy_ms / (busy_ms + idle_ms) if math.isfinite(busy_ms) else 1.0
     engine = llm.build_engine({"max_num_seqs": concurrency, **(settings or {})})
     engine.warm_up()
-    rows = [ClosedLoopRow(False, [], [], [])] + ([ClosedLoopRow(True, [], [], [])] if busy is not None else [])
-    draw = seed
-    for _ in range(rounds):
-        for row in rows:
-            draw += 1
-            with busy_process(*busy) if row.beside_busy else nullcontext():
-                _run_closed_loop(engine, row, random_prompts(requests, prompt_len, draw), concurrency, output_len)
+    cores = engine.cores
+    rows = [ClosedLoopRow(k, [], [], [], fair_share=fair_share(k, cores.most, usable_cores(), duty))
+            for k in [0, *counts]]
+    draw, threads = seed, torch.get_num_threads()
+    try:
+        for _ in range(rounds):
+            for row in rows:
+                draw += 1
+                with busy_processes(row.neighbours, busy_ms, idle_ms):
+                    if settle:
+                        cores.settle()
+                    _run_closed_loop(engine, row, random_prompts(requests, prompt_len, draw), concurrency,
+                                     output_len)
+                row.threads.append(cores.threads)
+            for row in rows:
+                row.vs_quiet.append(row.tok_s[-1] / rows[0].tok_s[-1])
+    finally:
+        torch.set_num_threads(threads)  # as found: the engine's count followed the neighbours, now gone
     return rows
 
 

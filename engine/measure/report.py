@@ -265,16 +265,31 @@ def prefill_cost_report(rows, batch: int, prompt_len: int) -> Report:
     return report
 
 
-def closed_loop_report(rows, concurrency: int, requests: int, prompt_len: int, output_len: int) -> Report:
+def closed_loop_report(rows, concurrency: int, requests: int, prompt_len: int, output_len: int,
+                       busy: tuple[float, float] | None = None) -> Report:
     report = Report(f"a closed loop in-process: {concurrency} requests in flight, {requests} in all, "
                     f"{prompt_len} random prompt tokens and {output_len} new each, greedy "
                     f"({len(rows[0].tok_s)} rounds)")
+    beside = len(rows) > 1
     report.tables["per condition"] = [
-        {**({"beside a busy process": r.beside_busy} if len(rows) > 1 else {}),
+        {**({"busy neighbours": r.neighbours} if beside else {}),
          "output tok/s (median)": statistics.median(r.tok_s),
          "output tok/s (runs)": ", ".join(f"{x:.1f}" for x in r.tok_s),
+         **({"vs quiet (median)": statistics.median(r.vs_quiet), "fair share": r.fair_share,
+             "of fair share (median)": statistics.median(r.of_fair_share),
+             "of fair share (runs)": ", ".join(f"{x:.2f}" for x in r.of_fair_share),
+             "threads (runs)": ", ".join(str(t) for t in r.threads)} if beside else {}),
          "decode step ms (median)": statistics.median(r.decode_step_ms),
          "mixed step ms (median)": statistics.median(r.mixed_step_ms)} for r in rows]
+    if beside:
+        what = ("always busy" if busy is None else
+                f"busy {busy[0]:g} ms then idle {busy[1]:g} ms, {busy[0] / (busy[0] + busy[1]):.0%} of a core")
+        report.notes.append(f"each round runs quiet, then beside each number of busy processes ({what}); vs quiet: "
+                            "tok/s over the same round's quiet run")
+        report.notes.append("fair share: of the quiet speed, what the engine keeps when every thread that wants a "
+                            "CPU gets an equal slice of the cores (2 / (2 + k) for 2 threads on 2 cores beside k "
+                            "busy processes); of fair share: vs quiet over it, 1 = a fair share kept")
+        report.notes.append("threads: the engine's compute threads at the end of each run (engine/threads.py)")
     report.rows = rows
     return report
 
