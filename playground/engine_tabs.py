@@ -36,7 +36,7 @@ WEIGHTS_HELP = {
 }
 
 
-def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
+def build_settings_tab(pg: Playground, serialised: SerialisedFigures, nudge: gr.Textbox | None = None) -> None:
     with gr.Tab("Engine settings"):
         gr.Markdown("An idle engine applies a change at once; a busy one at its next step boundary. Pool or "
                     "paging changes rebuild the KV pool: running requests are re-prefilled, nothing is lost. "
@@ -112,7 +112,11 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
             return [gr.skip()] * len(form)
         return load_settings("" if same or not shown else
                              "ℹ️ The engine's configuration changed: the form shows what it runs now.")
-    follow.tick(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, api_name="settings_follow")
+    follow.tick(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, concurrency_id="follow",
+                api_name="settings_follow")
+    if nudge is not None:  # and at once when the room's engine changes (app.push_room)
+        nudge.change(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, concurrency_id="follow",
+                     api_visibility="private", trigger_mode="always_last")
 
     # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
     def do_apply(progress=gr.Progress(), *args):

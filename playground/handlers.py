@@ -108,6 +108,15 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
                 f"generated {plural(snap.generation_tokens_total, 'token')}{users}"
                 + (f" · {WARNING} {self.attach_error}" if self.attach_error else "") + self.room_line())
 
+    def room_version(self) -> int:
+        """A number that changes whenever what every page says about the engine and the room does (its
+        configuration, a rebuild, a measurement, step mode, a lesson's phase, the room's notices), read in a few
+        attribute reads: each page is pushed a redraw when it moves (app.py), rather than waiting for its clock."""
+        service, run, changes = self.service, self.lessons.run, self.service.config_changes
+        return hash((id(service), changes[-1].time if changes else None, self.rebuilding, self.measurement is not None,
+                     service.paused, bool(service.error), self.room.count, self.attach_error, id(self.remote),
+                     None if run is None else (run.run_id, run.phase, run.extended)))
+
     def _busy(self) -> str:
         running = self.measurement
         return (f"a measurement is running ({running.describe()})" if running else

@@ -123,7 +123,13 @@ def main() -> int:
             why = pg.start_traffic("open-chat", 32, 300)
             assert why == "", why
             time.sleep(10)
+            from tools.page_cost import chromium_cpu_s
+            cpu0, own0, wall0 = chromium_cpu_s(), time.process_time(), time.monotonic()
             busy = [ttft(person, f"Name an animal, one word. ({i})") for i in range(3)]
+            wall = time.monotonic() - wall0
+            print(f"meanwhile, of the machine's {os.cpu_count()} cores: Chromium used "
+                  f"{(chromium_cpu_s() - cpu0) / wall:.2f}, the app's process (engine and server) "
+                  f"{(time.process_time() - own0) / wall:.2f}", flush=True)
             print(f"a person's TTFT (s), idle: {[round(x, 3) for x in idle]}, with 32 simulated users: "
                   f"{[round(x, 3) for x in busy]}, ratio of medians "
                   f"{statistics.median(busy) / statistics.median(idle):.2f}", flush=True)
