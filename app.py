@@ -192,9 +192,13 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             *words, chart = lesson["parts"](picked)
             # while a lesson runs every page's lesson picker names it (what the tab shows is that lesson)
             pick = run.lesson.slug if run is not None and picked != run.lesson.slug else gr.skip()
-            return (pg.status(presenter), *charts, *words, serialised.unless_sent(chart, "lesson", sent),
+            same = serialised.unless_same
+            return (same(pg.status(presenter), "status", sent), *charts,
+                    *(same(w, f"lesson {i}", sent) for i, w in enumerate(words)),
+                    serialised.unless_sent(chart, "lesson", sent),
                     gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
-                    gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(), intro(pg, presenter),
+                    gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(),
+                    same(intro(pg, presenter), "header", sent),
                     "Lessons" if follow else gr.skip(), pick, lesson["record"](sent), *join["refresh"](sent))
         refreshed = [status, *plots, *lesson["outputs"], tabs, seen, back, header, shown, lesson["pick"],
                      lesson["record_output"], *join["outputs"]]
@@ -231,8 +235,9 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
         @audience
         def refresh(already: dict, on_tab: str | None):
             f, now, presenter = watcher.dashboard(), dict(already), access.visitor().presenter
-            return (watcher.status(presenter), *chart_updates(serialised, f, now, on_tab), intro(watcher, presenter),
-                    now)
+            same = serialised.unless_same
+            return (same(watcher.status(presenter), "status", now), *chart_updates(serialised, f, now, on_tab),
+                    same(intro(watcher, presenter), "header", now), now)
         clock.tick(refresh, [sent, shown], [status, *plots, header, sent], concurrency_limit=4,
                    show_progress="hidden", api_name="dashboard", postprocess=False)
         wire_roles(demo, access, role)

@@ -81,9 +81,11 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures, nudge: gr.
         settings_out = gr.Markdown()
         settings_note = gr.Markdown()
         loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
-        # in the tab: it ticks once the tab has been opened; twice a second, so a change made elsewhere shows within a
-        # second, round trip included (each tick is one comparison when nothing changed)
-        follow = gr.Timer(0.5)
+        # in the tab: it ticks once the tab has been opened. A change made elsewhere reaches the form at once through
+        # the room's push (app.push_room); the tick only catches a page whose push was cut. Each tick costs the
+        # browser as much as a change (every field of the form marked pending, then done): at 0.5 s, half the CPU
+        # an idle page took
+        follow = gr.Timer(5.0)
 
     inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
     names = list(switches) + list(sizes) + list(weights)
@@ -103,8 +105,9 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures, nudge: gr.
 
     @audience
     def follow_engine(shown: dict):
-        """Every second while the tab is open: the form again when the engine's configuration is no longer the one
-        it shows (a lesson, a rebuild, another presenter tab changed it)."""
+        """When the room changes (app.push_room), and every few seconds while the tab is open: the form again when the
+        engine's configuration is no longer the one it shows (a lesson, a rebuild, another presenter tab changed
+        it)."""
         shown = dict(shown or {})
         steered = shown.pop(ROLE_KEY, None)
         same = pg.settings() == shown

@@ -35,6 +35,16 @@ class SerialisedFigures:
         which then skips gradio's per-output work (a worker-thread hop, a model dump, a walk for files) per tab."""
         return None if spec is None else self._get(spec)[2]
 
+    @staticmethod
+    def unless_same(value, key: str, sent: dict):
+        """`value` for one page's output `key` (a status line, a lesson's text), or gr.skip() where that page was
+        sent this very value last time: each update re-renders its Markdown in the browser, and three idle pages
+        redrawing theirs every second took three quarters of a core from the engine's two."""
+        if key in sent and sent[key] == value:
+            return gr.skip()
+        sent[key] = value
+        return value
+
     def unless_sent(self, spec: dict | None, key: str, sent: dict):
         """The payload for the chart `key` of one page, or gr.skip() where that page was sent this very figure last
         time. `sent`: that page's own record (key -> the figure's number), updated here."""

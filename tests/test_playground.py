@@ -307,7 +307,7 @@ def test_polls_send_the_shared_payloads_as_gradio_would_without_postprocessing_t
 def test_a_page_is_sent_each_chart_once_and_the_dashboards_only_while_it_shows_them(pg):
     """gradio mounts a fresh plotly chart for every value sent, equal or not: the clock sends a page a chart only
     when its figure changed since that page last got it, and the dashboard's five only while it shows the Dashboard
-    (or to an API client, which has no tabs)."""
+    (or to an API client, which has no tabs). Its status line too, only when it changed."""
     import gradio as gr
 
     import app
@@ -324,12 +324,14 @@ def test_a_page_is_sent_each_chart_once_and_the_dashboards_only_while_it_shows_t
 
     out, state = poll({"run": 0, "back": False}, None)  # a gradio_client session: every chart, once
     assert not any(skipped(out[plots])) and out[9] is not None and out[9] != gr.skip()
-    out, state = poll(state, None)  # nothing stepped since: nothing sent again, the status line still is
-    assert all(skipped(out[plots])) and out[9] == gr.skip() and "steps done" in out[0]
+    assert "steps done" in out[0]
+    out, state = poll(state, None)  # nothing stepped since: nothing sent again, not even the same status line
+    assert all(skipped(out[plots])) and out[9] == gr.skip() and out[0] == gr.skip()
     list(pg.service.stream("hi", SamplingParams(max_tokens=2)))
     time.sleep(pg.figures.min_interval_s)
     out, after = poll(state, "Chat")  # the engine moved, but this page shows Chat: the dashboard's charts wait
     assert all(skipped(out[plots])) and out[9] == gr.skip()  # (no lesson ran: its chart is the same placeholder)
+    assert "steps done" in out[0]  # the status line moved with it
     out, after = poll(after, DASHBOARD_TAB)  # opened: the new figures, then nothing until the next change
     assert not any(skipped(out[plots])) and json.loads(out[1]["plot"]) == pg.dashboard().blocks
     assert all(skipped(poll(after, DASHBOARD_TAB)[0][plots]))
@@ -686,8 +688,8 @@ def test_a_restart_keeps_the_charts_history_marks_itself_and_counts_what_it_ende
 
 
 def test_the_settings_form_follows_the_engine_and_the_audience_only_reads_it(pg):
-    """A change made elsewhere (a lesson, a rebuild, another presenter tab) reaches every open settings form within
-    its one-second tick; nothing is sent while the form already shows what runs. The audience's form is read-only
+    """A change made elsewhere (a lesson, a rebuild, another presenter tab) reaches every settings form when the room's
+    push nudges it (or at its fallback tick); nothing is sent while the form already shows what runs. The audience's form is read-only
     and says who can change it."""
     import gradio as gr
 

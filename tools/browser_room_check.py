@@ -5,7 +5,8 @@ lesson changes it, and a person's time to first token, idle and while 32 simulat
     python tools/browser_room_check.py --one-page # one attendee's page only: the TTFT part
 
 With the presenter and three attendees, attendee 1 and 3 watch the Engine settings tab (its prefix_caching box and
-the status line), attendee 2 the Dashboard (the prefix chart's "prefix caching is off" and the status line). The
+the status line), attendee 2 the Dashboard (the status line, and the chart on screen: every page follows the presenter
+to the lesson, whose chart names it and then draws its flip). The
 browsers run on the same cores as the engine, as they would not in a room: docs/measurements.md ("The room in
 Chromium") has runs of both forms. Needs Debian's chromium (/usr/bin/chromium) and playwright.
 """
@@ -23,7 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 CHECKED = "() => document.querySelector('#setting-prefix_caching input')?.checked"
-OFF = "() => document.body.textContent.includes('prefix caching is off')"
+# a chart on screen agrees: the lesson's (every page follows the presenter to it) names the lesson, then draws its
+# flip; the Dashboard's prefix chart says "prefix caching is off", then marks the change "prefix_caching on"
+CHART = """(want) => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.offsetParent !== null).some(p => {
+  const t = p.textContent;
+  return want ? t.includes('prefix_caching on') || (t.includes('Prefix caching:') && t.includes('flip'))
+              : t.includes('prefix caching is off') || t.includes('prefix_caching off') || t.includes('Prefix caching:');
+})"""
 STATUS = "() => document.querySelector('#status')?.innerText || ''"
 BOTS = "document.querySelectorAll('[data-testid=\"bot\"]')"
 
@@ -100,8 +107,8 @@ def main() -> int:
 
                 def agrees(i: int, page, want: bool) -> bool:
                     flipped = "flipped" in page.evaluate(STATUS)  # the room's latest change, on the status line
-                    shown = (not page.evaluate(OFF)) if i == 1 else page.evaluate(CHECKED)
-                    return shown == want and flipped == want
+                    shows = page.evaluate(CHART, want) if i == 1 else page.evaluate(CHECKED) == want
+                    return shows and flipped == want
 
                 for want in (False, True):  # the lesson turns prefix caching off, then flips it on
                     deadline = time.monotonic() + 400
@@ -114,7 +121,7 @@ def main() -> int:
                             if i not in seen and agrees(i, page, want):
                                 seen[i] = time.monotonic() - changed
                     print(f"prefix_caching -> {want}: seconds until each attendee's page agreed (settings form, "
-                          f"dashboard chart, settings form; each with its status line): "
+                          f"the chart on screen, settings form; each with its status line): "
                           f"{[round(seen[i], 2) if i in seen else None for i in range(len(attendees))]}",
                           flush=True)
                 while pg.lessons.run is not None and pg.lessons.run.active:
