@@ -103,6 +103,8 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures, nudge: gr.
         return *fields, {**cfg, ROLE_KEY: steer}, "\n\n".join(n for n in notes if n), pg.weights_note()
     form = [*inputs, loaded, settings_note, weights_note]
 
+    CHANGED = "ℹ️ The engine's configuration changed: the form shows what it runs now."
+
     @audience
     def follow_engine(shown: dict):
         """When the room changes (app.push_room), and every few seconds while the tab is open: the form again when the
@@ -110,11 +112,21 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures, nudge: gr.
         it)."""
         shown = dict(shown or {})
         steered = shown.pop(ROLE_KEY, None)
-        same = pg.settings() == shown
-        if shown and same and steered == pg.access.visitor().presenter:
+        cfg, steer = pg.settings(), pg.access.visitor().presenter
+        same = cfg == shown
+        if not shown or steered != steer:  # a form never drawn, or the visitor's role changed: all of it
+            return load_settings("" if same or not shown else CHANGED)
+        if same:
             return [gr.skip()] * len(form)
-        return load_settings("" if same or not shown else
-                             "ℹ️ The engine's configuration changed: the form shows what it runs now.")
+        # only the fields that moved, and the sizes' hints (what "automatic" comes to moves with the others): every
+        # field sent is drawn again in each browser showing the form, and a lesson's change reaches every page at once
+        hints = pg.settings_hints()
+        fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n]) if n in hints else
+                  gr.update(value=form_value(n, cfg[n])) if cfg[n] != shown.get(n) else gr.skip() for n in names]
+        notes = [CHANGED, pg.settings_note()] + ([] if steer else [LOCKED_FORM])
+        moved_weights = any(cfg[n] != shown.get(n) for n in weights)
+        return (*fields, {**cfg, ROLE_KEY: steer}, "\n\n".join(n for n in notes if n),
+                pg.weights_note() if moved_weights else gr.skip())
     follow.tick(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, concurrency_id="follow",
                 api_name="settings_follow")
     if nudge is not None:  # and at once when the room's engine changes (app.push_room)

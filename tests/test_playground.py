@@ -705,6 +705,7 @@ def test_the_settings_form_follows_the_engine_and_the_audience_only_reads_it(pg)
     assert out[fields.index("setting-max_num_seqs")]["value"] == 7
     assert {k: v for k, v in out[len(fields) - 3].items() if not k.startswith("_")} == pg.settings()
     assert "configuration changed" in out[len(fields) - 2]
+    assert out[fields.index("setting-prefix_caching")] == gr.skip()  # what did not move is not drawn again
     assert all(u["interactive"] for u in out if isinstance(u, dict) and "interactive" in u)  # a desk: everyone edits
     pg.access = Access(TOKEN, "secret")  # a visitor of a shared page, not unlocked: the form is drawn again
     out = block_fn.fn(out[len(fields) - 3])
