@@ -18,11 +18,9 @@ Off loopback, with --share or on Spaces and no token: public mode, nobody change
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -161,14 +159,13 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
         status = gr.Markdown(pg.status(), elem_id="status")
         back = gr.Button("Back to the lesson", visible=False, size="sm", elem_id="lesson-back")
         clock = gr.Timer(1.0)
-        nudge = push_room(demo, pg.room_version)
         # the lesson run this visitor's page last followed to the Lessons tab, and whether its back button shows
         seen = gr.State({"run": 0, "back": False})
         with gr.Tabs() as tabs:
             build_chat_tab(pg, serialised, access)
             plots = build_dashboard_tab(pg, serialised)
             lesson = build_lessons_tab(pg, pg.lessons, serialised)
-            build_settings_tab(pg, serialised, nudge)
+            build_settings_tab(pg, serialised)
             build_ablation_tab(pg, serialised)
             build_features_tab(pg, serialised)
             build_compare_tab(pg, serialised)
@@ -202,10 +199,8 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
                     "Lessons" if follow else gr.skip(), pick, lesson["record"](sent), *join["refresh"](sent))
         refreshed = [status, *plots, *lesson["outputs"], tabs, seen, back, header, shown, lesson["pick"],
                      lesson["record_output"], *join["outputs"]]
-        clock.tick(refresh, [lesson["pick"], seen, shown], refreshed, concurrency_limit=4, concurrency_id="refresh",
+        clock.tick(refresh, [lesson["pick"], seen, shown], refreshed, concurrency_limit=4,
                    show_progress="hidden", api_name="dashboard", postprocess=False)
-        nudge.change(refresh, [lesson["pick"], seen, shown], refreshed, concurrency_limit=4, concurrency_id="refresh",
-                     show_progress="hidden", api_visibility="private", postprocess=False, trigger_mode="always_last")
         back.click(audience(lambda: (gr.Tabs(selected=LESSONS_TAB), "Lessons")), None, [tabs, shown],
                    api_name="back_to_lesson", show_progress="hidden")
         wire_roles(demo, access, role)
@@ -243,30 +238,6 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
         wire_roles(demo, access, role)
     access.guard(demo, refuse)
     return demo
-
-
-PUSH_EVERY_S = 0.1  # how often each page's push reads the room's version (an attribute read or ten, no thread)
-
-
-def push_room(demo: gr.Blocks, version: Callable[[], int]) -> gr.Textbox:
-    """A hidden value each page is pushed whenever `version` (Playground.room_version) moves: a lesson, a rebuild or
-    another presenter tab changed the engine. Its change event redraws what the page's clock draws, at once, and
-    the settings form follows it: every page agrees within a round trip, not a clock's tick. One waiting coroutine
-    per page on the server's event loop (no thread, no slot of the queue's bounded groups); the clock still ticks,
-    for the time series and for a page whose push was cut."""
-    nudge = gr.Textbox(visible="hidden", elem_id="room-nudge", show_label=False)
-
-    @audience
-    async def push():
-        last = None
-        while True:
-            if (now := version()) != last:
-                last = now
-                yield str(now)
-            await asyncio.sleep(PUSH_EVERY_S)
-    demo.load(push, None, nudge, concurrency_limit=None, show_progress="hidden", api_visibility="private",
-              queue=True)
-    return nudge
 
 
 def build_presenter_box(access: Access) -> dict:

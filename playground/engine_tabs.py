@@ -36,7 +36,7 @@ WEIGHTS_HELP = {
 }
 
 
-def build_settings_tab(pg: Playground, serialised: SerialisedFigures, nudge: gr.Textbox | None = None) -> None:
+def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
     with gr.Tab("Engine settings"):
         gr.Markdown("An idle engine applies a change at once; a busy one at its next step boundary. Pool or "
                     "paging changes rebuild the KV pool: running requests are re-prefilled, nothing is lost. "
@@ -81,11 +81,10 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures, nudge: gr.
         settings_out = gr.Markdown()
         settings_note = gr.Markdown()
         loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
-        # in the tab: it ticks once the tab has been opened. A change made elsewhere reaches the form at once through
-        # the room's push (app.push_room); the tick only catches a page whose push was cut. Each tick costs the
-        # browser as much as a change (every field of the form marked pending, then done): at 0.5 s, half the CPU
-        # an idle page took
-        follow = gr.Timer(5.0)
+        # in the tab: it ticks once the tab has been opened; twice a second, so a change made elsewhere shows within a
+        # second, round trip included. Each tick costs the browser (every field of the form marked pending, then
+        # done, even when nothing is sent): about a fifth of a core for an open settings tab (docs/measurements.md)
+        follow = gr.Timer(0.5)
 
     inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
     names = list(switches) + list(sizes) + list(weights)
@@ -107,9 +106,8 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures, nudge: gr.
 
     @audience
     def follow_engine(shown: dict):
-        """When the room changes (app.push_room), and every few seconds while the tab is open: the form again when the
-        engine's configuration is no longer the one it shows (a lesson, a rebuild, another presenter tab changed
-        it)."""
+        """Twice a second while the tab is open: the form again when the engine's configuration is no longer the one
+        it shows (a lesson, a rebuild, another presenter tab changed it)."""
         shown = dict(shown or {})
         steered = shown.pop(ROLE_KEY, None)
         cfg, steer = pg.settings(), pg.access.visitor().presenter
@@ -127,11 +125,7 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures, nudge: gr.
         moved_weights = any(cfg[n] != shown.get(n) for n in weights)
         return (*fields, {**cfg, ROLE_KEY: steer}, "\n\n".join(n for n in notes if n),
                 pg.weights_note() if moved_weights else gr.skip())
-    follow.tick(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, concurrency_id="follow",
-                api_name="settings_follow")
-    if nudge is not None:  # and at once when the room's engine changes (app.push_room)
-        nudge.change(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, concurrency_id="follow",
-                     api_visibility="private", trigger_mode="always_last")
+    follow.tick(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, api_name="settings_follow")
 
     # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
     def do_apply(progress=gr.Progress(), *args):

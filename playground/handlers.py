@@ -56,7 +56,6 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
         self.measurement: Measurement | None = None  # the one running now, for every tab's status line
         self.replies: deque[str] = deque(maxlen=32)  # final texts of recent chat replies
         self.frames = FrameRate()  # how often each streaming reply reaches its page (chat.py)
-        self._viewed: tuple = (None, "")  # the configuration view room_version last read, and its words
         # the live service, even after a restart; none while one is being replaced (the users wait for it)
         self.traffic = TrafficGenerator(lambda: None if self.rebuilding else self.service)
         self.remote: RemoteServer | None = None  # attached: the dashboard and the chat show that server instead
@@ -108,18 +107,6 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
                 f"prefix hits {snap.prefix_cache_hits}/{snap.prefix_cache_queries} tokens · "
                 f"generated {plural(snap.generation_tokens_total, 'token')}{users}"
                 + (f" · {WARNING} {self.attach_error}" if self.attach_error else "") + self.room_line())
-
-    def room_version(self) -> int:
-        """A number that changes whenever what every page says about the engine and the room does (its
-        configuration, a rebuild, a measurement, step mode, a lesson's phase, the room's notices), read in a few
-        attribute reads: each page is pushed a redraw when it moves (app.py), rather than waiting for its clock."""
-        service, run, changes = self.service, self.lessons.run, self.service.config_changes
-        view = service.config_view()  # what the settings form shows: it moves at once, before a step applies it
-        if view is not self._viewed[0]:
-            self._viewed = view, repr(view.requested)
-        return hash((id(service), self._viewed[1], changes[-1].time if changes else None, self.rebuilding,
-                     self.measurement is not None, service.paused, bool(service.error), self.room.count,
-                     self.attach_error, id(self.remote), None if run is None else (run.run_id, run.phase)))
 
     def _busy(self) -> str:
         running = self.measurement

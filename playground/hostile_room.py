@@ -196,7 +196,8 @@ def run(url: str, token: str, seconds: float = 30.0, n: int = 8) -> dict:
     time.sleep(max(0.0, seconds - 5.0))
     stop.set()
     flooder.join(timeout=120)
-    return {"quiet": quiet, "flooded": flooded, "quiet_engine": quiet_engine, "flooded_engine": flooded_engine, "most_at_once": tally.most_at_once(),
+    return {"quiet": quiet, "flooded": flooded, "quiet_engine": quiet_engine, "flooded_engine": flooded_engine,
+            "most_at_once": tally.most_at_once(),
             "flooder_replies": len(tally.streaming), "flooder_refused": tally.refused_replies,
             "statuses": tally.statuses, "slowest_refusal_s": max(tally.refusal_s, default=0.0),
             "compared": compared, "held": held, "guess_s": guess_s, "unlock_s": unlock_s}

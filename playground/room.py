@@ -44,13 +44,11 @@ class Room:
     def __init__(self, keep: int = 64) -> None:
         self._notices: deque[Notice] = deque(maxlen=keep)
         self._lock = threading.Lock()
-        self.count = 0  # notices ever given: a page redraws when it moves (Playground.room_version)
 
     def note(self, what: str, who: str = "presenter") -> Notice:
         notice = Notice(time.time(), who, what)
         with self._lock:
             self._notices.append(notice)
-            self.count += 1
         return notice
 
     def notices(self) -> list[Notice]:

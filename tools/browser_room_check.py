@@ -29,7 +29,7 @@ CHECKED = "() => document.querySelector('#setting-prefix_caching input')?.checke
 CHART = """(want) => [...document.querySelectorAll('.js-plotly-plot')].filter(p => p.offsetParent !== null).some(p => {
   const t = p.textContent;
   return want ? t.includes('prefix_caching on') || (t.includes('Prefix caching:') && t.includes('flip'))
-              : t.includes('prefix caching is off') || t.includes('prefix_caching off') || t.includes('Prefix caching:');
+              : ['prefix caching is off', 'prefix_caching off', 'Prefix caching:'].some(w => t.includes(w));
 })"""
 STATUS = "() => document.querySelector('#status')?.innerText || ''"
 BOTS = "document.querySelectorAll('[data-testid=\"bot\"]')"
