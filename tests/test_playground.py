@@ -107,6 +107,17 @@ def test_empty_and_too_long_messages(pg):
     assert pg.service.alive
 
 
+def test_the_message_box_stays_a_few_lines_tall_so_a_refusal_under_it_shows(pg):
+    """A pasted page grew the box past the screen, and the refusal beside it (the limit, named) sat below it."""
+    import gradio as gr
+
+    import app
+    demo = app.build_app(pg)
+    box = next(b for b in demo.blocks.values() if isinstance(b, gr.Textbox)
+               and b.placeholder == "Type a message and press Enter")
+    assert box.max_lines is not None and box.max_lines <= 8
+
+
 def test_a_refused_message_does_not_poison_the_conversation(pg):
     """A refused 20,000-character message used to stay in what was sent, so every later message was refused."""
     history, _ = list(pg.chat("x" * 20_000, [], 0.0, 8))[-1]
