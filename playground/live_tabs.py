@@ -67,7 +67,8 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
                 chatbot = gr.Chatbot(label="Chat with the engine", height=420)
                 with gr.Row():
                     # at most a few lines tall: a pasted page scrolls inside it, and the note under it stays in view
-                    msg = gr.Textbox(placeholder="Type a message and press Enter", scale=5, show_label=False, max_lines=6)
+                    msg = gr.Textbox(placeholder="Type a message and press Enter", scale=5, show_label=False,
+                                     max_lines=6)
                     # narrow buttons: the chat shares its row with the live view, and the box needs the room
                     send = gr.Button("Send", variant="primary", scale=1, min_width=70)
                     stop = gr.Button("Stop", scale=1, min_width=70)

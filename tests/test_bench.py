@@ -457,7 +457,7 @@ def test_kernel_worth_times_each_kernel_off_and_puts_it_back(tiny_models, tmp_pa
     from engine.bench import cli
     from engine.bench import kernel_worth as kw
     seen = []
-    real = kw._decode_ms
+    real = kw.decode_ms
 
     def spy(engine, rows, prompt_len, tokens, seed):
         layer = engine.model.layers[0]
@@ -465,7 +465,7 @@ def test_kernel_worth_times_each_kernel_off_and_puts_it_back(tiny_models, tmp_pa
                      getattr(layer.qkv, "_own", None) is not None,
                      getattr(layer.qkv, "_quantize_rows", None) is not cpu_kernels.quantize_rows_python))
         return real(engine, rows, prompt_len, tokens, seed)
-    kw._decode_ms = spy
+    kw.decode_ms = spy
     try:
         out = tmp_path / "worth.json"
         assert cli.main(["kernel-worth", "--model", tiny_models["llama"][0], "--spec", "dtype=float32",
@@ -473,7 +473,7 @@ def test_kernel_worth_times_each_kernel_off_and_puts_it_back(tiny_models, tmp_pa
                          "--spec", "quantization=w8a8", "--rows", "1,2", "--tokens", "2", "--rounds", "1",
                          "--json", str(out)]) == 0
     finally:
-        kw._decode_ms = real
+        kw.decode_ms = real
     rows = json.loads(out.read_text())
     # the tiny model's LM head (49,152 x 64 floats) is big enough to go into 2 MB pages where the system has them
     pages = ("huge pages",) if huge_pages.thp_mode() in ("always", "madvise") and huge_pages._libc() else ()
@@ -523,12 +523,12 @@ def test_kernel_worth_times_the_weights_out_of_huge_pages_and_puts_them_back(tin
     if not llm.engine.model.huge_page_bytes:
         pytest.skip("this CPU's kernel keeps its weights in oneDNN's opaque layout")
     seen = []
-    real = kw._decode_ms
+    real = kw.decode_ms
 
     def spy(engine, rows, prompt_len, tokens, seed):
         seen.append(len({t.untyped_storage().data_ptr() for t in engine.model.streamed_tensors() if not t.is_mkldnn}))
         return real(engine, rows, prompt_len, tokens, seed)
-    monkeypatch.setattr(kw, "_decode_ms", spy)
+    monkeypatch.setattr(kw, "decode_ms", spy)
     rows = kw.kernel_worth(llm, ["dtype=float32"], rows=(1,), tokens=2, rounds=1)
     worth = [i for i, r in enumerate(rows) if r.kernel == "huge pages"]
     assert [rows[i].kernel for i in worth] == ["huge pages"]

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 from .. import cpu_kernels, huge_pages
-from ..measure.runs import random_prompts
+from ..measure.roofline import decode_ms
 from ..measure.specs import resolve_spec
 from ..quant import kernels as quant_kernels
-from ..sampler import SamplingParams
 
 SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
 
@@ -97,26 +95,6 @@ def _off(engine, kernel: str, torch_model):
         raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def _decode_ms(engine, rows: int, prompt_len: int, tokens: int, seed: int) -> float:
-    """Mean ms of a decode step of `rows` requests (their prefills first, not timed). Every request can decode well
-    past the timed steps, so all `rows` are in each of them: the prefills finish over several steps, and with
-    max_tokens just past `tokens` the first requests to start ended inside the window (32 rows: 26 a step, median);
-    the rest are aborted after it."""
-    params = SamplingParams(temperature=0, max_tokens=tokens + rows + 8, ignore_eos=True)
-    ids = [engine.add_request(prompt, params) for prompt in random_prompts(rows, prompt_len, seed=seed)]
-    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
-        engine.step()
-    start = time.perf_counter()
-    for _ in range(tokens):
-        engine.step()
-    elapsed = time.perf_counter() - start
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    return 1000 * elapsed / tokens
-
-
 def kernel_worth(llm, specs=SPECS, rows=(1, 16), tokens: int = 24, rounds: int = 3, prompt_len: int = 64,
                  progress=None) -> list[KernelWorthRow]:
     if cpu_kernels.compiled() is None:
@@ -143,8 +121,8 @@ def kernel_worth(llm, specs=SPECS, rows=(1, 16), tokens: int = 24, rounds: int =
                 with _off(engine, kernel, torch_model):
                     engine.warm_up()
                 for r in range(rounds):  # alternating: a busy moment slows both sides
-                    row.on_ms.append(_decode_ms(engine, n, prompt_len, tokens, seed=r))
+                    row.on_ms.append(decode_ms(engine, n, prompt_len, tokens, seed=r))
                     with _off(engine, kernel, torch_model):
-                        row.off_ms.append(_decode_ms(engine, n, prompt_len, tokens, seed=r))
+                        row.off_ms.append(decode_ms(engine, n, prompt_len, tokens, seed=r))
                 out.append(row)
     return out

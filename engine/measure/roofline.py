@@ -234,7 +234,8 @@ def matmul_params(model: Any) -> int:
 # ---- the engine against the floors -------------------------------------------------------------------------
 def decode_ms(engine, rows: int, prompt_len: int, tokens: int, seed: int) -> float:
     """Mean ms of a decode step with `rows` requests, every one of them in each timed step (their prefills first,
-    untimed; each may decode well past the window, and is aborted after it)."""
+    untimed; each may decode well past the window, and is aborted after it: with max_tokens just past `tokens`, the
+    first to start ended inside the window). The roofline and the kernels' worth both time it."""
     params = SamplingParams(temperature=0, max_tokens=tokens + rows + 8, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in random_prompts(rows, prompt_len, seed=seed)]
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
