@@ -121,7 +121,9 @@ class Scheduler:
                 continue  # req itself was preempted: it was the newest
             self._take(ScheduledRequest(req, Phase.VERIFY if drafts else _phase(req, start), start, n,
                                         cached.num_tokens, drafts), out)
-        for s in out.scheduled:  # no more preemptions this step: the scheduled blocks will be computed
+        # From here on no request leaves the batch (admission preempts only those outside it), so the batch's full
+        # blocks can be named now, before their K/V is written, and requests admitted below may share them
+        for s in out.scheduled:
             self.kv.cache_full_blocks(s.request, s.known_end)
 
         admit = self.config.continuous_batching or batch_was_empty
@@ -132,9 +134,8 @@ class Scheduler:
             if out.preempted and not outranks:
                 break
             if len(self.running) >= self.config.max_num_seqs:
-                if not outranks:
+                if not (outranks and self._give_way(out, admitting=True)):
                     break
-                self._give_way(out)
                 continue
             cached = self.kv.find_cached_prefix(req)
             num_hit = cached.num_tokens
@@ -142,9 +143,8 @@ class Scheduler:
             if n == 0:
                 break
             if self.kv.allocate_slots(req, n, cached) is None:
-                if not outranks:
+                if not (outranks and self._give_way(out, admitting=True)):
                     break
-                self._give_way(out)
                 continue
             self.waiting.remove(req)
             self.running.append(req)
@@ -193,10 +193,14 @@ class Scheduler:
                 return False
         return True
 
-    def _give_way(self, out: SchedulerOutput) -> Request:
+    def _give_way(self, out: SchedulerOutput, admitting: bool = False) -> Request | None:
         """Preempt the policy's victim; one scheduled earlier in this step (a decode that went first) leaves the
-        batch and gives its tokens back."""
+        batch and gives its tokens back. While admitting, a victim in the batch is left alone (None): its full
+        blocks are already named in the prefix cache, and would be left there, cached-free, without their K/V.
+        (Priority's sit-out keeps every request an arrival outranks out of the batch; this does not rely on it.)"""
         victim = self.policy.victim(self.running)
+        if admitting and any(s.request is victim for s in out.scheduled):
+            return None
         self.preempt(victim)
         out.preempted.append(victim.request_id)
         for s in out.scheduled:
