@@ -18,12 +18,14 @@ from .blocks import KVCache, NoKVCache
 from .config import EngineConfig
 from .factory import Resolved
 from .gpu import GpuMemoryPlan
+from .logprobs import TokenLogprobs, token_logprobs
 from .output import OutputProcessor, eos_token_ids
 from .quant.format import WeightFormat
 from .reconfigure import Reconfiguration
 from .request import Request, RequestOutput, RequestStatus
 from .runner import Batch, ModelRunner
-from .sampler import SamplingParams, TokenLogprobs, draw, processed_logits, token_logprobs
+from .sampler import draw, processed_logits
+from .sampling_params import SamplingParams
 from .scheduler import Phase, ScheduledRequest, Scheduler
 from .snapshot import EngineCounters, EngineSnapshot, RequestView, StepEntry, StepRecord
 from .spec import SpecDecodeStats, verify

@@ -9,7 +9,7 @@ from .models.loader import load_weights
 from .models.random_models import random_name
 from .quant.format import WeightFormat
 from .request import RequestOutput
-from .sampler import SamplingParams
+from .sampling_params import SamplingParams
 from .utils import chat_token_ids
 
 

@@ -21,7 +21,7 @@ from typing import Protocol
 from .engine import LLMEngine
 from .host import EngineLoop, on_its_own_thread
 from .request import RequestMetrics, RequestOutput
-from .sampler import SamplingParams
+from .sampling_params import SamplingParams
 from .snapshot import EngineCounters, EngineSnapshot, StepCounters
 
 # Requests allowed to wait for a seat before new ones are refused (ServiceBusy): a burst beyond it gets "retry

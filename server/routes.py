@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute, Route
 from engine.engine import ContextLengthError
 from engine.llm import chat_token_ids
 from engine.request import RequestOutput
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.service import EngineService, ServiceBusy
 
 from . import limits, protocol

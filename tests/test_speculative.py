@@ -204,7 +204,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     vocab, n = 12, 10000
     logits = torch.randn(3, vocab) * 1.5
     params = SamplingParams(temperature=0.8, top_k=10)
-    from engine.sampler import filter_logits
+    from engine.sampler_ops import filter_logits
     probs = filter_logits(logits, torch.full((3,), 0.8), torch.full((3,), 10), torch.ones(3),
                           torch.zeros(3)).softmax(dim=1)
     drafts = [int(probs[0].argmax()), int(probs[1].argsort()[-3])]  # a likely and an unlikely draft

@@ -25,7 +25,7 @@ from .. import cpu_kernels, huge_pages
 from ..measure.runs import random_prompts
 from ..measure.specs import resolve_spec
 from ..quant import kernels as quant_kernels
-from ..sampler import SamplingParams
+from ..sampling_params import SamplingParams
 
 SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
 

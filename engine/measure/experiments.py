@@ -21,7 +21,7 @@ import torch
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..llm import LLM
-from ..sampler import SamplingParams
+from ..sampling_params import SamplingParams
 from ..threads import usable_cores
 from ..utils import cdiv
 from ..workloads import Workload

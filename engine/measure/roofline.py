@@ -31,7 +31,7 @@ import torch
 from ..config import WEIGHT_FIELDS
 from ..llm import LLM, engine_for
 from ..quant.kernels import cpu_features, cpu_name, isa
-from ..sampler import SamplingParams
+from ..sampling_params import SamplingParams
 from ..threads import usable_cores
 from ..utils import cdiv
 from .precision import load_each

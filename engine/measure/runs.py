@@ -22,7 +22,7 @@ from ..llm import LLM
 from ..models import LlamaFamilyModel
 from ..quant.linear import PROJECTION_TYPES, Projection
 from ..request import RequestOutput
-from ..sampler import SamplingParams
+from ..sampling_params import SamplingParams
 from ..snapshot import StepRecord
 from ..workloads import TOKEN_RANGE, Workload, WorkloadRequest
 from .specs import check_fields
