@@ -19,6 +19,7 @@ import torch
 
 from .config import EngineConfig
 from .gpu import GpuMemoryPlan, kv_budget_bytes
+from .quant.format import WeightFormat
 from .quant.kernels import choose_kernel
 from .utils import cdiv
 
@@ -128,3 +129,28 @@ def resolve(requested: EngineConfig, model, plan_gpu_memory: PlanGpuMemory | Non
         max_num_batched_tokens=requested.max_num_batched_tokens or auto["max_num_batched_tokens"],
         num_kv_blocks=requested.num_kv_blocks or auto["num_kv_blocks"], attention_backend=auto["attention_backend"])
     return Resolved(requested, config)
+
+
+def stored_as(model) -> tuple[str, WeightFormat]:
+    """How a loaded model's weights are stored: its dtype's name and its weight format."""
+    return str(model.dtype).removeprefix("torch."), model.weight_format
+
+
+def check_resolved(config: EngineConfig, requested: EngineConfig) -> None:
+    """An engine runs one resolved configuration: the dtype is decided before it is built (the weights are loaded
+    in it), here, never by the engine."""
+    if config.dtype == "auto":
+        raise ValueError("LLMEngine was given dtype='auto': the dtype is decided by engine/factory.py before an "
+                         "engine is built (resolve_weights(config, model.device), or llm.py's engine_for, does it)")
+    if differ := [k for k, v in requested.to_dict().items()
+                  if getattr(config, k) != v and not (k == "dtype" and v == "auto")]:
+        raise ValueError(f"the requested configuration may differ from the one given only in its dtype ('auto'), "
+                         f"not in {', '.join(differ)}")
+
+
+def check_weights(config: EngineConfig, model) -> None:
+    """An engine runs the weights it is given: they must be stored as config says (dtype, quantization)."""
+    have, want = stored_as(model), (config.dtype, WeightFormat.of(config))
+    if have != want:
+        raise ValueError(f"the model's weights are {have[0]}, {have[1].describe()}, but the config asks for "
+                         f"{want[0]}, {want[1].describe()}: load the model with them (LLM(..., dtype=, quantization=))")

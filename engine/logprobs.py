@@ -34,3 +34,9 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | 
         n = num_top[i]
         out[i] = TokenLogprobs(tokens[i], chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])))
     return out
+
+
+def record_prompt_logprobs(req, logits: torch.Tensor, positions: range) -> None:
+    """The prompt's tokens at `positions`, each from the row of the position before, appended to the request's."""
+    given = req.token_ids[positions.start:positions.stop]
+    req.prompt_logprobs.extend(token_logprobs(logits, given, [req.params.prompt_logprobs] * len(given)))

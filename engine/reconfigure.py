@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from .blocks import KVCache, kv_cache_for
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
 from .cuda_graphs import DecodeGraphs, check_cuda_graphs
-from .factory import automatic_sizes, kv_bytes_per_block, resolve
+from .factory import Resolved, automatic_sizes, kv_bytes_per_block, resolve
 from .gpu import GpuMemoryPlan, profile_gpu_memory
 from .memory import check_kv_pool_fits
 from .quant.calibrate import key_scales_for
@@ -51,6 +51,11 @@ class Reconfiguration:
         self.pending: dict = {}  # changes waiting for the next step boundary
         self.pending_config = self.current  # what the engine will run with once they apply
         self.last: dict | None = None  # the last change's record: what changed, what was done, who re-prefilled
+
+    @property
+    def resolved(self) -> Resolved:
+        """What was asked and what runs: resolved.chosen() says what each "auto" came to."""
+        return Resolved(self.requested, self.current)
 
     # ---- sizing and checks -------------------------------------------------------------------------------
     def automatic_sizes(self, config: EngineConfig) -> dict:

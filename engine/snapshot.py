@@ -1,7 +1,11 @@
 """What the engine shows of itself: a step's record, a live request's view, and the snapshot every viewer reads
-(the Dashboard, /metrics, the benchmarks, the lessons). Plain data: no tensors, no engine objects."""
+(the Dashboard, /metrics, the benchmarks, the lessons). Plain data: no tensors, no engine objects. The functions at
+the end build them from an LLMEngine (its snapshot(), counters() and kernels() call them)."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import time
 from dataclasses import dataclass, field
 
 from .config import FeatureState
@@ -141,3 +145,51 @@ class EngineSnapshot:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def snapshot_of(engine, num_steps: int = 64) -> EngineSnapshot:
+    """A plain-data picture of the engine now; no tensors, cheap enough for every refresh."""
+    s, kv, config = engine.scheduler, engine.kv, engine.config
+    live = list(s.running) + list(s.waiting)
+    ref_counts, hashes = kv.block_states()
+    return EngineSnapshot(
+        step=engine.step_count, time=time.time(), config=config.to_dict(),
+        num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
+        running=[r.request_id for r in s.running], waiting=[r.request_id for r in s.waiting],
+        block_size=config.block_size,
+        block_tables={r.request_id: list(kv.block_ids(r)) for r in s.running},
+        block_ref_counts=ref_counts, block_hashes=hashes, **dataclasses.asdict(kv.stats()),
+        prefill_tokens_total=engine.prefill_tokens_total, generation_tokens_total=engine.generation_tokens_total,
+        requests={r.request_id: RequestView(r.status.value, r.num_prompt_tokens, r.num_output_tokens,
+                                            r.num_computed_tokens, r.metrics.num_cached_tokens,
+                                            r.metrics.num_preemptions, tuple(r.token_ids[-8:])) for r in live},
+        steps=list(itertools.islice(reversed(engine.steps), num_steps))[::-1],
+        last_reconfig=engine.reconfig.last, speculation=speculation_of(engine),
+        kv_bytes_per_block=engine.reconfig.kv_bytes_per_block(config),
+        gpu_memory=None if (plan := engine.reconfig.gpu_memory) is None else plan.to_dict(),
+        precision=config.precision, kernels=kernels_of(engine), features=config.feature_states(),
+    )
+
+
+def counters_of(engine) -> EngineCounters:
+    """The snapshot's counters alone (see EngineCounters)."""
+    s, kv, spec = engine.scheduler, engine.kv, engine.spec_stats
+    return EngineCounters(engine.step_count, len(s.running), len(s.waiting), s.num_preemptions, kv.num_used,
+                          kv.prefix_cache_queries, kv.prefix_cache_hits, engine.generation_tokens_total,
+                          spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+
+
+def kernels_of(engine) -> dict[str, str]:
+    """What runs the engine's steps here, in words (the snapshot's `kernels`)."""
+    attention = (engine.runner.attention_kernel if engine.config.kv_cache
+                 else "torch SDPA (no KV cache: the whole sequence each step)")
+    return {**engine.model.kernels(), "attention": attention, "threads": engine.cores.describe()}
+
+
+def speculation_of(engine) -> dict:
+    c, stats = engine.config, engine.spec_stats
+    k, budget = c.num_speculative_tokens, c.speculative_token_budget
+    return {"active": c.speculative_decoding_active, "k": engine.scheduler.spec_k,
+            "rule": f"k = min({k}, {budget} // decoding requests - 1): {k} drafts up to "
+                    f"{budget // (k + 1)} decoding requests, none above {budget // 2}",
+            **dataclasses.asdict(stats), "acceptance_rate": stats.acceptance_rate}

@@ -112,7 +112,7 @@ def test_stop_token_and_eos_inside_an_accepted_run(tiny, monkeypatch):
         assert engine.snapshot().speculation["acceptance_rate"] == 1.0
     # EOS: make the tiny model's eos id the token at position 7 of the first output
     engine = engine_like(tiny, **SPEC, num_speculative_tokens=6)
-    engine.eos_token_ids = {free[0][7]}
+    engine.output.eos_token_ids = {free[0][7]}
     (got,) = run(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=30))
     assert got == free[0][:free[0].index(free[0][7]) + 1]
 

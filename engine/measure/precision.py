@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..engine import LLMEngine, stored_as
+from ..engine import LLMEngine
+from ..factory import stored_as
 from ..llm import LLM, engine_for
 from ..quant.format import WeightFormat
 from ..quant.speed import model_speeds
