@@ -69,6 +69,20 @@ def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str
     return backend
 
 
+# Tokens per step with chunked prefill, by device type: a step's budget bounds how long one step (and so every
+# stream's gap between tokens) can take. Why 256 on a CPU: docs/measurements.md, "Chunked prefill"; 2,048 on a GPU is
+# vLLM's long-standing default (not measured here).
+CHUNKED_PREFILL_BUDGET = {"cpu": 256, "cuda": 2048}
+
+
+def default_max_num_batched_tokens(config: EngineConfig, max_model_len: int, device_type: str = "cpu") -> int:
+    """With chunked prefill, by the device (CHUNKED_PREFILL_BUDGET); without it, the budget must hold a whole
+    prompt."""
+    if config.chunked_prefill_active:
+        return CHUNKED_PREFILL_BUDGET.get(device_type, CHUNKED_PREFILL_BUDGET["cpu"])
+    return max(2048, max_model_len)
+
+
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -78,7 +92,7 @@ def automatic_sizes(config: EngineConfig, model, plan_gpu_memory: PlanGpuMemory 
     loaded model. On CUDA with nothing fixing the pool's size, `plan_gpu_memory` is asked for the memory profile."""
     max_len = config.max_model_len or model.max_len
     device = model.device
-    budget_tokens = config.max_num_batched_tokens or config.default_max_num_batched_tokens(max_len, device.type)
+    budget_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(config, max_len, device.type)
     plan = None
     if (plan_gpu_memory is not None and device.type == "cuda" and config.kv_cache_memory_gb is None
             and config.num_kv_blocks is None and config.kv_cache):
@@ -87,7 +101,7 @@ def automatic_sizes(config: EngineConfig, model, plan_gpu_memory: PlanGpuMemory 
     # never more than every seat filled to max_model_len: beyond that the memory would sit idle
     num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
     return {"max_model_len": model.max_len,
-            "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len, device.type),
+            "max_num_batched_tokens": default_max_num_batched_tokens(config, max_len, device.type),
             "num_kv_blocks": num_blocks, "attention_backend": resolve_attention_backend(config, device)}
 
 

@@ -8,8 +8,37 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from .config import FeatureState
+from .config import EngineConfig
 from .scheduler import Phase
+
+
+@dataclass(frozen=True)
+class FeatureState:
+    """One feature as asked for and as it runs: they differ where another switch rules it out (prefix caching
+    asked for with paged KV off shares no blocks), and `why` then says which."""
+    requested: bool
+    active: bool
+    why: str = ""  # "" when they agree
+
+
+def feature_states(c: EngineConfig) -> dict[str, FeatureState]:
+    """Every switch as asked for and as it runs (the snapshot's `features`: what /metrics, the dashboard and the
+    benchmarks read, rather than each deriving it again from the requested fields)."""
+    no_cache = "needs a KV cache (kv_cache is off)"
+    rules = {
+        "kv_cache": (c.kv_cache, ""),
+        "paged_kv": (c.paged_kv and c.kv_cache, no_cache),
+        "continuous_batching": (c.continuous_batching, ""),
+        "prefix_caching": (c.prefix_caching_active, no_cache if not c.kv_cache else
+                           "needs a paged KV cache to share blocks (paged_kv is off)"),
+        "chunked_prefill": (c.chunked_prefill_active, no_cache),
+        "speculative_decoding": (c.speculative_decoding_active, no_cache),
+        "cuda_graphs": (c.cuda_graphs, ""),
+        "kv_cache_smoothing": (c.key_smoothing_active, f"rescales an int8 KV cache only (kv_cache_dtype is "
+                                                       f"{c.kv_cache_dtype!r})"),
+    }
+    return {name: FeatureState(bool(getattr(c, name)), bool(active), why if bool(getattr(c, name)) != bool(active)
+                               else "") for name, (active, why) in rules.items()}
 
 
 @dataclass
@@ -131,7 +160,7 @@ class EngineSnapshot:
     # what runs it here, in words: {"weights": "int4 weights · C++ AVX-512 kernel", "weights_why", "lm_head",
     # "layer_ops", "attention"} (quant/kernels.py's choice, the model's and the runner's)
     kernels: dict = field(default_factory=dict)
-    # every switch as asked for and as it runs, and why they differ (EngineConfig.feature_states)
+    # every switch as asked for and as it runs, and why they differ (feature_states)
     features: dict[str, FeatureState] = field(default_factory=dict)
 
     @property
@@ -167,7 +196,7 @@ def snapshot_of(engine, num_steps: int = 64) -> EngineSnapshot:
         last_reconfig=engine.reconfig.last, speculation=speculation_of(engine),
         kv_bytes_per_block=engine.reconfig.kv_bytes_per_block(config),
         gpu_memory=None if (plan := engine.reconfig.gpu_memory) is None else plan.to_dict(),
-        precision=config.precision, kernels=kernels_of(engine), features=config.feature_states(),
+        precision=config.precision, kernels=kernels_of(engine), features=feature_states(config),
     )
 
 
