@@ -5,8 +5,8 @@ both share one token budget. It decides each scheduled request's phase once (pre
 hands it on in `SchedulerOutput`: the runner and the step log read it, neither guesses it again.
 Running requests go first; when the pool runs dry the policy's victim (the newest, or the worst priority's) is
 preempted by recompute (blocks freed, requeued). Waiting requests are admitted in the policy's order while seats
-(max_num_seqs), budget and blocks last; static batching admits only into an empty batch. Who goes first is the
-scheduling policy's (engine/policies.py): first come, first served, or priority.
+(max_num_seqs), budget and blocks last; static batching admits only into an empty batch. The policies (first come,
+first served, or priority) are engine/policies.py's.
 """
 from __future__ import annotations
 
@@ -121,8 +121,7 @@ class Scheduler:
                 continue  # req itself was preempted: it was the newest
             self._take(ScheduledRequest(req, Phase.VERIFY if drafts else _phase(req, start), start, n,
                                         cached.num_tokens, drafts), out)
-        # From here on no request leaves the batch (admission preempts only those outside it), so the batch's full
-        # blocks can be named now, before their K/V is written, and requests admitted below may share them
+        # no request leaves the batch from here on (admission preempts none in it): its full blocks can be named now
         for s in out.scheduled:
             self.kv.cache_full_blocks(s.request, s.known_end)
 
@@ -195,9 +194,8 @@ class Scheduler:
 
     def _give_way(self, out: SchedulerOutput, admitting: bool = False) -> Request | None:
         """Preempt the policy's victim; one scheduled earlier in this step (a decode that went first) leaves the
-        batch and gives its tokens back. While admitting, a victim in the batch is left alone (None): its full
-        blocks are already named in the prefix cache, and would be left there, cached-free, without their K/V.
-        (Priority's sit-out keeps every request an arrival outranks out of the batch; this does not rely on it.)"""
+        batch and gives its tokens back. While admitting, a victim in the batch is left alone (None): its full blocks
+        are named in the prefix cache already, and would stay there without K/V (Priority's sit-out avoids that too)."""
         victim = self.policy.victim(self.running)
         if admitting and any(s.request is victim for s in out.scheduled):
             return None
