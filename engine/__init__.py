@@ -3,7 +3,7 @@ from .config import EngineConfig
 from .engine import LLMEngine
 from .llm import LLM
 from .request import RequestOutput
-from .sampler import SamplingParams
+from .sampling_params import SamplingParams
 from .snapshot import EngineSnapshot
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "EngineSnapshot", "RequestOutput", "SamplingParams"]

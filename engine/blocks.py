@@ -338,13 +338,3 @@ class NoKVCache(KVCache):
 
     def mark_computed(self, request: Request, num_tokens: int) -> None:
         request.num_computed_tokens = 0  # nothing was kept
-
-
-def kv_cache_for(kv_cache: bool, paged: bool, prefix_caching: bool, num_blocks: int, block_size: int,
-                 max_model_len: int) -> KVCache:
-    """The manager for a configuration's KV layout: none (the naive loop), contiguous, or paged."""
-    if not kv_cache:
-        return NoKVCache(block_size)
-    if not paged:
-        return ContiguousKVCache(num_blocks, block_size, max_model_len)
-    return PagedKVCache(num_blocks, block_size, prefix_caching)

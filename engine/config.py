@@ -28,22 +28,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, f
 SCHEDULING_POLICIES = ("priority", "fcfs")  # engine/policies.py
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 ATTENTION_BACKENDS = ("sdpa", "triton")  # None: triton on CUDA (with a KV cache), sdpa elsewhere
-DEFAULT_CPU_KV_CACHE_GB = 0.5
-# Tokens per step with chunked prefill, by device type. A step's budget bounds how long one step (and so every
-# stream's gap between tokens) can take. CPU: 256 keeps the chats' longest gap several times shorter while a long
-# document arrives, at the same throughput, and 512 far less so (measured: docs/measurements.md, "Chunked
-# prefill"). GPU: vLLM's long-standing default, where 2,048 tokens take milliseconds (not measured here).
-CHUNKED_PREFILL_BUDGET = {"cpu": 256, "cuda": 2048}
 MAX_SPECULATIVE_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class FeatureState:
-    """One feature as asked for and as it runs: they differ where another switch rules it out (prefix caching
-    asked for with paged KV off shares no blocks), and `why` then says which."""
-    requested: bool
-    active: bool
-    why: str = ""  # "" when they agree
 
 
 @dataclass
@@ -58,7 +43,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card this engine may fill (weights + peak + KV)
     attention_backend: str | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: see default_max_num_batched_tokens
+    max_num_batched_tokens: int | None = None  # None: by device and chunked prefill (factory.py's default_...)
     max_model_len: int | None = None  # None: min(model context, 2048)
     seed: int = 0
     # which request goes first (engine/policies.py): "priority" (a request's priority, lower first, then first
@@ -74,15 +59,13 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # k: draft tokens per request and step, at most
     prompt_lookup_min: int = 2  # shortest n-gram matched to propose drafts
     prompt_lookup_max: int = 4  # longest n-gram tried first
-    # rows (decodes + drafts) a step may verify before drafts shrink: k = min(k, budget // decoding - 1), so
-    # none above 8 decoding requests: k=4 on answers that do not copy the prompt breaks even at 8 and loses at 32
-    # (measured: docs/measurements.md, "Speculative decoding")
+    # rows (decodes + drafts) a step may verify before drafts shrink: k = min(k, budget // decoding - 1), so none
+    # above 8 decoding requests (why: docs/measurements.md, "Speculative decoding")
     speculative_token_budget: int = 16
     cuda_graphs: bool = False  # CUDA only: decode steps replayed from graphs captured per batch-size bucket
     # precision: weights quantized at load (None, "int8", "int4" or "w8a8"), and the KV cache's element type
     quantization: str | None = None
-    # int4: input features per scale and zero. 32 measured best on SmolLM2-135M (python -m engine.bench quality):
-    # top-1 agreement with fp32 0.85 vs 0.70 at 64 (whose perplexity rose 44%); 128 does not divide its 576
+    # int4: input features per scale and zero (why 32: docs/measurements.md, the caution under the quality table)
     quantization_group_size: int = 32
     # the LM head: True quantizes it as the projections, False keeps the model's dtype, a scheme ("int8") quantizes
     # it so whatever the projections use (llama.cpp keeps a 4-bit model's output tensor at 8 bits)
@@ -199,33 +182,6 @@ class EngineConfig:
     @property
     def speculative_decoding_active(self) -> bool:
         return self.speculative_decoding and self.kv_cache
-
-    def feature_states(self) -> dict[str, FeatureState]:
-        """Every switch as asked for and as it runs (the snapshot's `features`: what /metrics, the dashboard and the
-        benchmarks read, rather than each deriving it again from the requested fields)."""
-        no_cache = "needs a KV cache (kv_cache is off)"
-        rules = {
-            "kv_cache": (self.kv_cache, ""),
-            "paged_kv": (self.paged_kv and self.kv_cache, no_cache),
-            "continuous_batching": (self.continuous_batching, ""),
-            "prefix_caching": (self.prefix_caching_active, no_cache if not self.kv_cache else
-                               "needs a paged KV cache to share blocks (paged_kv is off)"),
-            "chunked_prefill": (self.chunked_prefill_active, no_cache),
-            "speculative_decoding": (self.speculative_decoding_active, no_cache),
-            "cuda_graphs": (self.cuda_graphs, ""),
-            "kv_cache_smoothing": (self.key_smoothing_active, "rescales an int8 KV cache only (kv_cache_dtype is "
-                                                              f"{self.kv_cache_dtype!r})"),
-        }
-        return {name: FeatureState(bool(getattr(self, name)), bool(active),
-                                   why if bool(getattr(self, name)) != bool(active) else "")
-                for name, (active, why) in rules.items()}
-
-    def default_max_num_batched_tokens(self, max_model_len: int, device_type: str = "cpu") -> int:
-        """With chunked prefill, a step's budget bounds how long one step (and so every stream's gap between
-        tokens) can take, so it depends on the device; without it, the budget must hold a whole prompt."""
-        if self.chunked_prefill_active:
-            return CHUNKED_PREFILL_BUDGET.get(device_type, CHUNKED_PREFILL_BUDGET["cpu"])
-        return max(2048, max_model_len)
 
 
 def _positive_int(name: str, value, allow_zero: bool = False) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from .config import EngineConfig
 from .gpu import GpuMemoryPlan, kv_budget_bytes
+from .quant.format import WeightFormat
 from .quant.kernels import choose_kernel
 from .utils import cdiv
 
@@ -68,6 +69,20 @@ def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str
     return backend
 
 
+# Tokens per step with chunked prefill, by device type: a step's budget bounds how long one step (and so every
+# stream's gap between tokens) can take. Why 256 on a CPU: docs/measurements.md, "Chunked prefill"; 2,048 on a GPU is
+# vLLM's long-standing default (not measured here).
+CHUNKED_PREFILL_BUDGET = {"cpu": 256, "cuda": 2048}
+
+
+def default_max_num_batched_tokens(config: EngineConfig, max_model_len: int, device_type: str = "cpu") -> int:
+    """With chunked prefill, by the device (CHUNKED_PREFILL_BUDGET); without it, the budget must hold a whole
+    prompt."""
+    if config.chunked_prefill_active:
+        return CHUNKED_PREFILL_BUDGET.get(device_type, CHUNKED_PREFILL_BUDGET["cpu"])
+    return max(2048, max_model_len)
+
+
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -77,7 +92,7 @@ def automatic_sizes(config: EngineConfig, model, plan_gpu_memory: PlanGpuMemory 
     loaded model. On CUDA with nothing fixing the pool's size, `plan_gpu_memory` is asked for the memory profile."""
     max_len = config.max_model_len or model.max_len
     device = model.device
-    budget_tokens = config.max_num_batched_tokens or config.default_max_num_batched_tokens(max_len, device.type)
+    budget_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(config, max_len, device.type)
     plan = None
     if (plan_gpu_memory is not None and device.type == "cuda" and config.kv_cache_memory_gb is None
             and config.num_kv_blocks is None and config.kv_cache):
@@ -86,7 +101,7 @@ def automatic_sizes(config: EngineConfig, model, plan_gpu_memory: PlanGpuMemory 
     # never more than every seat filled to max_model_len: beyond that the memory would sit idle
     num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
     return {"max_model_len": model.max_len,
-            "max_num_batched_tokens": config.default_max_num_batched_tokens(max_len, device.type),
+            "max_num_batched_tokens": default_max_num_batched_tokens(config, max_len, device.type),
             "num_kv_blocks": num_blocks, "attention_backend": resolve_attention_backend(config, device)}
 
 
@@ -128,3 +143,28 @@ def resolve(requested: EngineConfig, model, plan_gpu_memory: PlanGpuMemory | Non
         max_num_batched_tokens=requested.max_num_batched_tokens or auto["max_num_batched_tokens"],
         num_kv_blocks=requested.num_kv_blocks or auto["num_kv_blocks"], attention_backend=auto["attention_backend"])
     return Resolved(requested, config)
+
+
+def stored_as(model) -> tuple[str, WeightFormat]:
+    """How a loaded model's weights are stored: its dtype's name and its weight format."""
+    return str(model.dtype).removeprefix("torch."), model.weight_format
+
+
+def check_resolved(config: EngineConfig, requested: EngineConfig) -> None:
+    """An engine runs one resolved configuration: the dtype is decided before it is built (the weights are loaded
+    in it), here, never by the engine."""
+    if config.dtype == "auto":
+        raise ValueError("LLMEngine was given dtype='auto': the dtype is decided by engine/factory.py before an "
+                         "engine is built (resolve_weights(config, model.device), or llm.py's engine_for, does it)")
+    if differ := [k for k, v in requested.to_dict().items()
+                  if getattr(config, k) != v and not (k == "dtype" and v == "auto")]:
+        raise ValueError(f"the requested configuration may differ from the one given only in its dtype ('auto'), "
+                         f"not in {', '.join(differ)}")
+
+
+def check_weights(config: EngineConfig, model) -> None:
+    """An engine runs the weights it is given: they must be stored as config says (dtype, quantization)."""
+    have, want = stored_as(model), (config.dtype, WeightFormat.of(config))
+    if have != want:
+        raise ValueError(f"the model's weights are {have[0]}, {have[1].describe()}, but the config asks for "
+                         f"{want[0]}, {want[1].describe()}: load the model with them (LLM(..., dtype=, quantization=))")

@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from .config import EngineConfig
 
 GIB = 2**30
+DEFAULT_CPU_KV_CACHE_GB = 0.5  # the KV pool on a CPU, when neither its size nor its memory is given
 
 
 @dataclass(frozen=True)

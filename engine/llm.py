@@ -1,22 +1,34 @@
 """LLM: the offline entry point. generate() and chat() drive LLMEngine.step() until every request is done."""
 from __future__ import annotations
 
+import random
+
 from .config import LOAD_TIME_FIELDS, WEIGHT_FIELDS, EngineConfig
-from .engine import LLMEngine, stored_as
-from .factory import TORCH_DTYPES, resolve_device, resolve_weights
+from .engine import LLMEngine
+from .factory import TORCH_DTYPES, resolve_device, resolve_weights, stored_as
 from .models import LlamaFamilyModel, load_model
 from .models.loader import load_weights
 from .models.random_models import random_name
 from .quant.format import WeightFormat
 from .request import RequestOutput
-from .sampler import SamplingParams
-from .utils import chat_token_ids
+from .sampling_params import SamplingParams
+from .utils import TOKEN_RANGE, chat_token_ids
 
 
 def engine_for(requested: EngineConfig, model: LlamaFamilyModel, tokenizer, hf_config=None) -> LLMEngine:
     """An engine for `requested` (as asked: "auto" and None kept, and reported so) over a loaded model: the factory
     decides the dtype for the model's device, and the engine's other automatic fields as it resolves them."""
     return LLMEngine(resolve_weights(requested, model.device), model, tokenizer, hf_config, requested=requested)
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """One tiny greedy request run to the end, so what follows does not pay first-call costs (and a
+    configuration that builds but cannot run a step fails here, not on someone's request)."""
+    rng = random.Random(-1)
+    engine.add_request([rng.randrange(*TOKEN_RANGE) for _ in range(8)],
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
 
 
 class LLM:

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .blocks import KVCache, kv_cache_for
+from .blocks import ContiguousKVCache, KVCache, NoKVCache, PagedKVCache
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
 from .cuda_graphs import DecodeGraphs, check_cuda_graphs
-from .factory import automatic_sizes, kv_bytes_per_block, resolve
+from .factory import Resolved, automatic_sizes, kv_bytes_per_block, resolve
 from .gpu import GpuMemoryPlan, profile_gpu_memory
 from .memory import check_kv_pool_fits
 from .quant.calibrate import key_scales_for
@@ -51,6 +51,11 @@ class Reconfiguration:
         self.pending: dict = {}  # changes waiting for the next step boundary
         self.pending_config = self.current  # what the engine will run with once they apply
         self.last: dict | None = None  # the last change's record: what changed, what was done, who re-prefilled
+
+    @property
+    def resolved(self) -> Resolved:
+        """What was asked and what runs: resolved.chosen() says what each "auto" came to."""
+        return Resolved(self.requested, self.current)
 
     # ---- sizing and checks -------------------------------------------------------------------------------
     def automatic_sizes(self, config: EngineConfig) -> dict:
@@ -100,8 +105,9 @@ class Reconfiguration:
     # ---- building -----------------------------------------------------------------------------------------
     def build(self, c: EngineConfig) -> tuple[KVCache, ModelRunner]:
         """A KV manager and runner for config c. Changes nothing in the engine, so a failure here leaves it serving."""
-        kv = kv_cache_for(c.kv_cache, c.paged_kv, c.prefix_caching_active, c.num_kv_blocks, c.block_size,
-                          c.max_model_len)
+        kv = (NoKVCache(c.block_size) if not c.kv_cache else  # the naive loop's
+              ContiguousKVCache(c.num_kv_blocks, c.block_size, c.max_model_len) if not c.paged_kv else
+              PagedKVCache(c.num_kv_blocks, c.block_size, c.prefix_caching_active))
         key_scales = key_scales_for(self.model, self.tokenizer) if c.key_smoothing_active else None
         runner = ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache, c.kv_cache_dtype,
                              c.attention_backend, scratch_block=c.cuda_graphs, key_scales=key_scales)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampler import SamplingParams, TokenLogprobs
+from .logprobs import TokenLogprobs
+from .sampling_params import SamplingParams
 
 _ARRIVALS = itertools.count()
 

@@ -5,8 +5,8 @@ both share one token budget. It decides each scheduled request's phase once (pre
 hands it on in `SchedulerOutput`: the runner and the step log read it, neither guesses it again.
 Running requests go first; when the pool runs dry the policy's victim (the newest, or the worst priority's) is
 preempted by recompute (blocks freed, requeued). Waiting requests are admitted in the policy's order while seats
-(max_num_seqs), budget and blocks last; static batching admits only into an empty batch. Who goes first is the
-scheduling policy's (engine/policies.py): first come, first served, or priority.
+(max_num_seqs), budget and blocks last; static batching admits only into an empty batch. The policies (first come,
+first served, or priority) are engine/policies.py's.
 """
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ class Scheduler:
                 continue  # req itself was preempted: it was the newest
             self._take(ScheduledRequest(req, Phase.VERIFY if drafts else _phase(req, start), start, n,
                                         cached.num_tokens, drafts), out)
-        for s in out.scheduled:  # no more preemptions this step: the scheduled blocks will be computed
+        # no request leaves the batch from here on (admission preempts none in it): its full blocks can be named now
+        for s in out.scheduled:
             self.kv.cache_full_blocks(s.request, s.known_end)
 
         admit = self.config.continuous_batching or batch_was_empty
@@ -132,9 +133,8 @@ class Scheduler:
             if out.preempted and not outranks:
                 break
             if len(self.running) >= self.config.max_num_seqs:
-                if not outranks:
+                if not (outranks and self._give_way(out, admitting=True)):
                     break
-                self._give_way(out)
                 continue
             cached = self.kv.find_cached_prefix(req)
             num_hit = cached.num_tokens
@@ -142,9 +142,8 @@ class Scheduler:
             if n == 0:
                 break
             if self.kv.allocate_slots(req, n, cached) is None:
-                if not outranks:
+                if not (outranks and self._give_way(out, admitting=True)):
                     break
-                self._give_way(out)
                 continue
             self.waiting.remove(req)
             self.running.append(req)
@@ -193,10 +192,13 @@ class Scheduler:
                 return False
         return True
 
-    def _give_way(self, out: SchedulerOutput) -> Request:
+    def _give_way(self, out: SchedulerOutput, admitting: bool = False) -> Request | None:
         """Preempt the policy's victim; one scheduled earlier in this step (a decode that went first) leaves the
-        batch and gives its tokens back."""
+        batch and gives its tokens back. While admitting, a victim in the batch is left alone (None): its full blocks
+        are named in the prefix cache already, and would stay there without K/V (Priority's sit-out avoids that too)."""
         victim = self.policy.victim(self.running)
+        if admitting and any(s.request is victim for s in out.scheduled):
+            return None
         self.preempt(victim)
         out.preempted.append(victim.request_id)
         for s in out.scheduled:

@@ -21,7 +21,7 @@ from typing import Protocol
 from .engine import LLMEngine
 from .host import EngineLoop, on_its_own_thread
 from .request import RequestMetrics, RequestOutput
-from .sampler import SamplingParams
+from .sampling_params import SamplingParams
 from .snapshot import EngineCounters, EngineSnapshot, StepCounters
 
 # Requests allowed to wait for a seat before new ones are refused (ServiceBusy): a burst beyond it gets "retry
@@ -142,7 +142,7 @@ class EngineService:
         self._config_view = self._view_config()
         self.history: deque[HistorySample] = deque(maxlen=history_len)
         self.config_changes: deque[ConfigChange] = deque(maxlen=256)
-        self._seen_reconfig = engine.last_reconfig  # the engine keeps only its last record: note each new one
+        self._seen_reconfig = engine.reconfig.last  # the engine keeps only its last record: note each new one
         self.paused = False
         self._step_waiters: deque[Future] = deque()  # step_once callers, one step each
         self.error: str | None = None
@@ -277,9 +277,9 @@ class EngineService:
         self._snapshot_at = time.perf_counter()
 
     def _view_config(self) -> ConfigView:
-        requested, resolved = self.engine.pending_config()
-        return ConfigView(requested.to_dict(), resolved.to_dict(), self.engine.automatic_sizes(requested),
-                          self.engine.requested_config.to_dict())
+        requested, resolved = self.engine.reconfig.pending_view()
+        return ConfigView(requested.to_dict(), resolved.to_dict(), self.engine.reconfig.automatic_sizes(requested),
+                          self.engine.reconfig.requested.to_dict())
 
     def _set_paused(self, paused: bool) -> None:
         self.paused = paused
@@ -419,7 +419,7 @@ class EngineService:
 
     def _note_reconfig(self, when: float) -> bool:
         """Record the engine's last reconfiguration if it is new; whether it was."""
-        record = self.engine.last_reconfig
+        record = self.engine.reconfig.last
         if record is None or record is self._seen_reconfig:
             return False
         self._seen_reconfig = record

@@ -1,11 +1,44 @@
 """What the engine shows of itself: a step's record, a live request's view, and the snapshot every viewer reads
-(the Dashboard, /metrics, the benchmarks, the lessons). Plain data: no tensors, no engine objects."""
+(the Dashboard, /metrics, the benchmarks, the lessons). Plain data: no tensors, no engine objects. The functions at
+the end build them from an LLMEngine (its snapshot(), counters() and kernels() call them)."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import time
 from dataclasses import dataclass, field
 
-from .config import FeatureState
+from .config import EngineConfig
 from .scheduler import Phase
+
+
+@dataclass(frozen=True)
+class FeatureState:
+    """One feature as asked for and as it runs: they differ where another switch rules it out (prefix caching
+    asked for with paged KV off shares no blocks), and `why` then says which."""
+    requested: bool
+    active: bool
+    why: str = ""  # "" when they agree
+
+
+def feature_states(c: EngineConfig) -> dict[str, FeatureState]:
+    """Every switch as asked for and as it runs (the snapshot's `features`: what /metrics, the dashboard and the
+    benchmarks read, rather than each deriving it again from the requested fields)."""
+    no_cache = "needs a KV cache (kv_cache is off)"
+    rules = {
+        "kv_cache": (c.kv_cache, ""),
+        "paged_kv": (c.paged_kv and c.kv_cache, no_cache),
+        "continuous_batching": (c.continuous_batching, ""),
+        "prefix_caching": (c.prefix_caching_active, no_cache if not c.kv_cache else
+                           "needs a paged KV cache to share blocks (paged_kv is off)"),
+        "chunked_prefill": (c.chunked_prefill_active, no_cache),
+        "speculative_decoding": (c.speculative_decoding_active, no_cache),
+        "cuda_graphs": (c.cuda_graphs, ""),
+        "kv_cache_smoothing": (c.key_smoothing_active, f"rescales an int8 KV cache only (kv_cache_dtype is "
+                                                       f"{c.kv_cache_dtype!r})"),
+    }
+    return {name: FeatureState(bool(getattr(c, name)), bool(active), why if bool(getattr(c, name)) != bool(active)
+                               else "") for name, (active, why) in rules.items()}
 
 
 @dataclass
@@ -127,7 +160,7 @@ class EngineSnapshot:
     # what runs it here, in words: {"weights": "int4 weights · C++ AVX-512 kernel", "weights_why", "lm_head",
     # "layer_ops", "attention"} (quant/kernels.py's choice, the model's and the runner's)
     kernels: dict = field(default_factory=dict)
-    # every switch as asked for and as it runs, and why they differ (EngineConfig.feature_states)
+    # every switch as asked for and as it runs, and why they differ (feature_states)
     features: dict[str, FeatureState] = field(default_factory=dict)
 
     @property
@@ -141,3 +174,51 @@ class EngineSnapshot:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def snapshot_of(engine, num_steps: int = 64) -> EngineSnapshot:
+    """A plain-data picture of the engine now; no tensors, cheap enough for every refresh."""
+    s, kv, config = engine.scheduler, engine.kv, engine.config
+    live = list(s.running) + list(s.waiting)
+    ref_counts, hashes = kv.block_states()
+    return EngineSnapshot(
+        step=engine.step_count, time=time.time(), config=config.to_dict(),
+        num_running=len(s.running), num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
+        running=[r.request_id for r in s.running], waiting=[r.request_id for r in s.waiting],
+        block_size=config.block_size,
+        block_tables={r.request_id: list(kv.block_ids(r)) for r in s.running},
+        block_ref_counts=ref_counts, block_hashes=hashes, **dataclasses.asdict(kv.stats()),
+        prefill_tokens_total=engine.prefill_tokens_total, generation_tokens_total=engine.generation_tokens_total,
+        requests={r.request_id: RequestView(r.status.value, r.num_prompt_tokens, r.num_output_tokens,
+                                            r.num_computed_tokens, r.metrics.num_cached_tokens,
+                                            r.metrics.num_preemptions, tuple(r.token_ids[-8:])) for r in live},
+        steps=list(itertools.islice(reversed(engine.steps), num_steps))[::-1],
+        last_reconfig=engine.reconfig.last, speculation=speculation_of(engine),
+        kv_bytes_per_block=engine.reconfig.kv_bytes_per_block(config),
+        gpu_memory=None if (plan := engine.reconfig.gpu_memory) is None else plan.to_dict(),
+        precision=config.precision, kernels=kernels_of(engine), features=feature_states(config),
+    )
+
+
+def counters_of(engine) -> EngineCounters:
+    """The snapshot's counters alone (see EngineCounters)."""
+    s, kv, spec = engine.scheduler, engine.kv, engine.spec_stats
+    return EngineCounters(engine.step_count, len(s.running), len(s.waiting), s.num_preemptions, kv.num_used,
+                          kv.prefix_cache_queries, kv.prefix_cache_hits, engine.generation_tokens_total,
+                          spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+
+
+def kernels_of(engine) -> dict[str, str]:
+    """What runs the engine's steps here, in words (the snapshot's `kernels`)."""
+    attention = (engine.runner.attention_kernel if engine.config.kv_cache
+                 else "torch SDPA (no KV cache: the whole sequence each step)")
+    return {**engine.model.kernels(), "attention": attention, "threads": engine.cores.describe()}
+
+
+def speculation_of(engine) -> dict:
+    c, stats = engine.config, engine.spec_stats
+    k, budget = c.num_speculative_tokens, c.speculative_token_budget
+    return {"active": c.speculative_decoding_active, "k": engine.scheduler.spec_k,
+            "rule": f"k = min({k}, {budget} // decoding requests - 1): {k} drafts up to "
+                    f"{budget // (k + 1)} decoding requests, none above {budget // 2}",
+            **dataclasses.asdict(stats), "acceptance_rate": stats.acceptance_rate}

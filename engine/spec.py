@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampler import SamplingParams, most_likely, processed_logits
+from .sampler import processed_logits
+from .sampler_ops import most_likely
+from .sampling_params import SamplingParams
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:

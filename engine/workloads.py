@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sampler import SamplingParams
+from .sampling_params import SamplingParams
 from .utils import TOKEN_RANGE, chat_token_ids
 
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "presets" / "workloads"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.config import LOAD_TIME_FIELDS, EngineConfig
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.workloads import load_workload
 from viz.lesson_figure import LessonChart, lesson_figure
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from engine import EngineConfig
 from engine.config import BUILT_SWITCHES, WEIGHT_FIELDS
 from engine.factory import resolve_dtype, resolve_weights
+from engine.llm import warm_up
 from engine.quant.format import WeightFormat
 from engine.quant.speed import model_speeds
 
@@ -204,7 +205,7 @@ class SettingsHandlers:
             snap = old.snapshot()
             ended = snap.num_running + snap.num_waiting if old.alive else 0
             old.shutdown(reason)
-            last = old.engine.requested_config.to_dict()
+            last = old.engine.reconfig.requested.to_dict()
             attempts = [(f"with {_fields(changes)}", {**last, **changes})] if changes else []
             attempts += [("with the last configuration that ran", last), ("with the defaults", {})]
             failures = []
@@ -213,7 +214,7 @@ class SettingsHandlers:
                     self._stage(progress, 1, what)
                     engine = self.llm.build_engine(fields)
                     self._stage(progress, 2, what)
-                    engine.warm_up()  # a configuration that builds but cannot run a step is not back
+                    warm_up(engine)  # a configuration that builds but cannot run a step is not back
                 except Exception as exc:  # whatever went wrong, the next attempt may still work
                     failures.append(f"{label}: {exc}")
                     continue

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.service import EngineStopped
 from engine.workloads import WorkloadRequest
 

@@ -14,8 +14,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.logprobs import TokenLogprobs
 from engine.request import RequestOutput
-from engine.sampler import InvalidSamplingParam, SamplingParams, TokenLogprobs
+from engine.sampling_params import InvalidSamplingParam, SamplingParams
 from engine.sse import event
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system

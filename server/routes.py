@@ -17,10 +17,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from engine.engine import ContextLengthError
+from engine.inputs import ContextLengthError
 from engine.llm import chat_token_ids
 from engine.request import RequestOutput
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.service import EngineService, ServiceBusy
 
 from . import limits, protocol

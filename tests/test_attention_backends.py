@@ -104,7 +104,7 @@ def test_a_backend_registered_by_one_line_is_used_by_the_runner(tiny_models, mon
 def test_the_triton_backend_builds_paged_metadata_without_triton(tiny_models):
     """(Its kernels need a GPU or Triton's interpreter; its metadata is plain torch: the rows of each sequence.)"""
     from engine.request import Request
-    from engine.sampler import SamplingParams
+    from engine.sampling_params import SamplingParams
     from engine.scheduler import Phase, ScheduledRequest
 
     llm = LLM(tiny_models["llama"][0], **ENGINE)

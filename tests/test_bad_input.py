@@ -301,12 +301,12 @@ BAD_UPDATES = [
 def test_bad_update_config_leaves_the_config_unchanged(llm, expected, changes, match):
     engine = llm.engine
     rid = start_good(engine)
-    before, requested, last = engine.config.to_dict(), engine.requested_config.to_dict(), engine.last_reconfig
+    before, requested, last = engine.config.to_dict(), engine.reconfig.requested.to_dict(), engine.reconfig.last
     with pytest.raises(ValueError, match=match):
         engine.update_config(**changes)
-    assert engine.config.to_dict() == before and engine.requested_config.to_dict() == requested
+    assert engine.config.to_dict() == before and engine.reconfig.requested.to_dict() == requested
     engine.step()  # a step boundary: nothing was left pending
-    assert engine.config.to_dict() == before and engine.last_reconfig == last
+    assert engine.config.to_dict() == before and engine.reconfig.last == last
     finish_good(engine, rid, expected)
 
 
@@ -365,10 +365,10 @@ def test_a_pool_that_cannot_be_built_leaves_the_old_one_serving(llm, expected, m
     monkeypatch.setattr("engine.reconfigure.ModelRunner", no_memory)
     engine.update_config(num_kv_blocks=32, max_num_seqs=4)  # validated: it fits the memory free now
     engine.step()  # the step boundary: building the new pool fails
-    assert engine.config.to_dict() == before and engine.requested_config.num_kv_blocks == 64
-    assert engine.last_reconfig["changes"] == {"num_kv_blocks": 32, "max_num_seqs": 4}
-    assert "MemoryError: simulated" in engine.last_reconfig["error"]
-    assert engine.pending_config()[1].to_dict() == before  # nothing left pending to fail again
+    assert engine.config.to_dict() == before and engine.reconfig.requested.num_kv_blocks == 64
+    assert engine.reconfig.last["changes"] == {"num_kv_blocks": 32, "max_num_seqs": 4}
+    assert "MemoryError: simulated" in engine.reconfig.last["error"]
+    assert engine.reconfig.pending_view()[1].to_dict() == before  # nothing left pending to fail again
     finish_good(engine, rid, expected)
     monkeypatch.undo()
     engine.update_config(num_kv_blocks=32)  # a later change builds normally

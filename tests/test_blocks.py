@@ -536,7 +536,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
     event(f"prefix hits: {eng.kv.prefix_cache_hits > 0}")
     event(f"evictions: {eng.kv.pool.num_evictions > 0}")
     event(f"aborted: {len(aborted) > 0}")
-    event(f"reconfigured: {eng.last_reconfig is not None}")
+    event(f"reconfigured: {eng.reconfig.last is not None}")
     event(f"paged: {cfg['paged_kv']}")
     event(f"chunked: {any(chunked_steps)}")
     event(f"drafts accepted: {eng.spec_stats.num_accepted_tokens > 0}")

@@ -198,7 +198,7 @@ def test_switch_changes_apply_at_step_boundary_without_losing_requests(tiny):
                 done[out.request_id] = out.token_ids
         step += 1
     assert [done[i] for i in ids] == expected
-    assert engine.last_reconfig["action"] == "re-prefill running requests"
+    assert engine.reconfig.last["action"] == "re-prefill running requests"
     assert engine.config.block_size == 8 and engine.config.num_kv_blocks == 128
     assert_all_blocks_free(engine)
 

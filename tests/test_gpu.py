@@ -43,7 +43,7 @@ def _engine(dtype="float32", overrides=TINY, **fields):
 
 
 def _greedy(engine, n=24):
-    from engine.sampler import SamplingParams
+    from engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in PROMPTS]
     done = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import InvalidSamplingParam
+from engine.sampling_params import InvalidSamplingParam
 from tests.conftest import assert_all_blocks_free
 from tests.test_features import engine_like, shared_prefix_prompts
 from tests.test_parity import random_prompts

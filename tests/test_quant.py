@@ -524,7 +524,7 @@ def test_kv_cache_dtype_changes_while_serving_and_nothing_is_lost(fp32, tiny_mod
     while engine.has_unfinished():
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert engine.runner.kv_cache.dtype == torch.int8
-    assert engine.last_reconfig["action"] == "re-prefill running requests"
+    assert engine.reconfig.last["action"] == "re-prefill running requests"
     assert all(len(done[i].token_ids) == GREEDY.max_tokens or done[i].finish_reason == "stop" for i in ids)
     assert_all_blocks_free(engine)
 

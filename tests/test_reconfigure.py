@@ -67,9 +67,9 @@ def test_a_structural_change_rebuilds_the_pool_and_re_prefills_without_changing_
     old_kv, old_runner = engine.kv, engine.runner
     engine.update_config(num_kv_blocks=24, block_size=8)
     assert engine.config.num_kv_blocks == 32 and engine.reconfig.pending  # waits for the step boundary
-    assert engine.pending_config()[1].num_kv_blocks == 24
+    assert engine.reconfig.pending_view()[1].num_kv_blocks == 24
     got = run_all(engine)
-    record = engine.last_reconfig
+    record = engine.reconfig.last
     assert record["action"] == "re-prefill running requests" and len(record["requests_re_prefilled"]) == 3
     assert engine.kv is not old_kv and engine.runner is not old_runner and engine.scheduler.kv is engine.kv
     assert engine.config.block_size == 8 and engine.kv.num_blocks == 24 and engine.scheduler.config is engine.config
@@ -103,9 +103,9 @@ def test_a_change_that_can_no_longer_be_built_leaves_the_old_configuration_servi
         raise MemoryError("simulated: the allocator said no")
     monkeypatch.setattr(engine.reconfig, "build", no_memory)
     out = run_all(engine)
-    record = engine.last_reconfig
+    record = engine.reconfig.last
     assert record["action"].startswith("not applied") and "MemoryError" in record["error"]
-    assert engine.config == old and engine.pending_config()[1] == old and len(out[rid]) == 12
+    assert engine.config == old and engine.reconfig.pending_view()[1] == old and len(out[rid]) == 12
     assert_all_blocks_free(engine)
 
 
@@ -115,7 +115,7 @@ def test_a_change_is_planned_without_an_engine(llm):
     from engine.blocks import KVCacheManager
     from engine.reconfigure import Reconfiguration
     engine = llm.build_engine({})
-    r, before = Reconfiguration(engine.model, engine.tokenizer, engine.requested_config), engine.config
+    r, before = Reconfiguration(engine.model, engine.tokenizer, engine.reconfig.requested), engine.config
     assert r.take() is None  # nothing waits
 
     def refuse(resolved):

@@ -11,8 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams, sampler
-from engine.sampler import filter_logits, invert_cdf, sample
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, sampler_ops
+from engine.sampler import sample
+from engine.sampler_ops import filter_logits, invert_cdf
 from tests.conftest import assert_all_blocks_free
 
 NEG_INF = float("-inf")
@@ -158,7 +159,7 @@ def test_greedy_rows_take_the_argmax():
 
 
 def test_greedy_takes_the_first_of_equal_maxima_as_argmax_does():
-    from engine.sampler import most_likely
+    from engine.sampler_ops import most_likely
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.zeros(4, 49152, dtype=dtype)
         logits[0, [7, 300, 40000]] = 5  # ties, far apart (a vectorized reduction splits the row)
@@ -248,9 +249,9 @@ def reference_filter(logits, temperature, top_k, top_p, min_p):
 def use_native(monkeypatch, native: bool) -> None:
     """The C++ rows (asserted built: make install builds them), or torch's calls as without them."""
     if native:
-        assert sampler._native(torch.zeros(1, 2)) is not None, "the engine's C++ CPU kernels did not build"
+        assert sampler_ops._native(torch.zeros(1, 2)) is not None, "the engine's C++ CPU kernels did not build"
     else:
-        monkeypatch.setattr(sampler, "_native", lambda logits: None)
+        monkeypatch.setattr(sampler_ops, "_native", lambda logits: None)
 
 
 @pytest.mark.parametrize("native,candidates", [(True, (256, 4096)), (False, (256, 4096)), (False, (4, 16)),
@@ -261,7 +262,7 @@ def test_fast_filters_agree_with_one_full_sort_per_row(monkeypatch, native, cand
     to the whole sorted row, so every tier of top-p and every row mix (all rows, some rows) is crossed; in C++,
     both the candidates' path and the exponent buckets' (flat rows, k past the candidates, p near 1)."""
     use_native(monkeypatch, native)
-    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
+    monkeypatch.setattr(sampler_ops, "TOP_P_CANDIDATES", candidates)
     gen = torch.Generator().manual_seed(11)
     for trial in range(48):
         n, vocab = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(2, 700, (1,), generator=gen))
@@ -283,7 +284,7 @@ def test_fast_filters_agree_with_one_full_sort_per_row(monkeypatch, native, cand
 def test_cpp_filters_break_ties_at_a_boundary_by_token_id_and_keep_exactly_k():
     """bf16 logits tie often: top-k keeps exactly k, the lowest ids among the tied; top-p keeps the tied tokens up to
     the one that crosses p, in id order; every tied maximum survives min-p 1."""
-    assert sampler._native(torch.zeros(1, 2)) is not None, "the engine's C++ CPU kernels did not build"
+    assert sampler_ops._native(torch.zeros(1, 2)) is not None, "the engine's C++ CPU kernels did not build"
     logits = torch.full((3, 1000), -5.0)
     logits[:, [900, 10, 500, 70, 300]] = 2.0  # five tied maxima, far apart
     one = torch.ones(3)
@@ -297,8 +298,8 @@ def test_cpp_filters_break_ties_at_a_boundary_by_token_id_and_keep_exactly_k():
 
 
 def test_cpp_argmax_takes_the_first_nan_and_the_first_of_equal_maxima():
-    from engine.sampler import most_likely
-    assert sampler._native(torch.zeros(1, 2)) is not None, "the engine's C++ CPU kernels did not build"
+    from engine.sampler_ops import most_likely
+    assert sampler_ops._native(torch.zeros(1, 2)) is not None, "the engine's C++ CPU kernels did not build"
     logits = torch.zeros(3, 49157)  # not a multiple of 16: the scalar tail too
     logits[0, [49156, 3]] = 1.0
     logits[1, [20000, 5]] = float("nan")
@@ -325,7 +326,7 @@ def invert(probs: torch.Tensor, uniform: torch.Tensor, native: bool) -> torch.Te
     """invert_cdf over probs, or the C++ draw_rows (which takes the exp itself) over their logs."""
     if not native:
         return invert_cdf(probs, uniform)
-    ext = sampler._native(torch.zeros(1, 2))
+    ext = sampler_ops._native(torch.zeros(1, 2))
     assert ext is not None, "the engine's C++ CPU kernels did not build"
     return ext.draw_rows(probs.log().contiguous(), uniform.contiguous())
 
@@ -370,8 +371,8 @@ def test_cpp_draw_is_the_torch_draw():
     """draw_rows (exp and inversion in one C++ call) gives the tokens shifted_exp + invert_cdf give for the same
     numbers: random rows of many sizes and sharpnesses, some with nine tokens in ten filtered out. Its chunk sums
     may round an ulp apart from torch's, which could move a number landing on a boundary: at most 2 of 1,600."""
-    from engine.sampler import shifted_exp
-    ext = sampler._native(torch.zeros(1, 2))
+    from engine.sampler_ops import shifted_exp
+    ext = sampler_ops._native(torch.zeros(1, 2))
     assert ext is not None, "the engine's C++ CPU kernels did not build"
     gen = torch.Generator().manual_seed(3)
     differ = 0
@@ -578,7 +579,7 @@ def test_speculative_decoding_reports_the_same_logprobs(tiny_models, monkeypatch
     ("logprobs", -1), ("logprobs", True), ("stop", {"a": 1}), ("stop", [""]),
 ])
 def test_bad_sampling_params_name_their_field(field, value):
-    from engine.sampler import InvalidSamplingParam
+    from engine.sampling_params import InvalidSamplingParam
     with pytest.raises(InvalidSamplingParam, match=field) as info:
         SamplingParams(**{field: value})
     assert info.value.param == field
@@ -602,7 +603,7 @@ def test_the_draws_exponentials_are_zero_for_dropped_tokens_and_exp_elsewhere(mo
     x[:, ::7] = float("-inf")
     x[:, 3] = 20.0  # a finite top in every row
     want = torch.exp(x - x.amax(dim=1, keepdim=True))
-    got = sampler.shifted_exp(x.clone())
+    got = sampler_ops.shifted_exp(x.clone())
     assert torch.equal(got[:, ::7], torch.zeros_like(got[:, ::7]))
     tail = x == -500.0
     assert (got[tail] <= 2e-38).all() and (got >= 0).all()

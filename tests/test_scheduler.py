@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.policies import POLICIES
+from engine import LLM, EngineConfig, SamplingParams
+from engine.blocks import PagedKVCache
+from engine.policies import POLICIES, Priority
+from engine.request import Request
+from engine.scheduler import Scheduler
 from tests.conftest import assert_all_blocks_free
 from tests.test_features import engine_like
 from tests.test_parity import random_prompts
@@ -119,3 +122,81 @@ def test_priority_under_a_pool_too_small_gives_the_same_tokens_as_alone(tiny):
     assert [done[i] for i in ids] == alone
     assert engine.scheduler.num_preemptions > 0
     assert_all_blocks_free(engine)
+
+
+# The scheduler alone (no model): a stand-in runner writes each scheduled position's token into its block, so a
+# test can tell a block whose K/V exists from one that only names a prefix in the prefix cache.
+
+class Runner:
+    def __init__(self, config: EngineConfig, num_blocks: int, policy=None):
+        self.kv = PagedKVCache(num_blocks, config.block_size, prefix_caching=True)
+        self.scheduler = Scheduler(config, self.kv)
+        if policy is not None:
+            self.scheduler.policy = policy
+        self.written: dict[int, list[int]] = {}  # block id -> the tokens whose K/V it holds, from its first slot
+
+    def step(self, next_token: int = 7):
+        out = self.scheduler.schedule()
+        bs, pool = self.kv.block_size, self.kv.pool
+        will_write = {s.block_ids[p // bs] for s in out.scheduled for p in range(s.start, s.known_end)}
+        for key, block_id in pool.cached.items():  # a cached block holds its tokens, or is computed this step
+            assert self.written.get(block_id) == list(key[1]) or block_id in will_write, \
+                f"block {block_id} is in the prefix cache but its K/V is never computed"
+        for s in out.scheduled:
+            for p in range(s.start, s.known_end):
+                block = self.written.setdefault(s.block_ids[p // bs], [])
+                del block[p % bs:]
+                block.append(s.request.token_ids[p])
+            self.kv.mark_computed(s.request, s.known_end)
+            if s.num_logits:
+                s.request.token_ids.append(next_token)
+                if s.request.num_output_tokens >= s.request.params.max_tokens:
+                    self.scheduler.finish(s.request)
+        return out
+
+
+class PriorityWithoutSitOut(Priority):
+    """Priority's ranks and victims, but every running request runs each step: nothing in the scheduler may rely on
+    the sit-out to keep a request it already put in the step from being preempted."""
+    name = "priority-without-sit-out"
+
+    def cutoff(self, running, waiting):
+        return None
+
+
+def test_an_arrival_that_outranks_never_preempts_a_request_already_in_the_step():
+    """A request mid-prefill registers its chunk's full blocks before the forward pass; if a better arrival then
+    took its seat in the same step, those blocks would sit cached-free without K/V, and the arrival's own prefix
+    lookup would hit them: silently wrong tokens."""
+    config = EngineConfig(block_size=4, max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64)
+    run = Runner(config, num_blocks=16, policy=PriorityWithoutSitOut())
+    prompt = list(range(100, 124))  # three chunks of 8
+    user = Request("user", prompt, SamplingParams(max_tokens=2), priority=1)
+    run.scheduler.add(user)
+    run.step()  # its first chunk: blocks 0 and 1 computed and cached
+    person = Request("person", prompt[:16] + [1, 2, 3, 4], SamplingParams(max_tokens=2), priority=0)
+    run.scheduler.add(person)
+    out = run.step()  # the user's second chunk registers blocks 2 and 3; the person outranks it, for its seat
+    assert [s.request.request_id for s in out.scheduled] == ["user"] and not out.preempted
+    for _ in range(10):
+        if not run.scheduler.has_unfinished():
+            break
+        run.step()
+    assert person.num_output_tokens == 2 and user.num_output_tokens == 2
+
+
+@pytest.mark.parametrize("policy", [Priority(), PriorityWithoutSitOut()], ids=lambda p: p.name)
+def test_every_cached_block_holds_its_tokens_under_random_priorities_and_a_small_pool(policy):
+    import random
+    for seed in range(40):
+        rng = random.Random(seed)
+        config = EngineConfig(block_size=4, max_num_seqs=rng.randint(1, 4), max_num_batched_tokens=rng.randint(4, 24),
+                              max_model_len=64)
+        run = Runner(config, num_blocks=rng.randint(6, 16), policy=policy)
+        for i in range(40):
+            if rng.random() < 0.4:
+                shared = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], []])
+                prompt = shared + [rng.randint(10, 13) for _ in range(rng.randint(1, 16))]
+                run.scheduler.add(Request(f"{seed}-{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 8)),
+                                          priority=rng.choice([0, 1, 2])))
+            run.step(next_token=rng.randint(10, 13))

@@ -112,7 +112,7 @@ def test_stop_token_and_eos_inside_an_accepted_run(tiny, monkeypatch):
         assert engine.snapshot().speculation["acceptance_rate"] == 1.0
     # EOS: make the tiny model's eos id the token at position 7 of the first output
     engine = engine_like(tiny, **SPEC, num_speculative_tokens=6)
-    engine.eos_token_ids = {free[0][7]}
+    engine.output.eos_token_ids = {free[0][7]}
     (got,) = run(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=30))
     assert got == free[0][:free[0].index(free[0][7]) + 1]
 
@@ -204,7 +204,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     vocab, n = 12, 10000
     logits = torch.randn(3, vocab) * 1.5
     params = SamplingParams(temperature=0.8, top_k=10)
-    from engine.sampler import filter_logits
+    from engine.sampler_ops import filter_logits
     probs = filter_logits(logits, torch.full((3,), 0.8), torch.full((3,), 10), torch.ones(3),
                           torch.zeros(3)).softmax(dim=1)
     drafts = [int(probs[0].argmax()), int(probs[1].argsort()[-3])]  # a likely and an unlikely draft

@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM
 from engine.request import RequestMetrics, RequestOutput
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.workloads import WorkloadRequest
 from playground import Playground
 from playground.traffic import SIMULATED_PRIORITY, TrafficGenerator, progress_bar

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.config import EngineConfig, FeatureState
+from engine.config import EngineConfig
 from engine.measure import AblationRow, MemoryRow
 from engine.service import ConfigChange
-from engine.snapshot import RequestView
+from engine.snapshot import FeatureState, RequestView, feature_states
 from viz import figures, result_figures
 from viz.dashboard import FigureCache
 from viz.result_figures import BASELINE, EVEN, GAIN, LOSS
@@ -190,16 +190,16 @@ def test_prefix_chart_says_when_prefix_caching_is_off():
 
 def test_each_feature_as_asked_and_as_it_runs():
     """One answer to "is it on?": the snapshot's features, with the reason where what runs differs from the ask."""
-    on = EngineConfig(prefix_caching=True, kv_cache=True, paged_kv=True).feature_states()
+    on = feature_states(EngineConfig(prefix_caching=True, kv_cache=True, paged_kv=True))
     assert on["prefix_caching"] == FeatureState(True, True)
     for off in ("kv_cache", "paged_kv"):
-        state = EngineConfig(prefix_caching=True, kv_cache=True, paged_kv=True).replace(
-            **{off: False}).feature_states()["prefix_caching"]
+        state = feature_states(EngineConfig(prefix_caching=True, kv_cache=True, paged_kv=True).replace(
+            **{off: False}))["prefix_caching"]
         assert state.requested and not state.active and f"{off} is off" in state.why
-    assert not EngineConfig(prefix_caching=False).feature_states()["prefix_caching"].active
-    smoothing = EngineConfig(kv_cache_smoothing=True).feature_states()["kv_cache_smoothing"]
+    assert not feature_states(EngineConfig(prefix_caching=False))["prefix_caching"].active
+    smoothing = feature_states(EngineConfig(kv_cache_smoothing=True))["kv_cache_smoothing"]
     assert smoothing.requested and not smoothing.active and "int8" in smoothing.why
-    assert EngineConfig(kv_cache_smoothing=True, kv_cache_dtype="int8").feature_states()["kv_cache_smoothing"].active
+    assert feature_states(EngineConfig(kv_cache_smoothing=True, kv_cache_dtype="int8"))["kv_cache_smoothing"].active
 
 
 def test_hit_rate_stops_at_the_switch_instead_of_drawing_old_hits_on():

@@ -87,7 +87,7 @@ def random_engine(model: str, dtype: str, device: str, overrides: dict, fields: 
 
 
 def _greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from ..sampler import SamplingParams
+    from ..sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     done: dict[str, list[int]] = {}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import cpu_kernels, huge_pages
+from ..llm import warm_up
 from ..measure.roofline import decode_ms
 from ..measure.specs import resolve_spec
 from ..quant import kernels as quant_kernels
@@ -112,14 +113,14 @@ def kernel_worth(llm, specs=SPECS, rows=(1, 16), tokens: int = 24, rounds: int =
                 torch_model = llm.load_weights(llm.config_for(fields))
             finally:
                 quant_kernels.cpu_features = real
-        engine.warm_up()
+        warm_up(engine)
         for kernel in _kernels_for(fields) + (["huge pages"] if engine.model.huge_page_bytes else []):
             for n in rows:
                 if progress is not None:
                     progress(f"{spec} · {kernel} · {n} rows")
                 row = KernelWorthRow(spec, kernel, n, [], [])
                 with _off(engine, kernel, torch_model):
-                    engine.warm_up()
+                    warm_up(engine)
                 for r in range(rounds):  # alternating: a busy moment slows both sides
                     row.on_ms.append(decode_ms(engine, n, prompt_len, tokens, seed=r))
                     with _off(engine, kernel, torch_model):

@@ -201,7 +201,7 @@ def render(result: OverheadResult) -> str:
 def offline_main(prompts_file: str, out_file: str) -> None:
     """One LLM.generate run in this (fresh) process, over the prompts exactly as the server tokenizes them."""
     from ..llm import LLM, chat_token_ids
-    from ..sampler import SamplingParams
+    from ..sampling_params import SamplingParams
     spec = json.loads(Path(prompts_file).read_text())
     llm = LLM(spec["model"], **spec["settings"])
     tok = llm.tokenizer

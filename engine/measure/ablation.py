@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import BUILT_SWITCHES, EngineConfig
-from ..llm import LLM
+from ..llm import LLM, warm_up
 from ..quant.speed import model_speeds
 from ..workloads import Workload
 from .runs import (
@@ -200,7 +200,7 @@ def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settin
             row.num_kv_blocks = pool_bytes // (model.kv_bytes_per_token(kv) * config.block_size)
             engine = llm.build_engine({**fields, "num_kv_blocks": row.num_kv_blocks})
             row.kv_cache_mb = row.num_kv_blocks * kv_bytes_per_block(engine) / 2**20
-            engine.warm_up()
+            warm_up(engine)
             r = run_workload(engine, workload, should_stop, track_efficiency=True)
         except ValueError as exc:
             row.error = str(exc)

@@ -20,8 +20,8 @@ import torch
 
 from ..config import EngineConfig
 from ..engine import LLMEngine
-from ..llm import LLM
-from ..sampler import SamplingParams
+from ..llm import LLM, warm_up
+from ..sampling_params import SamplingParams
 from ..threads import usable_cores
 from ..utils import cdiv
 from ..workloads import Workload
@@ -79,7 +79,7 @@ def run_table_row(llm: LLM, batch: int, input_len: int, output_len: int, setting
                   seed: int = 0) -> TableRow:
     workload = fixed_workload(table_prompts(batch, input_len, seed), output_len)
     engine = llm.build_engine(settings)
-    engine.warm_up()
+    warm_up(engine)
     if engine.model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.model.device)
     run = run_workload(engine, workload)
@@ -184,7 +184,7 @@ def sched_cost(llm: LLM, running: int = 64, prompt_len: int = 16, decode_steps: 
     settings = dict(settings or {})
     settings["max_num_seqs"] = max(running, settings.get("max_num_seqs", EngineConfig.max_num_seqs))
     engine = llm.build_engine(settings)
-    engine.warm_up()
+    warm_up(engine)
     tracker = StepTracker(engine)
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
     for prompt in random_prompts(running, prompt_len, seed):
@@ -219,7 +219,7 @@ def sampling_cost(llm: LLM, batch: int = 8, prompt_len: int = 128, tokens: int =
     """`batch` requests decoding together in each sampling mode, the modes alternating within each round on one
     engine, fresh prompts every run: tokens/s and the sampler's own time per step."""
     engine = llm.build_engine(dict(settings or {}))
-    engine.warm_up()
+    warm_up(engine)
     rows = [SamplingCostRow(label, [], [], []) for label, _ in SAMPLING_MODES]
     draw = seed
     for _ in range(rounds):
@@ -312,7 +312,7 @@ def prefill_cost(llm: LLM, budgets: list[int], batch: int = 32, prompt_len: int 
     engines = [llm.build_engine({**(settings or {}), "prefix_caching": False, "max_num_batched_tokens": b})
                for b in budgets]
     for engine in engines:
-        engine.warm_up()
+        warm_up(engine)
     conditions = [False, True] if busy is not None else [False]
     rows = {c: [PrefillCostRow(b, [], [], [], c) for b in budgets] for c in conditions}  # one per engine
     draw = seed
@@ -453,7 +453,7 @@ def closed_loop(llm: LLM, concurrency: int = 32, requests: int = 64, prompt_len:
     busy_ms, idle_ms = busy if busy is not None else (math.inf, 0.0)
     duty = busy_ms / (busy_ms + idle_ms) if math.isfinite(busy_ms) else 1.0
     engine = llm.build_engine({"max_num_seqs": concurrency, **(settings or {})})
-    engine.warm_up()
+    warm_up(engine)
     cores = engine.cores
     rows = [ClosedLoopRow(k, [], [], [], fair_share=fair_share(k, cores.most, usable_cores(), duty))
             for k in [0, *counts]]

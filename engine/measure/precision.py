@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
-from ..engine import LLMEngine, stored_as
+from ..engine import LLMEngine
+from ..factory import stored_as
 from ..llm import LLM, engine_for
 from ..quant.format import WeightFormat
 from ..quant.speed import model_speeds
-from ..sampler import SamplingParams
+from ..sampling_params import SamplingParams
 from .runs import Progress, random_prompts
 from .specs import FEATURE_DIR, resolve_spec
 

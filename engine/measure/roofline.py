@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from ..config import WEIGHT_FIELDS
-from ..llm import LLM, engine_for
+from ..llm import LLM, engine_for, warm_up
 from ..quant.kernels import cpu_features, cpu_name, isa
-from ..sampler import SamplingParams
+from ..sampling_params import SamplingParams
 from ..threads import usable_cores
 from ..utils import cdiv
 from .precision import load_each
@@ -280,7 +280,7 @@ def roofline(llm: LLM, specs: Sequence[str] = SPECS, sizes: Sizes | None = None,
     times = [([], []) for _ in specs]
     try:
         for engine in engines:
-            engine.warm_up()
+            warm_up(engine)
         for r in range(sizes.rounds):
             if progress is not None:
                 progress(len(specs) + 1 + r, total, f"round {r + 1} of {sizes.rounds}")

@@ -18,11 +18,11 @@ import torch
 
 from ..config import LOAD_TIME_FIELDS
 from ..engine import LLMEngine
-from ..llm import LLM
+from ..llm import LLM, warm_up
 from ..models import LlamaFamilyModel
 from ..quant.linear import PROJECTION_TYPES, Projection
 from ..request import RequestOutput
-from ..sampler import SamplingParams
+from ..sampling_params import SamplingParams
 from ..snapshot import StepRecord
 from ..workloads import TOKEN_RANGE, Workload, WorkloadRequest
 from .specs import check_fields
@@ -87,7 +87,7 @@ def _weights(value: Any) -> Iterator[torch.Tensor | Projection]:
 
 
 def kv_bytes_per_block(engine: LLMEngine) -> int:
-    return engine.kv_bytes_per_block(engine.config)
+    return engine.reconfig.kv_bytes_per_block(engine.config)
 
 @dataclass
 class StepBreakdown:
@@ -260,7 +260,7 @@ def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], should_stop
                track_efficiency: bool = False) -> RunResult:
     """A fresh, warmed-up engine with these fields, run through the workload."""
     engine = llm.build_engine(fields)
-    engine.warm_up()
+    warm_up(engine)
     return run_workload(engine, workload, should_stop, track_efficiency)
 
 
