@@ -59,6 +59,7 @@ from playground.projector import build_projector, lesson_view
 from playground.remote_tab import build_remote_tab
 from playground.room import plain
 from playground.serialised import SerialisedFigures
+from playground.sessions import lighten_sessions
 from playground.watching import Watcher
 from server import OpenAIApi, served_model_name, timeouts
 
@@ -330,6 +331,7 @@ QUEUE_MAX = 256  # page events waiting in gradio's queue, the whole room's; more
 def serve(demo: gr.Blocks, access: Access, launch_kwargs: dict) -> None:
     """gradio's queue, bounded (the room's, and each visitor's when the engine is shared), then gradio's launch."""
     calm_queue(demo.queue(default_concurrency_limit=8, max_size=QUEUE_MAX))
+    lighten_sessions()  # a new session hash no longer costs the server every component's configuration at once
     if access.shared:
         QueueBound(access).install(demo)
     demo.launch(**launch_kwargs)
