@@ -32,7 +32,7 @@ class FreeMemory:
 def free_ram() -> FreeMemory | None:
     """Available RAM, bounded by this process's cgroup limit (a container sees the host's /proc/meminfo).
     None when this platform does not say (the check is skipped rather than guessed)."""
-    available = _meminfo_available()
+    available = available_bytes()
     if available is None:
         try:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -73,7 +73,8 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / GIB:.1f} GB" if num_bytes >= GIB // 10 else f"{num_bytes / 2**20:.0f} MB"
 
 
-def _meminfo_available() -> int | None:
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where the system does not say)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

@@ -30,6 +30,7 @@ import torch
 
 from ..config import WEIGHT_FIELDS
 from ..llm import LLM, engine_for, warm_up
+from ..memory import available_bytes
 from ..quant.kernels import cpu_features, cpu_name, isa
 from ..sampling_params import SamplingParams
 from ..threads import usable_cores
@@ -134,21 +135,11 @@ def llc_bytes() -> int | None:
     return None if best is None else best[1]
 
 
-def _available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def default_read_bytes(llc: int | None, available: int | None = None) -> int:
     """At least MIN_READ_BYTES and READ_OVER_LLC x the last-level cache, at most a quarter of `available` (default:
     the free memory now)."""
     want = max(MIN_READ_BYTES, READ_OVER_LLC * (llc or 0))
-    available = available or _available_bytes()
+    available = available or available_bytes()
     return min(want, available // 4) if available else want
 
 
