@@ -21,8 +21,8 @@ PENDING_S = 120.0  # a message sent this long ago whose chat never started (canc
 # re-renders the whole reply in every browser that shows it, and a fast engine made hundreds a second
 FRAME_S = 0.05
 # and the room's streaming replies together at most this often a second: each update is the server's work too
-# (the history diffed, encoded and sent), done on the cores and under the lock the engine's step needs, so
-# sixteen replies sent every token doubled a newcomer's wait for their first one. The first token is never held.
+# (the history diffed, encoded and sent), done on the cores and under the lock the engine's step needs, and a flood
+# of replies sent every token kept the server busy while a newcomer waited for their first. The first is never held.
 ROOM_FRAMES_PER_S = 80.0
 
 
