@@ -20,12 +20,13 @@ gradio_init = None  # gradio's own constructor, once replaced
 
 
 class LazyConfigs(dict):
-    """gradio's `config_values`: a component's configuration computed when first asked for, all of them when all
-    are read."""
+    """gradio's `config_values`: a component's configuration computed when first asked for, all of them (in the
+    page's order, as gradio's own dict has them) when all are read."""
 
     def __init__(self, config, ids) -> None:
         super().__init__()
-        self._config, self._ids = config, frozenset(ids)
+        self._config, self._order = config, tuple(ids)
+        self._ids = frozenset(self._order)
 
     def _compute(self, key):
         value = self._config.config_for_block(key, [], self._config.blocks[key])
@@ -40,29 +41,20 @@ class LazyConfigs(dict):
     def __contains__(self, key) -> bool:
         return dict.__contains__(self, key) or key in self._ids
 
-    def _all(self) -> None:
-        for key in self._ids:
-            if not dict.__contains__(self, key):
-                self._compute(key)
+    def keys(self) -> list:
+        return list(self._order) + [k for k in dict.keys(self) if k not in self._ids]
 
-    def items(self):
-        self._all()
-        return super().items()
+    def items(self) -> list:
+        return [(k, self[k]) for k in self.keys()]
 
-    def keys(self):
-        self._all()
-        return super().keys()
-
-    def values(self):
-        self._all()
-        return super().values()
+    def values(self) -> list:
+        return [self[k] for k in self.keys()]
 
     def __iter__(self):
-        self._all()
-        return super().__iter__()
+        return iter(self.keys())
 
     def __len__(self) -> int:
-        return len(self._ids | set(dict.keys(self)))
+        return len(self.keys())
 
 
 def _light_init(self, blocks) -> None:

@@ -31,7 +31,8 @@ def test_a_lazy_session_reads_as_gradios_own(demo):
     some = next(iter(eager.config_values))
     assert some in lazy.config_values and lazy.config_values[some] == eager.config_values[some]
     assert dict.__len__(lazy.config_values) == 1  # only what was asked for
-    assert list(lazy.components) == list(eager.components)  # all of them when all are read (a deep link)
+    assert list(lazy.components) == list(eager.components)  # all of them, in order, when all are read (a deep link)
+    assert list(lazy.config_values) == list(eager.config_values)
     assert len(lazy.config_values) == len(eager.config_values) == len(list(eager.components))
     key = next(k for k, v in eager.config_values.items() if "props" in v)
     lazy._update_value_in_config(key, "a value")  # what gradio does when an event updates a component
