@@ -81,10 +81,11 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         settings_out = gr.Markdown()
         settings_note = gr.Markdown()
         loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
-        # in the tab: it ticks once the tab has been opened; twice a second, so a change made elsewhere shows within a
-        # second, round trip included. Each tick costs the browser (every field of the form marked pending, then
-        # done, even when nothing is sent): about a fifth of a core for an open settings tab (docs/measurements.md)
-        follow = gr.Timer(0.5)
+        # in the tab: it ticks once the tab has been opened, once a second as the page's clock does (the status line
+        # that says who changed what comes with that clock). Each tick costs the browser (every field of the form
+        # marked pending, then done, even when nothing is sent): at twice a second, 0.4 of a core for an idle
+        # open settings tab on the 2-core Xeon (docs/measurements.md)
+        follow = gr.Timer(1.0)
 
     inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
     names = list(switches) + list(sizes) + list(weights)
@@ -106,8 +107,8 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 
     @audience
     def follow_engine(shown: dict):
-        """Twice a second while the tab is open: the form again when the engine's configuration is no longer the one
-        it shows (a lesson, a rebuild, another presenter tab changed it)."""
+        """Once a second while the tab is open: the form again when the engine's configuration is no longer the one
+        it shows (a lesson, a rebuild, another presenter tab changed it), with the fields that moved."""
         shown = dict(shown or {})
         steered = shown.pop(ROLE_KEY, None)
         cfg, steer = pg.settings(), pg.access.visitor().presenter

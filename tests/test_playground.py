@@ -700,7 +700,7 @@ def test_a_restart_keeps_the_charts_history_marks_itself_and_counts_what_it_ende
 
 def test_the_settings_form_follows_the_engine_and_the_audience_only_reads_it(pg):
     """A change made elsewhere (a lesson, a rebuild, another presenter tab) reaches every open settings form within
-    its half-second tick, with the fields that moved; nothing is sent while the form already shows what runs. The
+    its one-second tick, with the fields that moved; nothing is sent while the form already shows what runs. The
     audience's form is read-only and says who can change it."""
     import gradio as gr
 
