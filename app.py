@@ -62,6 +62,7 @@ from playground.serialised import SerialisedFigures
 from playground.sessions import lighten_sessions
 from playground.watching import Watcher
 from server import OpenAIApi, served_model_name, timeouts
+from server.protocol import excerpt
 
 INTRO = """# Watch an LLM inference engine work
 A real engine (paged KV cache, continuous batching, prefix caching, chunked prefill, speculative decoding,
@@ -332,9 +333,28 @@ def serve(demo: gr.Blocks, access: Access, launch_kwargs: dict) -> None:
     """gradio's queue, bounded (the room's, and each visitor's when the engine is shared), then gradio's launch."""
     calm_queue(demo.queue(default_concurrency_limit=8, max_size=QUEUE_MAX))
     lighten_sessions()  # a new session hash no longer costs the server every component's configuration at once
+    quiet_input_refusals(demo)
     if access.shared:
         QueueBound(access).install(demo)
     demo.launch(**launch_kwargs)
+
+
+def quiet_input_refusals(demo: gr.Blocks) -> None:
+    """gradio checks a call's inputs against their components (a slider's range, a dropdown's choices, a chat
+    history's shape) before the event's function runs, and prints a full traceback for each value it refuses: a
+    client sending hostile values filled the log. Each such refusal is now one log line, and the caller is told
+    gradio's reason, shortened."""
+    check = demo.preprocess_data
+
+    async def preprocess_data(block_fn, *args, **kwargs):
+        try:
+            return await check(block_fn, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - whatever gradio's check raised, the visitor's value was refused
+            reason = (exc.message if isinstance(exc, gr.Error) else f"{type(exc).__name__}: {exc}").splitlines()[0]
+            logging.getLogger("watch_llm.access").info("refused: a value for %s (%s)", block_fn.api_name or
+                                                         block_fn.name, excerpt(reason, 160))
+            raise refuse(f"a value was refused: {excerpt(reason, 160)}") from None
+    demo.preprocess_data = preprocess_data
 
 
 QUEUE_POLL_S = 0.02  # gradio's queue checks for work every 1 ms (progress every 10 ms) when idle

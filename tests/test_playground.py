@@ -118,6 +118,26 @@ def test_the_message_box_stays_a_few_lines_tall_so_a_refusal_under_it_shows(pg):
     assert box.max_lines is not None and box.max_lines <= 8
 
 
+def test_a_value_gradio_refuses_is_one_line_for_the_caller_not_a_traceback(pg):
+    """A slider past its range, a malformed chat history: gradio refuses them before the event runs and used to
+    print a traceback for each; the caller now gets gradio's reason in an error that prints none."""
+    import asyncio
+
+    import gradio as gr
+    from gradio.state_holder import SessionState
+
+    import app
+    demo = app.build_app(pg)
+    app.quiet_input_refusals(demo)
+    chat = {f.api_name: f for f in demo.fns.values()}["chat"]
+    for inputs, said in ((["hi", [], 99.0, 16, None], "greater than maximum value 1.5"),
+                         (["hi", [{"role": "system", "content": "x"}], 0.5, 16, None], "ValidationError")):
+        with pytest.raises(gr.Error) as refused:
+            asyncio.run(demo.preprocess_data(chat, inputs, SessionState(demo)))
+        assert not refused.value.print_exception and said in refused.value.message
+    assert asyncio.run(demo.preprocess_data(chat, ["hi", [], 0.5, 16, None], SessionState(demo)))[0] == "hi"
+
+
 def test_a_refused_message_does_not_poison_the_conversation(pg):
     """A refused 20,000-character message used to stay in what was sent, so every later message was refused."""
     history, _ = list(pg.chat("x" * 20_000, [], 0.0, 8))[-1]
