@@ -92,15 +92,23 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
     for name, component in zip(names, inputs):
         component.elem_id = f"setting-{name}"  # the field each input sets, for scripts and tests
 
+    def field(name: str, cfg: dict, hints: dict, **extra) -> dict:
+        """One field of the form as the engine runs now: a size left automatic says what that comes to."""
+        if name in hints:
+            return gr.update(value=cfg[name], info=hints[name], placeholder=hints[name], **extra)
+        return gr.update(value=form_value(name, cfg[name]), **extra)
+
+    def form_notes(changed: str, steer: bool) -> str:
+        notes = [changed, pg.settings_note()] + ([] if steer else [LOCKED_FORM])
+        return "\n\n".join(n for n in notes if n)
+
     @audience
     def load_settings(changed: str = ""):
         """The form as the engine runs now, for this visitor: the presenter edits it, everyone else reads it."""
         cfg, hints = pg.settings(), pg.settings_hints()
         steer = pg.access.visitor().presenter
-        fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n], interactive=steer) if n in hints
-                  else gr.update(value=form_value(n, cfg[n]), interactive=steer) for n in names]
-        notes = [changed, pg.settings_note()] + ([] if steer else [LOCKED_FORM])
-        return *fields, {**cfg, ROLE_KEY: steer}, "\n\n".join(n for n in notes if n), pg.weights_note()
+        fields = [field(n, cfg, hints, interactive=steer) for n in names]
+        return *fields, {**cfg, ROLE_KEY: steer}, form_notes(changed, steer), pg.weights_note()
     form = [*inputs, loaded, settings_note, weights_note]
 
     CHANGED = "ℹ️ The engine's configuration changed: the form shows what it runs now."
@@ -120,11 +128,9 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         # only the fields that moved, and the sizes' hints (what "automatic" comes to moves with the others): every
         # field sent is drawn again in each browser showing the form, and a lesson's change reaches every page at once
         hints = pg.settings_hints()
-        fields = [gr.update(value=cfg[n], info=hints[n], placeholder=hints[n]) if n in hints else
-                  gr.update(value=form_value(n, cfg[n])) if cfg[n] != shown.get(n) else gr.skip() for n in names]
-        notes = [CHANGED, pg.settings_note()] + ([] if steer else [LOCKED_FORM])
+        fields = [field(n, cfg, hints) if n in hints or cfg[n] != shown.get(n) else gr.skip() for n in names]
         moved_weights = any(cfg[n] != shown.get(n) for n in weights)
-        return (*fields, {**cfg, ROLE_KEY: steer}, "\n\n".join(n for n in notes if n),
+        return (*fields, {**cfg, ROLE_KEY: steer}, form_notes(CHANGED, steer),
                 pg.weights_note() if moved_weights else gr.skip())
     follow.tick(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, api_name="settings_follow")
 
