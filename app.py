@@ -145,6 +145,13 @@ def refuse(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
 
 
+# The page's own script opens the Lessons tab (its tab button's click, as the visitor's would be; the tab's select
+# event then tells the server). A gr.Tabs as an event's output costs every page far more: gradio's frontend, at each
+# status change of any event on the page (each streamed chunk of a reply too), walks every component under an
+# output that is a layout and copies its properties, which for the page's tabs is all of it
+SHOW_LESSONS = f"() => {{ document.querySelector('[role=tab][data-tab-id=\"{LESSONS_TAB}\"]')?.click(); }}"
+
+
 def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
     """Each tab is one builder, `build_x_tab(pg, serialised)`, that puts every component it makes (states too)
     inside its own gr.Tab: one placed among the tabs themselves shifts their labels. A timer inside a tab ticks
@@ -163,6 +170,8 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
         clock = gr.Timer(1.0)
         # the lesson run this visitor's page last followed to the Lessons tab, and whether its back button shows
         seen = gr.State({"run": 0, "back": False})
+        # a lesson run to bring this page to: the page's own script opens the tab (see SHOW_LESSONS)
+        bring = gr.State(0)
         with gr.Tabs() as tabs:
             build_chat_tab(pg, serialised, access)
             plots = build_dashboard_tab(pg, serialised)
@@ -195,16 +204,16 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             return (same(pg.status(presenter), "status", sent), *charts,
                     *(same(w, f"lesson {i}", sent) for i, w in enumerate(words)),
                     serialised.unless_sent(chart, "lesson", sent),
-                    gr.Tabs(selected=LESSONS_TAB) if follow else gr.skip(), now,
+                    run.run_id if follow else gr.skip(), now,
                     gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(),
                     same(intro(pg, presenter), "header", sent),
                     "Lessons" if follow else gr.skip(), pick, lesson["record"](sent), *join["refresh"](sent))
-        refreshed = [status, *plots, *lesson["outputs"], tabs, seen, back, header, shown, lesson["pick"],
+        refreshed = [status, *plots, *lesson["outputs"], bring, seen, back, header, shown, lesson["pick"],
                      lesson["record_output"], *join["outputs"]]
-        clock.tick(refresh, [lesson["pick"], seen, shown], refreshed, concurrency_limit=4,
-                   show_progress="hidden", api_name="dashboard", postprocess=False)
-        back.click(audience(lambda: (gr.Tabs(selected=LESSONS_TAB), "Lessons")), None, [tabs, shown],
-                   api_name="back_to_lesson", show_progress="hidden")
+        clock.tick(refresh, [lesson["picked"], seen, shown], refreshed, concurrency_limit=4, show_progress="hidden",
+                   show_progress_on=seen, api_name="dashboard", postprocess=False)
+        bring.change(None, None, None, js=SHOW_LESSONS)
+        back.click(None, None, None, js=SHOW_LESSONS)
         wire_roles(demo, access, role)
     # a page of its own, /projector, for a second window on the projector: the lesson in large type, nothing else
     build_projector(demo, lambda: lesson_view(pg.lessons))
@@ -236,7 +245,7 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
             return (same(watcher.status(presenter), "status", now), *chart_updates(serialised, f, now, on_tab),
                     same(intro(watcher, presenter), "header", now), now)
         clock.tick(refresh, [sent, shown], [status, *plots, header, sent], concurrency_limit=4,
-                   show_progress="hidden", api_name="dashboard", postprocess=False)
+                   show_progress="hidden", show_progress_on=sent, api_name="dashboard", postprocess=False)
         wire_roles(demo, access, role)
     access.guard(demo, refuse)
     return demo

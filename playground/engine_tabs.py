@@ -132,7 +132,8 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         moved_weights = any(cfg[n] != shown.get(n) for n in weights)
         return (*fields, {**cfg, ROLE_KEY: steer}, form_notes(CHANGED, steer),
                 pg.weights_note() if moved_weights else gr.skip())
-    follow.tick(follow_engine, loaded, form, show_progress="hidden", concurrency_limit=4, api_name="settings_follow")
+    follow.tick(follow_engine, loaded, form, show_progress="hidden", show_progress_on=loaded, concurrency_limit=4,
+                api_name="settings_follow")
 
     # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
     def do_apply(progress=gr.Progress(), *args):
@@ -142,14 +143,17 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
     def do_reset(progress=gr.Progress()):
         return pg.reset_settings(lambda f, d: progress(f, desc=d))
     # a rebuild's bar over the weights' note, next to the controls (the empty message line shows none)
+    # the form's loads mark only `loaded` pending: a component once marked stays on gradio's list of markers, which
+    # the browser walks at every status change of every event on the page (a streamed reply's each chunk too)
+    quiet = {"show_progress": "hidden", "show_progress_on": loaded}
     apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings",
-                show_progress_on=weights_note).then(load_settings, None, form)
-    reset.click(do_reset, None, settings_out, show_progress_on=weights_note).then(load_settings, None, form)
+                show_progress_on=weights_note).then(load_settings, None, form, **quiet)
+    reset.click(do_reset, None, settings_out, show_progress_on=weights_note).then(load_settings, None, form, **quiet)
     def do_restart(progress=gr.Progress()):
         return pg.restart(progress=lambda f, d: progress(f, desc=d))
     restart.click(do_restart, None, settings_out, api_name="restart", show_progress_on=weights_note) \
-        .then(load_settings, None, form)
-    gr.on(None, load_settings, None, form, api_name="settings")  # on page load
+        .then(load_settings, None, form, **quiet)
+    gr.on(None, load_settings, None, form, api_name="settings", **quiet)  # on page load
 
 
 def build_ablation_tab(pg: Playground, serialised: SerialisedFigures) -> None:

@@ -66,6 +66,9 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
             make = gr.Button("Prepare the record", elem_id="lesson-record")
             files = gr.File(label="download", file_count="multiple", interactive=False)
             records = gr.Markdown()
+        # the lesson this page has picked, kept for the page's clock: a State as the clock's input, not the dropdown
+        # (every input of an event is marked pending at each tick, and a component's marker costs the browser)
+        picked = gr.State(pick.value)
 
     def shown(slug: str | None) -> Lesson | None:
         """What this visitor's tab shows: the running lesson, else the one picked."""
@@ -96,7 +99,7 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
     @audience
     def view(slug: str | None):
         *words, spec = parts(slug)
-        return *words, serialised.payload(spec)
+        return *words, serialised.payload(spec), slug
 
     @audience
     def prepare_record():
@@ -112,7 +115,7 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
             return "Pick a lesson first."
         return runner.start(slug)
 
-    pick.change(view, pick, [phase, text, numbers, plot], api_name="lesson_read", postprocess=False,
+    pick.change(view, pick, [phase, text, numbers, plot, picked], api_name="lesson_read", postprocess=False,
                 show_progress="hidden")
     start.click(start_lesson, pick, said, api_name="lesson_start")
     flip.click(runner.flip, None, said, api_name="lesson_flip")
@@ -123,5 +126,5 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
     prev.click(lambda: walk(-1), None, [said, pick], api_name="lesson_previous")
     nxt.click(lambda: walk(+1), None, [said, pick], api_name="lesson_next")
     make.click(prepare_record, None, [files, records], api_name="lesson_record")
-    return {"parts": parts, "pick": pick, "outputs": [phase, text, numbers, plot], "record": record_line,
+    return {"parts": parts, "pick": pick, "picked": picked, "outputs": [phase, text, numbers, plot], "record": record_line,
             "record_output": records}

@@ -127,8 +127,8 @@ def build_projector(demo: gr.Blocks, parts: Callable[[], ProjectorView | None], 
         # registered inside the route: an event belongs to the page it was registered on. At once when the window
         # opens, then with its own timer (the main page's clock is that page's)
         demo.load(show, sent, outputs, show_progress="hidden", postprocess=False, api_visibility="private")
-        timer.tick(show, sent, outputs, concurrency_limit=4, show_progress="hidden", postprocess=False,
-                   api_name="projector", api_visibility="private")
+        timer.tick(show, sent, outputs, concurrency_limit=4, show_progress="hidden", show_progress_on=sent,
+                   postprocess=False, api_name="projector", api_visibility="private")
     return {"path": f"/{path}", "outputs": outputs, "timer": timer}
 
 

@@ -207,8 +207,7 @@ def test_no_shared_state_endpoint_answers_an_anonymous_visitor(public):
     assert {"apply_settings", "restart", "do_reset", "traffic", "stop_traffic", "do_ablate", "compare", "attach",
             "detach", "cancel_measurement", "lesson_start", "lesson_flip", "lesson_stop", "lesson_next",
             "lesson_previous"} <= gated
-    assert {"chat", "dashboard", "settings", "chat_view", "unlock", "lesson_read", "lesson_record",
-            "back_to_lesson"} <= allowed
+    assert {"chat", "dashboard", "settings", "chat_view", "unlock", "lesson_read", "lesson_record"} <= allowed
     before = engine_state(pg)
     client = Client(url, verbose=False)
     endpoints = named_endpoints(url)

@@ -118,6 +118,38 @@ def test_the_message_box_stays_a_few_lines_tall_so_a_refusal_under_it_shows(pg):
     assert box.max_lines is not None and box.max_lines <= 8
 
 
+def test_the_page_s_clocks_mark_only_states_pending_and_nothing_sits_among_the_tabs(pg):
+    """What a page's events cost its browser: gradio's frontend, at every status change of any event, walks each
+    component it ever marked pending (an event's inputs and progress targets) and copies its properties, under a
+    layout all of its children, and each marked component runs a timer while pending. So the events that run every
+    second (and the form's loads) mark only states, and no layout is an event's output. And a component placed
+    among the tabs themselves (not inside one) shifts which tab a click registers: a tab drawn twice."""
+    import app
+    demo = app.build_app(pg)
+    config = demo.get_config_file()
+    kinds = {c["id"]: c["type"] for c in config["components"]}
+    layouts = {"tabs", "tabitem", "row", "column", "accordion", "group", "form"}
+    frequent = {"dashboard", "settings_follow", "chat_view", "settings", "load_settings", "load_settings_1",
+                "load_settings_2"}
+    seen = set()
+    for dep in config["dependencies"]:
+        assert not layouts & {kinds[i] for i in dep["outputs"]}, dep["api_name"]
+        if dep["api_name"] in frequent:
+            seen.add(dep["api_name"])
+            marked = (dep["show_progress_on"] or dep["outputs"]) + dep["inputs"]
+            assert {kinds[i] for i in marked} == {"state"}, dep["api_name"]
+    assert {"dashboard", "settings_follow", "chat_view", "settings"} <= seen
+
+    def children(node):
+        return node.get("children", [])
+    stack = [config["layout"]]
+    while stack:
+        node = stack.pop()
+        if kinds.get(node["id"]) == "tabs":
+            assert {kinds[c["id"]] for c in children(node)} == {"tabitem"}
+        stack.extend(children(node))
+
+
 def test_a_value_gradio_refuses_is_one_line_for_the_caller_not_a_traceback(pg):
     """A slider past its range, a malformed chat history: gradio refuses them before the event runs and used to
     print a traceback for each; the caller now gets gradio's reason in an error that prints none."""
