@@ -49,12 +49,12 @@ from playground.access import (
 )
 from playground.engine_tabs import build_ablation_tab, build_compare_tab, build_settings_tab, build_step_tab
 from playground.features_tab import build_features_tab
-from playground.handlers import Playground
+from playground.handlers import PAGE_PERIOD_S, Playground
 from playground.join import build_join_panel, launched_address
 from playground.lesson_record import record_folder
 from playground.lessons_tab import TAB_ID as LESSONS_TAB
 from playground.lessons_tab import build_lessons_tab
-from playground.live_tabs import build_chat_tab, build_dashboard_tab, chart_updates, track_shown_tab
+from playground.live_tabs import build_chat_tab, build_dashboard_tab, chart_updates, timer_period, track_shown_tab
 from playground.projector import build_projector, lesson_view
 from playground.remote_tab import build_remote_tab
 from playground.room import plain
@@ -167,7 +167,8 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
         join = build_join_panel(lambda: launched_address(demo), access.ids.count, open=False)
         status = gr.Markdown(pg.status(), elem_id="status")
         back = gr.Button("Back to the lesson", visible=False, size="sm", elem_id="lesson-back")
-        clock = gr.Timer(1.0)
+        clock = gr.Timer(PAGE_PERIOD_S)  # faster while a lesson runs (Playground.page_period)
+        period = timer_period(pg)
         # the lesson run this visitor's page last followed to the Lessons tab, and whether its back button shows
         seen = gr.State({"run": 0, "back": False})
         # a lesson run to bring this page to: the page's own script opens the tab (see SHOW_LESSONS)
@@ -186,7 +187,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
         shown = track_shown_tab(demo, tabs)
 
         @audience
-        def refresh(picked: str | None, followed: dict, on_tab: str | None):
+        def refresh(picked: str | None, followed: dict, on_tab: str | None, every: float):
             f = pg.dashboard()
             presenter = access.visitor().presenter
             run = pg.lessons.run
@@ -207,10 +208,11 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
                     run.run_id if follow else gr.skip(), now,
                     gr.Button(visible=show_back) if show_back != followed["back"] else gr.skip(),
                     same(intro(pg, presenter), "header", sent),
-                    "Lessons" if follow else gr.skip(), pick, lesson["record"](sent), *join["refresh"](sent))
+                    "Lessons" if follow else gr.skip(), pick, lesson["record"](sent), *join["refresh"](sent),
+                    period(every))
         refreshed = [status, *plots, *lesson["outputs"], bring, seen, back, header, shown, lesson["pick"],
-                     lesson["record_output"], *join["outputs"]]
-        clock.tick(refresh, [lesson["picked"], seen, shown], refreshed, concurrency_limit=4, show_progress="hidden",
+                     lesson["record_output"], *join["outputs"], clock]
+        clock.tick(refresh, [lesson["picked"], seen, shown, clock], refreshed, concurrency_limit=4, show_progress="hidden",
                    show_progress_on=seen, api_name="dashboard", postprocess=False)
         bring.change(None, None, None, js=SHOW_LESSONS)
         back.click(None, None, None, js=SHOW_LESSONS)

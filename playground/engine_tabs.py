@@ -12,8 +12,8 @@ from viz.figures import placeholder_figure
 from viz.result_figures import ablation_figure, compare_figure
 
 from .access import audience
-from .handlers import Playground, feature_presets, workloads
-from .live_tabs import chart
+from .handlers import PAGE_PERIOD_S, Playground, feature_presets, workloads
+from .live_tabs import chart, timer_period
 from .serialised import SerialisedFigures
 from .settings import LM_HEAD_WORDS, NO_QUANTIZATION, form_value
 from .tables import ABLATION_HEADERS, COMPARE_HEADERS, ablation_table, compare_table
@@ -85,7 +85,7 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         # that says who changed what comes with that clock). Each tick costs the browser (every field of the form
         # marked pending, then done, even when nothing is sent): at twice a second, 0.4 of a core for an idle
         # open settings tab on the 2-core Xeon (docs/measurements.md)
-        follow = gr.Timer(1.0)
+        follow = gr.Timer(PAGE_PERIOD_S)
 
     inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
     names = list(switches) + list(sizes) + list(weights)
@@ -113,8 +113,10 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 
     CHANGED = "ℹ️ The engine's configuration changed: the form shows what it runs now."
 
+    period = timer_period(pg)
+
     @audience
-    def follow_engine(shown: dict):
+    def follow_engine(shown: dict, every: float):
         """Once a second while the tab is open: the form again when the engine's configuration is no longer the one
         it shows (a lesson, a rebuild, another presenter tab changed it), with the fields that moved."""
         shown = dict(shown or {})
@@ -122,18 +124,18 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         cfg, steer = pg.settings(), pg.access.visitor().presenter
         same = cfg == shown
         if not shown or steered != steer:  # a form never drawn, or the visitor's role changed: all of it
-            return load_settings("" if same or not shown else CHANGED)
+            return *load_settings("" if same or not shown else CHANGED), period(every)
         if same:
-            return [gr.skip()] * len(form)
+            return *[gr.skip()] * len(form), period(every)
         # only the fields that moved, and the sizes' hints (what "automatic" comes to moves with the others): every
         # field sent is drawn again in each browser showing the form, and a lesson's change reaches every page at once
         hints = pg.settings_hints()
         fields = [field(n, cfg, hints) if n in hints or cfg[n] != shown.get(n) else gr.skip() for n in names]
         moved_weights = any(cfg[n] != shown.get(n) for n in weights)
         return (*fields, {**cfg, ROLE_KEY: steer}, form_notes(CHANGED, steer),
-                pg.weights_note() if moved_weights else gr.skip())
-    follow.tick(follow_engine, loaded, form, show_progress="hidden", show_progress_on=loaded, concurrency_limit=4,
-                api_name="settings_follow")
+                pg.weights_note() if moved_weights else gr.skip(), period(every))
+    follow.tick(follow_engine, [loaded, follow], [*form, follow], show_progress="hidden", show_progress_on=loaded,
+                concurrency_limit=4, api_name="settings_follow")
 
     # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
     def do_apply(progress=gr.Progress(), *args):

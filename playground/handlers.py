@@ -36,6 +36,9 @@ from .traffic import TrafficGenerator, TrafficStatus
 from .watching import Watching
 
 
+PAGE_PERIOD_S, LESSON_PERIOD_S = 1.0, 0.5  # page_period's two answers
+
+
 class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
     local = True  # this process's engine: every tab (a watch-only page, watching.py's Watcher, has none)
 
@@ -78,6 +81,13 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
         return f"Detached from {plain(remote.url)}: the page shows the engine in this process again."
 
     # ---- dashboard -------------------------------------------------------------------------------------
+    def page_period(self) -> float:
+        """How often each page asks for news, in seconds: twice a second while a lesson runs, so that every page
+        agrees with a change the lesson makes within a second; once otherwise (each tick costs the server and every
+        browser something, and the room is many pages)."""
+        run = self.lessons.run
+        return LESSON_PERIOD_S if run is not None and run.active else PAGE_PERIOD_S
+
     def dashboard(self) -> DashboardFigures:
         if (remote := self.remote) is not None:
             return remote.figures()

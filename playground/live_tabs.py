@@ -187,6 +187,15 @@ def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures)
     return [plots[k] for k in DASHBOARD_CHARTS]
 
 
+def timer_period(pg: Playground):
+    """A page's timer as its own tick returns it (the timer is the tick's input too): the room's period when it has
+    changed (Playground.page_period), else untouched."""
+    def period(every: float):
+        want = pg.page_period()
+        return gr.Timer(want) if want != every else gr.skip()
+    return period
+
+
 def track_shown_tab(demo: gr.Blocks, tabs: gr.Tabs, dashboard_label: str = "Dashboard") -> gr.State:
     """The tab a visitor's page shows, as far as the dashboard's charts care: DASHBOARD_TAB, another tab's label, or
     None before the page has said (a gradio_client session, which has no tabs: it is sent every chart)."""

@@ -139,8 +139,9 @@ def chat_once(session: Session, prompt: str, max_tokens: int, tally: Tally | Non
 
 
 # what a browser tab sends with each poll: one value per input, a state's as None (the server keeps its own).
-# /chat_view reads the tab's chat state; /dashboard the Lessons tab's pick, the followed-lesson state and the tab shown.
-POLL_INPUTS = {"/chat_view": [None], "/dashboard": [None, None, None]}
+# /chat_view reads the tab's chat state; /dashboard the Lessons tab's pick, the followed-lesson state, the tab shown
+# and the page's clock (its period).
+POLL_INPUTS = {"/chat_view": [None], "/dashboard": [None, None, None, 1.0]}
 
 
 def poll(session, api_name: str, kind: str, stop: threading.Event, tally: Tally) -> None:

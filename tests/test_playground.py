@@ -137,7 +137,7 @@ def test_the_page_s_clocks_mark_only_states_pending_and_nothing_sits_among_the_t
         if dep["api_name"] in frequent:
             seen.add(dep["api_name"])
             marked = (dep["show_progress_on"] or dep["outputs"]) + dep["inputs"]
-            assert {kinds[i] for i in marked} == {"state"}, dep["api_name"]
+            assert {kinds[i] for i in marked} <= {"state", "timer"}, dep["api_name"]  # neither draws anything
     assert {"dashboard", "settings_follow", "chat_view", "settings"} <= seen
 
     def children(node):
@@ -352,7 +352,7 @@ def test_polls_send_the_shared_payloads_as_gradio_would_without_postprocessing_t
     interval, pg.figures.min_interval_s = pg.figures.min_interval_s, 3600.0  # the tick's figures are these, however
     try:                                                                      # slowly this machine gets to it
         figures = pg.dashboard()
-        returned = list(fns["dashboard"].fn(None, {"run": 0, "back": False}, None))
+        returned = list(fns["dashboard"].fn(None, {"run": 0, "back": False}, None, 1.0))
     finally:
         pg.figures.min_interval_s = interval
     serialised = SerialisedFigures()
@@ -382,7 +382,7 @@ def test_a_page_is_sent_each_chart_once_and_the_dashboards_only_while_it_shows_t
     first = pg.lessons.lessons[0].slug
 
     def poll(state, tab):
-        out = list(tick(first, state, tab))
+        out = list(tick(first, state, tab, 1.0))
         return out, out[11]  # the followed-lesson state, with what the page was sent
 
     out, state = poll({"run": 0, "back": False}, None)  # a gradio_client session: every chart, once
@@ -761,19 +761,45 @@ def test_the_settings_form_follows_the_engine_and_the_audience_only_reads_it(pg)
     demo = app.build_app(pg)
     block_fn = next(f for f in demo.fns.values() if f.api_name == "settings_follow")
     fields = [getattr(c, "elem_id", None) or "" for c in block_fn.outputs]
-    shown = block_fn.fn({})[len(fields) - 3]  # the state a fresh form is drawn with
-    assert all(o == gr.skip() for o in block_fn.fn(shown))
+    fields = fields[:-1]  # the last output is the form's own timer (faster while a lesson runs)
+    shown = block_fn.fn({}, 1.0)[len(fields) - 3]  # the state a fresh form is drawn with
+    assert all(o == gr.skip() for o in block_fn.fn(shown, 1.0))
     assert "Applied" in pg.apply_settings(max_num_seqs=7)
-    out = block_fn.fn(shown)
+    out = block_fn.fn(shown, 1.0)
     assert out[fields.index("setting-max_num_seqs")]["value"] == 7
     assert {k: v for k, v in out[len(fields) - 3].items() if not k.startswith("_")} == pg.settings()
     assert "configuration changed" in out[len(fields) - 2]
     assert out[fields.index("setting-prefix_caching")] == gr.skip()  # what did not move is not drawn again
     assert all(u["interactive"] for u in out if isinstance(u, dict) and "interactive" in u)  # a desk: everyone edits
     pg.access = Access(TOKEN, "secret")  # a visitor of a shared page, not unlocked: the form is drawn again
-    out = block_fn.fn(out[len(fields) - 3])
+    out = block_fn.fn(out[len(fields) - 3], 1.0)
     assert not any(u["interactive"] for u in out if isinstance(u, dict) and "interactive" in u)
     assert "Only the presenter can change the engine's settings" in out[len(fields) - 2]
+
+
+def test_pages_ask_twice_a_second_while_a_lesson_runs(pg, monkeypatch):
+    """Every page agrees with a change a lesson makes within a second: while one runs, the page's clock and the
+    settings form's tick come twice a second, set by their own ticks; once a second otherwise."""
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    import app
+    from playground.handlers import LESSON_PERIOD_S, PAGE_PERIOD_S
+    assert pg.lessons.run is None and pg.page_period() == PAGE_PERIOD_S
+    monkeypatch.setattr(pg.lessons, "run", SimpleNamespace(active=True))
+    assert pg.page_period() == LESSON_PERIOD_S
+    monkeypatch.setattr(pg.lessons, "run", SimpleNamespace(active=False))  # done, its result on screen
+    assert pg.page_period() == PAGE_PERIOD_S
+    monkeypatch.setattr(pg.lessons, "run", None)
+    fns = {f.api_name: f for f in app.build_app(pg).fns.values()}
+    clock = lambda every: fns["dashboard"].fn(None, {"run": 0, "back": False}, "Chat", every)[-1]  # noqa: E731
+    form = lambda every: fns["settings_follow"].fn({}, every)[-1]  # noqa: E731
+    for tick in (clock, form):
+        assert tick(PAGE_PERIOD_S) == gr.skip()  # already at the room's period: untouched
+        monkeypatch.setattr(pg, "page_period", lambda: LESSON_PERIOD_S)
+        assert tick(PAGE_PERIOD_S).value == LESSON_PERIOD_S and tick(LESSON_PERIOD_S) == gr.skip()
+        monkeypatch.undo()
 
 
 def test_counters_that_start_again_with_a_new_engine_say_so_everywhere(pg):

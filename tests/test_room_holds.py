@@ -122,7 +122,7 @@ def test_a_visitors_queue_is_bounded_and_refused_at_once(room, monkeypatch):
     ids = fn_ids(url)
     with from_address("127.0.0.8") as script:
         started = time.perf_counter()
-        answers = [join(script, url, ids["dashboard"], [None, {"run": 0, "back": False}, None]) for _ in range(14)]
+        answers = [join(script, url, ids["dashboard"], [None, {"run": 0, "back": False}, None, 1.0]) for _ in range(14)]
         took = time.perf_counter() - started
     refused = [a for a in answers if a.status_code != 200]
     assert len(refused) == 14 - 8, [a.status_code for a in answers]
@@ -130,7 +130,7 @@ def test_a_visitors_queue_is_bounded_and_refused_at_once(room, monkeypatch):
     assert took < 10  # each join answered at once, not after the slow events ahead of it
     page = page_client.Session(url, ids)
     assert page.load()
-    assert page.predict("dashboard", [None, {"run": 0, "back": False}, None])  # another visitor is not held up
+    assert page.predict("dashboard", [None, {"run": 0, "back": False}, None, 1.0])  # another visitor is not held up
 
 
 def test_token_guesses_are_slowed_and_the_presenter_unlocks_meanwhile(room):
