@@ -362,7 +362,7 @@ def test_a_pool_that_cannot_be_built_leaves_the_old_one_serving(llm, expected, m
     engine = llm.engine
     rid = start_good(engine)
     before = engine.config.to_dict()
-    monkeypatch.setattr("engine.reconfigure.ModelRunner", no_memory)
+    monkeypatch.setattr("engine.factory.ModelRunner", no_memory)
     engine.update_config(num_kv_blocks=32, max_num_seqs=4)  # validated: it fits the memory free now
     engine.step()  # the step boundary: building the new pool fails
     assert engine.config.to_dict() == before and engine.reconfig.requested.num_kv_blocks == 64
