@@ -1,8 +1,9 @@
 """LLMEngine: add_request / step / abort; step() is schedule -> prepare -> forward -> sample -> retire.
 
-Config changes wait for the next step boundary (engine/reconfigure.py); a change to the KV pool's structure
-re-prefills running requests (freed and requeued in order), so nothing in flight is lost. What the engine shows of
-itself is built by engine/snapshot.py, a new request's checks are engine/inputs.py's.
+It runs one resolved configuration and does not know how it is replaced: its owner hands it the next one at a step
+boundary (swap_core; engine/reconfigure.py builds it), and a new KV pool re-prefills running requests (freed and
+requeued in order), so nothing in flight is lost. What the engine shows of itself is built by engine/snapshot.py, a
+new request's checks are engine/inputs.py's.
 """
 from __future__ import annotations
 
@@ -12,13 +13,12 @@ from collections import deque
 
 import torch
 
-from .blocks import KVCache, NoKVCache
+from .blocks import KVCache
 from .config import EngineConfig
-from .factory import check_resolved, check_weights
+from .factory import CoreBuilder, check_resolved, check_weights
 from .inputs import ContextLengthError, check_fits, checked_inputs
 from .logprobs import TokenLogprobs, record_prompt_logprobs, token_logprobs
 from .output import OutputProcessor, eos_token_ids
-from .reconfigure import Reconfiguration
 from .request import Request, RequestOutput, RequestStatus
 from .runner import Batch, ModelRunner
 from .sampler import draw, processed_logits
@@ -33,21 +33,22 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer, hf_config=None,
                  requested: EngineConfig | None = None) -> None:
         """`config`: what to run, its dtype decided (engine/factory.py; its sizes may be left None, the factory
-        fills them through reconfigure.py). `requested`: as asked, kept to report (dtype "auto" there); it may
-        differ from config in nothing else. LLM builds engines so (llm.py's engine_for)."""
-        check_resolved(config, config if requested is None else requested)
+        fills them). `requested`: as asked, kept to report (dtype "auto" there); it may differ from config in
+        nothing else. LLM builds engines so (llm.py's engine_for)."""
+        requested = config if requested is None else requested
+        check_resolved(config, requested)
         check_weights(config, model)
         self.model = model
         self.tokenizer = tokenizer
         self.hf_config = hf_config
-        # sizes filled in and checked (reconfigure.py); a GPU's memory profile counts the pool this engine holds
-        self.reconfig = Reconfiguration(model, tokenizer, config if requested is None else requested,
-                                        lambda: self.runner.kv_cache_bytes if hasattr(self, "runner") else 0)
-        self.config = self.reconfig.current
+        builder = CoreBuilder(model, tokenizer)  # the first core: sizes filled in and checked, pool and runner built
+        self.config = builder.resolve(requested)
         check_weights(self.config, model)  # a requested "auto" decided otherwise than config's dtype
-        self.kv: KVCache = NoKVCache(self.config.block_size)
+        self.kv, self.runner = builder.build(self.config)
         self.scheduler = Scheduler(self.config, self.kv)
-        self.use(self.config, *self.reconfig.build(self.config))
+        # what it was asked, how a GPU's pool was sized, the last change's record: its owner keeps them current
+        self.requested, self.gpu_memory = requested, builder.gpu_memory
+        self.last_reconfig: dict | None = None
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._ids = itertools.count()
@@ -62,39 +63,24 @@ class LLMEngine:
         # each new token's text and whether it ends its request (engine/output.py)
         self.output = OutputProcessor(tokenizer, eos_token_ids(tokenizer, hf_config))
 
-    # ---- configuration: engine/reconfigure.py does the work, and self.reconfig says what was asked, what runs,
-    # what waits and what was done last
-    def use(self, config: EngineConfig, kv: KVCache, runner: ModelRunner) -> None:
-        """Run `config` from the next step on, over this pool and runner (reconfigure.py built and checked them)."""
-        if kv is not self.kv:
-            kv.adopt_counters(self.kv)
-        self.config, self.kv, self.runner = config, kv, runner
-        self.scheduler.use(config, kv)
-
-    def update_config(self, **changes) -> None:
-        """Validate now (ValueError leaves everything as it was); apply at the next step boundary."""
-        def fits(resolved: EngineConfig) -> None:  # every request in flight must fit what comes
-            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                check_fits(req.num_prompt_tokens, req.params, resolved)
-        self.reconfig.update(changes, fits)
-
-    def apply_pending(self) -> dict | None:
-        """Apply waiting changes now; only between steps (the service calls it when the engine is idle, so a
-        change does not wait for a step that may never come). Returns the reconfiguration record, if any."""
-        change = self.reconfig.take()
-        if change is None:
-            return None
-        moved = []
-        if change.built is not None:
-            # Re-prefill: free every running request's blocks in the old pool and requeue them, oldest first.
-            for req in reversed(list(self.scheduler.running)):
+    # ---- the next configuration, handed in from outside (engine/reconfigure.py builds and checks it) ---------
+    def swap_core(self, config: EngineConfig, kv: KVCache | None = None,
+                  runner: ModelRunner | None = None) -> list[str]:
+        """Run `config` from the next step on; only between steps. With a new pool (`kv` and its `runner`), each
+        running request's blocks are freed in the old one and it is requeued, to be re-prefilled; their ids come
+        back, oldest first. Without one, config applies in place (prefix caching switched on the pool kept)."""
+        if kv is None:
+            moved: list[str] = []
+            self.kv.set_prefix_caching(config.prefix_caching_active)
+        else:
+            moved = [req.request_id for req in self.scheduler.running]  # admission order: the oldest first
+            for req in reversed(list(self.scheduler.running)):  # requeued newest first: the oldest heads the queue
                 self.scheduler.preempt(req, count=False)
-                moved.append(req.request_id)
-            self.use(change.config, *change.built)
-        elif change.config is not None:
-            self.use(change.config, self.kv, self.runner)
-            self.kv.set_prefix_caching(change.config.prefix_caching_active)
-        return self.reconfig.record(change, self.step_count, moved[::-1])
+            kv.adopt_counters(self.kv)
+            self.kv, self.runner = kv, runner
+        self.config = config
+        self.scheduler.use(config, self.kv)
+        return moved
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -102,8 +88,6 @@ class LLMEngine:
         """`priority`: lower goes first under the priority policy (vLLM's), equal ones first come, first served."""
         text, token_ids, params = checked_inputs(prompt, params, priority, self.tokenizer, self.model.shape.vocab_size)
         check_fits(len(token_ids), params, self.config)
-        if self.reconfig.pending:  # it must also fit the configuration about to apply
-            check_fits(len(token_ids), params, self.reconfig.pending_config)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -132,7 +116,6 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.apply_pending()
         self.cores.adjust()  # the compute threads follow the cores nobody else wants (engine/threads.py)
         outputs = [self._pop(r) for r in self._aborted]
         self._aborted = []

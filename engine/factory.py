@@ -3,10 +3,13 @@
 weights' precision. `resolve` turns what was asked into a `Resolved`: the request as asked, every choice made, and
 what each automatic field came to.
 
-Layering: these are pure decisions over a config, a device and a loaded model; this module imports neither the
-engine nor reconfigure.py, so both may import it (llm.py builds engines from its answers, reconfigure.py resolves
-each new configuration through it). A CUDA memory profile is measured by gpu.py and cached by the caller; the
-factory only says when one is needed and what the pool comes to from it.
+`CoreBuilder` turns a resolved configuration into what an engine runs: its sizes checked (they fit together, the
+model and the memory free now), its KV manager and model runner built, changing nothing else.
+
+Layering: these are decisions over a config, a device and a loaded model, and the parts built from them; this module
+imports neither the engine nor reconfigure.py, so both may import it (an engine builds its first core here,
+reconfigure.py each next one). A CUDA memory profile is measured by gpu.py and kept by the CoreBuilder; the
+decisions only say when one is needed and what the pool comes to from it.
 """
 from __future__ import annotations
 
@@ -17,10 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EngineConfig
-from .gpu import GpuMemoryPlan, kv_budget_bytes
+from .blocks import ContiguousKVCache, KVCache, NoKVCache, PagedKVCache
+from .config import STRUCTURAL_FIELDS, EngineConfig
+from .cuda_graphs import DecodeGraphs, check_cuda_graphs
+from .gpu import GpuMemoryPlan, kv_budget_bytes, profile_gpu_memory
+from .memory import check_kv_pool_fits
+from .quant.calibrate import key_scales_for
 from .quant.format import WeightFormat
 from .quant.kernels import choose_kernel
+from .runner import ModelRunner
 from .utils import cdiv
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,7 +143,7 @@ def resolve_weights(requested: EngineConfig, device: torch.device) -> EngineConf
 
 def resolve(requested: EngineConfig, model, plan_gpu_memory: PlanGpuMemory | None = None) -> Resolved:
     """Every automatic field of `requested` decided for this loaded model (checks that sizes fit are
-    reconfigure.py's)."""
+    CoreBuilder.resolve's)."""
     auto = automatic_sizes(requested, model, plan_gpu_memory)
     device = requested.device if requested.device != "auto" else model.device.type
     config = resolve_weights(requested, model.device).replace(
@@ -168,3 +176,62 @@ def check_weights(config: EngineConfig, model) -> None:
     if have != want:
         raise ValueError(f"the model's weights are {have[0]}, {have[1].describe()}, but the config asks for "
                          f"{want[0]}, {want[1].describe()}: load the model with them (LLM(..., dtype=, quantization=))")
+
+
+class CoreBuilder:
+    """What an engine runs, over one loaded model: a configuration resolved (every automatic field decided) and
+    checked, and the KV manager and model runner built for it. A GPU's memory profile is measured once and kept
+    (`gpu_memory`) while the utilization and the step size stay; `pool_bytes`: the bytes the KV pool in use holds
+    (0 before there is one), which a profile counts as taken."""
+
+    def __init__(self, model, tokenizer, pool_bytes: Callable[[], int] = lambda: 0,
+                 gpu_memory: GpuMemoryPlan | None = None) -> None:
+        self.model, self.tokenizer, self.pool_bytes = model, tokenizer, pool_bytes
+        self.gpu_memory = gpu_memory  # CUDA: how the pool was sized (gpu.py)
+
+    def automatic_sizes(self, config: EngineConfig) -> dict:
+        """What each size left empty (None) comes to, given config's other fields (the settings form says it)."""
+        return automatic_sizes(config, self.model, self._plan_gpu_memory)
+
+    def _plan_gpu_memory(self, config: EngineConfig, max_len: int, budget_tokens: int) -> GpuMemoryPlan:
+        """Profile once per (utilization, step size); a settings change that keeps both reuses the plan."""
+        plan = self.gpu_memory
+        if plan is None or (plan.utilization, plan.profile_tokens) != (config.gpu_memory_utilization, budget_tokens):
+            self.gpu_memory = profile_gpu_memory(self.model, config, max_len, budget_tokens, self.pool_bytes())
+        return self.gpu_memory
+
+    def resolve(self, config: EngineConfig, current: EngineConfig | None = None) -> EngineConfig:
+        """Every automatic field filled (sizes from the model and the memory budget, the attention backend, the
+        dtype), then checked: the sizes fit together and in the memory free now. `current`: the configuration that
+        runs (None before any does): a new pool must fit beside its pool, while keeping it needs nothing new."""
+        resolved = resolve(config, self.model, self._plan_gpu_memory).config
+        max_len, num_blocks = resolved.max_model_len, resolved.num_kv_blocks
+        if max_len > self.model.max_len:
+            raise ValueError(f"max_model_len {max_len} exceeds the loaded model's limit ({self.model.max_len})")
+        if resolved.cuda_graphs:
+            check_cuda_graphs(self.model.device, resolved.attention_backend, resolved.kv_cache)
+        if resolved.kv_cache and not resolved.paged_kv and cdiv(max_len, config.block_size) > num_blocks:
+            raise ValueError(
+                f"contiguous KV reserves max_model_len={max_len} tokens "
+                f"({cdiv(max_len, config.block_size)} blocks) per request, but the pool has only {num_blocks} blocks")
+        rebuild = current is None or any(getattr(current, f) != getattr(resolved, f) for f in STRUCTURAL_FIELDS)
+        if resolved.kv_cache and rebuild:  # even if free memory has shrunk since, the pool kept is already there
+            blocks = f"{num_blocks} blocks"
+            what = (f"num_kv_blocks={config.num_kv_blocks}" if config.num_kv_blocks is not None else
+                    f"kv_cache_memory_gb={config.kv_cache_memory_gb} ({blocks})"
+                    if config.kv_cache_memory_gb is not None else f"the automatic pool ({blocks})")
+            check_kv_pool_fits(what, num_blocks, kv_bytes_per_block(resolved, self.model), self.model.device)
+        return resolved
+
+    def build(self, c: EngineConfig) -> tuple[KVCache, ModelRunner]:
+        """A KV manager and runner for config c. Changes nothing else, so a failure here leaves an engine serving."""
+        kv = (NoKVCache(c.block_size) if not c.kv_cache else  # the naive loop's
+              ContiguousKVCache(c.num_kv_blocks, c.block_size, c.max_model_len) if not c.paged_kv else
+              PagedKVCache(c.num_kv_blocks, c.block_size, c.prefix_caching_active))
+        key_scales = key_scales_for(self.model, self.tokenizer) if c.key_smoothing_active else None
+        runner = ModelRunner(self.model, c.block_size, c.num_kv_blocks, c.kv_cache, c.kv_cache_dtype,
+                             c.attention_backend, scratch_block=c.cuda_graphs, key_scales=key_scales)
+        if c.cuda_graphs:
+            runner.graphs = DecodeGraphs(self.model, runner.kv_layers, c.block_size, runner.scratch_block,
+                                         c.max_num_seqs, c.max_model_len)
+        return kv, runner

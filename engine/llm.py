@@ -1,4 +1,5 @@
-"""LLM: the offline entry point. generate() and chat() drive LLMEngine.step() until every request is done."""
+"""LLM: the offline entry point. generate() and chat() drive LLMEngine.step() until every request is done; LLM owns
+its engine's configuration life (engine/reconfigure.py), so update_config changes it between two of those steps."""
 from __future__ import annotations
 
 import random
@@ -10,6 +11,7 @@ from .models import LlamaFamilyModel, load_model
 from .models.loader import load_weights
 from .models.random_models import random_name
 from .quant.format import WeightFormat
+from .reconfigure import Reconfiguration
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 from .utils import TOKEN_RANGE, chat_token_ids
@@ -42,6 +44,32 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = engine_for(requested, net, tokenizer, hf_config)
         self._variant: tuple[tuple, LlamaFamilyModel] | None = None
+        self._reconfig: Reconfiguration | None = None
+
+    # ---- the engine's configuration, changed between two of its steps -------------------------------------------
+    @property
+    def reconfig(self) -> Reconfiguration:
+        """What the engine was asked, what it runs, what waits and the last change's record; begun again from the
+        engine when another owner (a service, a rebuild that replaced self.engine) has changed it since."""
+        if self._reconfig is None or self._reconfig.current is not self.engine.config:
+            self._reconfig = Reconfiguration.of(self.engine)
+        return self._reconfig
+
+    def update_config(self, **changes) -> None:
+        """Validate now (ValueError leaves everything as it was); apply at the next step boundary (step(), and so
+        generate()): a change to the KV pool's structure re-prefills the running requests, nothing is lost."""
+        self.reconfig.update(changes, self.engine)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0) -> str:
+        """The engine's add_request, the request checked also against a change waiting to apply."""
+        self.reconfig.check_request(prompt, params, priority)
+        return self.engine.add_request(prompt, params, request_id, arrival_time, priority)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step, a waiting configuration change carried out first (only ever between two steps)."""
+        self.reconfig.apply(self.engine)
+        return self.engine.step()
 
     # ---- every engine over this checkpoint (the benchmarks', the playground's rebuilds), through engine_for ----
     def config_for(self, fields: dict) -> EngineConfig:
@@ -100,7 +128,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+                ids.append(self.add_request(prompt, p))
         except ValueError:
             for rid in ids:  # a bad prompt rejects the whole call; other requests in flight are untouched
                 self.engine.abort(rid)
@@ -108,7 +136,7 @@ class LLM:
         mine = set(ids)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
-            for out in self.engine.step():
+            for out in self.step():
                 if out.finished and out.request_id in mine:
                     done[out.request_id] = out
         return [done[rid] for rid in ids]

@@ -3,7 +3,9 @@
 Only the service thread touches the engine. Callers send commands through a queue and get replies through
 futures; every request's outputs go to its own stream queue (or a sink the caller brings); after each step the
 thread stores a snapshot and a small history sample, so any number of viewers can read them without slowing
-the engine, and hands what the step did (IterationStats) to its listeners (the metrics endpoint).
+the engine, and hands what the step did (IterationStats) to its listeners (the metrics endpoint). The service owns
+the engine's configuration life (engine/reconfigure.py): a change waits for a step boundary, or applies at once
+to an idle engine, and the engine is handed its new core then.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Protocol
 
 from .engine import LLMEngine
 from .host import EngineLoop, on_its_own_thread
+from .reconfigure import Reconfiguration
 from .request import RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .snapshot import EngineCounters, EngineSnapshot, StepCounters
@@ -131,6 +134,7 @@ class EngineService:
                                                  or max_waiting_requests < 1):
             raise ValueError(f"max_waiting_requests must be an integer >= 1 or None, got {max_waiting_requests!r}")
         self.engine = engine
+        self.reconfig = Reconfiguration.of(engine)  # what was asked, what runs, what waits, the last change
         self.max_waiting_requests = max_waiting_requests
         self.stat_listeners = stat_listeners if stat_listeners is not None else []
         self._commands: queue.Queue = queue.Queue()  # (thunk, Future or None), run on the engine thread
@@ -142,7 +146,7 @@ class EngineService:
         self._config_view = self._view_config()
         self.history: deque[HistorySample] = deque(maxlen=history_len)
         self.config_changes: deque[ConfigChange] = deque(maxlen=256)
-        self._seen_reconfig = engine.reconfig.last  # the engine keeps only its last record: note each new one
+        self._seen_reconfig = self.reconfig.last  # only the last record is kept: note each new one
         self.paused = False
         self._step_waiters: deque[Future] = deque()  # step_once callers, one step each
         self.error: str | None = None
@@ -255,6 +259,7 @@ class EngineService:
         if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
             raise ServiceBusy(f"busy: {waiting} requests are already waiting for the engine "
                               f"(max_waiting_requests={self.max_waiting_requests}); retry in a moment")
+        self.reconfig.check_request(prompt, params, priority)  # it must fit a change about to apply too
         rid = self.engine.add_request(prompt, params, priority=priority)
         q = sink if sink is not None else queue.Queue()
         self._streams[rid] = q
@@ -263,9 +268,9 @@ class EngineService:
         return rid, q
 
     def _update_config(self, changes: dict) -> dict | None:
-        self.engine.update_config(**changes)
+        self.reconfig.update(changes, self.engine)
         # Idle, no step would come to apply it: the form would show the old values and send them back.
-        record = None if self.engine.has_unfinished() else self.engine.apply_pending()
+        record = None if self.engine.has_unfinished() else self.reconfig.apply(self.engine)
         self._note_reconfig(time.time())
         self._refresh()
         return record
@@ -277,9 +282,9 @@ class EngineService:
         self._snapshot_at = time.perf_counter()
 
     def _view_config(self) -> ConfigView:
-        requested, resolved = self.engine.reconfig.pending_view()
-        return ConfigView(requested.to_dict(), resolved.to_dict(), self.engine.reconfig.automatic_sizes(requested),
-                          self.engine.reconfig.requested.to_dict())
+        requested, resolved = self.reconfig.pending_view()
+        return ConfigView(requested.to_dict(), resolved.to_dict(), self.reconfig.automatic_sizes(requested),
+                          self.reconfig.requested.to_dict())
 
     def _set_paused(self, paused: bool) -> None:
         self.paused = paused
@@ -329,6 +334,7 @@ class EngineService:
                 if not self._should_step():  # the commands just run may have paused it or added work
                     continue
                 t0 = time.perf_counter()
+                self.reconfig.apply(self.engine)  # a waiting change, between two steps
                 outputs = self.engine.step()
                 self._publish(outputs, (time.perf_counter() - t0) * 1e3)
                 if self._step_waiters:
@@ -418,8 +424,8 @@ class EngineService:
         stats.spec_num_accepted_tokens = delta(now.spec_num_accepted_tokens, prev.spec_num_accepted_tokens)
 
     def _note_reconfig(self, when: float) -> bool:
-        """Record the engine's last reconfiguration if it is new; whether it was."""
-        record = self.engine.reconfig.last
+        """Record the last reconfiguration if it is new; whether it was."""
+        record = self.reconfig.last
         if record is None or record is self._seen_reconfig:
             return False
         self._seen_reconfig = record

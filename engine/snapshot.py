@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
+from .factory import kv_bytes_per_block
 from .scheduler import Phase
 
 
@@ -193,9 +194,9 @@ def snapshot_of(engine, num_steps: int = 64) -> EngineSnapshot:
                                             r.num_computed_tokens, r.metrics.num_cached_tokens,
                                             r.metrics.num_preemptions, tuple(r.token_ids[-8:])) for r in live},
         steps=list(itertools.islice(reversed(engine.steps), num_steps))[::-1],
-        last_reconfig=engine.reconfig.last, speculation=speculation_of(engine),
-        kv_bytes_per_block=engine.reconfig.kv_bytes_per_block(config),
-        gpu_memory=None if (plan := engine.reconfig.gpu_memory) is None else plan.to_dict(),
+        last_reconfig=engine.last_reconfig, speculation=speculation_of(engine),
+        kv_bytes_per_block=kv_bytes_per_block(config, engine.model),
+        gpu_memory=None if engine.gpu_memory is None else engine.gpu_memory.to_dict(),
         precision=config.precision, kernels=kernels_of(engine), features=feature_states(config),
     )
 

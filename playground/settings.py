@@ -205,7 +205,7 @@ class SettingsHandlers:
             snap = old.snapshot()
             ended = snap.num_running + snap.num_waiting if old.alive else 0
             old.shutdown(reason)
-            last = old.engine.reconfig.requested.to_dict()
+            last = old.reconfig.requested.to_dict()
             attempts = [(f"with {_fields(changes)}", {**last, **changes})] if changes else []
             attempts += [("with the last configuration that ran", last), ("with the defaults", {})]
             failures = []

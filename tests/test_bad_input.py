@@ -301,26 +301,26 @@ BAD_UPDATES = [
 def test_bad_update_config_leaves_the_config_unchanged(llm, expected, changes, match):
     engine = llm.engine
     rid = start_good(engine)
-    before, requested, last = engine.config.to_dict(), engine.reconfig.requested.to_dict(), engine.reconfig.last
+    before, requested, last = engine.config.to_dict(), llm.reconfig.requested.to_dict(), engine.last_reconfig
     with pytest.raises(ValueError, match=match):
-        engine.update_config(**changes)
-    assert engine.config.to_dict() == before and engine.reconfig.requested.to_dict() == requested
-    engine.step()  # a step boundary: nothing was left pending
-    assert engine.config.to_dict() == before and engine.reconfig.last == last
+        llm.update_config(**changes)
+    assert engine.config.to_dict() == before and llm.reconfig.requested.to_dict() == requested
+    llm.step()  # a step boundary: nothing was left pending
+    assert engine.config.to_dict() == before and engine.last_reconfig == last
     finish_good(engine, rid, expected)
 
 
 def test_a_bad_update_does_not_drop_a_good_one_pending(llm, expected):
     engine = llm.engine
     rid = start_good(engine)
-    engine.update_config(max_num_seqs=3)
+    llm.update_config(max_num_seqs=3)
     with pytest.raises(ValueError, match="block_size must be a power of two"):
-        engine.update_config(block_size=5)
-    engine.step()
+        llm.update_config(block_size=5)
+    llm.step()
     assert engine.config.max_num_seqs == 3 and engine.config.block_size == 16
     finish_good(engine, rid, expected)
-    engine.update_config(max_num_seqs=64)
-    engine.step()
+    llm.update_config(max_num_seqs=64)
+    llm.step()
     assert engine.config.max_num_seqs == 64
 
 
@@ -338,7 +338,7 @@ def test_a_pool_larger_than_memory_is_refused_before_anything_is_allocated(tiny_
 
 
 def test_update_config_to_a_pool_larger_than_memory_is_refused(llm, expected):
-    raises_while_serving(llm, expected, HUGE_POOL, lambda: llm.engine.update_config(num_kv_blocks=50_000_000))
+    raises_while_serving(llm, expected, HUGE_POOL, lambda: llm.update_config(num_kv_blocks=50_000_000))
 
 
 def test_the_memory_check_counts_what_is_free_now_and_spares_the_pool_in_use(llm, expected, monkeypatch):
@@ -347,13 +347,13 @@ def test_the_memory_check_counts_what_is_free_now_and_spares_the_pool_in_use(llm
     engine = llm.engine
     rid = start_good(engine)
     with pytest.raises(ValueError, match="num_kv_blocks=32 needs 0 MB of KV cache but only 0 MB of RAM"):
-        engine.update_config(num_kv_blocks=32)  # even a smaller pool is built beside the old one
-    engine.update_config(max_num_seqs=4)  # keeps the pool: nothing new to allocate
-    engine.step()
+        llm.update_config(num_kv_blocks=32)  # even a smaller pool is built beside the old one
+    llm.update_config(max_num_seqs=4)  # keeps the pool: nothing new to allocate
+    llm.step()
     assert engine.config.max_num_seqs == 4
     finish_good(engine, rid, expected)
-    engine.update_config(max_num_seqs=64)
-    engine.step()
+    llm.update_config(max_num_seqs=64)
+    llm.step()
 
 
 def test_a_pool_that_cannot_be_built_leaves_the_old_one_serving(llm, expected, monkeypatch):
@@ -362,19 +362,21 @@ def test_a_pool_that_cannot_be_built_leaves_the_old_one_serving(llm, expected, m
     engine = llm.engine
     rid = start_good(engine)
     before = engine.config.to_dict()
-    monkeypatch.setattr("engine.reconfigure.ModelRunner", no_memory)
-    engine.update_config(num_kv_blocks=32, max_num_seqs=4)  # validated: it fits the memory free now
-    engine.step()  # the step boundary: building the new pool fails
-    assert engine.config.to_dict() == before and engine.reconfig.requested.num_kv_blocks == 64
-    assert engine.reconfig.last["changes"] == {"num_kv_blocks": 32, "max_num_seqs": 4}
-    assert "MemoryError: simulated" in engine.reconfig.last["error"]
-    assert engine.reconfig.pending_view()[1].to_dict() == before  # nothing left pending to fail again
+    monkeypatch.setattr("engine.factory.ModelRunner", no_memory)
+    llm.update_config(num_kv_blocks=32, max_num_seqs=4)  # validated: it fits the memory free now
+    llm.step()  # the step boundary: building the new pool fails
+    assert engine.config.to_dict() == before and llm.reconfig.requested.num_kv_blocks == 64
+    assert engine.last_reconfig["changes"] == {"num_kv_blocks": 32, "max_num_seqs": 4}
+    assert "MemoryError: simulated" in engine.last_reconfig["error"]
+    assert engine.snapshot().last_reconfig == engine.last_reconfig == llm.reconfig.last
+    assert llm.reconfig.pending_view()[1].to_dict() == before  # nothing left pending to fail again
     finish_good(engine, rid, expected)
     monkeypatch.undo()
-    engine.update_config(num_kv_blocks=32)  # a later change builds normally
-    assert engine.apply_pending()["action"] == "re-prefill running requests" and engine.config.num_kv_blocks == 32
-    engine.update_config(num_kv_blocks=64)
-    engine.apply_pending()
+    llm.update_config(num_kv_blocks=32)  # a later change builds normally
+    record = llm.reconfig.apply(engine)  # idle: carried out at once, no step needed
+    assert record["action"] == "re-prefill running requests" and engine.config.num_kv_blocks == 32
+    llm.update_config(num_kv_blocks=64)
+    llm.reconfig.apply(engine)
 
 
 # ---- regressions: bugs these tests found, now fixed ---------------------------------------------------
@@ -393,13 +395,13 @@ def test_generate_with_a_bad_prompt_does_not_swallow_an_in_flight_request(llm, e
 def test_request_added_before_a_pending_pool_shrink_is_checked_against_it(tiny_models):
     folder, _ = tiny_models["llama"]
     small = LLM(folder, block_size=16, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)
-    small.engine.update_config(num_kv_blocks=4)  # applies at the next step: 64 tokens
+    small.update_config(num_kv_blocks=4)  # applies at the next step: 64 tokens
     try:
         with pytest.raises(ValueError, match="KV blocks"):
-            small.engine.add_request([5] * 100, SamplingParams(max_tokens=4))  # 7 blocks of 16
+            small.add_request([5] * 100, SamplingParams(max_tokens=4))  # 7 blocks of 16
     finally:
         for _ in range(20):
-            small.engine.step()
+            small.step()
         stuck = small.engine.has_unfinished()
         for rid in list(small.engine.requests):
             small.engine.abort(rid)

@@ -30,6 +30,7 @@ from engine.blocks import (
     NoKVCache,
     PagedKVCache,
 )
+from engine.reconfigure import Reconfiguration
 from engine.request import Request, RequestStatus
 from tests.conftest import assert_all_blocks_free, build_tiny_model
 
@@ -415,6 +416,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
         cfg = {**cfg, "max_model_len": CONTIGUOUS_MAX_LEN,
                "num_kv_blocks": max(cfg["num_kv_blocks"], CONTIGUOUS_MAX_LEN // cfg["block_size"])}
     eng = LLMEngine(EngineConfig.from_kwargs(model=folder, dtype="float32", **cfg), model, tokenizer, hf_config)
+    reconfig = Reconfiguration.of(eng)  # its owner: changes wait for the step boundary, where they are handed in
     bs, num_blocks, max_len = cfg["block_size"], cfg["num_kv_blocks"], eng.config.max_model_len
     base = data.draw(st.lists(st.integers(3, 49151), min_size=24, max_size=24), label="shared prefix")
 
@@ -446,6 +448,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
     chunked_steps: list[bool] = []
 
     def step() -> None:
+        reconfig.apply(eng)
         outputs = eng.step()
         chunked_steps.append(any(e.num_new_tokens == 0 for e in eng.steps[-1].entries))  # a prompt chunk
         consume(outputs)
@@ -499,7 +502,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
             ), label="changes")
             before, kv_before = eng.config.to_dict(), eng.kv
             try:
-                eng.update_config(**changes)
+                reconfig.update(changes, eng)
             except ValueError as exc:  # a live request, or a contiguous reservation, would not fit: nothing changes
                 assert ("KV blocks" in str(exc) or "contiguous KV reserves" in str(exc)
                         or "chunked prefill is off" in str(exc))
@@ -536,7 +539,7 @@ def test_engine_random_interleavings_keep_blocks_and_requests_exact(tiny, cfg, d
     event(f"prefix hits: {eng.kv.prefix_cache_hits > 0}")
     event(f"evictions: {eng.kv.pool.num_evictions > 0}")
     event(f"aborted: {len(aborted) > 0}")
-    event(f"reconfigured: {eng.reconfig.last is not None}")
+    event(f"reconfigured: {eng.last_reconfig is not None}")
     event(f"paged: {cfg['paged_kv']}")
     event(f"chunked: {any(chunked_steps)}")
     event(f"drafts accepted: {eng.spec_stats.num_accepted_tokens > 0}")
@@ -588,9 +591,11 @@ def test_prefix_cache_after_a_block_size_change_reads_the_right_tokens(tiny):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts]
     eng.step()
-    eng.update_config(block_size=4)  # both are re-prefilled into a new pool; the second may share the first's blocks
+    reconfig = Reconfiguration.of(eng)
+    reconfig.update({"block_size": 4}, eng)  # both are re-prefilled into a new pool; the second may share the first's
     finals = {}
     while eng.has_unfinished():
+        reconfig.apply(eng)
         finals.update({o.request_id: o for o in eng.step() if o.finished})
         check_engine(eng, after_step=True)
     for rid, prompt in zip(ids, prompts, strict=True):

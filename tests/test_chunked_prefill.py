@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.reconfigure import Reconfiguration
 from tests.conftest import assert_all_blocks_free
 from tests.test_features import GREEDY, engine_like, run
 from tests.test_parity import TEXT_PROMPTS, random_prompts
@@ -134,7 +135,9 @@ def test_chunked_prefill_switch_changes_live(tiny):
     engine = engine_like(tiny, max_num_batched_tokens=32)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     engine.step()
-    engine.update_config(chunked_prefill=False, max_num_batched_tokens=None)  # mid-prefill: the rest in one go
+    reconfig = Reconfiguration.of(engine)
+    reconfig.update({"chunked_prefill": False, "max_num_batched_tokens": None}, engine)  # mid-prefill: rest at once
+    assert reconfig.apply(engine)["action"] == "applied in place"
     engine.step()
     assert engine.config.max_num_batched_tokens >= engine.config.max_model_len
     assert max(e.num_tokens for e in engine.steps[-1].prefills) > 32

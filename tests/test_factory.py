@@ -8,6 +8,7 @@ import torch
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.factory import resolve, resolve_attention_backend, resolve_dtype, resolve_weights
 from engine.llm import engine_for
+from engine.reconfigure import Reconfiguration
 from engine.service import EngineService
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -30,10 +31,10 @@ def greedy(engine) -> list[list[int]]:
 def test_dtype_auto_on_cpu_is_float32_and_the_request_keeps_auto(llm):
     assert resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert llm.config.dtype == "float32" and llm.engine.config.dtype == "float32"
-    assert llm.engine.reconfig.requested.dtype == "auto"
-    assert llm.engine.reconfig.resolved.chosen()["dtype"] == "float32"
+    assert llm.engine.requested.dtype == llm.reconfig.requested.dtype == "auto"
+    assert llm.reconfig.resolved.chosen()["dtype"] == "float32"
     # the service's view (what the settings form reads): an engine of its own, as asked
-    service = EngineService(engine_for(llm.engine.reconfig.requested, llm.engine.model, llm.tokenizer,
+    service = EngineService(engine_for(llm.reconfig.requested, llm.engine.model, llm.tokenizer,
                                        llm.engine.hf_config))
     try:
         view = service.config_view()
@@ -45,8 +46,8 @@ def test_dtype_auto_on_cpu_is_float32_and_the_request_keeps_auto(llm):
 def test_an_explicit_dtype_is_kept_and_not_reported_as_chosen(llm):
     assert resolve_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
     engine = llm.build_engine({"dtype": "float32"})
-    assert engine.reconfig.requested.dtype == engine.config.dtype == "float32"
-    assert "dtype" not in engine.reconfig.resolved.chosen()
+    assert engine.requested.dtype == engine.config.dtype == "float32"
+    assert "dtype" not in Reconfiguration.of(engine).resolved.chosen()
 
 
 def test_sizes_left_none_are_filled_and_reported(llm):
@@ -68,8 +69,8 @@ def test_sizes_left_none_are_filled_and_reported(llm):
 
 def test_the_engine_reports_what_its_automatic_sizes_came_to(llm):
     engine = llm.build_engine({"num_kv_blocks": None})
-    assert engine.reconfig.requested.num_kv_blocks is None
-    assert engine.reconfig.resolved.chosen()["num_kv_blocks"] == engine.config.num_kv_blocks > 0
+    assert engine.requested.num_kv_blocks is None
+    assert Reconfiguration.of(engine).resolved.chosen()["num_kv_blocks"] == engine.config.num_kv_blocks > 0
 
 
 def test_attention_backend_none_is_sdpa_on_cpu_and_a_bad_one_is_refused(llm, monkeypatch):
@@ -77,7 +78,7 @@ def test_attention_backend_none_is_sdpa_on_cpu_and_a_bad_one_is_refused(llm, mon
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
     assert resolve_attention_backend(EngineConfig(), cpu) == "sdpa"
-    assert llm.engine.reconfig.requested.attention_backend is None and llm.engine.config.attention_backend == "sdpa"
+    assert llm.engine.requested.attention_backend is None and llm.engine.config.attention_backend == "sdpa"
     with pytest.raises(ValueError, match="triton"):
         resolve_attention_backend(EngineConfig(attention_backend="triton"), cpu)
     with pytest.raises(ValueError, match="attention_backend='triton'"):
@@ -98,6 +99,6 @@ def test_an_engine_built_through_the_factory_answers_as_one_built_with_the_decid
     concrete = resolve_weights(requested, llm.engine.model.device)
     assert concrete.dtype == "float32"
     direct = LLMEngine(concrete, llm.engine.model, llm.tokenizer, llm.engine.hf_config)
-    assert through_factory.reconfig.requested.dtype == "auto" and direct.reconfig.requested.dtype == "float32"
+    assert through_factory.requested.dtype == "auto" and direct.requested.dtype == "float32"
     assert through_factory.config == direct.config
     assert greedy(through_factory) == greedy(direct) == [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)]

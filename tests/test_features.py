@@ -5,6 +5,7 @@ import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.engine import LLMEngine
+from engine.reconfigure import Reconfiguration
 from tests.conftest import assert_all_blocks_free
 from tests.test_parity import TEXT_PROMPTS, random_prompts
 
@@ -186,30 +187,33 @@ def test_switch_changes_apply_at_step_boundary_without_losing_requests(tiny):
     expected = run(engine_like(tiny), prompts)
     engine = engine_like(tiny)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
+    reconfig = Reconfiguration.of(engine)  # the engine's owner: a change waits for the next step boundary
     done = {}
     changes = [{"prefix_caching": False}, {"block_size": 8}, {"paged_kv": False}, {"kv_cache": False},
                {"continuous_batching": False}, {"kv_cache": True, "paged_kv": True, "num_kv_blocks": 128}]
     step = 0
     while engine.has_unfinished():
         if changes and step % 3 == 1:
-            engine.update_config(**changes.pop(0))
+            reconfig.update(changes.pop(0), engine)
+        reconfig.apply(engine)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
         step += 1
     assert [done[i] for i in ids] == expected
-    assert engine.reconfig.last["action"] == "re-prefill running requests"
+    assert engine.last_reconfig["action"] == "re-prefill running requests"
     assert engine.config.block_size == 8 and engine.config.num_kv_blocks == 128
     assert_all_blocks_free(engine)
 
 
 def test_bad_config_change_keeps_previous_config(tiny):
     engine = engine_like(tiny)
-    before = engine.config
+    reconfig, before = Reconfiguration.of(engine), engine.config
     with pytest.raises(ValueError, match="block_size"):
-        engine.update_config(block_size=12)
+        reconfig.update({"block_size": 12}, engine)
     with pytest.raises(ValueError, match="cannot change while serving"):
-        engine.update_config(model="other")
+        reconfig.update({"model": "other"}, engine)
+    assert reconfig.apply(engine) is None
     engine.step()
     assert engine.config == before
 

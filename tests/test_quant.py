@@ -26,6 +26,7 @@ from engine.quant.calibrate import _KeyRecorder
 from engine.quant.format import WeightFormat
 from engine.quant.kernels import choose_kernel, w8a8_weight_max
 from engine.quant.linear import Int4Linear, Int8Linear, Linear, W8A8Linear, make_projection
+from engine.reconfigure import Reconfiguration
 from tests.conftest import assert_all_blocks_free
 from tests.test_features import engine_like, run, shared_prefix_prompts
 from tests.test_parity import random_prompts
@@ -519,12 +520,14 @@ def test_kv_cache_dtype_changes_while_serving_and_nothing_is_lost(fp32, tiny_mod
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     for _ in range(3):
         engine.step()
-    engine.update_config(kv_cache_dtype="int8")
+    reconfig = Reconfiguration.of(engine)
+    reconfig.update({"kv_cache_dtype": "int8"}, engine)
     done = {}
     while engine.has_unfinished():
+        reconfig.apply(engine)
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert engine.runner.kv_cache.dtype == torch.int8
-    assert engine.reconfig.last["action"] == "re-prefill running requests"
+    assert engine.last_reconfig["action"] == "re-prefill running requests"
     assert all(len(done[i].token_ids) == GREEDY.max_tokens or done[i].finish_reason == "stop" for i in ids)
     assert_all_blocks_free(engine)
 
@@ -740,9 +743,10 @@ def test_a_device_without_the_kernel_is_refused(scheme):
 
 def test_weights_cannot_change_while_serving(fp32):
     engine = engine_like(fp32, num_kv_blocks=64)
+    reconfig = Reconfiguration.of(engine)
     for change in ({"quantization": "int8"}, {"quantization_group_size": 32}, {"quantize_lm_head": False}):
         with pytest.raises(ValueError, match=f"{next(iter(change))} cannot change while serving"):
-            engine.update_config(**change)
+            reconfig.update(change, engine)
 
 
 def test_an_engine_refuses_weights_stored_otherwise_than_its_config_says(fp32):

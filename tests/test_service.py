@@ -157,7 +157,7 @@ def test_a_pool_that_cannot_be_built_leaves_the_service_serving(service, monkeyp
     service.pause()
     rid, q = service.submit(random_prompts(1, seed=46)[0], GREEDY)
     service.step_once()
-    monkeypatch.setattr("engine.reconfigure.ModelRunner", no_memory)
+    monkeypatch.setattr("engine.factory.ModelRunner", no_memory)
     assert service.update_config(num_kv_blocks=32) is None
     service.resume()
     outs = drain(q)
@@ -195,7 +195,7 @@ def test_every_configuration_change_is_recorded_with_the_time_it_applied(service
     service.step_once()
     assert len(service.config_changes) == 2  # recorded once, not again at every step
 
-    monkeypatch.setattr("engine.reconfigure.ModelRunner", lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room")))
+    monkeypatch.setattr("engine.factory.ModelRunner", lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room")))
     assert service.update_config(num_kv_blocks=32) is None
     service.step_once()
     failed = service.config_changes[-1]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import factory
 from ..config import LOAD_TIME_FIELDS
 from ..engine import LLMEngine
 from ..llm import LLM, warm_up
@@ -87,7 +88,7 @@ def _weights(value: Any) -> Iterator[torch.Tensor | Projection]:
 
 
 def kv_bytes_per_block(engine: LLMEngine) -> int:
-    return engine.reconfig.kv_bytes_per_block(engine.config)
+    return factory.kv_bytes_per_block(engine.config, engine.model)
 
 @dataclass
 class StepBreakdown:
