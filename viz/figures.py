@@ -1,11 +1,8 @@
 """Pure functions: an engine snapshot (or a history of samples) -> a plotly figure, as a plain dict.
 
-Nothing here touches the engine: inputs are the plain data objects the engine publishes
-(`EngineSnapshot`, `HistorySample`, ablation rows), read by attribute name only. Figures are plotly's JSON
-form ({"data": [...], "layout": {...}}) rather than `go.Figure` objects: building those validates every
-property, which took a long time per refresh (docs/measurements.md, "Does the page stay responsive?"), time the
-engine thread needs the GIL for. `to_figure` (and the
-tests) check that every spec is a valid plotly figure.
+Inputs are the plain data objects the engine publishes, read by attribute name only. Figures are plotly's JSON form
+rather than `go.Figure` objects, whose validation of every property took a long time per refresh, time the engine
+thread needs the GIL for (docs/measurements.md, "Does the page stay responsive?"); the tests check each is valid.
 """
 from __future__ import annotations
 
@@ -328,7 +325,7 @@ def marker_label(group: Sequence) -> str:
     (name, value), more = next(iter(change.changes.items())), len(change.changes) - 1
     word = "on" if value is True else "off" if value is False else "auto" if value is None else value
     text = f"{name} {word}" if isinstance(value, bool) else f"{name}={word}"
-    return ("✗ " if change.error else "") + _shorten(text, MARKER_LABEL_CHARS - 4) + (f" +{more}" if more else "")
+    return ("✗ " if change.error else "") + shorten(text, MARKER_LABEL_CHARS - 4) + (f" +{more}" if more else "")
 
 
 def change_markers(history: Sequence, changes: Sequence) -> tuple[list[dict], list[dict]]:
@@ -356,12 +353,12 @@ def change_markers(history: Sequence, changes: Sequence) -> tuple[list[dict], li
         shapes.append(dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1,
                            line=dict(color=colour, width=1.5, dash="dot")))
         annotations.append(dict(x=x, xref="x", y=1, yref="paper", xanchor="right", yanchor="top", textangle=-90,
-                                text=_shorten(label, MARKER_LABEL_CHARS), hovertext=hover, showarrow=False,
+                                text=shorten(label, MARKER_LABEL_CHARS), hovertext=hover, showarrow=False,
                                 font=dict(size=11, color=colour), bgcolor="rgba(255,255,255,0.75)"))
     return shapes, annotations
 
 
-def _shorten(text: str, limit: int) -> str:
+def shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 

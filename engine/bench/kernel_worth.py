@@ -1,16 +1,7 @@
-"""What each of the engine's C++ CPU kernels is worth end to end: decode steps with every kernel on, against the same
-engine with one kernel on its torch path, at 1 and 16 rows, alternating rounds in one process.
-
-  attention    decode attention straight over the paged pool (else torch SDPA over the gathered K/V)
-  layer ops    RMSNorm with its residual add, RoPE, silu(gate) * up in one call each (else the torch formulas)
-  matmul       float32 / bf16 dense matmuls (else oneDNN's linear); int8 / int4 weight-only matmuls (else torch's
-               packed kernels, bf16 activations)
-  w8a8 rows    w8a8's per-row quantization around fbgemm (else the torch calls)
-  huge pages   the projections' weights in one buffer of 2 MB pages (engine/huge_pages.py; else each tensor in
-               ordinary 4 KB pages of its own), where the system gives them
-
-`python -m engine.bench kernel-worth`; its table goes to docs/measurements.md with the CPU named. A kernel that does
-not measurably pay here is a candidate for the portable path.
+"""What each of the engine's C++ CPU kernels is worth end to end: decode steps with every kernel on, against the
+same engine with one kernel on its torch path (`_off` says which path), alternating rounds in one process.
+`python -m engine.bench kernel-worth`; its table goes to docs/measurements.md with the CPU named. A kernel that
+does not measurably pay here is a candidate for the portable path.
 """
 from __future__ import annotations
 

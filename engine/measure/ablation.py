@@ -24,7 +24,6 @@ from .runs import (
 from .specs import load_feature_preset
 
 
-# ---- `ablate`: the full engine, then each switch off in turn; --cumulative; --concurrency ---------------
 @dataclass(frozen=True)
 class Feature:
     switch: str  # the EngineConfig field: a True/False switch, or a setting such as quantization
@@ -157,7 +156,6 @@ def ablate_concurrency(llm: LLM, workload: Workload, levels: Sequence[int], sett
     return rows
 
 
-# ---- `memory`: where requests stop fitting ------------------------------------------------------------
 @dataclass
 class MemoryRow:
     num_kv_blocks: int

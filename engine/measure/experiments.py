@@ -41,7 +41,6 @@ from .runs import (
 from .specs import resolve_spec
 
 
-# ---- `table`: the reference table ----------------------------------------------------------------------
 @dataclass
 class TableRow:
     batch: int
@@ -103,7 +102,6 @@ def run_table(llm: LLM, batch_sizes: Sequence[int], input_len: int = 128, output
     return rows
 
 
-# ---- `compare`: one workload, two configurations -------------------------------------------------------
 @dataclass
 class CompareResult:
     workload: str
@@ -137,7 +135,6 @@ def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str, settings: di
                          all(x.output_token_ids == y.output_token_ids for x, y in pairs), ratios, gap_ratios)
 
 
-# ---- `hf-static`: transformers in static batches vs the engine -----------------------------------------
 @dataclass
 class HFStaticResult:
     workload: str
@@ -164,7 +161,6 @@ def hf_static(llm: LLM, workload: Workload, batch_size: int = 8,
                           useful, hf_tps, engine_run, engine_run.throughput / hf_tps if hf_tps else float("inf"))
 
 
-# ---- `sched-cost`: the scheduler's own cost per step ---------------------------------------------------
 @dataclass
 class SchedCostResult:
     running: int
@@ -199,7 +195,6 @@ def _drain(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) 
     return tracker, time.perf_counter() - start
 
 
-# ---- `sampling-cost`: what sampling adds to a decode step, over greedy -------------------------------------
 # (label, SamplingParams fields): greedy first, the reference of every ratio
 SAMPLING_MODES = (("greedy", {"temperature": 0.0}), ("temperature 1", {"temperature": 1.0}),
                   ("temperature 0.7, top-p 0.95", {"temperature": 0.7, "top_p": 0.95}),

@@ -22,7 +22,6 @@ from ..sampling_params import SamplingParams
 from .runs import Progress, random_prompts
 from .specs import FEATURE_DIR, resolve_spec
 
-# ---- `kernels`: one decode step's projections in each weight format --------------------------------------
 # What `kernels` compares by default: the model's dtype, bf16, and each quantization scheme
 KERNEL_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
 
@@ -84,7 +83,6 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
     return out
 
 
-# ---- `decode`: the whole engine's batch-1 time per token, in each precision ------------------------------------
 # each scheme as is (every projection quantized), then the int8 and int4 presets whole (LM head unquantized, int8 KV
 # with smoothed keys): what `--preset int4` runs
 DECODE_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "int8", "quantization=int4", "int4",
@@ -175,7 +173,6 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
     return rows
 
 
-# ---- `quality`: a quantized (or bf16) engine against the fp32 one over a fixed text --------------------------
 QUALITY_TEXT = FEATURE_DIR.parent / "quality" / "text.txt"
 # The precision every row is compared with: the model as trained, unquantized, an fp32 KV cache
 REFERENCE_PRECISION = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto",
