@@ -53,11 +53,9 @@ class OpenAIApi:
                  ) -> None:
         """`service`: the live engine service (a callable: the playground may restart the engine). `api_key`:
         required as `Authorization: Bearer` on /v1/* (None: open, as vLLM without --api-key); /metrics and
-        /health stay open. `api_limits`: what a request may be (body size, stop list). `seats`: the audience's fair
-        shares of a shared engine (playground.access.Seats: replies in flight per client and per address, a
-        max_tokens cap), which a generation request takes, counted against `share(request)` (who the server says
-        sent it: playground.access.Access.api_share, the client's address behind trusted proxies), unless that
-        is None (the presenter's token, or a desk). No `share`: no shares."""
+        /health stay open. `seats`: the audience's fair shares of a shared engine (playground.access.Seats), which
+        a generation request takes, counted against `share(request)` (playground.access.Access.api_share) unless
+        that is None (the presenter's token, or a desk). No `share`: no shares."""
         self.service = service
         self.seats, self.share = seats, share
         self.api_key = api_key or None

@@ -122,10 +122,9 @@ def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list
 
 def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None, progress: Progress = None,
            concurrency: int | None = None, should_stop: StopCheck | None = None) -> list[AblationRow]:
-    """The full engine (every built switch on), then each switch off in turn: throughput, its ratio to the full
-    engine, latency, and whether greedy outputs equal the full engine's. A configuration that cannot run on
-    this workload (e.g. contiguous KV in a pool too small for max_model_len) gets a row with `error`.
-    concurrency: requests at a time (max_num_seqs), instead of the workload's own."""
+    """The full engine (every built switch on), then each switch off in turn. A configuration that cannot run on
+    this workload (contiguous KV in a pool too small for max_model_len) gets a row with `error`. concurrency:
+    requests at a time (max_num_seqs), instead of the workload's own."""
     settings = {**(settings or {}), **({"max_num_seqs": concurrency} if concurrency else {})}
     plan = [(FULL_ENGINE, None, FULL_FIELDS)]
     plan += [(f.off_label, f.switch, {**FULL_FIELDS, **f.fields(False)}) for f in FEATURES]

@@ -105,9 +105,8 @@ LLAMA_CPP_ROW = "llama.cpp"
 
 
 class LlamaCppDecoder:
-    """llama.cpp (through the llama-cpp-python package) on a GGUF file, timed as `decode` times the engine: greedy,
-    batch 1, the same prompt, as many threads as torch uses. The package is not a requirement: installing it builds
-    llama.cpp from source, which takes minutes (`pip install llama-cpp-python`; docs/measurements.md, "On a CPU")."""
+    """llama.cpp (the llama-cpp-python package, not a requirement) on a GGUF file, timed as `decode` times the engine:
+    greedy, batch 1, the same prompt, as many threads as torch uses (docs/measurements.md, "On a CPU")."""
 
     def __init__(self, gguf: Path) -> None:
         try:
@@ -138,10 +137,9 @@ class LlamaCppDecoder:
 def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: int = 128, tokens: int = 64,
                    rounds: int = 3, settings: dict[str, Any] | None = None,
                    progress: Progress = None, llama_cpp: Path | None = None) -> list[DecodeRow]:
-    """One greedy request decoding `tokens` tokens after a `prompt_len` prompt, alone (batch 1, no speculation):
-    the time per decode step of the whole engine (schedule, forward, sample) in each precision. Every precision is
-    loaded first and the rounds go round all of them, so a busy moment on a shared machine hits each alike.
-    llama_cpp: a GGUF file llama.cpp decodes in the same rounds, as a last row (LlamaCppDecoder)."""
+    """The whole engine's time per decode step (schedule, forward, sample) in each precision, one greedy request
+    alone (batch 1, no speculation). Every precision is loaded first and the rounds go round all of them, so a busy
+    moment hits each alike. llama_cpp: a GGUF file llama.cpp decodes in the same rounds, as a last row."""
     other = None if llama_cpp is None else LlamaCppDecoder(llama_cpp)
     configs, models = load_each(llm, specs, rounds, progress)
     prompt = random_prompts(1, prompt_len, seed=5)[0]
