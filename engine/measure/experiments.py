@@ -36,6 +36,7 @@ from .runs import (
     run_config,
     run_workload,
     summarize_steps,
+    tell,
     weight_bytes,
 )
 from .specs import resolve_spec
@@ -123,11 +124,9 @@ def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str, settings: di
     plan = [(spec, f) for _ in range(max(1, repeat)) for spec, f in zip((spec_a, spec_b), fields, strict=True)]
     runs = []
     for i, (spec, f) in enumerate(plan):
-        if progress is not None:
-            progress(i, len(plan), spec)
+        tell(progress, i, len(plan), spec)
         runs.append(run_config(llm, workload, f, should_stop))
-    if progress is not None:
-        progress(len(plan), len(plan), "done")
+    tell(progress, len(plan), len(plan), "done")
     pairs = list(zip(runs[::2], runs[1::2], strict=True))
     ratios = [b.throughput / a.throughput if a.throughput else float("inf") for a, b in pairs]
     gap_ratios = [a.max_token_gap_s / b.max_token_gap_s for a, b in pairs if a.max_token_gap_s and b.max_token_gap_s]

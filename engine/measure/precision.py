@@ -19,7 +19,7 @@ from ..llm import LLM, engine_for
 from ..quant.format import WeightFormat
 from ..quant.speed import model_speeds
 from ..sampling_params import SamplingParams
-from .runs import Progress, random_prompts
+from .runs import Progress, random_prompts, tell
 from .specs import FEATURE_DIR, resolve_spec
 
 # What `kernels` compares by default: the model's dtype, bf16, and each quantization scheme
@@ -42,8 +42,7 @@ def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -
     configs = [llm.config_for(resolve_spec(spec)) for spec in specs]
     models = []
     for i, (spec, config) in enumerate(zip(specs, configs, strict=True)):
-        if progress is not None:
-            progress(i, len(specs) + rounds, f"loading {spec}")
+        tell(progress, i, len(specs) + rounds, f"loading {spec}")
         same = (config.dtype, WeightFormat.of(config)) == stored_as(llm.engine.model)  # as LLM.weights_for
         models.append(llm.engine.model if same else llm.load_weights(config))
     return configs, models
@@ -58,8 +57,7 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
     times: dict[tuple[int, int], list[float]] = {}
     with torch.inference_mode():
         for r in range(repeat):
-            if progress is not None:
-                progress(len(specs) + r, len(specs) + repeat, f"round {r + 1} of {repeat}")
+            tell(progress, len(specs) + r, len(specs) + repeat, f"round {r + 1} of {repeat}")
             for i, model in enumerate(models):
                 projections = model.projections()
                 for m in rows:
@@ -71,8 +69,7 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
                     if model.device.type == "cuda":
                         torch.cuda.synchronize(model.device)
                     times.setdefault((i, m), []).append((time.perf_counter() - start) * 1e3)
-    if progress is not None:
-        progress(len(specs) + repeat, len(specs) + repeat, "done")
+    tell(progress, len(specs) + repeat, len(specs) + repeat, "done")
     out = []
     for i, (spec, config, model) in enumerate(zip(specs, configs, models, strict=True)):
         projections = model.projections()
@@ -147,8 +144,7 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
     times: list[list[float]] = [[] for _ in specs]
     other_times: list[float] = []
     for r in range(rounds):
-        if progress is not None:
-            progress(len(specs) + r, len(specs) + rounds, f"round {r + 1} of {rounds}")
+        tell(progress, len(specs) + r, len(specs) + rounds, f"round {r + 1} of {rounds}")
         for i, (config, model) in enumerate(zip(configs, models, strict=True)):
             fields = {**(settings or {}), **config.to_dict(), "speculative_decoding": False}
             engine = engine_for(llm.config_for(fields), model, llm.tokenizer, llm.engine.hf_config)
@@ -161,8 +157,7 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
             times[i].append((time.perf_counter() - start) / tokens * 1e3)
         if other is not None:
             other_times.append(other.ms_per_token(prompt, tokens))
-    if progress is not None:
-        progress(len(specs) + rounds, len(specs) + rounds, "done")
+    tell(progress, len(specs) + rounds, len(specs) + rounds, "done")
     rows = [DecodeRow(spec, config.precision, t) for spec, config, t in zip(specs, configs, times, strict=True)]
     if other is not None:
         rows.append(DecodeRow(LLAMA_CPP_ROW, other.precision, other_times))
@@ -243,13 +238,11 @@ def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, 
     settings = {k: v for k, v in (settings or {}).items() if k not in (*REFERENCE_PRECISION, "model")}
     windows = text_windows(llm, QUALITY_TEXT.read_text() if text is None else text, window)
     total = len(specs) + 1
-    if progress is not None:
-        progress(0, total, "fp32 reference")
+    tell(progress, 0, total, "fp32 reference")
     ref = teacher_forced(llm.build_engine({**settings, **REFERENCE_PRECISION}), windows)
     rows = []
     for i, spec in enumerate(specs):
-        if progress is not None:
-            progress(i + 1, total, spec)
+        tell(progress, i + 1, total, spec)
         fields = {**settings, **REFERENCE_PRECISION, **resolve_spec(spec)}
         engine = llm.build_engine(fields)
         start = time.perf_counter()
@@ -258,6 +251,5 @@ def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, 
         rows.append(QualityRow(spec, engine.config.precision, **compare_logprobs(windows, ref, got),
                                seconds=time.perf_counter() - start, kernel=engine.kernels()["weights"],
                                speed_vs_fp32=speed.describe() if speed is not None else ""))
-    if progress is not None:
-        progress(total, total, "done")
+    tell(progress, total, total, "done")
     return rows

@@ -38,6 +38,11 @@ StopCheck = Callable[[], bool]  # polled between steps: True cancels the run
 Progress = Callable[[int, int, str], None] | None
 
 
+def tell(progress: Progress, done: int, total: int, what: str) -> None:
+    if progress is not None:
+        progress(done, total, what)
+
+
 class Cancelled(Exception):
     """A run stopped by its should_stop check (not a ValueError: an experiment must not record it as a row)."""
 
