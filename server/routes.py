@@ -1,9 +1,8 @@
 """OpenAI-compatible routes (/v1/models, /v1/completions, /v1/chat/completions) and /metrics, over EngineService.
 
-The routes share the one engine service with the playground's chat tabs: their requests run in the same batches
-and show on the same dashboard. Outputs come from the engine thread through a sink that hands them to the event
-loop, so no thread waits per request. A client that goes away mid-request has its request aborted at once
-(its KV blocks freed): a stream notices through Starlette's disconnect watch, a plain request through its own.
+The routes share the one engine service with the playground's chat tabs (the same batches, the same dashboard).
+Outputs reach the event loop through a sink, so no thread waits per request. A client that goes away mid-request
+has its request aborted at once (its KV blocks freed).
 """
 from __future__ import annotations
 

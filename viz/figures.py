@@ -234,10 +234,9 @@ def _cell_hover(c: dict) -> str:
 
 
 def recent_samples(history: Sequence, span_s: float, max_points: int) -> list:
-    """The samples of the last span_s seconds, thinned to at most about max_points: the last sample of each equal
-    slice of time. A chart then covers the same minutes at any step rate (a fast engine takes hundreds of steps a
-    second), so a configuration change stays on screen beside what came before it. Counters are cumulative, so
-    rates over thinned samples stay right."""
+    """The samples of the last span_s seconds, thinned to about max_points (the last of each equal slice of time),
+    so a chart covers the same minutes at any step rate and a configuration change stays on screen beside what came
+    before it. Counters are cumulative, so rates over thinned samples stay right."""
     if not history:
         return []
     end = history[-1].time
@@ -256,10 +255,9 @@ def _times(history: Sequence) -> list[float]:
 
 
 def _busy_starts(history: Sequence, idle_gap_s: float) -> list[bool]:
-    """True where a sample starts a busy period: before its step the engine sat idle longer than idle_gap_s
-    (samples are taken after each step, so the idle time before one is the gap minus the step's own time), or it is
-    a new engine's first (a restart: its steps and counters start again from 0, and a rate reaching back across it
-    would come out negative)."""
+    """True where a sample starts a busy period: the engine sat idle longer than idle_gap_s before its step (the
+    gap less the step's own time), or it is a new engine's first (its counters start again from 0: a rate reaching
+    back across it would come out negative)."""
     return [i > 0 and (h.time - prev.time - h.step_ms / 1e3 > idle_gap_s or _counters_fell(h, prev))
             for i, (h, prev) in enumerate(zip(history, [None, *history[:-1]]))]
 

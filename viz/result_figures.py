@@ -135,10 +135,9 @@ MEMORY_PANELS = (("peak_running", "requests running at once (peak)"), ("preempti
 
 
 def memory_sweep_figure(rows: Sequence) -> dict:
-    """The memory sweep (MemoryRows): for each KV pool, paged vs contiguous (and each KV dtype when rows carry
-    kv_cache_dtype), how many requests ran at once, how often one was preempted, tokens/s. x is the pool's
-    size in MB, so pools of different dtypes line up by the memory they take. A layout that could not run in
-    a pool is drawn as 0 requests, with an x."""
+    """The memory sweep (MemoryRows): for each KV pool, paged vs contiguous (and each KV dtype), how many requests
+    ran at once, how often one was preempted, tokens/s, over the pool's size in MB (so dtypes line up by memory).
+    A layout that could not run in a pool is drawn as 0 requests, with an x."""
     mb = {}  # a pool that could not be built has no size of its own: take its sibling's
     for r in rows:
         key = (r.num_kv_blocks, getattr(r, "kv_cache_dtype", None))
@@ -221,11 +220,9 @@ def _against_goal(value: float, goal: float | None, higher_is_better: bool) -> s
 
 
 def quality_figure(rows: Sequence, goals: Sequence[tuple[float, float | None] | None] | None = None) -> dict:
-    """What each precision costs in quality (QualityRows of engine.measure.quality): how often its most likely next
-    token is fp32's, and how far its perplexity on the same text moves. One row per precision, read across two
-    panels (horizontal bars: a precision's name fits on the left). goals: per row, (least top-1 agreement, most
-    perplexity change or None), or None for a row without one: a black dash on the bar, which is green when it
-    meets the goal, red when short, blue without a goal."""
+    """What each precision costs in quality (QualityRows): how often its most likely next token is fp32's, and how far
+    its perplexity moves, a row per precision across two panels. goals: per row, (least top-1 agreement, most
+    perplexity change or None) or None: a black dash, the bar green when it meets it, red when short, else blue."""
     goals = list(goals) if goals is not None else [None] * len(rows)
     cats = [_precision_label(r.precision) for r in rows]
     top1 = [100 * r.top1_agreement for r in rows]
