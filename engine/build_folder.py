@@ -127,9 +127,8 @@ def _wait(ready, folder: Path, deadline: float, say, what: str) -> bool:
 
 @contextlib.contextmanager
 def claimed(folder: Path, say, wait_s: float, what: str = "the C++ CPU kernels", instead: str = ""):
-    """Hold folder for one build: yields True once no other process builds there (torch's lock of a build that was
-    cut short removed on the way), False if one still did after wait_s. builder.pid names the holder and carries an
-    flock, which the system drops when the holder dies, so no two builds run in one folder at once."""
+    """Hold folder for one build: yields True once no other process builds there (a build cut short's lock removed
+    on the way), False if one still did after wait_s."""
     folder.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + wait_s
     with open(folder / PID_FILE, "a+") as f:

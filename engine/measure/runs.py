@@ -1,7 +1,5 @@
-"""Running workloads: weights loaded once, an engine per configuration, every step recorded, one RunResult.
-
-Weights are loaded once (`load_llm`); each configuration gets its own engine built
-from them (`LLM.build_engine`, the one factory).
+"""Running workloads: the weights loaded once (`load_llm`), an engine per configuration built from them
+(`LLM.build_engine`), every step recorded, one RunResult.
 """
 from __future__ import annotations
 
