@@ -335,16 +335,12 @@ def markdown(report: dict) -> str:
              f"{report.get('seconds', 0):.0f} s in all.", ""]
     rows = report.get("sweep")
     if isinstance(rows, list):
-        lines += ["| Batch | Attention | CUDA graphs | TTFT ms | TPOT ms | TPS (tok/s) | VRAM GB |",
-                  "|---:|---|---|---:|---:|---:|---:|"]
-        for r in rows:
-            head = f"| {r['batch']} | {r['attention_backend']} | {'on' if r['cuda_graphs'] else 'off'} | "
-            if "error" in r:
-                lines.append(head + f"failed: {r['error'][:120]} | | | | |")
-                continue
-            lines.append(head + f"{_fmt(r['ttft_ms'])} | {_fmt(r['tpot_ms'], 2)} | {r['tps']:,.0f} | "
-                                f"{r['vram_gb']:.2f} |")
-        lines.append("")
+        from ..measure.report import markdown_table
+        lines += [markdown_table([{"Batch": r["batch"], "Attention": r["attention_backend"],
+                                   "CUDA graphs": "on" if r["cuda_graphs"] else "off",
+                                   "TTFT ms": f"failed: {r['error'][:120]}" if "error" in r else r["ttft_ms"],
+                                   **{k: r.get(key) for k, key in (("TPOT ms", "tpot_ms"), ("TPS (tok/s)", "tps"),
+                                                                   ("VRAM GB", "vram_gb"))}} for r in rows]), ""]
     hf = report.get("hf")
     if isinstance(hf, dict) and "hf_tps" in hf:
         lines += [f"HF `generate` at batch {hf['batch']}: {hf['hf_tps']:,.0f} tok/s; the engine "
