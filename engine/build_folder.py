@@ -1,11 +1,8 @@
 """Who builds in a folder: one build at a time across processes, and a build cut short never blocks the next.
 
-torch's cpp_extension guards a build folder with a lock file (its FileBaton) and waits forever while it exists: a
-build killed halfway (a Ctrl-C, a `timeout`, a Colab kernel restart) left every later start hanging, silently.
-Here the builder writes builder.pid (its pid, host and process start time) and holds an flock on it, which the
-system drops when the builder dies. A lock whose builder is gone (or whose pid now belongs to another process) is
-removed, saying so; one no builder is named for is removed once it is older than LOCK_STALE_S; a live build is
-waited for, saying whom and how long, up to a deadline.
+torch's cpp_extension waits forever on the lock file a killed build leaves (LOCK_FILE): every later start hung,
+silently. Here the builder also writes PID_FILE and holds an flock on it, which the system drops when the builder
+dies, so a lock whose builder is gone is removed, saying so, and a live build is waited for, saying whom.
 """
 from __future__ import annotations
 
@@ -130,9 +127,8 @@ def _wait(ready, folder: Path, deadline: float, say, what: str) -> bool:
 
 @contextlib.contextmanager
 def claimed(folder: Path, say, wait_s: float, what: str = "the C++ CPU kernels", instead: str = ""):
-    """Hold folder for one build: yields True once no other process builds there (torch's lock of a build that was
-    cut short removed on the way), False if one still did after wait_s. builder.pid names the holder and carries an
-    flock, which the system drops when the holder dies, so no two builds run in one folder at once."""
+    """Hold folder for one build: yields True once no other process builds there (a build cut short's lock removed
+    on the way), False if one still did after wait_s."""
     folder.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + wait_s
     with open(folder / PID_FILE, "a+") as f:

@@ -1,8 +1,6 @@
-"""Where the engine keeps what it makes once and reuses: converted checkpoints, calibration scales, the compiled C++
-kernels, per-machine kernel timings. One small module that the loader, the kernel build, the quantization package and
-the playground all import, so none of them reaches into another for it.
-
-WATCHLLM_CACHE names the folder; else $XDG_CACHE_HOME/watch-llm (~/.cache/watch-llm)."""
+"""Where the engine keeps what it makes once and reuses (converted checkpoints, calibration scales, the compiled
+C++ kernels, kernel timings), in one module so that no user of it reaches into another for it. WATCHLLM_CACHE
+names the folder; else $XDG_CACHE_HOME/watch-llm (~/.cache/watch-llm)."""
 from __future__ import annotations
 
 import os

@@ -63,22 +63,15 @@ class EngineConfig:
     # above 8 decoding requests (why: docs/measurements.md, "Speculative decoding")
     speculative_token_budget: int = 16
     cuda_graphs: bool = False  # CUDA only: decode steps replayed from graphs captured per batch-size bucket
-    # precision: weights quantized at load (None, "int8", "int4" or "w8a8"), and the KV cache's element type
-    quantization: str | None = None
-    # int4: input features per scale and zero (why 32: docs/measurements.md, the caution under the quality table)
-    quantization_group_size: int = 32
-    # the LM head: True quantizes it as the projections, False keeps the model's dtype, a scheme ("int8") quantizes
-    # it so whatever the projections use (llama.cpp keeps a 4-bit model's output tensor at 8 bits)
-    quantize_lm_head: bool | str = True
-    # calibrated at load over presets/quality/calibration.txt (quant/calibrate.py): each projection's input channels
-    # rescaled before rounding (SmoothQuant / AWQ), and the weights rounded by GPTQ instead of to the nearest level
-    quantization_smoothing: bool = False
-    quantization_gptq: bool = False
+    # precision: the weights quantized at load, and the KV cache's element type (docs/engine.md's table says what
+    # each of these fields stores; why int4's groups are 32: docs/measurements.md, the caution under the quality table)
+    quantization: str | None = None  # None, "int8", "int4" or "w8a8"
+    quantization_group_size: int = 32  # int4: input features per scale and zero
+    quantize_lm_head: bool | str = True  # True: as the projections; False: the model's dtype; or a scheme
+    quantization_smoothing: bool = False  # SmoothQuant / AWQ, calibrated at load (quant/calibrate.py)
+    quantization_gptq: bool = False  # the weights rounded by GPTQ instead of to the nearest level
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (a scale per token and KV head)
-    # int8 KV only: each key channel divided by a scale calibrated once per model when the KV pool is first built
-    # (the queries multiplied by it, so q . k is unchanged), so that a few large channels no longer take a token's
-    # whole int8 range (engine/quant/calibrate.py)
-    kv_cache_smoothing: bool = False
+    kv_cache_smoothing: bool = False  # int8 KV only: each key channel divided by a calibrated scale
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -1,18 +1,10 @@
-"""CUDA graphs for decode steps (`cuda_graphs=True`): the whole forward of a pure-decode batch replayed as one graph.
+"""CUDA graphs for decode steps (`cuda_graphs=True`): the whole forward of a pure-decode batch replayed as one graph,
+since at small batches the launches of hundreds of tiny kernels, not the math, set a GPU's time per token.
 
-A small model's decode step is hundreds of tiny kernels; on a GPU their launch cost, not the math, sets the time
-per token at small batches. A graph records the launches once and replays them with one call. A graph's tensors
-are fixed, so:
-
-- one graph per batch-size bucket (1, 2, 4, 8, ... up to max_num_seqs); a batch runs in the smallest bucket that
-  holds it, its inputs copied into static buffers and the rows past it padded;
-- a padded row is a harmless decode: token 0 at position 0, context length 1, its K/V written to a scratch slot
-  (one extra block after the pool, never handed to a request), so it touches no request's cache;
-- only steps where every row is a decode are replayed (their shapes depend only on the batch size); prefills,
-  chunked prefills and speculative verifies run eagerly, as do batches larger than the largest bucket;
-- the paged kernels read block tables and context lengths from device tensors, so the captured graph follows
-  each step's tables; the SDPA path gathers a copy whose shape changes with the context, so graphs need
-  attention_backend="triton".
+A graph's tensors are fixed, so there is one per batch-size bucket (1, 2, 4, ... max_num_seqs), the batch padded
+into static buffers with harmless decodes (token 0 at position 0, K/V into a scratch slot after the pool); only
+steps whose every row decodes replay, and only with the triton backend, whose kernels read block tables and context
+lengths from device tensors (SDPA gathers a copy whose shape changes). docs/gpu.md has the table of what runs how.
 """
 from __future__ import annotations
 

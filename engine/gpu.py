@@ -1,14 +1,9 @@
-"""GPU memory planning: on CUDA the KV pool's byte budget from `gpu_memory_utilization` after a profiling forward
-(engine/factory.py decides the other automatic settings, and the pool's size from this budget).
-
-The pool formula (as vLLM and nano-vllm size theirs):
+"""GPU memory planning: on CUDA the KV pool's byte budget from `gpu_memory_utilization` after a profiling forward at
+the largest step (engine/factory.py decides the other automatic settings, and the pool's size from this budget).
 
     kv_bytes = total * gpu_memory_utilization - used_now - (peak_during_profile - allocated_after_profile)
 
-`used_now` is the card's memory in use by anyone (this process's weights, CUDA context, other processes) minus
-our own current KV pool if one exists; the profile runs one forward at the largest step this config allows
-(max_num_batched_tokens tokens, max_num_seqs sampled rows), so the activations' peak is measured, not guessed.
-The numbers are kept in a `GpuMemoryPlan`, which the engine's snapshot carries.
+as vLLM and nano-vllm size theirs; `used_now` is the card's memory in use by anyone less our own current KV pool.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Where an engine loop runs. By default on a thread of its own; app.py runs the served engine's loop on the
-process's main thread instead (EngineHost): on CPU the OpenMP work a step is made of costs more from any other
-thread: a small torch.add took several times as long from a second thread as from the main one, and the served
-engine stepping on its own thread made clearly fewer tokens/s than LLM.generate (docs/measurements.md, "bf16, and
-vLLM on both cores", and "What the HTTP path costs")."""
+"""Where an engine loop runs: by default on a thread of its own; app.py runs the served engine's loop on the
+process's main thread instead (EngineHost), since on CPU a step's OpenMP work costs more from any other thread
+(docs/measurements.md, "bf16, and vLLM on both cores", and "What the HTTP path costs")."""
 from __future__ import annotations
 
 import queue

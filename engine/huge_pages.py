@@ -1,18 +1,7 @@
-"""The weights a step streams, moved at load into one buffer that Linux backs with 2 MB pages where it can.
-
-A decode step at a few rows reads every projection's weights once, from RAM: it is a stream of the model's bytes
-(SmolLM2-135M in fp32: 537 MB a token). Over 4 KB pages that stream crosses a page, and misses the TLB, every 64
-cache lines. Over 2 MB pages it does so 512 times less, and the dense kernel's one-row stream of SmolLM2's fp32
-weights takes a few percent less time (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every
-50 ms", with the engine's own numbers).
-
-Linux gives a process 2 MB pages (transparent huge pages) everywhere when
-/sys/kernel/mm/transparent_hugepage/enabled says [always], and only where it asks with madvise(MADV_HUGEPAGE) when it
-says [madvise] (the default of most distributions, and this machine's). Either way the region must be 2 MB-aligned,
-and a tensor torch allocates is aligned to 64 bytes. So `gather` allocates one buffer, asks for huge pages over its
-2 MB-aligned part before anything touches it, and moves each tensor in (Tensor.set_: every holder of the tensor sees
-its new place; shape, dtype and values are unchanged). Elsewhere (no such file, [never], not Linux, a GPU tensor) it
-moves nothing: the weights stay where they were, only slower to stream.
+"""The weights a step streams, moved at load into one buffer that Linux backs with 2 MB pages where it can: a decode
+step reads every projection's weights once, and over 4 KB pages it misses the TLB every 64 cache lines. Why and how
+(madvise over the buffer's 2 MB-aligned part, Tensor.set_), and what it is worth: docs/measurements.md, "The weights
+in 2 MB pages, and the snapshot every 50 ms". Where the system gives no huge pages it moves nothing.
 """
 from __future__ import annotations
 
@@ -102,8 +91,7 @@ def gather(tensors: Iterable[torch.Tensor]) -> int:
             t.set_(storage, (start + offset) // t.element_size(), t.shape, t.stride())
             moved += nbytes
     # the old places are free now, but glibc keeps those it took from its heap (tensors under its mmap threshold,
-    # which rises to 32 MB as large blocks are freed): without this the process keeps ~300 MB more for
-    # SmolLM2 in fp32 (RssAnon, measured)
+    # which rises to 32 MB as large blocks are freed) unless asked to hand them back (docs/measurements.md)
     trim = getattr(libc, "malloc_trim", None)
     if trim is not None:
         trim(0)

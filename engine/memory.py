@@ -1,8 +1,6 @@
-"""Will a KV pool fit? Its size estimated from the config, checked against the memory free now, before any allocation.
-
-An allocation that does not fit must be refused with a message: found out by the allocator instead, it kills the
-engine thread (CPU: the process can be OOM-killed or swap for minutes; GPU: a half-built engine).
-Cheap by design: reads /proc and cgroup files (or asks the CUDA driver), allocates nothing to probe.
+"""Will a KV pool fit? Its size estimated from the config, checked against the memory free now, before any allocation:
+found out by the allocator instead, it kills the engine thread (CPU: OOM-killed, or swapping for minutes; GPU: a
+half-built engine). Cheap by design: reads /proc and cgroup files (or asks the CUDA driver), allocates nothing.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Output processing, outside the engine's core (as vLLM v1's output processor): each new token's text (incremental
-detokenization) and whether the request ends there (stop tokens, stop strings, the length limit).
-
-The engine appends a sampled token to its request and calls `process` once for it; the finish reason comes back
-(None: go on), and the engine does the finishing (the scheduler, the metrics). The text and the offsets behind it
-are kept here, one `_DetokState` per request from `add` until `pop`, which hands back the final text.
+detokenization) and whether the request ends there (stop tokens, stop strings, the length limit). The engine calls
+`process` once per sampled token and does the finishing; the text and its offsets are kept here from `add` to `pop`.
 """
 from __future__ import annotations
 

@@ -3,10 +3,9 @@ pool runs dry, and whether a step belongs to some requests before others. The sc
 small class and one line in POLICIES (EngineConfig.scheduling_policy names it, as vLLM's --scheduling-policy).
 
 - fcfs: first come, first served; the newest running request is preempted first.
-- priority (vLLM's): a request's `priority`, lower first, then first come. A request of a better priority that is
-  waiting takes the seat and blocks of the worst running one, and while one is still reading its prompt the
-  worse ones wait a step: a person's first token does not queue behind simulated users'. Equal priorities are
-  first come, first served.
+- priority (vLLM's): lower `priority` first, then first come. A better request waiting takes the worst running
+  one's seat and blocks, and while one still reads its prompt the worse ones wait a step: a person's first token
+  does not queue behind simulated users'.
 """
 from __future__ import annotations
 

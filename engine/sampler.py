@@ -1,7 +1,6 @@
-"""The sampler: one token per row of logits, greedy or drawn from the request's filtered distribution.
-
-Each seeded request owns a torch.Generator that draws exactly one number per step, so its output does not depend
-on what else is in the batch. The per-row arithmetic is engine/sampler_ops.py's; the params, sampling_params.py's.
+"""The sampler: one token per row of logits, greedy or drawn from the request's filtered distribution. Each seeded
+request owns a torch.Generator that draws exactly one number per step, so its output does not depend on what else
+is in the batch. The per-row arithmetic is engine/sampler_ops.py's; the params, sampling_params.py's.
 """
 from __future__ import annotations
 
@@ -41,11 +40,9 @@ def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torc
 
 
 def draw(processed: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of processed logits. Greedy rows take the argmax; the rest draw from their distribution,
-    all at once, by inverting its cumulative sum at one uniform number per row (binary searches, no loop over the
-    vocabulary in Python). `processed` is the caller's to give away (processed_logits' output): a sampled batch
-    overwrites it. Each generator draws the numbers of its own rows only, one per row per step, so a
-    seeded request's tokens do not depend on what else is in the batch."""
+    """One token per row of processed logits (the caller's to give away: a sampled batch overwrites it). Greedy rows
+    take the argmax; the rest draw at once by inverting their cumulative sum at one uniform number per row, each
+    generator drawing for its own rows only, so a seeded request's tokens do not depend on the batch."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return most_likely(processed).tolist()

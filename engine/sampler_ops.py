@@ -1,8 +1,6 @@
 """The sampler's per-row arithmetic: temperature and the top-k / top-p / min-p filters, argmax, and the draw's
 exponentials and inverted cumulative sum. Each runs in the engine's C++ CPU kernels where they are built and take
-the tensor (cpu_kernels.cpp: filter_rows, argmax_rows, exp_shifted_rows, draw_rows), else in torch calls that keep
-the same tokens (ties at a boundary aside). Why each shortcut: docs/measurements.md ("The sampler, again: fresh 6 MB
-tensors", "A sampled row's draw, in one C++ call")."""
+the tensor, else in torch calls that keep the same tokens (ties at a boundary aside)."""
 from __future__ import annotations
 
 import torch
@@ -12,14 +10,11 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   top_p: torch.Tensor, min_p: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """Scale by temperature and mask (to -inf) what top-k / top-p / min-p exclude. Rows: requests.
 
-    top_k <= 0 (or >= the vocabulary) disables top-k for that row; top_p = 1 and min_p = 0 disable the others.
-    Each filter judges the tempered distribution as it is, and a token stays when every filter keeps it (an
-    intersection). Only what a row asks for is computed: no filter, no sort. On a CPU with the engine's C++ module
-    built, each row in C++ (cpu_kernels.cpp, filter_rows: the likely candidates gathered in one pass and only they
-    sorted; a tie at a boundary goes to the lower token id). Otherwise torch's calls: top-k by `topk` (exactly k
-    kept, a tie at the boundary broken by topk's order); top-p first among the few most likely (_top_p_drop);
-    min-p needs the softmax and its maximum only. `in_place`: `logits` is the caller's own copy, scaled and masked where
-    it is (an allocation of 6 MB less per step at 32 rows); rows at temperature 1 are not divided at all.
+    top_k <= 0 (or >= the vocabulary), top_p = 1 and min_p = 0 disable a filter for that row. Each filter judges
+    the tempered distribution, and a token stays when every filter keeps it (an intersection). Only what a row asks
+    for is computed: no filter, no sort. In C++ where it is built (a tie at a boundary goes to the lower token id),
+    else torch's calls (a tie broken by topk's order). `in_place`: `logits` is the caller's own copy, scaled and
+    masked where it is (one allocation of the logits' size fewer per step).
     """
     if bool((temperature != 1).any()):
         logits = logits.div_(temperature.unsqueeze(1)) if in_place else logits / temperature.unsqueeze(1)
@@ -80,11 +75,9 @@ TOP_P_CANDIDATES = (256, 4096)  # top-p looks among this many most likely tokens
 
 def _top_p_drop(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """What top-p drops: all but the smallest prefix of the most likely tokens whose mass reaches p (the token
-    that crosses p stays). Sorting 49k entries is the costly part, and a nucleus is most often small (SmolLM2
-    chatting at temperature 1: the 256 most likely hold 0.9 of the mass in 92% of steps, the 4,096 most likely
-    in all). So the most likely TOP_P_CANDIDATES come first (`topk`); a row whose candidates already hold mass p
-    is settled by them exactly as a full sort would settle it (every token past them has at least that mass
-    before it), and only the rows still short look further, the last ones at the whole sorted row."""
+    that crosses p stays). Sorting the vocabulary is the costly part, and a nucleus is most often small
+    (docs/measurements.md), so the most likely TOP_P_CANDIDATES come first; a row whose candidates already hold
+    mass p is settled exactly as a full sort would settle it, and only the rows still short look further."""
     n, vocab = probs.shape
     drop = torch.ones_like(probs, dtype=torch.bool)
     pending = torch.arange(n, device=probs.device)
@@ -109,11 +102,9 @@ CDF_CHUNK = 256  # vocabulary entries per chunk of the two-level cumulative sum 
 
 
 def exp_and_invert(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """shifted_exp then invert_cdf, in one C++ call where it is built (cpu_kernels.cpp, draw_rows: a row a task, the
-    same tokens to an ulp of a chunk's sum), else the two in torch. The torch way is ~15 calls on small tensors,
-    whose dispatch, not their arithmetic, made a sampled row at batch 1 several times greedy's cost; the one call
-    pays at one row and at a few, and is even at 32 (docs/measurements.md, "A sampled row's draw, in one C++
-    call")."""
+    """shifted_exp then invert_cdf, in one C++ call where it is built (the same tokens to an ulp of a chunk's sum),
+    else the two in torch, whose many small calls' dispatch made a sampled row cost several greedy ones
+    (docs/measurements.md, "A sampled row's draw, in one C++ call")."""
     if (ext := _native(probs)) is not None:  # a build is keyed by its source: this one has draw_rows
         return ext.draw_rows(probs, uniform)
     return invert_cdf(shifted_exp(probs), uniform)
@@ -124,9 +115,8 @@ EXP_FLOOR = -87.0  # float32's exp underflows below about this; torch's exp_ tak
 
 def shifted_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x - each row's max) in place, exactly 0 where x is -inf (a token a filter dropped: never drawn). torch's
-    exp_ takes a slow path below ~-87 (a filtered row's -inf; a low temperature's far tail; docs/measurements.md, "A
-    decode step's own work, then the sampler's rows in C++"), so what lies below is taken at the floor, ~1e-38 of the
-    top token's mass, where the float would underflow anyway."""
+    exp_ takes a slow path below EXP_FLOOR (docs/measurements.md), so what lies below is taken at the floor, where
+    the float would underflow anyway."""
     if (ext := _native(x)) is not None:
         return ext.exp_shifted_rows(x)
     dropped = x == float("-inf")

@@ -1,12 +1,10 @@
 """Who runs this step and with how many tokens.
 
-The scheduler thinks in {request: num_new_tokens}: a prefill is many new tokens, a decode is one, so
-both share one token budget. It decides each scheduled request's phase once (prefill, decode, verify) and
-hands it on in `SchedulerOutput`: the runner and the step log read it, neither guesses it again.
-Running requests go first; when the pool runs dry the policy's victim (the newest, or the worst priority's) is
-preempted by recompute (blocks freed, requeued). Waiting requests are admitted in the policy's order while seats
-(max_num_seqs), budget and blocks last; static batching admits only into an empty batch. The policies (first come,
-first served, or priority) are engine/policies.py's.
+The scheduler thinks in {request: num_new_tokens}: a prefill is many new tokens, a decode is one, so both share
+one token budget. It decides each scheduled request's phase once and hands it on in `SchedulerOutput`: the runner
+and the step log read it, neither guesses it again. Running requests go first; when the pool runs dry the policy's
+victim (engine/policies.py) is preempted by recompute; waiting requests are admitted in the policy's order while
+seats, budget and blocks last (static batching: only into an empty batch).
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Speculative decoding with n-gram prompt lookup: propose, then verify inside the normal step.
 
-Propose: find the most recent earlier occurrence of a request's last n tokens in its own tokens (n from
-prompt_lookup_max down to prompt_lookup_min) and propose the k tokens that followed it: free, and right
-whenever the answer copies from the prompt (an edit, a quote, code). Verify: the request contributes
-1 + k rows to the step's forward pass; each row's logits are the target model's distribution for the next
-position, so the drafts are checked all at once. Greedy keeps the longest draft prefix equal to the
-argmax, then the argmax after it. Sampling keeps a draft d with probability p(d) and otherwise draws from p
-with d removed (rejection sampling against a point-mass draft), which leaves the output distributed
-exactly as p: the target model's distribution, whatever the drafts were.
+Propose: the k tokens that followed the most recent earlier occurrence of a request's last n tokens: free, and
+right whenever the answer copies from the prompt. Verify: the request's 1 + k rows in the step's forward pass check
+the drafts at once. Greedy keeps the longest draft prefix equal to the argmax; sampling keeps a draft d with
+probability p(d), else draws from p without d (rejection sampling), so the output is distributed exactly as p.
 """
 from __future__ import annotations
 
@@ -35,12 +31,9 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
 
 
 def adaptive_k(k: int, num_decoding: int, token_budget: int) -> int:
-    """Drafts per request this step: aggressive when few requests decode, none when the batch is full.
-
-    Speculation pays while verifying 1 + k rows per request costs about what one row does (a small batch is
-    bound by reading the weights); once the batch's rows fill the speculative token budget, extra rows cost
-    real compute and drafts stop paying.
-    """
+    """Drafts per request this step: aggressive when few requests decode, none when the batch is full. Speculation
+    pays while verifying 1 + k rows costs about what one row does (a small batch is bound by reading the weights);
+    once the batch's rows fill the speculative token budget, extra rows cost real compute."""
     if num_decoding < 1:
         return k
     return max(0, min(k, token_budget // num_decoding - 1))

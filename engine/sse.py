@@ -1,11 +1,9 @@
-"""Server-sent events, written and read in one place: the OpenAI API's streams (server/), and the clients that read
-them or gradio's (the benchmarks' `bench serve`, the Remote server tab, the hostile suite, the page client).
+"""Server-sent events, written and read in one place: the API's streams (server/) and every client that reads them.
 
-The SSE spec ends a line at CR, LF or CRLF only. A JSON chunk may hold U+2028, U+2029 or U+0085 raw (JSON allows
-them; a sampled reply meets them: a stream at temperature 1 did), and readers that split lines as Python's
-str.splitlines does (httpx's iter_lines / aiter_lines) cut the chunk there and fail to parse it. So the writer
-escapes those three (the same JSON to any parser), and the readers split at CR, LF and CRLF alone, as the spec says,
-whatever a server sends: vLLM's streams hold them raw.
+The SSE spec ends a line at CR, LF or CRLF only, but a JSON chunk may hold U+2028, U+2029 or U+0085 raw (a reply
+sampled at temperature 1 did), and readers that split lines as str.splitlines does (httpx's iter_lines) cut the
+chunk there. So the writer escapes those three (the same JSON to any parser), and the readers split at CR, LF and
+CRLF alone, whatever a server sends: vLLM's streams hold them raw.
 """
 from __future__ import annotations
 

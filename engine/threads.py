@@ -1,12 +1,7 @@
-"""The engine's compute threads follow the cores nobody else wants.
-
-A step is hundreds of parallel regions (every projection, norm and attention call), each ending at a barrier. With
-a thread per core on a machine where another process wants a core too, the OS keeps taking one thread away and the
-other waits at every barrier: beside one busy process, two threads made far less than one thread did
-(docs/measurements.md, "Beside a busy neighbour"). So before a step, every half second, the engine
-counts the threads that want a CPU and are not its own (Linux: /proc/stat's procs_running less its own running
-threads) and uses the cores left over, at least one and at most what it started with; it drops at once after two
-such readings in a row, and comes back after four, so a passing process does not make it flap.
+"""The engine's compute threads follow the cores nobody else wants. A step is hundreds of parallel regions, each
+ending at a barrier: beside a busy process, a thread per core keeps losing one thread to the OS while the other waits
+at every barrier, and makes less than one thread alone (docs/measurements.md, "Beside a busy neighbour"). Readings
+in a row (DROP_AFTER, RISE_AFTER) are asked before the count moves, so a passing process does not make it flap.
 """
 from __future__ import annotations
 
@@ -80,9 +75,8 @@ class CoreShare:
             torch.set_num_threads(self.threads)  # only on a change: whoever set it otherwise since is left alone
 
     def settle(self, gap_s: float = 0.02) -> None:
-        """Take now, gap_s apart, the readings a change of thread count waits for, so that the count a few seconds
-        of steps would reach is there before they start: a measurement beside a set number of busy processes
-        (bench closed-loop) times their effect, not the half seconds the engine takes to see them come and go."""
+        """Take now, gap_s apart, the readings a change of thread count waits for: a measurement beside a set number
+        of busy processes (bench closed-loop) then times their effect, not the engine's time to see them come."""
         for _ in range(max(DROP_AFTER, RISE_AFTER)):
             self._due = 0.0
             self.adjust()

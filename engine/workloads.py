@@ -1,10 +1,7 @@
-"""Seeded, reproducible workloads read from presets/workloads/*.toml.
-
-A workload is a list of groups; each group makes `count` requests whose own prompt and output lengths are
-drawn uniformly from inclusive ranges, optionally after a prefix shared by the whole group (a system
-prompt). Prompt tokens are drawn from ordinary vocabulary ids, so lengths are exact in tokens. A group may
-instead give `texts`: real user messages (sent through the model's chat template, cycled to `count`), for
-behaviour that needs meaning, such as answers that copy from the prompt. A group's `arrival_s` delays it.
+"""Seeded, reproducible workloads read from presets/workloads/*.toml: groups, each of `count` requests whose prompt
+and output lengths are drawn from inclusive ranges, optionally after a prefix the group shares (a system prompt),
+from ordinary vocabulary ids so lengths are exact in tokens; or real user messages (`texts`, through the chat
+template), for behaviour that needs meaning. A group's `arrival_s` delays it.
 """
 from __future__ import annotations
 

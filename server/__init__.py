@@ -1,7 +1,5 @@
-"""The HTTP side: an OpenAI-compatible API and vLLM-named Prometheus metrics over the engine service.
-
-Mounted on the playground's own server (app.py), so one `python app.py` serves the page, /v1 and /metrics.
-"""
+"""The HTTP side: an OpenAI-compatible API and vLLM-named Prometheus metrics over the engine service, mounted on the
+playground's own server (app.py), so one `python app.py` serves the page, /v1 and /metrics."""
 from engine.models.loader import DEFAULT_HUB_ID
 
 from .routes import OpenAIApi

@@ -1,11 +1,9 @@
 """What the API refuses before it spends anything on a request: a wrong key, a body too large or not JSON, a prompt
 that cannot fit, a list or object longer than its cap, text that cannot be encoded.
 
-Each check is cheap and comes before tokenizing: a 10 MB prompt was once tokenized for many seconds on the server
-before being refused as too long, stalling every other stream; 100,000 stop strings were scanned on every token
-(docs/measurements.md, "The API under abuse"). The checks run on the event loop, so every stream waits while one
-runs: the caps are counted with len() alone, before anything walks the body (walking millions of token ids in
-Python is slow).
+Each check is cheap and comes before tokenizing (a 10 MB prompt tokenized for seconds before its refusal stalled
+every stream: docs/measurements.md, "The API under abuse"). They run on the event loop, so the caps are counted with
+len() alone, before anything walks the body.
 """
 from __future__ import annotations
 

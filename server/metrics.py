@@ -1,8 +1,6 @@
-"""GET /metrics: the engine in Prometheus' text format, under vLLM's metric names and meanings.
-
-So vLLM's own Grafana dashboards work unchanged. Gauges read the engine's latest snapshot when scraped; counters
-and histograms add up the IterationStats the engine service hands over after every step. Each app has its own
-CollectorRegistry (never prometheus_client's global one), so several apps can live in one process.
+"""GET /metrics: the engine in Prometheus' text format, under vLLM's metric names and meanings, so vLLM's Grafana
+dashboards work unchanged. Gauges read the latest snapshot when scraped; counters and histograms add up the
+IterationStats handed over after every step. Each app has its own CollectorRegistry, never the global one.
 """
 from __future__ import annotations
 

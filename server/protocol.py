@@ -1,8 +1,6 @@
-"""OpenAI's request bodies checked and turned into what the engine takes, and its response and error shapes.
-
-No HTTP here: plain functions from parsed JSON to a GenerationRequest, raising ApiError (status, message, type,
-param, code) for anything the API refuses. Sampling fields are checked once, by SamplingParams; its
-InvalidSamplingParam becomes a 400 that names the field as the request spelled it.
+"""OpenAI's request bodies checked and turned into what the engine takes, and its response and error shapes. No
+HTTP here: parsed JSON to a GenerationRequest, or an ApiError for anything the API refuses. Sampling fields are
+checked once, by SamplingParams, whose InvalidSamplingParam becomes a 400 naming the field as the request spelled it.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """OpenAI-compatible routes (/v1/models, /v1/completions, /v1/chat/completions) and /metrics, over EngineService.
 
-The routes share the one engine service with the playground's chat tabs: their requests run in the same batches
-and show on the same dashboard. Outputs come from the engine thread through a sink that hands them to the event
-loop, so no thread waits per request. A client that goes away mid-request has its request aborted at once
-(its KV blocks freed): a stream notices through Starlette's disconnect watch, a plain request through its own.
+The routes share the one engine service with the playground's chat tabs (the same batches, the same dashboard).
+Outputs reach the event loop through a sink, so no thread waits per request. A client that goes away mid-request
+has its request aborted at once (its KV blocks freed).
 """
 from __future__ import annotations
 
@@ -53,11 +52,9 @@ class OpenAIApi:
                  ) -> None:
         """`service`: the live engine service (a callable: the playground may restart the engine). `api_key`:
         required as `Authorization: Bearer` on /v1/* (None: open, as vLLM without --api-key); /metrics and
-        /health stay open. `api_limits`: what a request may be (body size, stop list). `seats`: the audience's fair
-        shares of a shared engine (playground.access.Seats: replies in flight per client and per address, a
-        max_tokens cap), which a generation request takes, counted against `share(request)` (who the server says
-        sent it: playground.access.Access.api_share, the client's address behind trusted proxies), unless that
-        is None (the presenter's token, or a desk). No `share`: no shares."""
+        /health stay open. `seats`: the audience's fair shares of a shared engine (playground.access.Seats), which
+        a generation request takes, counted against `share(request)` (playground.access.Access.api_share) unless
+        that is None (the presenter's token, or a desk). No `share`: no shares."""
         self.service = service
         self.seats, self.share = seats, share
         self.api_key = api_key or None

@@ -1,9 +1,8 @@
 """Slow clients time out: a request's line and headers must arrive within HEADERS_S, its body within BODY_S.
 
-uvicorn times only the idle gap between keep-alive requests: 150 sockets that sent a header byte now and then were
-each held for as long as they liked. This is uvicorn's httptools protocol with the two deadlines that nginx
-(client_header_timeout, client_body_timeout) and Apache (mod_reqtimeout) put on the request; what the server
-writes back (a long SSE stream) is never timed. `install()` makes gradio's uvicorn (http="auto") use it.
+uvicorn times only the idle gap between keep-alive requests, so sockets that sent a header byte now and then were
+held as long as they liked. This is its httptools protocol with nginx's and Apache's two deadlines on the request;
+what the server writes back (a long SSE stream) is never timed. `install()` makes gradio's uvicorn use it.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The project's own import graph, drawn from every import statement (module level, inside functions, and under
 TYPE_CHECKING alike: an import a reader has to follow is an arrow), with its circles between files and between
-folders, and the arrows that point up a layer.
+folders, and the arrows that point up a layer (LAYER). tests/test_imports.py runs the same checks.
 
     python tools/import_graph.py          # prints the circles and the upward arrows; exit 1 when there are any
-
-Layers, top to bottom: app, tools | playground, server | viz | engine.measure | engine.bench is a command line over
-engine.measure that nothing imports | the engine and its parts. tests/test_imports.py runs the same checks.
 """
 from __future__ import annotations
 

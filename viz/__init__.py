@@ -1,1 +1,1 @@
-"""Pure functions from engine snapshots to plotly figures (built with the playground issue)."""
+"""Pure functions from engine snapshots and measurements to plotly figures."""

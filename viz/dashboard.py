@@ -88,10 +88,8 @@ class FigureCache:
         self.view_builds = 0
 
     def get(self, snapshot, history, changes=()) -> DashboardFigures:
-        """Figures for this snapshot, rebuilt only when the service published a new one since the last build (after
-        a step, or a configuration change applied by an idle engine), and at most once per min_interval_s: building
-        holds the GIL, and the engine thread needs it to keep streaming. `changes`: ConfigChange records, drawn
-        as markers on the time series."""
+        """Figures for this snapshot, rebuilt only for a new one, and at most once per min_interval_s: building holds
+        the GIL, and the engine thread needs it to keep streaming. `changes`: ConfigChange records, drawn as markers."""
         with self._lock:
             return self._get(snapshot, history, changes)
 

@@ -1,11 +1,8 @@
 """Pure functions: an engine snapshot (or a history of samples) -> a plotly figure, as a plain dict.
 
-Nothing here touches the engine: inputs are the plain data objects the engine publishes
-(`EngineSnapshot`, `HistorySample`, ablation rows), read by attribute name only. Figures are plotly's JSON
-form ({"data": [...], "layout": {...}}) rather than `go.Figure` objects: building those validates every
-property, which took a long time per refresh (docs/measurements.md, "Does the page stay responsive?"), time the
-engine thread needs the GIL for. `to_figure` (and the
-tests) check that every spec is a valid plotly figure.
+Inputs are the plain data objects the engine publishes, read by attribute name only. Figures are plotly's JSON form
+rather than `go.Figure` objects, whose validation of every property took a long time per refresh, time the engine
+thread needs the GIL for (docs/measurements.md, "Does the page stay responsive?"); the tests check each is valid.
 """
 from __future__ import annotations
 
@@ -237,10 +234,9 @@ def _cell_hover(c: dict) -> str:
 
 
 def recent_samples(history: Sequence, span_s: float, max_points: int) -> list:
-    """The samples of the last span_s seconds, thinned to at most about max_points: the last sample of each equal
-    slice of time. A chart then covers the same minutes at any step rate (a fast engine takes hundreds of steps a
-    second), so a configuration change stays on screen beside what came before it. Counters are cumulative, so
-    rates over thinned samples stay right."""
+    """The samples of the last span_s seconds, thinned to about max_points (the last of each equal slice of time),
+    so a chart covers the same minutes at any step rate and a configuration change stays on screen beside what came
+    before it. Counters are cumulative, so rates over thinned samples stay right."""
     if not history:
         return []
     end = history[-1].time
@@ -259,10 +255,9 @@ def _times(history: Sequence) -> list[float]:
 
 
 def _busy_starts(history: Sequence, idle_gap_s: float) -> list[bool]:
-    """True where a sample starts a busy period: before its step the engine sat idle longer than idle_gap_s
-    (samples are taken after each step, so the idle time before one is the gap minus the step's own time), or it is
-    a new engine's first (a restart: its steps and counters start again from 0, and a rate reaching back across it
-    would come out negative)."""
+    """True where a sample starts a busy period: the engine sat idle longer than idle_gap_s before its step (the
+    gap less the step's own time), or it is a new engine's first (its counters start again from 0: a rate reaching
+    back across it would come out negative)."""
     return [i > 0 and (h.time - prev.time - h.step_ms / 1e3 > idle_gap_s or _counters_fell(h, prev))
             for i, (h, prev) in enumerate(zip(history, [None, *history[:-1]]))]
 
@@ -328,7 +323,7 @@ def marker_label(group: Sequence) -> str:
     (name, value), more = next(iter(change.changes.items())), len(change.changes) - 1
     word = "on" if value is True else "off" if value is False else "auto" if value is None else value
     text = f"{name} {word}" if isinstance(value, bool) else f"{name}={word}"
-    return ("✗ " if change.error else "") + _shorten(text, MARKER_LABEL_CHARS - 4) + (f" +{more}" if more else "")
+    return ("✗ " if change.error else "") + shorten(text, MARKER_LABEL_CHARS - 4) + (f" +{more}" if more else "")
 
 
 def change_markers(history: Sequence, changes: Sequence) -> tuple[list[dict], list[dict]]:
@@ -356,12 +351,12 @@ def change_markers(history: Sequence, changes: Sequence) -> tuple[list[dict], li
         shapes.append(dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1,
                            line=dict(color=colour, width=1.5, dash="dot")))
         annotations.append(dict(x=x, xref="x", y=1, yref="paper", xanchor="right", yanchor="top", textangle=-90,
-                                text=_shorten(label, MARKER_LABEL_CHARS), hovertext=hover, showarrow=False,
+                                text=shorten(label, MARKER_LABEL_CHARS), hovertext=hover, showarrow=False,
                                 font=dict(size=11, color=colour), bgcolor="rgba(255,255,255,0.75)"))
     return shapes, annotations
 
 
-def _shorten(text: str, limit: int) -> str:
+def shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .figures import figure, placeholder_figure, scatter
+from .figures import figure, placeholder_figure, scatter, shorten
 
 BEFORE, AFTER, FLIP = "#8c8c8c", "#3182bd", "#d62728"
 
@@ -42,7 +42,7 @@ def lesson_figure(chart: LessonChart) -> dict:
 
     data = [line(before, "before the switch", BEFORE)]
     if after:
-        data.append(line(after, f"after: {_short(chart.switch, 28)}", AFTER))
+        data.append(line(after, f"after: {shorten(chart.switch, 28)}", AFTER))
     end = max(chart.now_s, chart.points[-1][0], 1.0)
     for value, name, colour, x0, x1 in ((chart.before, "before", BEFORE, 0.0, flip or end),
                                         (chart.after, "after", AFTER, flip or 0.0, end)):
@@ -57,13 +57,9 @@ def lesson_figure(chart: LessonChart) -> dict:
         annotations.append(dict(x=flip, xref="x", y=1, yref="paper", yanchor="bottom", text="flip", showarrow=False,
                                 font=dict(size=13, color=FLIP), hovertext=f"{chart.switch} at {flip:.0f} s"))
     y_title = chart.label + (f" ({unit})" if unit else "")
-    return figure(data, title=_short(f"{chart.title}: {chart.label}", 60), height=340,
+    return figure(data, title=shorten(f"{chart.title}: {chart.label}", 60), height=340,
                   xaxis=dict(title={"text": "seconds since the lesson's before phase began"}, range=[0, end * 1.02]),
-                  yaxis=dict(title={"text": _short(y_title, 40)}, rangemode="tozero",
+                  yaxis=dict(title={"text": shorten(y_title, 40)}, rangemode="tozero",
                              **({"range": [0, 105]} if chart.percent else {})),
                   legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font=dict(size=13)),
                   margin=dict(l=60, r=20, t=90, b=50), shapes=shapes, annotations=annotations)
-
-
-def _short(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 1] + "…"

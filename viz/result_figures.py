@@ -1,13 +1,24 @@
 """Pure functions: a measurement's results (a comparison, an ablation, the feature-by-feature sweeps, quantized
-quality) -> a plotly figure, as a plain dict. The live engine's charts are in viz/figures.py, whose primitives
-these share.
-"""
+quality) -> a plotly figure, as a plain dict, with viz/figures.py's primitives."""
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
 from .figures import AXIS, PALETTE, amount, figure, note, scatter, whole_ticks
+
+
+def _axis(i: int) -> str:
+    """Plotly's name for the i-th panel's axes: "" (x, y), then "2" (x2, y2), ..."""
+    return "" if i == 0 else str(i + 1)
+
+
+def _panels(titles: Sequence[str], xgap: float) -> dict:
+    """Layout keys for one row of independent panels, each titled above."""
+    return {"grid": {"rows": 1, "columns": len(titles), "pattern": "independent", "xgap": xgap},
+            "annotations": [{"text": title, "showarrow": False, "xref": f"x{_axis(i)} domain",
+                             "yref": f"y{_axis(i)} domain", "x": 0.5, "y": 1.0, "yanchor": "bottom"}
+                            for i, title in enumerate(titles)]}
 
 
 def compare_figure(result) -> dict:
@@ -19,16 +30,13 @@ def compare_figure(result) -> dict:
     labels = list(result.labels)
     data = []
     for i, (attr, label, scale, higher) in enumerate(metrics):
-        axis = "" if i == 0 else str(i + 1)
+        axis = _axis(i)
         values = [None if (v := getattr(r, attr)) is None else v * scale for r in result.results]
         data.append({"type": "bar", "x": labels, "y": values, "name": label, "xaxis": f"x{axis}",
                      "yaxis": f"y{axis}", "text": ["" if v is None else amount(v) for v in values],
                      "textposition": "auto", "marker": {"color": _better_green(values, higher)},
                      "showlegend": False})
-    layout = {"grid": {"rows": 1, "columns": 3, "pattern": "independent", "xgap": 0.15},
-              "annotations": [{"text": label, "showarrow": False, "xref": f"x{'' if i == 0 else i + 1} domain",
-                               "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.0,
-                               "yanchor": "bottom"} for i, (_, label, _, _) in enumerate(metrics)]}
+    layout = _panels([label for _, label, _, _ in metrics], 0.15)
     for i in range(2, len(metrics) + 1):
         layout[f"xaxis{i}"] = dict(AXIS)
         layout[f"yaxis{i}"] = dict(AXIS)
@@ -48,7 +56,6 @@ def ablation_figure(rows: Sequence) -> dict:
                   yaxis=dict(title={"text": "tokens/s"}, range=[0, top * 1.18]))
 
 
-# ---- the engine, feature by feature: cumulative ablation, each feature's worth under load, the memory sweep --
 GAIN, LOSS, EVEN, BASELINE = "#31a354", "#d6616b", "#9ecae1", "#636363"
 NOISE = 0.05  # within 5% of 1x is the noise of a shared machine (docs/measurements.md: 5-10%), not a gain or a loss
 LEVEL_COLOURS = ["#fd8d3c", "#6baed6", "#08519c"]  # concurrency 1, 8, 32: warm for one request, dark for many
@@ -128,10 +135,9 @@ MEMORY_PANELS = (("peak_running", "requests running at once (peak)"), ("preempti
 
 
 def memory_sweep_figure(rows: Sequence) -> dict:
-    """The memory sweep (MemoryRows): for each KV pool, paged vs contiguous (and each KV dtype when rows carry
-    kv_cache_dtype), how many requests ran at once, how often one was preempted, tokens/s. x is the pool's
-    size in MB, so pools of different dtypes line up by the memory they take. A layout that could not run in
-    a pool is drawn as 0 requests, with an x."""
+    """The memory sweep (MemoryRows): for each KV pool, paged vs contiguous (and each KV dtype), how many requests
+    ran at once, how often one was preempted, tokens/s, over the pool's size in MB (so dtypes line up by memory).
+    A layout that could not run in a pool is drawn as 0 requests, with an x."""
     mb = {}  # a pool that could not be built has no size of its own: take its sibling's
     for r in rows:
         key = (r.num_kv_blocks, getattr(r, "kv_cache_dtype", None))
@@ -147,7 +153,7 @@ def memory_sweep_figure(rows: Sequence) -> dict:
         x = [mb[(r.num_kv_blocks, dtype)] for r in members]
         style = dict(color=GAIN if paged else PALETTE[0], dash=["solid", "dash", "dot"][dtypes.index(dtype) % 3])
         for i, (attr, _) in enumerate(MEMORY_PANELS):
-            axis = "" if i == 0 else str(i + 1)
+            axis = _axis(i)
             y = [getattr(r, attr) if not r.error else (0 if i == 0 else None) for r in members]
             labelled = i == 0  # the number of requests that fit, written by each point
             data.append(scatter(
@@ -159,17 +165,14 @@ def memory_sweep_figure(rows: Sequence) -> dict:
                 customdata=[f"{r.num_kv_blocks} blocks" + (f": {r.error}" if r.error else "") for r in members],
                 hovertemplate=f"{name}, %{{x:.3~g}} MB, %{{customdata}}: %{{y}}<extra></extra>"))
     ticks = sorted(set(v for v in mb.values() if v > 0))
-    layout = {"grid": {"rows": 1, "columns": len(MEMORY_PANELS), "pattern": "independent", "xgap": 0.12},
-              "annotations": [{"text": label, "showarrow": False, "xref": f"x{'' if i == 0 else i + 1} domain",
-                               "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.0, "yanchor": "bottom"}
-                              for i, (_, label) in enumerate(MEMORY_PANELS)],
+    layout = {**_panels([label for _, label in MEMORY_PANELS], 0.12),
               "legend": dict(orientation="v", x=1.01, xanchor="left", y=1.0, yanchor="top")}
     if not ticks:
         layout["annotations"] = [note("no pool size ran")]
     x_axis = dict(AXIS, type="log", tickvals=ticks, ticktext=[f"{amount(t)} MB" for t in ticks],
                   title={"text": "KV pool"})
     for i, (attr, _) in enumerate(MEMORY_PANELS):
-        axis = "" if i == 0 else str(i + 1)
+        axis = _axis(i)
         layout[f"xaxis{axis}"] = x_axis
         layout[f"yaxis{axis}"] = dict(AXIS, rangemode="tozero")
         if attr != "throughput_tok_s":  # counts: no half a request, no 1.5 preemptions
@@ -217,11 +220,9 @@ def _against_goal(value: float, goal: float | None, higher_is_better: bool) -> s
 
 
 def quality_figure(rows: Sequence, goals: Sequence[tuple[float, float | None] | None] | None = None) -> dict:
-    """What each precision costs in quality (QualityRows of engine.measure.quality): how often its most likely next
-    token is fp32's, and how far its perplexity on the same text moves. One row per precision, read across two
-    panels (horizontal bars: a precision's name fits on the left). goals: per row, (least top-1 agreement, most
-    perplexity change or None), or None for a row without one: a black dash on the bar, which is green when it
-    meets the goal, red when short, blue without a goal."""
+    """What each precision costs in quality (QualityRows): how often its most likely next token is fp32's, and how far
+    its perplexity moves, a row per precision across two panels. goals: per row, (least top-1 agreement, most
+    perplexity change or None) or None: a black dash, the bar green when it meets it, red when short, else blue."""
     goals = list(goals) if goals is not None else [None] * len(rows)
     cats = [_precision_label(r.precision) for r in rows]
     top1 = [100 * r.top1_agreement for r in rows]
@@ -249,10 +250,8 @@ def quality_figure(rows: Sequence, goals: Sequence[tuple[float, float | None] | 
     spread = ppl + [g for g in ppl_goal if g is not None] + [0.0]
     pad = max(1.0, 0.2 * (max(spread) - min(spread)))  # room on both sides for the labels
     order = dict(categoryorder="array", categoryarray=cats[::-1])  # the first row on top
-    layout = {"grid": {"rows": 1, "columns": 2, "pattern": "independent", "xgap": 0.12},
-              "annotations": [{"text": label, "showarrow": False, "xref": f"x{'' if i == 0 else i + 1} domain",
-                               "yref": f"y{'' if i == 0 else i + 1} domain", "x": 0.5, "y": 1.0, "yanchor": "bottom"}
-                              for i, label in enumerate(QUALITY_PANELS)] + ([] if rows else [note("no precision ran")]),
+    panels = _panels(QUALITY_PANELS, 0.12)
+    layout = {**panels, "annotations": panels["annotations"] + ([] if rows else [note("no precision ran")]),
               "xaxis": dict(range=[floor, 104], ticksuffix="%"),
               "xaxis2": dict(AXIS, range=[min(spread) - pad, max(spread) + pad], ticksuffix="%", zeroline=True,
                              zerolinecolor="#888"),

@@ -1,8 +1,6 @@
-"""What every attention backend is to the runner (as mini-sglang's attention backends build their own metadata):
-made once per runner from a `BackendSetup`, asked each step to `build` that step's metadata from the scheduled
-requests in row order, and able to say in words what attends (`kernel`). The runner keeps what all of them share
-(input ids, positions, every new token's slot, the rows to sample) and no branch on which backend runs.
-Backends by name: `BACKENDS` in engine/attention/__init__.py (the name itself is resolved in engine/factory.py)."""
+"""What every attention backend is to the runner (as mini-sglang's build their own metadata): made once from a
+`BackendSetup`, asked each step to `build` that step's metadata, able to say in words what attends (`kernel`).
+The runner keeps what all of them share and no branch on which backend runs."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

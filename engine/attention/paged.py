@@ -1,9 +1,6 @@
-"""The triton backend (`attention_backend="triton"`): the paged kernels' metadata, built once per step from the
-schedule.
-
-Kept apart from the kernels (triton_paged.py) so it is built without importing triton. Every tensor here is made on
-the host in one go and copied to the device (pinned and non-blocking on CUDA), so no kernel waits on Python
-lists mid-forward, and nothing is gathered: the kernels read the block tables themselves.
+"""The triton backend (`attention_backend="triton"`): the paged kernels' metadata, built once per step without
+importing triton. Every tensor is made on the host in one go and copied to the device (pinned and non-blocking on
+CUDA), and nothing is gathered: the kernels read the block tables themselves.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Paged attention with torch's scaled_dot_product_attention, or on CPU the engine's C++ kernel.
 
-On CPU with the engine's C++ kernels (cpu_kernels.py) every row of a step reads its own slots of the pool in one
-call a layer: a decode row its request's whole context, a prefill chunk's rows their request's context up to their
-own position (causal), after the step's K/V are written (CppPoolBackend builds the lists). Without it:
-decode rows (one query each) are batched: their keys are gathered from the cache through a padded slot
-index and a mask hides the padding (no mask when they are all as long: SDPA is faster without one); GQA is
-handled by folding each KV head's query group into the query axis, so K/V are never repeated. Each prefill runs
-on its own: causally on its fresh K/V when nothing was cached before it, or against its gathered context
-(prefix-cache hits) with an offset causal mask.
-An int8 cache stores K and V with a scale per token and KV head: quantized as they are written, dequantized as
-they are read. With kv_cache_smoothing its keys are first divided per channel by a calibrated scale (KeyScale).
-The metadata of both: SdpaBackend (gathered K/V) and CppPoolBackend (every row over the pool), at the end.
+With the C++ kernels (CppPoolBackend) every row of a step reads its own slots of the pool in one call a layer,
+after the step's K/V are written. Without them (SdpaBackend) decode rows are batched over K/V gathered through a
+padded slot index under a mask (none when all are as long: SDPA is faster without one), GQA folded into the query
+axis so K/V are never repeated; each prefill runs on its own, causally, over its gathered context. An int8 cache
+is quantized as written and dequantized as read; with kv_cache_smoothing its keys are first rescaled (KeyScale).
 """
 from __future__ import annotations
 

@@ -11,9 +11,7 @@ Three kernels read and write the paged KV cache in place, through the same block
   tokens, causal: query row i at absolute position ctx_len - q_len + i sees keys 0..that position. The new
   tokens' K/V were stored first, so cached prefix and new tokens are read the same way.
 
-Triton is imported only when this module is (the engine imports it lazily, for the triton backend), so a CPU
-install without triton never needs it. On CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1,
-set before triton is imported): slow, for tests.
+On CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported): for tests.
 """
 from __future__ import annotations
 

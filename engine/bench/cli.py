@@ -1,30 +1,8 @@
-"""The command line: a thin front over the experiments; it alone prints. Each command can also write --json.
+"""The command line: a thin front over engine/measure; it alone prints. Each command can also write --json.
 
-    python -m engine.bench                       # `table`: Batch | Time | TTFT | TPOT | Memory | TPS, and HF
-    python -m engine.bench compare --workload mixed-lengths --a naive --b full
-    python -m engine.bench hf-static --workload mixed-lengths   # or --fixed: 16 x (48 prompt, 64 new)
-    python -m engine.bench sched-cost --running 64
-    python -m engine.bench sampling-cost --batch 8               # each sampling mode's cost over greedy
-    python -m engine.bench prefill-cost --budgets 256,4096        # a wave of prompts: ms per prompt token
-    python -m engine.bench prefill-cost --budgets 256,4096 --beside-busy 2,3   # ... and beside a busy process
-    python -m engine.bench attention-cost --set dtype=bfloat16   # the C++ attention alone: decode rows, a chunk
-    python -m engine.bench closed-loop --concurrency 32                    # bench versus's load, no HTTP
-    python -m engine.bench closed-loop --beside-busy 1,2,4,6    # ... quiet, then beside k busy processes: fair share?
-    python -m engine.bench roofline                             # decode against the machine's bandwidth and GEMM peak
-    python -m engine.bench ablate --workload mixed-lengths --quick --json ablation.json
-    python -m engine.bench ablate --cumulative                  # the engine, feature by feature
-    python -m engine.bench ablate --concurrency 1,8,32          # each feature's worth under load
-    python -m engine.bench memory --blocks 32,64,128            # where requests stop fitting (fp32 vs int8 KV)
-    python -m engine.bench kernels --rows 1,16,64               # one step's matmuls in each weight format
-    python -m engine.bench kernel-worth --rows 1,16            # each C++ kernel against its torch path, end to end
-    python -m engine.bench decode --rounds 3                    # batch-1 time per token in each precision
-    python -m engine.bench decode --spec dtype=float32 --spec quantization=int4 --llama-cpp   # and llama.cpp's
-    python -m engine.bench quality --set quantization=int8      # top-1 agreement and perplexity vs fp32
-    python -m engine.bench serve --url http://127.0.0.1:7860 --concurrency 8 --requests 32   # any OpenAI server
-    python -m engine.bench serve-overhead --rounds 3            # the HTTP path vs LLM.generate, side by side
-    python -m engine.bench versus --server engine=http://127.0.0.1:7860 --server vllm=http://127.0.0.1:8011
-                                                                # two servers alternately, same fresh prompts
-    python -m engine.bench gpu-check --out DIR                  # the GPU engine, checked on one GPU
+    python -m engine.bench                  # `table`, the default: Batch | Time | TTFT | TPOT | Memory | TPS, and HF
+    python -m engine.bench -h               # every command; `python -m engine.bench COMMAND -h`: its options
+    python -m engine.bench gpu-check -h     # the GPU engine checked on one GPU (gpu_check.py, not in the list above)
 
 A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such as "prefix_caching=false".
 """
@@ -48,10 +26,6 @@ from ..measure.runs import load_llm
 from ..measure.specs import parse_assignments
 from ..workloads import load_workload
 from . import kernel_worth as kw_mod
-
-COMMANDS = ("table", "compare", "hf-static", "sched-cost", "ablate", "memory", "kernels", "kernel-worth", "decode",
-            "quality", "serve", "serve-overhead", "versus", "sampling-cost", "prefill-cost", "attention-cost",
-            "closed-loop", "roofline")
 
 
 def _number_list(text: str, kind: type, minimum: float, what: str) -> list:
@@ -104,81 +78,83 @@ def _common_parser() -> argparse.ArgumentParser:
     return common
 
 
+SIZE_HELP = {"tokens": "decode steps timed per round", "concurrency": "requests in flight at once",
+             "requests": "requests in all"}
+
+
+def _sizes(p: argparse.ArgumentParser, **defaults: int | None) -> None:
+    """A positive --name N for each name=default (prompt_len: --prompt-len), the sizes most commands share."""
+    for name, default in defaults.items():
+        p.add_argument("--" + name.replace("_", "-"), type=_positive, default=default, metavar="N",
+                       help=SIZE_HELP.get(name))
+
+
+def _specs(p: argparse.ArgumentParser, what: str, default: str) -> None:
+    p.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
+                   help=f"{what} (repeatable; default: {default})")
+
+
+def _workload(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--workload", default=default, required=default is None, help="preset name or TOML path")
+    p.add_argument("--quick", action="store_true", help="a quarter of each workload group")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     common = [_common_parser()]
     table = sub.add_parser("table", parents=common, help="the reference table (default)")
     table.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 16])
-    table.add_argument("--input-len", type=int, default=128)
-    table.add_argument("--output-len", type=int, default=128)
+    _sizes(table, input_len=128, output_len=128)
     table.add_argument("--seed", type=int, default=0)
     table.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     cmp = sub.add_parser("compare", parents=common, help="one workload through two configurations")
-    cmp.add_argument("--workload", required=True, help="preset name or TOML path")
+    _workload(cmp, None)
     cmp.add_argument("--a", default="naive", help="preset name or flags (default: naive)")
     cmp.add_argument("--b", default="full", help="preset name or flags (default: full)")
-    cmp.add_argument("--quick", action="store_true", help="a quarter of each workload group")
-    cmp.add_argument("--repeat", type=int, default=1, help="run the pair N times side by side (report the spread)")
+    cmp.add_argument("--repeat", type=_positive, default=1, help="run the pair N times side by side (the spread)")
     hf = sub.add_parser("hf-static", parents=common, help="HF generate in static batches vs the engine")
-    hf.add_argument("--workload", default="mixed-lengths")
-    hf.add_argument("--batch-size", type=int, default=8)
+    _workload(hf, "mixed-lengths")
+    _sizes(hf, batch_size=8)
     hf.add_argument("--fixed", action="store_true", help="the fixed-16 workload (16 x 48 prompt, 64 new), one batch")
-    hf.add_argument("--quick", action="store_true")
     ab = sub.add_parser("ablate", parents=common, help="the full engine, then each feature switch off in turn")
-    ab.add_argument("--workload", default="ablation", help="preset name or TOML path")
-    ab.add_argument("--quick", action="store_true", help="a quarter of each workload group")
+    _workload(ab, "ablation")
     ab.add_argument("--cumulative", action="store_true",
                     help="everything off (the naive loop), then each feature added back in the course's order")
     ab.add_argument("--concurrency", type=_int_list, default=None, metavar="1,8,32",
                     help="each feature's multiplier at each number of requests at a time (max_num_seqs)")
     mem = sub.add_parser("memory", parents=common, help="KV pool sizes, paged vs contiguous: what fits")
-    mem.add_argument("--workload", default="memory-pressure", help="preset name or TOML path")
+    _workload(mem, "memory-pressure")
     mem.add_argument("--blocks", type=_int_list, default=[32, 64, 128, 256], help="pool sizes, in blocks")
-    mem.add_argument("--quick", action="store_true", help="a quarter of each workload group")
     mem.add_argument("--kv-dtypes", default=",".join(ablation.KV_CACHE_DTYPES_SWEPT), metavar="auto,int8",
                      help="KV cache dtypes, each at the same memory per pool (auto: the model's dtype)")
     kn = sub.add_parser("kernels", parents=common, help="one decode step's matmuls in each weight format")
     kn.add_argument("--rows", type=_int_list, default=[1, 16, 64], help="tokens in the step")
-    kn.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
-                    help=f"weights to time (repeatable; default: {' '.join(pr.KERNEL_SPECS)})")
-    kn.add_argument("--repeat", type=int, default=5)
+    _specs(kn, "weights to time", " ".join(pr.KERNEL_SPECS))
+    _sizes(kn, repeat=5)
     kw = sub.add_parser("kernel-worth", parents=common,
                         help="each of the engine's C++ CPU kernels against its torch path, decode steps end to end")
     kw.add_argument("--rows", type=_int_list, default=[1, 16], help="requests decoding together")
-    kw.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
-                    help=f"precisions (repeatable; default: {' '.join(kw_mod.SPECS)})")
-    kw.add_argument("--tokens", type=_positive, default=24, help="decode steps timed per round")
-    kw.add_argument("--rounds", type=_positive, default=3)
+    _specs(kw, "precisions", " ".join(kw_mod.SPECS))
+    _sizes(kw, tokens=24, rounds=3)
     de = sub.add_parser("decode", parents=common, help="batch-1 time per token of the whole engine in each precision")
-    de.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
-                    help="precisions to time, the first the reference (repeatable; default: "
-                         f"{' '.join(pr.DECODE_SPECS)})")
-    de.add_argument("--prompt-len", type=_positive, default=128)
-    de.add_argument("--tokens", type=_positive, default=64, help="decode steps timed per round")
-    de.add_argument("--rounds", type=_positive, default=3)
+    _specs(de, "precisions to time, the first the reference", " ".join(pr.DECODE_SPECS))
+    _sizes(de, prompt_len=128, tokens=64, rounds=3)
     de.add_argument("--llama-cpp", nargs="?", const="embedded", default=None, metavar="GGUF",
                     help="also time llama.cpp on a GGUF file (default: the embedded one) in the same rounds; needs "
                          "the llama-cpp-python package")
     qu = sub.add_parser("quality", parents=common, help="a precision against fp32 over a fixed text")
-    qu.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
-                    help="precisions to compare (repeatable; default: the --set precision if one is given, else "
-                         f"{' '.join(pr.QUALITY_SPECS)})")
-    qu.add_argument("--window", type=int, default=1024, help="tokens per teacher-forced prompt")
-    _serve_parsers(sub)
+    _specs(qu, "precisions to compare", f"the --set precision if one is given, else {' '.join(pr.QUALITY_SPECS)}")
+    _sizes(qu, window=1024)
+    _serve_parsers(sub, common)
     _versus_parser(sub)
     sp = sub.add_parser("sampling-cost", parents=common, help="what each sampling mode adds over greedy, batched")
-    sp.add_argument("--batch", type=_positive, default=8)
-    sp.add_argument("--prompt-len", type=_positive, default=128)
-    sp.add_argument("--tokens", type=_positive, default=64)
-    sp.add_argument("--rounds", type=_positive, default=3)
+    _sizes(sp, batch=8, prompt_len=128, tokens=64, rounds=3)
     pc = sub.add_parser("prefill-cost", parents=common, help="a wave of prompts into an idle engine: ms per prompt "
                                                              "token at each step budget")
     pc.add_argument("--budgets", type=_int_list, default=[256], metavar="N,N",
                     help="max_num_batched_tokens values, alternating (default 256, the CPU's)")
-    pc.add_argument("--batch", type=_positive, default=32)
-    pc.add_argument("--prompt-len", type=_positive, default=128)
-    pc.add_argument("--rounds", type=_positive, default=3)
+    _sizes(pc, batch=32, prompt_len=128, rounds=3)
     pc.add_argument("--beside-busy", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
                     help="also time each budget beside a process that computes BUSY_MS then sleeps IDLE_MS (2,3: "
                          "40%% of a core, about what a benchmark client on the same host takes)")
@@ -187,14 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     ac.add_argument("--rows", type=_positive, default=32, help="decode rows (default 32)")
     ac.add_argument("--context", type=_positive, default=145, help="slots each decode row reads (default 145)")
     ac.add_argument("--chunk", type=_positive, default=224, help="rows of the causal chunk (default 224)")
-    ac.add_argument("--rounds", type=_positive, default=5)
+    _sizes(ac, rounds=5)
     cl = sub.add_parser("closed-loop", parents=common, help="bench versus's load in-process, without HTTP: requests "
                                                             "kept in flight, output tok/s")
-    cl.add_argument("--concurrency", type=_positive, default=32)
-    cl.add_argument("--requests", type=_positive, default=64)
-    cl.add_argument("--prompt-len", type=_positive, default=128)
-    cl.add_argument("--output-len", type=_positive, default=64)
-    cl.add_argument("--rounds", type=_positive, default=2)
+    _sizes(cl, concurrency=32, requests=64, prompt_len=128, output_len=64, rounds=2)
     cl.add_argument("--beside-busy", type=_neighbour_counts, default=None, metavar="K,K",
                     help="also run each round beside K busy processes, for each K (e.g. 1,2,4,6): tok/s against "
                          "the quiet run and against the engine's fair share of the cores")
@@ -203,26 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "one such process")
     rl = sub.add_parser("roofline", parents=common, help="decode in each precision against this machine's read "
                                                          "bandwidth (batch 1) and matmul peak (a batch)")
-    rl.add_argument("--spec", dest="specs", action="append", default=None, metavar="SPEC",
-                    help=f"precisions (repeatable; default: {' '.join(rf.SPECS)})")
+    _specs(rl, "precisions", " ".join(rf.SPECS))
     rl.add_argument("--quick", action="store_true", help="small sizes: seconds on a tiny model (a check, no result)")
     rl.add_argument("--batch", type=_positive, default=None, help="rows of the compute-bound step (default 32)")
-    rl.add_argument("--prompt-len", type=_positive, default=None)
-    rl.add_argument("--tokens", type=_positive, default=None, help="decode steps timed per round")
-    rl.add_argument("--rounds", type=_positive, default=None)
+    _sizes(rl, prompt_len=None, tokens=None, rounds=None)
     rl.add_argument("--read-mb", type=_positive, default=None, help="the read buffer, MiB (default: 1 GiB or 4x the "
                                                                     "last-level cache, whichever is more)")
     rl.add_argument("--gemm", type=_positive, default=None, metavar="N", help="the square GEMMs' side (default 2048)")
     sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
-    sc.add_argument("--running", type=int, default=64)
-    sc.add_argument("--prompt-len", type=int, default=16)
-    sc.add_argument("--decode-steps", type=int, default=32)
+    _sizes(sc, running=64, prompt_len=16, decode_steps=32)
     return parser
 
 
 def _serve_load_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--concurrency", type=_positive, default=8, help="requests in flight at once (default 8)")
-    p.add_argument("--requests", type=_positive, default=32, help="requests in all (the workload's, cycled)")
+    _sizes(p, concurrency=8, requests=32)
     p.add_argument("--workload", default="mixed-lengths", help="preset name or TOML path (presets/workloads/)")
     p.add_argument("--max-tokens", type=_positive, default=None, help="every request's max_tokens (default: the "
                                                                       "workload's own)")
@@ -230,10 +196,9 @@ def _serve_load_args(p: argparse.ArgumentParser) -> None:
                    help="stream /v1/chat/completions (default) or /v1/completions")
     p.add_argument("--tokenizer", default=None, help="turns random-token prompts into text (default: the "
                                                      "embedded model's)")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
 
 
-def _serve_parsers(sub) -> None:
+def _serve_parsers(sub, common: list[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="load an OpenAI-compatible server (this app, vLLM, ...) over HTTP")
     serve.add_argument("--url", required=True, help="the server's root, e.g. http://127.0.0.1:7860")
     _serve_load_args(serve)
@@ -242,14 +207,13 @@ def _serve_parsers(sub) -> None:
                        help="send vLLM's ignore_eos (default: as the workload says: random-token prompts do)")
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    over = sub.add_parser("serve-overhead", help="rounds of (python app.py + bench serve) and (LLM.generate in a "
-                                                 "fresh process): the HTTP path's cost")
+    serve.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    over = sub.add_parser("serve-overhead", parents=common, help="rounds of (python app.py + bench serve) and "
+                          "(LLM.generate in a fresh process): the HTTP path's cost; --set applies to both sides "
+                          "(max_num_seqs defaults to --concurrency)")
     _serve_load_args(over)
     over.set_defaults(workload="fixed-16", max_tokens=64)
-    over.add_argument("--rounds", type=_positive, default=3)
-    over.add_argument("--model", default=None, help="model folder, GGUF file or hub id (default: embedded)")
-    over.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
-                      help="EngineConfig fields for both sides (max_num_seqs defaults to --concurrency)")
+    _sizes(over, rounds=3)
 
 
 def _versus_parser(sub) -> None:
@@ -259,9 +223,7 @@ def _versus_parser(sub) -> None:
     vs.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
     vs.add_argument("--temperature", type=_float_list, default=[0.0, 1.0])
     vs.add_argument("--rounds", type=_positive, default=2, help="alternating rounds per cell (order swapped each)")
-    vs.add_argument("--requests", type=_positive, default=32)
-    vs.add_argument("--prompt-len", type=_positive, default=128)
-    vs.add_argument("--output-len", type=_positive, default=64)
+    _sizes(vs, requests=32, prompt_len=128, output_len=64)
     vs.add_argument("--api", choices=("chat", "completions"), default="completions")
     vs.add_argument("--tag", default="", help="what both servers run, e.g. fp32 or bf16 (they choose it)")
     vs.add_argument("--seed", type=int, default=None, help="replay an earlier run's prompts (default: fresh ones, "
@@ -286,7 +248,7 @@ def _positive(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["table", *argv]  # `table` is the default subcommand
     return build_parser().parse_args(argv)
 
@@ -327,9 +289,13 @@ def llama_cpp_gguf(given: str | None) -> Path | None:
     return gguf
 
 
-def _bar(done: int, total: int, what: str) -> None:
+def _say(what: str) -> None:
     """Progress on stderr, so stdout stays the report."""
-    print(f"[{done}/{total}] {what}", file=sys.stderr, flush=True)
+    print(what, file=sys.stderr, flush=True)
+
+
+def _bar(done: int, total: int, what: str) -> None:
+    _say(f"[{done}/{total}] {what}")
 
 
 def run_command(args: argparse.Namespace) -> rp.Report:
@@ -382,7 +348,7 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         return rp.kernels_report(rows, args.repeat)
     if args.command == "kernel-worth":
         rows = kw_mod.kernel_worth(llm, args.specs or kw_mod.SPECS, args.rows, args.tokens, args.rounds,
-                                   progress=lambda what: print(what, file=sys.stderr, flush=True))
+                                   progress=_say)
         return rp.kernel_worth_report(rows, args.tokens)
     if args.command == "decode":
         rows = pr.decode_timings(llm, args.specs or pr.DECODE_SPECS, args.prompt_len, args.tokens, args.rounds,
@@ -394,48 +360,28 @@ def run_command(args: argparse.Namespace) -> rp.Report:
     return rp.sched_cost_report(ex.sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
 
 
-def run_serve_command(args: argparse.Namespace) -> int:
-    """`serve` and `serve-overhead`: they talk HTTP, so they load no weights here (a tokenizer at most)."""
+def run_http_command(args: argparse.Namespace) -> tuple[str, Any, bool]:
+    """`serve`, `serve-overhead` and `versus` talk HTTP, so they load no weights here (a tokenizer at most).
+    Returns the text, the JSON data and whether a request failed."""
     from . import serve as sv
-    try:
-        workload = load_workload(args.workload)
-        if args.command == "serve":
-            tokenizer = _tokenizer(args.tokenizer) if any(r.text is None for r in workload.requests) else None
-            requests = sv.workload_requests(workload, tokenizer, args.requests, args.max_tokens, args.ignore_eos)
-            result = sv.run_serve(args.url, requests, args.concurrency, api=args.api, model=args.model,
-                                  temperature=args.temperature, timeout_s=args.timeout, workload=workload.name,
-                                  progress=sv.ProgressBar())
-            text, data = sv.render(result), result.to_json()
-        else:
-            from . import overhead
-            result = overhead.serve_overhead(workload, args, _bar)
-            text, data = overhead.render(result), result.to_json()
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(text)
-    if args.json is not None:
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
-        print(f"\nresults written to {args.json}")
-    return 0 if args.command != "serve" or not result.failures else 1
-
-
-def run_versus_command(args: argparse.Namespace) -> int:
-    from . import versus as vs
-    try:
+    if args.command == "versus":
+        from . import versus as vs
         result = vs.versus([vs.Server.parse(s) for s in args.servers], _tokenizer(args.tokenizer), args.concurrency,
                            args.temperature, args.rounds, args.requests, args.prompt_len, args.output_len,
-                           api=args.api, tag=args.tag, seed=args.seed, timeout_s=args.timeout,
-                           progress=vs.print_progress,
+                           api=args.api, tag=args.tag, seed=args.seed, timeout_s=args.timeout, progress=_say,
                            settle_s=vs.SETTLE_S if args.settle is None else args.settle)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(vs.render(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
-        print(f"\nresults written to {args.json}")
-    return 0
+        return vs.render(result), result.to_json(), False
+    workload = load_workload(args.workload)
+    if args.command == "serve-overhead":
+        from . import overhead
+        result = overhead.serve_overhead(workload, args, _bar)
+        return overhead.render(result), result.to_json(), False
+    tokenizer = _tokenizer(args.tokenizer) if any(r.text is None for r in workload.requests) else None
+    requests = sv.workload_requests(workload, tokenizer, args.requests, args.max_tokens, args.ignore_eos)
+    result = sv.run_serve(args.url, requests, args.concurrency, api=args.api, model=args.model,
+                          temperature=args.temperature, timeout_s=args.timeout, workload=workload.name,
+                          progress=sv.ProgressBar())
+    return sv.render(result), result.to_json(), bool(result.failures)
 
 
 def _tokenizer(name: str | None):
@@ -449,20 +395,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .gpu_check import main as gpu_check_main
         return gpu_check_main(argv[1:])
     args = parse_args(argv)
-    if args.command in ("serve", "serve-overhead"):
-        return run_serve_command(args)
-    if args.command == "versus":
-        return run_versus_command(args)
     try:
-        report = run_command(args)
+        if args.command in ("serve", "serve-overhead", "versus"):
+            text, data, failed = run_http_command(args)
+        else:
+            report = run_command(args)
+            data = rp.to_jsonable(report.rows if report.rows is not None else report)
+            text, failed = rp.render_report(report), False
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(rp.render_report(report))
+    print(text)
     if args.json is not None:
-        data = report.rows if report.rows is not None else report
-        args.json.write_text(json.dumps(rp.to_jsonable(data), indent=2) + "\n")
-        print(f"\nrows written to {args.json}")
-    return 0
-
-
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"\nresults written to {args.json}")
+    return 1 if failed else 0

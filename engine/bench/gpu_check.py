@@ -1,20 +1,6 @@
-"""`python -m engine.bench gpu-check --out DIR`: everything the GPU engine claims, checked in one run on one GPU.
-
-Needs only CUDA torch, transformers and triton (no gradio, no hub: the models are `random:` architectures):
-
-1. the GPU-marked tests (`pytest -m gpu tests/test_gpu.py`), in a subprocess (compiled kernels, no interpreter);
-2. parity with transformers on the device: a tiny fp32 model gives identical greedy tokens (triton backend with
-   CUDA graphs); bf16 random:qwen3-0.6b: at the first token where the engine and HF disagree, the engine's token
-   is among HF's top 5 (lower precision is measured, never asserted equal);
-3. the reference sweep: prompt 128, 256 new, batch 1/16/64/256: TTFT, TPOT, TPS, VRAM (allocator peak), for sdpa
-   and triton, and triton with CUDA graphs on;
-4. HF `generate` at batch 64 on the same weights, for a ratio;
-5. the goals (batch-1 TPOT with graphs <= 3 ms, batch 256 >= 25,000 tok/s, >= 5x HF at 64) as met / not met.
-
-Writes DIR/gpu_check.json and DIR/gpu_check.md after every section, so a run cut short still leaves what it
-measured; a section that fails is reported with its error and traceback and the next one still runs (`--only`
-reruns chosen sections). Without CUDA it refuses; `--cpu-dry-run` runs the same steps at toy sizes on CPU (kernels
-in Triton's interpreter) so the command itself is tested.
+"""`python -m engine.bench gpu-check --out DIR`: everything the GPU engine claims, checked in one run on one GPU
+(docs/gpu.md says what each section checks). The report is written after every section, so a run cut short still
+leaves what it measured; `--cpu-dry-run` runs the same steps at toy sizes on CPU, so the command itself is tested.
 """
 from __future__ import annotations
 
@@ -25,11 +11,11 @@ import os
 import platform
 import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from time import perf_counter as _now
 from typing import Any
 
 SECTIONS = ("tests", "parity", "sweep", "hf", "goals")
@@ -56,10 +42,6 @@ GPU_PLAN = Plan("cuda", "random:qwen3-0.6b", "bfloat16", 128, 256, [1, 16, 64, 2
 TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=32768)  # the vocabulary holds the sweep's token ids
 DRY_PLAN = Plan("cpu", "random:qwen3-0.6b", "float32", 8, 4, [1, 2], [], 2, 6, overrides=TINY, run_tests=False)
-
-
-def _now() -> float:
-    return time.perf_counter()
 
 
 def _free(device) -> None:
@@ -353,16 +335,12 @@ def markdown(report: dict) -> str:
              f"{report.get('seconds', 0):.0f} s in all.", ""]
     rows = report.get("sweep")
     if isinstance(rows, list):
-        lines += ["| Batch | Attention | CUDA graphs | TTFT ms | TPOT ms | TPS (tok/s) | VRAM GB |",
-                  "|---:|---|---|---:|---:|---:|---:|"]
-        for r in rows:
-            head = f"| {r['batch']} | {r['attention_backend']} | {'on' if r['cuda_graphs'] else 'off'} | "
-            if "error" in r:
-                lines.append(head + f"failed: {r['error'][:120]} | | | | |")
-                continue
-            lines.append(head + f"{_fmt(r['ttft_ms'])} | {_fmt(r['tpot_ms'], 2)} | {r['tps']:,.0f} | "
-                                f"{r['vram_gb']:.2f} |")
-        lines.append("")
+        from ..measure.report import markdown_table
+        lines += [markdown_table([{"Batch": r["batch"], "Attention": r["attention_backend"],
+                                   "CUDA graphs": "on" if r["cuda_graphs"] else "off",
+                                   "TTFT ms": f"failed: {r['error'][:120]}" if "error" in r else r["ttft_ms"],
+                                   **{k: r.get(key) for k, key in (("TPOT ms", "tpot_ms"), ("TPS (tok/s)", "tps"),
+                                                                   ("VRAM GB", "vram_gb"))}} for r in rows]), ""]
     hf = report.get("hf")
     if isinstance(hf, dict) and "hf_tps" in hf:
         lines += [f"HF `generate` at batch {hf['batch']}: {hf['hf_tps']:,.0f} tok/s; the engine "

@@ -1,16 +1,7 @@
-"""What each of the engine's C++ CPU kernels is worth end to end: decode steps with every kernel on, against the same
-engine with one kernel on its torch path, at 1 and 16 rows, alternating rounds in one process.
-
-  attention    decode attention straight over the paged pool (else torch SDPA over the gathered K/V)
-  layer ops    RMSNorm with its residual add, RoPE, silu(gate) * up in one call each (else the torch formulas)
-  matmul       float32 / bf16 dense matmuls (else oneDNN's linear); int8 / int4 weight-only matmuls (else torch's
-               packed kernels, bf16 activations)
-  w8a8 rows    w8a8's per-row quantization around fbgemm (else the torch calls)
-  huge pages   the projections' weights in one buffer of 2 MB pages (engine/huge_pages.py; else each tensor in
-               ordinary 4 KB pages of its own), where the system gives them
-
-`python -m engine.bench kernel-worth`; its table goes to docs/measurements.md with the CPU named. A kernel that does
-not measurably pay here is a candidate for the portable path.
+"""What each of the engine's C++ CPU kernels is worth end to end: decode steps with every kernel on, against the
+same engine with one kernel on its torch path (`_off` says which path), alternating rounds in one process.
+`python -m engine.bench kernel-worth`; its table goes to docs/measurements.md with the CPU named. A kernel that
+does not measurably pay here is a candidate for the portable path.
 """
 from __future__ import annotations
 
@@ -55,45 +46,27 @@ def _kernels_for(fields: dict) -> list[str]:
 def _off(engine, kernel: str, torch_model):
     """The engine with one kernel on its torch path for the duration (restored after)."""
     runner, model = engine.runner, engine.model
-    if kernel == "attention":
-        saved = runner.attention.decode_attention, runner.attention.write_kv
-        runner.attention.decode_attention = runner.attention.write_kv = None
-        try:
-            yield engine
-        finally:
-            runner.attention.decode_attention, runner.attention.write_kv = saved
-    elif kernel == "layer ops":
-        saved = model.cpu_ops
-        model.cpu_ops = None
-        try:
-            yield engine
-        finally:
-            model.cpu_ops = saved
-    elif kernel == "matmul":  # the same engine's pool and schedule, over weights built for torch's kernel
-        engine.model = runner.model = torch_model
-        try:
-            yield engine
-        finally:
-            engine.model = runner.model = model
-    elif kernel == "huge pages":
-        tensors = model.streamed_tensors()
-        huge_pages.scatter(tensors)
-        try:
-            yield engine
-        finally:
-            huge_pages.gather(tensors)
-    elif kernel == "w8a8 rows":
-        projections = model.projections()
-        saved = [(p._quantize_rows, p._dequantize_rows) for p in projections]
-        for p in projections:
-            p._quantize_rows, p._dequantize_rows = cpu_kernels.quantize_rows_python, cpu_kernels.dequantize_rows_python
-        try:
-            yield engine
-        finally:
-            for p, (q, d) in zip(projections, saved):
-                p._quantize_rows, p._dequantize_rows = q, d
-    else:
+    swaps = {"attention": [(runner.attention, "decode_attention", None), (runner.attention, "write_kv", None)],
+             "layer ops": [(model, "cpu_ops", None)],
+             # the same engine's pool and schedule, over weights built for torch's kernel
+             "matmul": [(engine, "model", torch_model), (runner, "model", torch_model)],
+             "w8a8 rows": [(p, name, getattr(cpu_kernels, f"{name[1:]}_python")) for p in model.projections()
+                           for name in ("_quantize_rows", "_dequantize_rows")],
+             "huge pages": []}
+    if kernel not in swaps:
         raise ValueError(f"unknown kernel {kernel!r}")
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps[kernel]]
+    for obj, name, value in swaps[kernel]:
+        setattr(obj, name, value)
+    tensors = model.streamed_tensors() if kernel == "huge pages" else []
+    huge_pages.scatter(tensors)
+    try:
+        yield engine
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        if tensors:
+            huge_pages.gather(tensors)
 
 
 def kernel_worth(llm, specs=SPECS, rows=(1, 16), tokens: int = 24, rounds: int = 3, prompt_len: int = 64,

@@ -1,10 +1,8 @@
 """`python -m engine.bench serve-overhead`: what the HTTP streaming path costs, measured side by side.
 
-Each round runs the same requests twice, each time in a fresh process: `python app.py` on a free port loaded by
-`bench serve` (streaming, N in flight), then `LLM.generate` over the same prompt token ids (the server's own chat
-template), the same max_tokens with ignore_eos (so both generate exactly the same number of tokens) and the same
-engine configuration (max_num_seqs = N). Rounds alternate, so a machine that gets busier hurts both sides alike.
-Run it at real-time priority on a shared machine: `chrt -r 10 python -m engine.bench serve-overhead`.
+Each round runs the same requests twice, each side in a fresh process: `python app.py` loaded by `bench serve`, then
+`LLM.generate` over the same prompt token ids, max_tokens with ignore_eos and engine configuration. Rounds
+alternate, so a machine that gets busier hurts both sides alike.
 
     python -m engine.bench.overhead PROMPTS.json OUT.json   # one offline side (what a round starts)
 """

@@ -1,11 +1,9 @@
 """`python -m engine.bench serve`: a load generator for any OpenAI-compatible server, after `vllm bench serve`.
 
-N requests in flight stream /v1/chat/completions (or /v1/completions); each chunk's arrival is timed on the client,
-so the numbers are what a user of the server sees: time to first token, inter-token latency (between chunks, as
-vLLM counts it), time per output token and end-to-end latency, with request and token throughput. Tokens are
-counted from the server's own `usage` (stream_options.include_usage), chunks where a server does not report it.
-Prompts come from the workload presets: a random-token prompt is sent as its text (the tokenizer's decoding), a
-text prompt as it is. Pure httpx + asyncio: no engine, no torch unless a tokenizer is needed for the prompts.
+N requests in flight stream the API; each chunk is timed on arrival at the client, so the numbers are what a user of
+the server sees (TTFT, ITL between chunks as vLLM counts it, TPOT, end-to-end latency). Tokens are counted from the
+server's own `usage`, chunks where it reports none. Pure httpx + asyncio: no engine, no torch unless a
+tokenizer turns random-token prompts into text.
 """
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ from .. import sse
 from ..workloads import Workload
 
 APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-PERCENTILES = (50, 90, 99)
 
 
 @dataclass
@@ -142,7 +139,6 @@ def stats_ms(values: Sequence[float | None]) -> dict[str, float | None]:
             "std": math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))}
 
 
-# ---- prompts ------------------------------------------------------------------------------------------------
 def workload_requests(workload: Workload, tokenizer: Any | None, num_requests: int, max_tokens: int | None = None,
                       ignore_eos: bool | None = None) -> list[ServeRequest]:
     """The workload's requests as texts, cycled to num_requests. A random-token prompt becomes the tokenizer's
@@ -161,7 +157,6 @@ def workload_requests(workload: Workload, tokenizer: Any | None, num_requests: i
     return out
 
 
-# ---- the client ---------------------------------------------------------------------------------------------
 def base_url(url: str) -> str:
     """The server's root: "http://host:8000", "http://host:8000/" and "http://host:8000/v1" are the same server."""
     url = url.strip().rstrip("/")
@@ -323,7 +318,6 @@ class ProgressBar:
         self.stream.flush()
 
 
-# ---- the table ----------------------------------------------------------------------------------------------
 def render(result: ServeResult) -> str:
     """vLLM's layout ("Serving Benchmark Result"), with P90 beside its P99 and the failures' messages counted."""
     s = result.summary()

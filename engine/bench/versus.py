@@ -1,24 +1,20 @@
 """`python -m engine.bench versus`: two OpenAI-compatible servers side by side, driven alternately.
 
-For each cell (concurrency x temperature) and each round, one fresh set of random-token prompts is drawn and
-sent to both servers, one after the other, the order swapped every round (so neither always runs on a warmer or
-quieter machine). Each server sees the same prompts in a cell's round and never the same prompts twice (no prefix
-cache hit from an earlier run). Every request generates exactly --output-len tokens (ignore_eos). The table gives
-the first server's numbers over the second's, per round (the spread is the min-max over rounds): output tok/s,
-mean and p99 TTFT, mean TPOT and ITL. Which dtype each server runs is its own setting: `--tag` names it. Each run
-starts after --settle seconds of quiet, so the server measured before it has wound down.
+Each cell (concurrency x temperature) and round draws fresh random-token prompts and sends them to both servers,
+the order swapped every round, so neither always runs on a warmer or quieter machine and no prefix cache serves
+an earlier run's prompts. Every request generates exactly --output-len tokens (ignore_eos). The table gives the
+first server's numbers over the second's, per round (min-max over rounds).
 """
 from __future__ import annotations
 
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..measure.runs import TOKEN_RANGE
+from ..measure.runs import random_prompts
 from .serve import ServeRequest, ServeResult, run_serve
 
 # Quiet before each run: vLLM's CPU server keeps working for a moment after its last request ends, where the
@@ -81,16 +77,13 @@ class VersusResult:
 
 def fresh_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[str]:
     """n random-token prompts as text (the server tokenizes them again, as vLLM's random dataset does)."""
-    rng = random.Random(seed)
-    return [tokenizer.decode([rng.randrange(*TOKEN_RANGE) for _ in range(length)]) for _ in range(n)]
+    return [tokenizer.decode(prompt) for prompt in random_prompts(n, length, seed)]
 
 
 def versus(servers: Sequence[Server], tokenizer: Any, concurrencies: Sequence[int], temperatures: Sequence[float],
            rounds: int = 2, num_requests: int = 32, prompt_len: int = 128, output_len: int = 64,
            api: str = "completions", tag: str = "", seed: int | None = None, timeout_s: float = 600.0,
            progress: Callable[[str], None] | None = None, settle_s: float = SETTLE_S) -> VersusResult:
-    """`settle_s`: seconds of quiet before each run, so that the server measured before (still winding down its
-    last requests' work) does not run on the cores of the one measured now."""
     if len(servers) != 2:
         raise ValueError(f"versus compares two servers, got {len(servers)}")
     if len({s.label for s in servers}) != 2:
@@ -101,8 +94,7 @@ def versus(servers: Sequence[Server], tokenizer: Any, concurrencies: Sequence[in
         raise ValueError(f"--settle must be 0-60 seconds, got {settle_s:g}")
     for s in servers:  # a warm-up each, not counted: first requests pay for lazy initialisation
         _check(run_serve(s.url, [ServeRequest("Hello", 4, True)], 1, api=api, timeout_s=timeout_s), s, "warm-up")
-    # None: a seed of its own, so that a second run against the same servers is not served from their prefix
-    # caches (each round's prompts are `seed + 1`, `seed + 2`, ...: a fixed seed replays the same prompts)
+    # None: a seed of its own, so that a second run against the same servers is not served from their prefix caches
     seed = random.SystemRandom().randrange(2**31) if seed is None else seed
     cells, draw = [], seed
     for c in concurrencies:
@@ -160,7 +152,3 @@ def render(result: VersusResult) -> str:
 def _median(xs: list[float | None]) -> float:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else float("nan")
-
-
-def print_progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

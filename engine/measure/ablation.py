@@ -20,11 +20,11 @@ from .runs import (
     kv_bytes_per_block,
     run_config,
     run_workload,
+    tell,
 )
 from .specs import load_feature_preset
 
 
-# ---- `ablate`: the full engine, then each switch off in turn; --cumulative; --concurrency ---------------
 @dataclass(frozen=True)
 class Feature:
     switch: str  # the EngineConfig field: a True/False switch, or a setting such as quantization
@@ -96,8 +96,7 @@ def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list
     base: RunResult | None = None
     previous: RunResult | None = None
     for i, (feature, switch, fields) in enumerate(plan):
-        if progress is not None:
-            progress(i, len(plan), feature)
+        tell(progress, i, len(plan), feature)
         row = AblationRow(feature, switch, concurrency=concurrency)
         rows.append(row)
         try:
@@ -116,17 +115,15 @@ def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list
         speed = model_speeds(llm.engine.model).get(r.config["quantization"]) if r.config["quantization"] else None
         row.speed_vs_fp32 = speed.describe() if speed is not None else None
         previous = r
-    if progress is not None:
-        progress(len(plan), len(plan), "done")
+    tell(progress, len(plan), len(plan), "done")
     return rows
 
 
 def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None, progress: Progress = None,
            concurrency: int | None = None, should_stop: StopCheck | None = None) -> list[AblationRow]:
-    """The full engine (every built switch on), then each switch off in turn: throughput, its ratio to the full
-    engine, latency, and whether greedy outputs equal the full engine's. A configuration that cannot run on
-    this workload (e.g. contiguous KV in a pool too small for max_model_len) gets a row with `error`.
-    concurrency: requests at a time (max_num_seqs), instead of the workload's own."""
+    """The full engine (every built switch on), then each switch off in turn. A configuration that cannot run on
+    this workload (contiguous KV in a pool too small for max_model_len) gets a row with `error`. concurrency:
+    requests at a time (max_num_seqs), instead of the workload's own."""
     settings = {**(settings or {}), **({"max_num_seqs": concurrency} if concurrency else {})}
     plan = [(FULL_ENGINE, None, FULL_FIELDS)]
     plan += [(f.off_label, f.switch, {**FULL_FIELDS, **f.fields(False)}) for f in FEATURES]
@@ -152,12 +149,10 @@ def ablate_concurrency(llm: LLM, workload: Workload, levels: Sequence[int], sett
         report = None if progress is None else (
             lambda j, n, name, i=i, level=level: progress(i * (len(FEATURES) + 1) + j, steps, f"{name} @ {level}"))
         rows += ablate(llm, workload, settings, report, concurrency=level, should_stop=should_stop)
-    if progress is not None:
-        progress(steps, steps, "done")
+    tell(progress, steps, steps, "done")
     return rows
 
 
-# ---- `memory`: where requests stop fitting ------------------------------------------------------------
 @dataclass
 class MemoryRow:
     num_kv_blocks: int
@@ -185,9 +180,8 @@ def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settin
     plan = [(blocks, paged, kv) for blocks in pool_sizes for kv in kv_cache_dtypes for paged in (True, False)]
     rows: list[MemoryRow] = []
     for i, (blocks, paged, kv) in enumerate(plan):
-        if progress is not None:
-            progress(i, len(plan), f"{blocks} blocks' memory, {'paged' if paged else 'contiguous'}"
-                                   + ("" if kv == "auto" else f", KV {kv}"))
+        tell(progress, i, len(plan), f"{blocks} blocks' memory, {'paged' if paged else 'contiguous'}"
+                                     + ("" if kv == "auto" else f", KV {kv}"))
         fields = config_fields(workload, settings or {}, {"paged_kv": paged, "kv_cache_dtype": kv})
         row = MemoryRow(blocks, paged, 0.0)
         rows.append(row)
@@ -207,6 +201,5 @@ def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settin
             continue
         row.peak_running, row.preemptions, row.throughput_tok_s = r.peak_running, r.preemptions, r.throughput
         row.mean_ttft_s, row.memory_efficiency = r.mean_ttft_s, r.memory_efficiency
-    if progress is not None:
-        progress(len(plan), len(plan), "done")
+    tell(progress, len(plan), len(plan), "done")
     return rows

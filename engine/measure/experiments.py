@@ -1,9 +1,5 @@
-"""Experiments: each returns dataclasses a UI can use; only the CLI prints.
-
-table (the reference table, with HF generate), compare (one workload, two configurations), hf-static
-(HF in static batches vs the engine), sched-cost (the scheduler's own cost), sampling-cost, prefill-cost. What each
-feature is worth (ablate, memory) is ablation.py; what each precision costs (kernels, decode, quality) precision.py.
-"""
+"""Experiments: each returns dataclasses a UI can use; only the CLI prints. What each feature is worth (ablate,
+memory) is ablation.py's; what each precision costs (kernels, decode, quality) precision.py's."""
 from __future__ import annotations
 
 import math
@@ -40,12 +36,12 @@ from .runs import (
     run_config,
     run_workload,
     summarize_steps,
+    tell,
     weight_bytes,
 )
 from .specs import resolve_spec
 
 
-# ---- `table`: the reference table ----------------------------------------------------------------------
 @dataclass
 class TableRow:
     batch: int
@@ -107,7 +103,6 @@ def run_table(llm: LLM, batch_sizes: Sequence[int], input_len: int = 128, output
     return rows
 
 
-# ---- `compare`: one workload, two configurations -------------------------------------------------------
 @dataclass
 class CompareResult:
     workload: str
@@ -129,11 +124,9 @@ def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str, settings: di
     plan = [(spec, f) for _ in range(max(1, repeat)) for spec, f in zip((spec_a, spec_b), fields, strict=True)]
     runs = []
     for i, (spec, f) in enumerate(plan):
-        if progress is not None:
-            progress(i, len(plan), spec)
+        tell(progress, i, len(plan), spec)
         runs.append(run_config(llm, workload, f, should_stop))
-    if progress is not None:
-        progress(len(plan), len(plan), "done")
+    tell(progress, len(plan), len(plan), "done")
     pairs = list(zip(runs[::2], runs[1::2], strict=True))
     ratios = [b.throughput / a.throughput if a.throughput else float("inf") for a, b in pairs]
     gap_ratios = [a.max_token_gap_s / b.max_token_gap_s for a, b in pairs if a.max_token_gap_s and b.max_token_gap_s]
@@ -141,7 +134,6 @@ def compare(llm: LLM, workload: Workload, spec_a: str, spec_b: str, settings: di
                          all(x.output_token_ids == y.output_token_ids for x, y in pairs), ratios, gap_ratios)
 
 
-# ---- `hf-static`: transformers in static batches vs the engine -----------------------------------------
 @dataclass
 class HFStaticResult:
     workload: str
@@ -168,7 +160,6 @@ def hf_static(llm: LLM, workload: Workload, batch_size: int = 8,
                           useful, hf_tps, engine_run, engine_run.throughput / hf_tps if hf_tps else float("inf"))
 
 
-# ---- `sched-cost`: the scheduler's own cost per step ---------------------------------------------------
 @dataclass
 class SchedCostResult:
     running: int
@@ -185,20 +176,24 @@ def sched_cost(llm: LLM, running: int = 64, prompt_len: int = 16, decode_steps: 
     settings["max_num_seqs"] = max(running, settings.get("max_num_seqs", EngineConfig.max_num_seqs))
     engine = llm.build_engine(settings)
     warm_up(engine)
-    tracker = StepTracker(engine)
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
-    for prompt in random_prompts(running, prompt_len, seed):
-        engine.add_request(prompt, params)
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        tracker.step()
-    wall = time.perf_counter() - start
+    tracker, wall = _drain(engine, random_prompts(running, prompt_len, seed), params)
     decodes = [r for r in tracker.records if r.decodes and not r.prefills]
     return SchedCostResult(running, prompt_len, decode_steps, summarize_steps(decodes),
                            summarize_steps(tracker.records), wall)
 
 
-# ---- `sampling-cost`: what sampling adds to a decode step, over greedy -------------------------------------
+def _drain(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[StepTracker, float]:
+    """Every prompt added with these params, then steps until all have finished: the steps, and the seconds."""
+    tracker = StepTracker(engine)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        tracker.step()
+    return tracker, time.perf_counter() - start
+
+
 # (label, SamplingParams fields): greedy first, the reference of every ratio
 SAMPLING_MODES = (("greedy", {"temperature": 0.0}), ("temperature 1", {"temperature": 1.0}),
                   ("temperature 0.7, top-p 0.95", {"temperature": 0.7, "top_p": 0.95}),
@@ -225,13 +220,9 @@ def sampling_cost(llm: LLM, batch: int = 8, prompt_len: int = 128, tokens: int =
     for _ in range(rounds):
         for row, (_, fields) in zip(rows, SAMPLING_MODES, strict=True):
             draw += 1
-            tracker = StepTracker(engine)
-            for prompt in random_prompts(batch, prompt_len, draw):
-                engine.add_request(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True, seed=draw, **fields))
-            start = time.perf_counter()
-            while engine.has_unfinished():
-                tracker.step()
-            row.tok_s.append(batch * tokens / (time.perf_counter() - start))
+            params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=draw, **fields)
+            tracker, took = _drain(engine, random_prompts(batch, prompt_len, draw), params)
+            row.tok_s.append(batch * tokens / took)
             row.sample_ms.append(summarize_steps(tracker.records).mean_ms["sample_ms"])
         for row in rows:
             row.vs_greedy.append(row.tok_s[-1] / rows[0].tok_s[-1])
@@ -244,7 +235,7 @@ class PrefillCostRow:
     ms_per_token: list[float]  # the wave's prefill time over its prompt tokens, one per round
     steps: list[int]  # steps the wave took
     forward_share: list[float]  # of the wave's time, the model's forward (the rest: scheduling, preparing, sampling)
-    beside_busy: bool = False  # timed while another process kept part of a core busy (busy_process)
+    beside_busy: bool = False  # timed beside a busy process (busy_process)
 
 
 # A process that computes busy_ms, then sleeps idle_ms, until killed: another program sharing the cores (as the
@@ -303,12 +294,10 @@ def busy_process(busy_ms: float, idle_ms: float) -> Iterator[subprocess.Popen]:
 def prefill_cost(llm: LLM, budgets: list[int], batch: int = 32, prompt_len: int = 128, rounds: int = 3,
                  settings: dict[str, Any] | None = None, seed: int = 0,
                  busy: tuple[float, float] | None = None) -> list[PrefillCostRow]:
-    """A wave of `batch` fresh prompts arriving together into an idle engine, each asking for one token (so the wave
-    is all prefill), at each step budget, the budgets alternating within each round: time per prompt token. What a
-    burst of requests waits for its first token; vLLM's offline `LLM.generate` times the same (docs/measurements.md).
-    Prefix caching is off: fresh random prompts share nothing anyway, and a cached run would time nothing.
-    `busy` (busy_ms, idle_ms): each round also times every budget beside a busy_process, so what a shared CPU
-    costs each step size is read side by side (rows with beside_busy=True after the others)."""
+    """A wave of `batch` fresh prompts (one token each: all prefill) into an idle engine at each step budget, the
+    budgets alternating within each round: what a burst of requests waits for its first token. Prefix caching is
+    off: a cached run would time nothing. `busy` (busy_ms, idle_ms): each round also times every budget beside a
+    busy process, so what a shared CPU costs each step size is read side by side."""
     engines = [llm.build_engine({**(settings or {}), "prefix_caching": False, "max_num_batched_tokens": b})
                for b in budgets]
     for engine in engines:
@@ -326,13 +315,7 @@ def prefill_cost(llm: LLM, budgets: list[int], batch: int = 32, prompt_len: int 
 
 
 def _time_wave(engine: LLMEngine, row: PrefillCostRow, prompts: list[list[int]]) -> None:
-    tracker = StepTracker(engine)
-    for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        tracker.step()
-    took = time.perf_counter() - start
+    tracker, took = _drain(engine, prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     row.ms_per_token.append(took * 1e3 / sum(len(p) for p in prompts))
     row.steps.append(len(tracker.records))
     row.forward_share.append(sum(r.forward_ms for r in tracker.records) / (took * 1e3))
@@ -349,11 +332,9 @@ class AttentionCostRow:
 
 def attention_cost(llm: LLM, rows: int = 32, context: int = 145, chunk: int = 224, rounds: int = 5,
                    seed: int = 0) -> list[AttentionCostRow]:
-    """The engine's C++ attention kernel alone (cpu_kernels.py), as a step calls it: once per layer, each layer
-    over a pool of its own (so each call reads memory the last did not warm), the model's heads, head size and
-    dtype, its block size, the rows' blocks scattered over a pool three times what they need (a pool after a
-    while of serving). `rows` decode rows reading `context` slots each; one prompt's chunk of `chunk` rows
-    reading 1, 2, ..., chunk slots (a prefill chunk, causal). Nothing else of the engine runs."""
+    """The engine's C++ attention kernel alone, as a step calls it: once per layer, each over a pool of its own (so
+    no call reads memory the last one warmed), the rows' blocks scattered over a pool three times what they need
+    (a pool after a while of serving). `rows` decode rows of `context` slots; one causal chunk of `chunk` rows."""
     from .. import cpu_kernels
     ext = cpu_kernels.compiled()
     if ext is None:
@@ -419,10 +400,9 @@ class ClosedLoopRow:
 
 def fair_share(neighbours: int, threads: int, cores: int, duty: float = 1.0) -> float:
     """What the engine keeps of its quiet speed when every thread that wants a CPU gets an equal slice of the cores
-    (a neighbour wanting `duty` of a core gets that much if it is less than the slice): its `threads` (one core
-    each at most) against `neighbours` processes of one thread each. With a thread per core, neighbours that want a
-    whole core leave it cores / (cores + neighbours): 2 / (2 + k) on two cores (docs/measurements.md, "Beside a
-    busy neighbour")."""
+    (max-min fair): its `threads` against `neighbours` one-thread processes that each want `duty` of a core. With a
+    thread per core and whole-core neighbours: cores / (cores + neighbours) (docs/measurements.md, "Beside a busy
+    neighbour")."""
     demands = sorted([1.0] * threads + [duty] * neighbours)
     left, level = float(cores), 1.0
     for i, demand in enumerate(demands):  # max-min fair: fill the smallest demands first
@@ -438,15 +418,11 @@ def closed_loop(llm: LLM, concurrency: int = 32, requests: int = 64, prompt_len:
                 rounds: int = 2, settings: dict[str, Any] | None = None, seed: int = 0,
                 busy: tuple[float, float] | None = None, neighbours: Sequence[int] | None = None,
                 settle: bool = True) -> list[ClosedLoopRow]:
-    """What `bench versus` asks of a server, in-process and without HTTP: `concurrency` requests kept in flight (a
-    new one added as soon as one finishes) until `requests` have run, fresh random prompts, ignore_eos, greedy.
-    Output tok/s, and the step times of decode-only and mixed steps. `neighbours` (counts, e.g. 1, 2, 4, 6): each
-    round runs quiet, then beside that many busy processes for each count (busy_processes), so what neighbours on
-    the same cores (a benchmark client, an HTTP thread, other tenants) cost is read side by side, against the quiet
-    run and against the engine's fair share of the cores (docs/measurements.md, "Beside a busy neighbour").
-    `busy` (busy_ms, idle_ms): each neighbour's duty cycle (default: always busy); given alone, one such neighbour.
-    `settle`: before each run the engine's thread count takes the readings it would take over the run's first
-    seconds (engine/threads.py), so no run starts with the threads the previous condition left."""
+    """What `bench versus` asks of a server, in-process and without HTTP: `concurrency` requests kept in flight until
+    `requests` have run (fresh random prompts, ignore_eos, greedy). `neighbours` (counts): each round runs quiet,
+    then beside that many busy processes for each count, so what neighbours on the same cores cost is read side by
+    side. `busy` (busy_ms, idle_ms): each neighbour's duty cycle (default: always busy); alone, one neighbour.
+    `settle`: the thread count settles before each run, so no run starts with the threads the last one left."""
     counts = list(neighbours) if neighbours else ([1] if busy is not None else [])
     if any(k < 1 for k in counts):
         raise ValueError(f"neighbour counts must be at least 1 (the quiet run is always made), got {counts}")

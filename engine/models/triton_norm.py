@@ -1,12 +1,8 @@
 """RMSNorm as one Triton kernel, for the triton backend (`attention_backend="triton"`, the GPU default).
 
-transformers' RMSNorm is eight small kernels on a GPU (a cast up, square, mean, add eps, rsqrt, multiply, a cast
-back, the weight's multiply), and a decode layer runs three of them (input, post-attention, and Qwen3's q/k norm):
-at batch 1 a GPU step is a thousand launches of a few microseconds each, so the norms were half of them. This
-kernel does the same arithmetic (fp32 sum of squares, x * rsqrt(mean + eps), cast to the input's dtype, times the
-weight) in one pass per row. The reduction's order differs from torch's, so results agree to a rounding step, not
-bit for bit: the sdpa backend keeps transformers' own formula (models/llama.py's rms_norm) as the reference.
-
+transformers' RMSNorm is eight small kernels on a GPU, and at batch 1 a GPU step is bound by launches; this one
+does the same arithmetic in one pass per row. The reduction's order differs from torch's, so results agree to a
+rounding step, not bit for bit: the sdpa backend keeps transformers' formula (models/llama.py's rms_norm).
 Rows may be strided (Qwen3's q/k heads are views into the fused qkv output): row r is head r % heads of token
 r // heads, and the weight has one row per head or one row for all.
 """
