@@ -26,7 +26,7 @@ from viz.dashboard import DashboardFigures, FigureCache, since_rebuild
 from .access import Access, Seats
 from .chat import ChatHandlers, FrameRate
 from .conversation import WARNING
-from .lessons import LessonRunner
+from .lessons import LESSON_PERIOD_S, PAGE_PERIOD_S, LessonRunner
 from .measurements import Measurement, MeasurementHandlers, ablation_store
 from .remote import RemoteServer
 from .room import Room, plain
@@ -34,9 +34,6 @@ from .settings import SettingsHandlers
 from .stepmode import describe_step, plural
 from .traffic import TrafficGenerator, TrafficStatus
 from .watching import Watching
-
-
-PAGE_PERIOD_S, LESSON_PERIOD_S = 1.0, 0.5  # page_period's two answers
 
 
 class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):

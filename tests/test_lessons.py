@@ -132,13 +132,19 @@ def wait_phase(runner: LessonRunner, phases: tuple[str, ...], timeout_s: float =
 
 
 @pytest.mark.slow
-def test_a_lesson_measures_before_and_after_and_puts_the_engine_back(pg):
+def test_a_lesson_measures_before_and_after_and_puts_the_engine_back(pg, monkeypatch):
+    from playground.lessons import PAGE_PERIOD_S
     assert "Applied" in pg.apply_settings(max_num_seqs=12)  # the presenter's own setting, to be restored
     runner = LessonRunner(pg, seconds=4)
     pg.lessons = runner
+    changed_at = []
+    update = pg._update
+    monkeypatch.setattr(pg, "_update", lambda changes: changed_at.append(time.time()) or update(changes))
     said = runner.start("05-prefix-caching")
     assert "Started" in said, said
     wait_phase(runner, ("before",))
+    # the engine changes once every page's next tick has brought it to the lesson
+    assert changed_at and changed_at[0] - runner.run.started >= PAGE_PERIOD_S
     assert pg.settings()["prefix_caching"] is False and pg.settings()["max_num_seqs"] == 64  # the lesson's own
     assert pg.traffic.status().running
     wait_phase(runner, ("done", "failed"))
