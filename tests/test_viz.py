@@ -506,6 +506,12 @@ def test_a_lessons_chart_names_its_lines_axes_and_one_flip():
     assert "prefix_caching → on at 4 s" in layout["annotations"][0]["hovertext"]
     waiting = lesson_figure(LessonChart("Paged KV", "requests running", "", False, "paged_kv → on", [], None, 0.0))
     assert "appear here once" in json.dumps(waiting)
+    # flipped, with no number yet (prefix caching off looked nothing up before): the marker shows at once
+    flipped = lesson_figure(LessonChart("Prefix caching", "prefix-cache hit rate", "", True, "prefix_caching → on",
+                                        [], flip_at_s=30.0, now_s=30.5))
+    figures.to_figure(flipped)
+    assert [a["text"] for a in flipped["layout"]["annotations"]] == ["flip"]
+    assert flipped["layout"]["xaxis"]["range"][1] >= 30.0
 
 
 def test_a_markers_label_is_short_and_hover_has_the_rest():

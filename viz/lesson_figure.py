@@ -27,7 +27,9 @@ class LessonChart:
 
 
 def lesson_figure(chart: LessonChart) -> dict:
-    if not chart.points:
+    # the axes and the flip's marker once the switch has flipped, points or not: a number with nothing to say yet
+    # (prefix caching off looks nothing up) must not hold back the marker the room is watching for
+    if not chart.points and chart.flip_at_s is None:
         return placeholder_figure(f"{chart.title}: the numbers appear here once the lesson's users are running")
     flip = chart.flip_at_s
     before = [p for p in chart.points if flip is None or p[0] < flip]
@@ -43,7 +45,7 @@ def lesson_figure(chart: LessonChart) -> dict:
     data = [line(before, "before the switch", BEFORE)]
     if after:
         data.append(line(after, f"after: {shorten(chart.switch, 28)}", AFTER))
-    end = max(chart.now_s, chart.points[-1][0], 1.0)
+    end = max(chart.now_s, chart.points[-1][0] if chart.points else 0.0, chart.flip_at_s or 0.0, 1.0)
     for value, name, colour, x0, x1 in ((chart.before, "before", BEFORE, 0.0, flip or end),
                                         (chart.after, "after", AFTER, flip or 0.0, end)):
         if value is not None:
