@@ -68,9 +68,14 @@ def test_unquantized_choice_by_dtype_cpu_and_build():
         assert own.describe() == f"{str(dtype)[6:]} weights · C++ AVX-512 kernel"
         unbuilt = choose_kernel(None, "cpu", dtype, features=AVX512, extension=None)
         assert not unbuilt.own and unbuilt.kernel in ("oneDNN", "x @ W")
-    amx = AVX512 | {"amx_tile", "amx_bf16"}  # oneDNN's bf16 linear uses AMX: it keeps bf16 there, not float32
+    amx = AVX512 | {"amx_tile", "amx_bf16"}  # oneDNN's bf16 linear uses AMX: it keeps bf16 there, not float32,
     assert not choose_kernel(None, "cpu", torch.bfloat16, features=amx, extension=BuiltWithAvx512).own
     assert choose_kernel(None, "cpu", torch.float32, features=amx, extension=BuiltWithAvx512).own
+    with_amx = type("WithAmx", (BuiltWithAvx512,), {"dense_amx": staticmethod(lambda: True)})  # unless ours uses it
+    on_tiles = choose_kernel(None, "cpu", torch.bfloat16, features=amx, extension=with_amx)
+    assert on_tiles.own and "AMX" in on_tiles.why
+    assert not choose_kernel(None, "cpu", torch.bfloat16, features=amx,
+                             extension=type("NoAmx", (with_amx,), {"dense_amx": staticmethod(lambda: False)})).own
     fp32_only = type("Avx512NoBf16", (BuiltWithAvx512,), {"dense_dtypes": staticmethod(lambda: ["float32"])})
     assert not choose_kernel(None, "cpu", torch.bfloat16, features=AVX512, extension=fp32_only).own
     no_bf16 = AVX512 - {"avx512_bf16"}  # the CPU decides too (kernel-worth builds torch's weights by saying AVX2)
@@ -82,7 +87,8 @@ def test_unquantized_choice_by_dtype_cpu_and_build():
     ext, amx = cpu_kernels.compiled(), "amx_bf16" in kernels.cpu_features()  # this machine, its build
     for dtype in (torch.float32, torch.bfloat16):
         built = ext is not None and str(dtype)[6:] in ext.dense_dtypes()  # -march=native: the CPU's own flags
-        assert choose_kernel(None, "cpu", dtype).own == (built and not (amx and dtype == torch.bfloat16))
+        tiles = ext is not None and getattr(ext, "dense_amx", lambda: False)()
+        assert choose_kernel(None, "cpu", dtype).own == (built and not (amx and dtype == torch.bfloat16 and not tiles))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

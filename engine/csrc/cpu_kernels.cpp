@@ -14,6 +14,14 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+// AMX's tiles (bf16 dense matmuls): the instructions, and Linux's call that lets a process use them
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define WATCHLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define WATCHLLM_AMX 0
+#endif
 
 #include <algorithm>
 #include <array>
@@ -1184,6 +1192,137 @@ void dense_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w
 }
 #endif
 
+#if WATCHLLM_AMX
+// bf16 on AMX's tiles, over the same packed weight: a block's 16 pairs of k for its 16 outputs are 16 lines of 64
+// bytes in a row, which is the layout AMX's B tile takes, so one tile load reads them and one _tile_dpbf16ps adds
+// up to 16 rows' 32 products each into a 16 x 16 float tile. It replaces dense_tile_bf16 wherever AMX runs (K a
+// multiple of 32): a single row costs as little as there (the tile holds only the rows there are) and hundreds
+// ran as fast as oneDNN's AMX linear, which then need no copy of the weights of their own (docs/measurements.md,
+// "Against the machine's limits"). The tiles sum in their own order, not dense_tile_bf16's, but always the same
+// one: each output adds its pairs of k in order whatever rows share the tile, so a row's result does not depend
+// on its batch here either (tested).
+constexpr int kAmxBlocks = 4;  // blocks a group: tiles 0-3 hold their sums, 4 the rows of x, 5-7 the weights
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux gives a process AMX's tile registers only once it asks for them (ARCH_REQ_XCOMP_PERM, XTILEDATA); asked
+// once per process (oneDNN asks on its own)
+bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// one group's nb blocks (1-4) against `rows` rows of x (1-16, as the tiles are configured): the sums in tiles 0-3,
+// stored through scratch into y in bf16 (the tail block's outputs masked by last)
+template <int NB>
+void amx_tile_bf16(const char* x, int64_t x_stride, const char* w, int64_t pairs, int rows, c10::BFloat16* y,
+                   int64_t ldy, __mmask16 last, float (*scratch)[kDenseBlock]) {
+  const int64_t block_bytes = pairs * 64;
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  for (int64_t p = 0; p < pairs; p += 16) {
+    _tile_loadd(4, x + p * 4, x_stride);
+    _tile_loadd(5, w + p * 64, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NB > 1) {
+      _tile_loadd(6, w + block_bytes + p * 64, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NB > 2) {
+      _tile_loadd(7, w + 2 * block_bytes + p * 64, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (NB > 3) {
+      _tile_loadd(5, w + 3 * block_bytes + p * 64, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    switch (j) {  // a tile's number is part of the instruction
+      case 0: _tile_stored(0, scratch, 64); break;
+      case 1: _tile_stored(1, scratch, 64); break;
+      case 2: _tile_stored(2, scratch, 64); break;
+      default: _tile_stored(3, scratch, 64); break;
+    }
+    for (int i = 0; i < rows; ++i)
+      _mm256_mask_storeu_epi16(y + i * ldy + j * kDenseBlock, j == NB - 1 ? last : __mmask16(0xFFFF),
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(scratch[i])));
+  }
+}
+
+// y [m, n] = x @ W.T over pack_dense's bf16 weight, K a multiple of 32. Rows 16 at a time (the last few copied into
+// a zeroed tile of 16 when there are more than 16: their sums are the same, the zero rows' thrown away); up to 16
+// rows in one tile of as many. Each thread sets its tiles up for the call and, after, puts back whatever
+// configuration it found (torch's own AMX kernels keep theirs configured between calls), or lets the tiles go.
+void dense_matmul_amx(const c10::BFloat16* xp, int64_t ldx, const c10::BFloat16* wp, int64_t m, int64_t k_len,
+                      int64_t n, c10::BFloat16* yp) {
+  const int64_t pairs = k_len / 2, blocks = (n + kDenseBlock - 1) / kDenseBlock;
+  const int64_t groups = (blocks + kAmxBlocks - 1) / kAmxBlocks;
+  const int rows = static_cast<int>(std::min<int64_t>(m, 16));
+  const int64_t whole = m > 16 ? m / 16 * 16 : m, chunks = (m + 15) / 16;
+  std::vector<c10::BFloat16> tail;  // the rows past the last whole 16, zero-padded to 16
+  if (whole < m) {
+    tail.assign(16 * k_len, c10::BFloat16(0.f));
+    for (int64_t i = whole; i < m; ++i) std::memcpy(&tail[(i - whole) * k_len], xp + i * ldx, k_len * 2);
+  }
+  const __mmask16 tail_mask = n % kDenseBlock ? __mmask16((1u << (n % kDenseBlock)) - 1) : __mmask16(0xFFFF);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  const int64_t chunk = std::max<int64_t>(1, groups / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    TileConfig found, mine;
+    _tile_storeconfig(&found);
+    for (int t = 0; t < 5; ++t) mine.rows[t] = rows, mine.colsb[t] = 64;  // sums and x: `rows` rows
+    for (int t = 5; t < 8; ++t) mine.rows[t] = 16, mine.colsb[t] = 64;    // weights: 16 pairs of k
+    _tile_loadconfig(&mine);
+    alignas(64) float scratch[16][kDenseBlock];
+    for (int64_t g = next.fetch_add(chunk); g < groups; g = next.fetch_add(chunk)) {
+      for (const int64_t e = std::min(groups, g + chunk); g < e; ++g) {
+        const int64_t first = g * kAmxBlocks, count = std::min<int64_t>(kAmxBlocks, blocks - first);
+        const __mmask16 last = first + count == blocks ? tail_mask : __mmask16(0xFFFF);
+        const char* w = reinterpret_cast<const char*>(wp + first * pairs * 2 * kDenseBlock);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t i = c * 16;
+          const bool padded = i >= whole;
+          const char* x = reinterpret_cast<const char*>(padded ? tail.data() : xp + i * ldx);
+          const int64_t x_stride = (padded ? k_len : ldx) * 2;
+          const int valid = static_cast<int>(std::min<int64_t>(rows, m - i));
+          c10::BFloat16* y = yp + i * n + first * kDenseBlock;
+          switch (count) {
+            case 4: amx_tile_bf16<4>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+            case 3: amx_tile_bf16<3>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+            case 2: amx_tile_bf16<2>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+            default: amx_tile_bf16<1>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+          }
+        }
+      }
+    }
+    if (found.palette != 0) {
+      _tile_loadconfig(&found);
+    } else {
+      _tile_release();
+    }
+  });
+}
+#endif
+
+// Whether dense_matmul's bf16 runs on AMX here for inner size k_len (built with it, the OS lets this process use
+// it, K a multiple of 32)
+bool dense_bf16_on_amx(int64_t k_len) {
+#if WATCHLLM_AMX
+  return k_len % 32 == 0 && amx_permitted();
+#else
+  (void)k_len;
+  return false;
+#endif
+}
+
 // Every 8 rows of x, then the 1-7 left, through tile(MB, first row): one group's blocks against each
 template <int NB, typename F>
 void dense_rows(int64_t m, F&& tile) {
@@ -1266,6 +1405,10 @@ std::vector<std::string> dense_dtypes() {
   return out;
 }
 
+// Whether this build's bf16 dense_matmul runs on AMX here (for K a multiple of 32; elsewhere AVX-512 BF16's dot
+// products): built with it and the OS lets this process use the tiles
+bool dense_amx() { return dense_bf16_on_amx(32); }
+
 // w [N, K] float32 or bf16 -> its packed layout (see above), zero-padded to whole blocks and (bf16) whole pairs
 at::Tensor pack_dense(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && float_or_bf16(w), "w must be a float32 or bf16 CPU tensor [N, K]");
@@ -1299,7 +1442,12 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
   const int64_t ldx = x.size(0) > 1 ? x.stride(0) : k_len;
-  if (bf16) {
+  if (bf16 && dense_bf16_on_amx(k_len)) {
+#if WATCHLLM_AMX
+    dense_matmul_amx(x.data_ptr<c10::BFloat16>(), ldx, packed.data_ptr<c10::BFloat16>(), x.size(0), k_len, n,
+                     y.data_ptr<c10::BFloat16>());
+#endif
+  } else if (bf16) {
     dense_matmul_any(x.data_ptr<c10::BFloat16>(), ldx, packed.data_ptr<c10::BFloat16>(), x.size(0), k_len, n,
                      y.data_ptr<c10::BFloat16>());
   } else {
@@ -1702,6 +1850,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_only_available", &weight_only_available, "whether int8_matmul and int4_matmul are built (AVX-512)");
   m.def("int8_matmul", &int8_matmul, nogil, "x @ (q * scale).T, int8 weights widened as they are read");
   m.def("dense_dtypes", &dense_dtypes, "the dtypes dense_matmul runs in this build");
+  m.def("dense_amx", &dense_amx, "whether dense_matmul's bf16 runs on AMX here (K a multiple of 32)");
   m.def("pack_dense", &pack_dense, nogil, "a [N, K] weight packed for dense_matmul (once, at load)");
   m.def("dense_matmul", &dense_matmul, nogil, "x @ W.T in x's dtype over pack_dense's weight", py::arg("x"),
         py::arg("packed"), py::arg("n"));

@@ -2,8 +2,9 @@
 `Linear(w)(x)` is x @ w.T, or one of its quantized siblings when the model's weight format asks for one
 (make_projection).
 
-On CPU with AVX-512 (bf16: AVX-512 BF16 without AMX) and the C++ kernels built, the engine's own dense_matmul runs
-the unquantized projections over a weight packed once at load (cpu_kernels.py says how, and how much faster).
+On CPU with AVX-512 (bf16: AVX-512 BF16, and with AMX the C++ kernels' use of its tiles) and the C++ kernels built,
+the engine's own dense_matmul runs the unquantized projections over a weight packed once at load (cpu_kernels.py
+says how, and how much faster).
 Elsewhere:
 on CPU in float32, oneDNN's linear over a weight reordered once at load beats MKL's `x @ W` for the few rows a
 decode batch or a speculative verify has (about even at one row: docs/measurements.md, "Projections through
