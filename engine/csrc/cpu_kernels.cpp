@@ -1456,6 +1456,206 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return y;
 }
 
+// ---- int4 on AVX-512 VNNI's integer dot products (quant/linear.py's Int4Linear where the CPU has them). int4_matmul
+// above widens every weight to a float and multiplies it in floats: per 32 weights of an output a widening, a shift,
+// two lookups and two multiply-adds, and for groups of 32 a group's 16 levels besides, so at one row it ran out of
+// instructions before the memory ran out of bytes (docs/measurements.md, "Against the machine's limits"). Here the
+// activations are made integers once per call instead, and the weights stay integers: one _mm512_dpbusd_epi32 multiplies
+// 64 unsigned 4-bit weights (16 outputs x 4 features) by 4 signed 8-bit activations and adds them in int32, exactly.
+// The activations: each row's runs of 32 features over their largest magnitude m, in two 8-bit parts, h = round(x *
+// 127 / m) and l = round((x * 127 / m - h) * 128), so x = m / (127 * 128) * (128 h + l) to within m / 32,512 (the
+// second part's half step), about 15 bits: a precision change from the float path's exact products, measured in
+// docs/measurements.md's quality table, far below int4's own rounding of the weights and bf16's of activations.
+// Each run of 32 then adds, per output, sum(q * (128 h + l)) = 128 * dot(q, h) + dot(q, l) (two dot products, int32)
+// and, in floats, w = (q - 8) * scale + mid = q * scale + w0 (w0 = mid - 8 * scale) gives
+//   y += unit * (scale * sum(q * (128 h + l)) + w0 * sum(128 h + l)),  unit = m / (127 * 128).
+// Layout: 16 outputs a block, for each run of 32 features 4 vectors of 64 bytes, vector z holding for output j
+// features 4z..4z+3 in the low nibbles of bytes 4j..4j+3 and 16+4z..16+4z+3 in their high nibbles (the dot products'
+// order); a thread takes 4 blocks at a time, stored interleaved run by run ([N / 64, K / 32, 4 blocks, 256 bytes],
+// the last group's 1-4), so that it reads one stream rather than four (measured: 2 threads read the one stream ~1.4x
+// as fast). The (scale, mid) pairs [N / 16, K / group, 16, 2] bf16, a block's 16 in one line. A row's result does
+// not depend on the rows beside it (each row is made integers on its own; tested).
+namespace {
+constexpr int64_t kQ4Block = 16;       // outputs a block
+constexpr int64_t kQ4Run = 32;         // features a run: one activation scale, 256 bytes of a block's weights
+constexpr int kQ4Blocks = 4;           // blocks a thread's group
+constexpr float kQ4Residual = 128.f;   // the second part's steps per step of the first
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define WATCHLLM_INT4_VNNI 1
+// a row's runs of 32 features -> [runs][2][32] int8 (h then l), the scale m / (127 * 128) of each run, and that
+// scale times sum(128 h + l)
+template <typename X>
+void q4_quantize_row(const X* x, int64_t k_len, int8_t* q, float* unit, float* unit_sum) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t r = 0; r < k_len / kQ4Run; ++r) {
+    const __m512 a = load16(x + r * kQ4Run), b = load16(x + r * kQ4Run + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    __m512i sum = _mm512_setzero_si512();
+    int8_t* out = q + r * 2 * kQ4Run;
+    for (int half = 0; half < 2; ++half) {
+      const __m512 scaled = _mm512_mul_ps(half ? b : a, inv);
+      const __m512 h = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i hi = _mm512_cvtps_epi32(h);
+      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled, h), _mm512_set1_ps(kQ4Residual)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + half * 16), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + kQ4Run + half * 16), _mm512_cvtepi32_epi8(lo));
+      sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo));
+    }
+    unit[r] = top / (127.f * kQ4Residual);
+    unit_sum[r] = unit[r] * static_cast<float>(_mm512_reduce_add_epi32(sum));
+  }
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// MB rows against NB blocks (y: MB rows of NB * 16 floats, the last block's outputs masked by last)
+template <int MB, int NB>
+void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* unit_sum, int64_t s_stride,
+             const uint8_t* w, int64_t run_stride, const int32_t* params, int64_t block_params, int64_t runs,
+             int64_t runs_per_group, float* y, int64_t ldy, __mmask16 last) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i top_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < runs; ++r) {
+    __m512i hi_dot[MB][NB], lo_dot[MB][NB];  // dot(q, h) and dot(q, l) of this run
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) hi_dot[i][j] = lo_dot[i][j] = _mm512_setzero_si512();
+    for (int z = 0; z < 4; ++z) {
+      __m512i low[NB], high[NB];
+      for (int j = 0; j < NB; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + r * run_stride + j * 256 + z * 64);
+        low[j] = _mm512_and_si512(v, nibble);
+        high[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* qr = q + i * q_stride + r * 2 * kQ4Run;
+        const __m512i h0 = broadcast4(qr + 4 * z), h1 = broadcast4(qr + 16 + 4 * z);
+        const __m512i l0 = broadcast4(qr + kQ4Run + 4 * z), l1 = broadcast4(qr + kQ4Run + 16 + 4 * z);
+        for (int j = 0; j < NB; ++j) {
+          hi_dot[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hi_dot[i][j], low[j], h0), high[j], h1);
+          lo_dot[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo_dot[i][j], low[j], l0), high[j], l1);
+        }
+      }
+    }
+    const int64_t g = r / runs_per_group;
+    __m512 scale[NB], w0[NB];
+    for (int j = 0; j < NB; ++j) {  // (scale, mid) as bf16 pairs: the top halves of their floats
+      const __m512i pair = _mm512_loadu_si512(params + j * block_params + g * kQ4Block);
+      scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      w0[j] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale[j], _mm512_castsi512_ps(_mm512_and_si512(pair, top_half)));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 u = _mm512_set1_ps(unit[i * s_stride + r]), us = _mm512_set1_ps(unit_sum[i * s_stride + r]);
+      for (int j = 0; j < NB; ++j) {
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(hi_dot[i][j], 7), lo_dot[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(u, scale[j]), acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(us, w0[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      _mm512_mask_storeu_ps(y + i * ldy + j * kQ4Block, j == NB - 1 ? last : __mmask16(0xFFFF), acc[i][j]);
+}
+
+template <typename X>
+void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, const int32_t* pp, int64_t group,
+                   int64_t n, float* yp) {
+  const int64_t runs = k_len / kQ4Run, blocks = (n + kQ4Block - 1) / kQ4Block, groups = k_len / group;
+  const int64_t block_bytes = runs * 256, block_params = groups * kQ4Block;
+  std::vector<int8_t> q(m * 2 * k_len);
+  std::vector<float> unit(m * runs), unit_sum(m * runs);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      q4_quantize_row(xp + i * k_len, k_len, q.data() + i * 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs);
+  });
+  const __mmask16 tail = n % kQ4Block ? __mmask16((1u << (n % kQ4Block)) - 1) : __mmask16(0xFFFF);
+  const int64_t ngroups = (blocks + kQ4Blocks - 1) / kQ4Blocks;
+  dense_groups(ngroups, [&](int64_t g) {
+    const int64_t first = g * kQ4Blocks, count = std::min<int64_t>(kQ4Blocks, blocks - first);
+    const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
+    const uint8_t* w = wp + first * block_bytes;  // the group's blocks, interleaved run by run
+    const int64_t run_stride = count * 256;
+    const int32_t* params = pp + first * block_params;
+    auto rows = [&](auto nb) {
+      constexpr int NB = decltype(nb)::value;
+      int64_t i = 0;
+      for (; i + 2 <= m; i += 2) {  // two rows share each weight vector, two blocks at a time (more would spill)
+        for (int j = 0; j < NB; j += 2) {
+          const int64_t at = i * 2 * k_len;
+          if (j + 2 <= NB) {
+            q4_tile<2, 2>(q.data() + at, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs, runs,
+                          w + j * 256, run_stride, params + j * block_params, block_params, runs,
+                          group / kQ4Run, yp + i * n + (first + j) * kQ4Block, n, j + 2 == NB ? last : 0xFFFF);
+          } else {
+            q4_tile<2, 1>(q.data() + at, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs, runs,
+                          w + j * 256, run_stride, params + j * block_params, block_params, runs,
+                          group / kQ4Run, yp + i * n + (first + j) * kQ4Block, n, last);
+          }
+        }
+      }
+      if (i < m)
+        q4_tile<1, NB>(q.data() + i * 2 * k_len, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs,
+                       runs, w, run_stride, params, block_params, runs, group / kQ4Run, yp + i * n + first * kQ4Block,
+                       n, last);
+    };
+    switch (count) {
+      case 4: rows(std::integral_constant<int, 4>{}); break;
+      case 3: rows(std::integral_constant<int, 3>{}); break;
+      case 2: rows(std::integral_constant<int, 2>{}); break;
+      default: rows(std::integral_constant<int, 1>{}); break;
+    }
+  });
+}
+#else
+#define WATCHLLM_INT4_VNNI 0
+#endif
+}  // namespace
+
+// Whether this build has int4_matmul_vnni (AVX-512 VNNI); without it Int4Linear runs int4_matmul
+bool int4_vnni_available() { return WATCHLLM_INT4_VNNI; }
+
+// x [M, K] (float32 or bf16, contiguous; K a multiple of 32), packed: the weights' levels in the layout above,
+// [ceil(N / 16) * 16, K / 2] uint8, params [ceil(N / 16), K / group, 16, 2] bf16 (scale, mid), group a multiple of
+// 32 dividing K -> y [M, n] float32
+at::Tensor int4_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, int64_t group,
+                            int64_t n) {
+  TORCH_CHECK(int4_vnni_available(), "int4_matmul_vnni needs AVX-512 VNNI");
+  const int64_t k_len = x.dim() == 2 ? x.size(1) : 0, blocks = (n + kQ4Block - 1) / kQ4Block;
+  check_activations(x, k_len, kQ4Run);
+  TORCH_CHECK(group > 0 && group % kQ4Run == 0 && k_len % group == 0,
+              "the group size must be a multiple of 32 dividing K (", k_len, "), got ", group);
+  TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(0) == blocks * kQ4Block && packed.size(1) == k_len / 2,
+              "packed must be a contiguous uint8 tensor [", blocks * kQ4Block, ", ", k_len / 2, "], got ",
+              packed.sizes());
+  TORCH_CHECK(params.scalar_type() == at::kBFloat16 && params.is_contiguous() && params.dim() == 4 &&
+                  params.size(0) == blocks && params.size(1) == k_len / group && params.size(2) == kQ4Block &&
+                  params.size(3) == 2,
+              "params must be a contiguous bf16 tensor [ceil(N / 16), K / group, 16, 2], got ", params.sizes());
+  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0) return y;
+#if WATCHLLM_INT4_VNNI
+  const auto* wp = packed.data_ptr<uint8_t>();
+  const auto* pp = reinterpret_cast<const int32_t*>(params.data_ptr<c10::BFloat16>());
+  if (x.scalar_type() == at::kBFloat16) {
+    int4_vnni_run(x.data_ptr<c10::BFloat16>(), x.size(0), k_len, wp, pp, group, n, y.data_ptr<float>());
+  } else {
+    int4_vnni_run(x.data_ptr<float>(), x.size(0), k_len, wp, pp, group, n, y.data_ptr<float>());
+  }
+#endif
+  return y;
+}
+
+
 // ---- The sampler's row work (engine/sampler.py) over a step's float32 logits [rows, vocabulary]: each row in one
 // or two passes, where torch's calls cost several full passes and fresh tensors each (a topk over 49k entries took
 // ~150 us a row on 2 cores; a softmax, a boolean mask and a masked fill each a few milliseconds for 32 rows).
@@ -1855,6 +2055,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_matmul", &dense_matmul, nogil, "x @ W.T in x's dtype over pack_dense's weight", py::arg("x"),
         py::arg("packed"), py::arg("n"));
   m.def("int4_matmul", &int4_matmul, nogil, "x @ W.T, W int4 in groups (scale, mid), widened as it is read");
+  m.def("int4_vnni_available", &int4_vnni_available, "whether int4_matmul_vnni is built (AVX-512 VNNI)");
+  m.def("int4_matmul_vnni", &int4_matmul_vnni, nogil, "x @ W.T, W int4 in groups, x in two 8-bit parts per 32 "
+        "features, on VNNI's integer dot products", py::arg("x"), py::arg("packed"), py::arg("params"),
+        py::arg("group"), py::arg("n"));
   m.def("rope", &rope, nogil, "rotary embedding of q and k by their positions");
   m.def("exp_shifted_rows", &exp_shifted_rows, nogil, "exp(x - row max) in place, 0 where x is -inf");
   m.def("draw_rows", &draw_rows, nogil, "exp(x - row max) in place, then each row's token at its uniform number");

@@ -19,7 +19,9 @@ quant/kernels.py's choose_kernel picks on this device; each gives a row the same
 call:
   int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul (AVX-512),
                                                              else torch._weight_int8pack_mm
-  int4  weight-only, asymmetric per group of input features  the engine's C++ int4_matmul (AVX-512),
+  int4  weight-only, asymmetric per group of input features  the engine's C++ int4_matmul_vnni (AVX-512 VNNI:
+                                                             activations in two 8-bit parts, about 15 bits),
+                                                             else its int4_matmul (AVX-512, exact float products),
                                                              else torch._weight_int4pack_mm_for_cpu
                                                              (CUDA: torch._weight_int4pack_mm, bf16 activations)
   w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums,
@@ -56,6 +58,8 @@ from .kernels import W8A8_OP, W8A8_ZERO_POINT, choose_kernel
 from .numerics import quantize_int4, quantize_int8
 
 INT4_PACK_ROWS = 16  # torch's CPU int4 kernel packs output features in tiles of 16
+INT4_VNNI_BLOCK = 16  # int4_matmul_vnni's outputs a block: one int32 lane each in its dot products
+INT4_VNNI_GROUP = 4  # its blocks a thread takes at a time (kQ4Blocks), stored interleaved
 INT4_INNER_K_TILES = (8, 4, 2)  # CUDA's int4 packing: the largest tiling (16 input features each) that divides K
 
 
@@ -110,7 +114,8 @@ class _WeightOnly(_Quantized):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
-        self._own = getattr(cpu_kernels.compiled(), f"{self.scheme}_matmul") if self.choice.own else None
+        own = self.choice.kernel.split(" ")[0]  # "int4_matmul_vnni (C++)": the module's int4_matmul_vnni
+        self._own = getattr(cpu_kernels.compiled(), own) if self.choice.own else None
         self.activation_dtype = self.dtype if self.choice.own else self.choice.activations
         self.input_dtype = self.activation_dtype
 
@@ -143,10 +148,35 @@ class Int8Linear(_WeightOnly):
         return torch._weight_int8pack_mm(_as(x, self.activation_dtype), self.qweight, self.scales)
 
 
+def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] levels (uint8, 0-15), scale and mid [N, K / g] -> int4_matmul_vnni's (packed, params): N padded with
+    zero weights to blocks of 16 outputs; packed [ceil(N / 16) * 16, K / 2] bytes, per block and run of 32 features
+    4 vectors of 64 bytes, vector z holding for output j features 4z..4z+3 in the low nibbles of bytes 4j..4j+3 and
+    16+4z..16+4z+3 in the high ones (the order of its dot products), each 4 blocks (a thread's share at a time, the
+    last 1-4) interleaved run by run; params [ceil(N / 16), K / g, 16, 2] bf16, each block's (scale, mid) pairs of a
+    group in one 64-byte line."""
+    n, k = q.shape
+    blocks = -(-n // INT4_VNNI_BLOCK)
+    pad = blocks * INT4_VNNI_BLOCK - n
+    if pad:
+        q, scale, mid = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scale, mid))
+    runs = q.reshape(blocks, INT4_VNNI_BLOCK, k // 32, 2, 4, 4)  # [block, output, run, half, z, 4 features]
+    nibbles = runs[:, :, :, 0] | runs[:, :, :, 1] << 4  # features 0-15 of a run low, 16-31 high
+    per_block = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, k // 32, 256)  # [block, run, 256 bytes]
+    # a thread's group of 4 blocks (the last group's 1-4) interleaved run by run: one stream to read, not four
+    whole = blocks // INT4_VNNI_GROUP * INT4_VNNI_GROUP
+    groups = [per_block[:whole].reshape(-1, INT4_VNNI_GROUP, k // 32, 256), per_block[whole:].unsqueeze(0)]
+    packed = torch.cat([g.transpose(1, 2).reshape(-1) for g in groups if g.numel()])
+    packed = packed.reshape(blocks * INT4_VNNI_BLOCK, k // 2)
+    pairs = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).reshape(blocks, INT4_VNNI_BLOCK, -1, 2)
+    return packed, pairs.permute(0, 2, 1, 3).contiguous()
+
+
 class Int4Linear(_WeightOnly):
     """Weight-only int4 in groups of `group_size` input features, asymmetric: two values per byte, with each group's
-    scale and mid in bf16. The C++ kernel's layout: [N, K / 2] bytes, in each run of 32 features c in a low nibble
-    and c + 16 in the high one, and [N, K / g, 2] pairs; torch's: packed once by torch for it, pairs [K / g, N, 2]."""
+    scale and mid in bf16. int4_matmul_vnni's layout: pack_int4_vnni's. int4_matmul's: [N, K / 2] bytes, in each run of
+    32 features c in a low nibble and c + 16 in the high one, and [N, K / g, 2] pairs; torch's: packed once by torch
+    for it, pairs [K / g, N, 2]."""
     scheme = "int4"
 
     def __init__(self, weight: torch.Tensor, group_size: int, hessian: torch.Tensor | None = None) -> None:
@@ -158,6 +188,10 @@ class Int4Linear(_WeightOnly):
                              f"input features")
         self.group_size = group_size
         q, scale, mid = quantize_int4(weight, group_size, torch.bfloat16, hessian)
+        self.vnni = self.choice.kernel.startswith("int4_matmul_vnni")
+        if self.vnni:
+            self.packed, self.scales_and_zeros = pack_int4_vnni(q, scale, mid)
+            return
         if self._own is not None:
             runs = q.reshape(self.out_features, -1, 2, 16)  # runs of 32 features: c in a low nibble, c + 16 high
             self.packed = (runs[:, :, 0] | runs[:, :, 1] << 4).reshape(self.out_features, -1).contiguous()
@@ -185,6 +219,8 @@ class Int4Linear(_WeightOnly):
         return [self.packed, self.scales_and_zeros]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            return self._own(x.contiguous(), self.packed, self.scales_and_zeros, self.group_size, self.out_features)
         if self._own is not None:
             return self._own(x.contiguous(), self.packed, self.scales_and_zeros, self.group_size)
         return self._kernel(_as(x, self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
