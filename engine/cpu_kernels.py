@@ -25,11 +25,12 @@ replaces torch calls that spent most of their time outside the arithmetic for th
   next block's prefetched, the activations taken as they come (fp32 or bf16) with fp32 sums: torch's kernels
   take bf16 activations only and streamed the weights more slowly at one row (docs/measurements.md, "The engine's
   own weight-only kernels"). Built with AVX-512 only (elsewhere torch's kernels run); a row's result is the same
-  in any batch (tested). With AVX-512 VNNI int4 runs int4_matmul_vnni instead: the weights stay 4-bit integers and
-  each row's activations are made integers once per call, in two 8-bit parts per run of 32 features (about 15
-  bits), for VNNI's integer dot products: widening every weight to a float had run out of instructions before the
-  memory ran out of bytes. A precision change, measured: the quality table's int4 rows moved by at most 0.1 point
-  of agreement (docs/measurements.md, "Against the machine's limits").
+  in any batch (tested). With AVX-512 VNNI they run int4_matmul_vnni and int8_matmul_vnni instead: the weights
+  stay integers and each row's activations are made integers once per call, in two 8-bit parts per run of 32
+  features (about 15 bits), for VNNI's integer dot products: widening every weight to a float had run out of
+  instructions before the memory ran out of bytes (int4 most). A precision change, measured: the quality table's
+  int4 and int8 rows moved by at most 0.1 point of agreement (docs/measurements.md, "Against the machine's
+  limits").
 - float32 and bf16 matmuls for the unquantized projections (quant/linear.py's Linear), over a weight packed once
   into blocks of 16 outputs, each k's (bf16: each pair's) weights of a block one 64-byte vector: one fused
   multiply-add (bf16: one AVX-512 BF16 dot product) per block and k, no reduction across lanes, groups of blocks
@@ -263,7 +264,7 @@ def describe(ext) -> str:
     if ext.weight_only_available():
         amx = " (AMX)" if getattr(ext, "dense_amx", lambda: False)() else ""
         dense = " / ".join(f"bf16{amx}" if d == "bfloat16" else d for d in ext.dense_dtypes())
-        vnni = " (int4 on VNNI)" if getattr(ext, "int4_vnni_available", lambda: False)() else ""
+        vnni = " (on VNNI)" if getattr(ext, "vnni_available", lambda: False)() else ""
         return f"{steps}, AVX-512 {dense} and int8 / int4 weight-only matmuls{vnni} and attention loops"
     return f"{steps} (no AVX-512 in this build: torch's weight-only kernels, the portable attention loops)"
 

@@ -160,7 +160,7 @@ FP32_ROUNDING = 1e-5
 OWN_KERNELS = cpu_kernels.compiled() is not None and cpu_kernels.compiled().weight_only_available()
 NEEDS_OWN = pytest.mark.skipif(not OWN_KERNELS, reason="the C++ weight-only kernels need AVX-512 and a C++ build")
 WEIGHT_ONLY_KERNELS = [pytest.param("C++", marks=NEEDS_OWN), "torch"]
-OWN_VNNI = (OWN_KERNELS and cpu_kernels.compiled().int4_vnni_available()
+OWN_VNNI = (OWN_KERNELS and cpu_kernels.compiled().vnni_available()
             and "avx512_vnni" in cpu_features())
 NEEDS_VNNI = pytest.mark.skipif(not OWN_VNNI, reason="int4_matmul_vnni needs AVX-512 VNNI and a C++ build")
 INT4_KERNELS = [pytest.param("C++ VNNI", marks=NEEDS_VNNI), *WEIGHT_ONLY_KERNELS]
@@ -195,43 +195,64 @@ def int4_linear(w: torch.Tensor, group: int, kernel: str, monkeypatch) -> Int4Li
 
 
 def int8_linear(w: torch.Tensor, kernel: str, monkeypatch) -> Int8Linear:
-    """Int8Linear on the C++ kernel, or on torch's."""
+    """Int8Linear on the VNNI kernel, the exact float one ("C++"), or torch's."""
     if kernel == "torch":
         torch_kernels_only(monkeypatch)
+    elif kernel == "C++":
+        without_vnni(monkeypatch)
     lin = Int8Linear(w)
-    assert lin.kernel == ("int8_matmul (C++)" if kernel == "C++" else "_weight_int8pack_mm")
+    assert lin.kernel == {"C++ VNNI": "int8_matmul_vnni (C++)", "C++": "int8_matmul (C++)"}.get(kernel,
+                                                                                              "_weight_int8pack_mm")
     return lin
 
 
-@pytest.mark.parametrize("kernel", WEIGHT_ONLY_KERNELS)
+@pytest.mark.parametrize("kernel", INT4_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 @pytest.mark.usefixtures("two_threads")
 def test_int8_kernel_matches_the_dequantized_reference(dtype, rows, kernel, monkeypatch):
-    w, x = weight(96, 128).to(dtype), torch.randn(rows, 128).to(dtype)
+    """100 outputs: VNNI's last block of 4 outputs in a last group of 3 blocks."""
+    n = 96 if kernel == "torch" else 100
+    w, x = weight(n, 128).to(dtype), torch.randn(rows, 128).to(dtype)
     lin = int8_linear(w, kernel, monkeypatch)
-    # the C++ kernel keeps fp32 scales and takes the activations as they come; torch's wants both in bf16
-    scale_dtype = torch.float32 if kernel == "C++" else torch.bfloat16
+    # the C++ kernels keep fp32 scales and take the activations as they come; torch's wants both in bf16
+    scale_dtype = torch.bfloat16 if kernel == "torch" else torch.float32
     q, _ = quantize_int8(w, scale_dtype=scale_dtype)
     assert torch.equal(lin.qweight, q) and lin.qweight.dtype == torch.int8 and lin.scales.dtype == scale_dtype
+    if kernel == "C++ VNNI":  # q + 128 in blocks of 16 outputs, zero-padded (q = 0, scale 0) to 112
+        assert lin.packed.dtype == torch.uint8 and lin.packed.shape == (112, 128)
+        assert torch.equal(lin.padded_scales[n:], torch.zeros(12))
     reference = x.float() @ dequantize_int8(q, lin.scales.float(), torch.float32).t()
     assert lin(x).dtype == dtype
-    exact = kernel == "C++" and dtype == torch.float32
-    assert rel_err(lin(x), reference) < (FP32_ROUNDING if exact else BF16_ROUNDING)
+    if dtype == torch.bfloat16:
+        bound = BF16_ROUNDING
+    else:
+        bound = {"C++": FP32_ROUNDING, "C++ VNNI": VNNI_ROUNDING}.get(kernel, BF16_ROUNDING)
+    assert rel_err(lin(x), reference) < bound
     assert rel_err(lin(x), x.float() @ w.float().t()) < 0.02  # and near the unquantized product
+
+
+@NEEDS_VNNI
+def test_int8_vnni_needs_input_features_in_runs_of_32():
+    """Off a multiple of 32 (on one of 16) the projection takes the exact float kernel instead, saying so."""
+    lin = Int8Linear(weight(40, 48))
+    assert lin.kernel == "int8_matmul (C++)" and not lin.vnni
+    x = torch.randn(3, 48)
+    assert rel_err(lin(x), x @ dequantize_int8(lin.qweight, lin.scales, torch.float32).t()) < FP32_ROUNDING
 
 
 @NEEDS_OWN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scheme", ["int8", "int4", pytest.param("int4 VNNI", marks=NEEDS_VNNI)])
+@pytest.mark.parametrize("scheme", ["int8", "int4", *(pytest.param(f"{s} VNNI", marks=NEEDS_VNNI)
+                                                     for s in ("int8", "int4"))])
 @pytest.mark.usefixtures("two_threads")
 def test_the_cpp_weight_only_kernels_give_a_row_the_same_result_in_any_batch(dtype, scheme, monkeypatch):
     # 70 rows cross the kernels' 64-row chunks and their 4-row blocks (VNNI's pairs of rows: 70 and odd slices);
     # 98 outputs end in a block of 2 (VNNI: a last block of 2 outputs in a last group of 3 blocks)
     w, x = weight(98, 192), torch.randn(70, 192).to(dtype)
-    if scheme == "int4":
+    if "VNNI" not in scheme:
         without_vnni(monkeypatch)
-    lin = Int8Linear(w) if scheme == "int8" else Int4Linear(w, 64)
+    lin = Int8Linear(w) if scheme.startswith("int8") else Int4Linear(w, 64)
     assert lin.kernel == f"{scheme.replace(' VNNI', '')}_matmul{'_vnni' if 'VNNI' in scheme else ''} (C++)"
     assert lin.out_features == 98
     together = lin.raw(x)
@@ -583,7 +604,7 @@ def test_the_lm_head_takes_a_scheme_of_its_own(tiny_models):
     assert llm.engine.config.precision == "float32, int4 weights (groups of 32), the LM head int8"
     x = torch.randn(5, model.lm_head.in_features, generator=torch.Generator().manual_seed(0))
     reference = x @ dequantize_int8(model.lm_head.qweight, model.lm_head.scales, torch.float32).T
-    assert rel_err(model.lm_head(x), reference) < 1e-5
+    assert rel_err(model.lm_head(x), reference) < (VNNI_ROUNDING if model.lm_head.vnni else FP32_ROUNDING)
     # naming the projections' own scheme is the same format as True, and False keeps the head in the dtype
     same = EngineConfig.from_kwargs(quantization="int4", quantize_lm_head="int4")
     assert WeightFormat.of(same) == WeightFormat.of(EngineConfig.from_kwargs(quantization="int4"))

@@ -42,14 +42,14 @@ def test_weight_only_choice_follows_the_cpu_and_the_build(scheme):
     assert not unbuilt.own and "not built" in unbuilt.why
 
 
-def test_int4_takes_the_vnni_kernel_where_the_cpu_and_the_build_have_it():
-    with_vnni = type("WithVnni", (BuiltWithAvx512,), {"int4_vnni_available": staticmethod(lambda: True)})
-    vnni = choose_kernel("int4", "cpu", features=AVX512, extension=with_vnni)
-    assert vnni.own and vnni.kernel == "int4_matmul_vnni (C++)" and vnni.activations is None
-    assert vnni.describe() == "int4 weights · C++ AVX-512 VNNI kernel" and "two 8-bit parts" in vnni.why
-    exact = choose_kernel("int4", "cpu", features=AVX512 - {"avx512_vnni"}, extension=with_vnni)
-    assert exact.kernel == "int4_matmul (C++)"  # an AVX-512 CPU without VNNI: the exact float kernel
-    assert choose_kernel("int8", "cpu", features=AVX512, extension=with_vnni).kernel == "int8_matmul (C++)"
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_weight_only_takes_the_vnni_kernel_where_the_cpu_and_the_build_have_it(scheme):
+    with_vnni = type("WithVnni", (BuiltWithAvx512,), {"vnni_available": staticmethod(lambda: True)})
+    vnni = choose_kernel(scheme, "cpu", features=AVX512, extension=with_vnni)
+    assert vnni.own and vnni.kernel == f"{scheme}_matmul_vnni (C++)" and vnni.activations is None
+    assert vnni.describe() == f"{scheme} weights · C++ AVX-512 VNNI kernel" and "two 8-bit parts" in vnni.why
+    exact = choose_kernel(scheme, "cpu", features=AVX512 - {"avx512_vnni"}, extension=with_vnni)
+    assert exact.kernel == f"{scheme}_matmul (C++)"  # an AVX-512 CPU without VNNI: the exact float kernel
 
 
 def test_refusals_name_the_problem():

@@ -1483,10 +1483,10 @@ constexpr float kQ4Residual = 128.f;   // the second part's steps per step of th
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define WATCHLLM_INT4_VNNI 1
-// a row's runs of 32 features -> [runs][2][32] int8 (h then l), the scale m / (127 * 128) of each run, and that
-// scale times sum(128 h + l)
+// a row's runs of 32 features -> [runs][2][32] int8 (h then l), the scale m / (127 * 128) of each run, sum(128 h + l)
+// and that sum times the scale
 template <typename X>
-void q4_quantize_row(const X* x, int64_t k_len, int8_t* q, float* unit, float* unit_sum) {
+void q4_quantize_row(const X* x, int64_t k_len, int8_t* q, float* unit, float* unit_sum, int32_t* sums) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t r = 0; r < k_len / kQ4Run; ++r) {
     const __m512 a = load16(x + r * kQ4Run), b = load16(x + r * kQ4Run + 16);
@@ -1504,9 +1504,31 @@ void q4_quantize_row(const X* x, int64_t k_len, int8_t* q, float* unit, float* u
       sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo));
     }
     unit[r] = top / (127.f * kQ4Residual);
-    unit_sum[r] = unit[r] * static_cast<float>(_mm512_reduce_add_epi32(sum));
+    sums[r] = _mm512_reduce_add_epi32(sum);
+    unit_sum[r] = unit[r] * static_cast<float>(sums[r]);
   }
 }
+
+// A call's rows made integers (q4_quantize_row's), rows split between the threads where there are many
+struct IntegerRows {
+  int64_t runs;
+  std::vector<int8_t> q;
+  std::vector<float> unit, unit_sum;
+  std::vector<int32_t> sums;
+
+  template <typename X>
+  IntegerRows(const X* xp, int64_t m, int64_t k_len)
+      : runs(k_len / kQ4Run), q(m * 2 * k_len), unit(m * runs), unit_sum(m * runs), sums(m * runs) {
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        q4_quantize_row(xp + i * k_len, k_len, q.data() + i * 2 * k_len, unit.data() + i * runs,
+                        unit_sum.data() + i * runs, sums.data() + i * runs);
+    });
+  }
+};
+
+// runs ahead each run asks for (a hint: the hardware's prefetcher mostly keeps up with the one stream on its own)
+constexpr int64_t kQ4Ahead = 4;
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -1525,6 +1547,9 @@ void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* 
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t r = 0; r < runs; ++r) {
+    for (int j = 0; j < NB; ++j)  // past the group's last run: the next group's first (a hint never faults)
+      for (int z = 0; z < 4; ++z)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kQ4Ahead) * run_stride + j * 256 + z * 64), _MM_HINT_T0);
     __m512i hi_dot[MB][NB], lo_dot[MB][NB];  // dot(q, h) and dot(q, l) of this run
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) hi_dot[i][j] = lo_dot[i][j] = _mm512_setzero_si512();
@@ -1571,12 +1596,9 @@ void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, con
                    int64_t n, float* yp) {
   const int64_t runs = k_len / kQ4Run, blocks = (n + kQ4Block - 1) / kQ4Block, groups = k_len / group;
   const int64_t block_bytes = runs * 256, block_params = groups * kQ4Block;
-  std::vector<int8_t> q(m * 2 * k_len);
-  std::vector<float> unit(m * runs), unit_sum(m * runs);
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      q4_quantize_row(xp + i * k_len, k_len, q.data() + i * 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs);
-  });
+  IntegerRows rows_as_integers(xp, m, k_len);
+  const std::vector<int8_t>& q = rows_as_integers.q;
+  const std::vector<float>&unit = rows_as_integers.unit, &unit_sum = rows_as_integers.unit_sum;
   const __mmask16 tail = n % kQ4Block ? __mmask16((1u << (n % kQ4Block)) - 1) : __mmask16(0xFFFF);
   const int64_t ngroups = (blocks + kQ4Blocks - 1) / kQ4Blocks;
   dense_groups(ngroups, [&](int64_t g) {
@@ -1615,20 +1637,135 @@ void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, con
     }
   });
 }
+
+// int8 weights [N, K] (symmetric per output, a float32 scale each) on the same dot products: the weights stored as
+// q + 128 (unsigned, what _mm512_dpbusd_epi32 takes first), 16 outputs a block, per run of 32 features 8 vectors of 64
+// bytes (vector z: features 4z..4z+3 of output j in bytes 4j..4j+3), 4 blocks interleaved run by run as int4's. Each
+// run adds, per output, sum((q + 128) * (128 h + l)) - 128 * sum(128 h + l) = sum(q * (128 h + l)), exactly in int32,
+// times the run's scale; the output's scale at the end.
+template <int MB, int NB>
+void q8_tile(const int8_t* q, int64_t q_stride, const float* unit, const int32_t* sums, int64_t s_stride,
+             const uint8_t* w, int64_t run_stride, const float* scale, int64_t runs, float* y, int64_t ldy,
+             __mmask16 last) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < runs; ++r) {
+    for (int j = 0; j < NB; ++j)
+      for (int z = 0; z < 8; ++z)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kQ4Ahead) * run_stride + j * 512 + z * 64), _MM_HINT_T0);
+    __m512i hi_dot[MB][NB], lo_dot[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) hi_dot[i][j] = lo_dot[i][j] = _mm512_setzero_si512();
+    for (int z = 0; z < 8; ++z) {
+      __m512i v[NB];
+      for (int j = 0; j < NB; ++j) v[j] = _mm512_loadu_si512(w + r * run_stride + j * 512 + z * 64);
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* qr = q + i * q_stride + r * 2 * kQ4Run;
+        const __m512i h = broadcast4(qr + 4 * z), l = broadcast4(qr + kQ4Run + 4 * z);
+        for (int j = 0; j < NB; ++j) {
+          hi_dot[i][j] = _mm512_dpbusd_epi32(hi_dot[i][j], v[j], h);
+          lo_dot[i][j] = _mm512_dpbusd_epi32(lo_dot[i][j], v[j], l);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 u = _mm512_set1_ps(unit[i * s_stride + r]);
+      const __m512i bias = _mm512_set1_epi32(sums[i * s_stride + r] * 128);  // the +128 of every weight
+      for (int j = 0; j < NB; ++j) {
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi_dot[i][j], 7), lo_dot[i][j]), bias);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), u, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      _mm512_mask_storeu_ps(y + i * ldy + j * kQ4Block, j == NB - 1 ? last : __mmask16(0xFFFF),
+                            _mm512_mul_ps(acc[i][j], _mm512_loadu_ps(scale + j * kQ4Block)));
+}
+
+template <typename X>
+void int8_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, const float* scale, int64_t n,
+                   float* yp) {
+  const int64_t runs = k_len / kQ4Run, blocks = (n + kQ4Block - 1) / kQ4Block, block_bytes = runs * 512;
+  IntegerRows rows_as_integers(xp, m, k_len);
+  const int8_t* q = rows_as_integers.q.data();
+  const float* unit = rows_as_integers.unit.data();
+  const int32_t* sums = rows_as_integers.sums.data();
+  const __mmask16 tail = n % kQ4Block ? __mmask16((1u << (n % kQ4Block)) - 1) : __mmask16(0xFFFF);
+  dense_groups((blocks + kQ4Blocks - 1) / kQ4Blocks, [&](int64_t g) {
+    const int64_t first = g * kQ4Blocks, count = std::min<int64_t>(kQ4Blocks, blocks - first);
+    const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
+    const uint8_t* w = wp + first * block_bytes;
+    const int64_t run_stride = count * 512;
+    const float* s = scale + first * kQ4Block;
+    auto rows = [&](auto nb) {
+      constexpr int NB = decltype(nb)::value;
+      int64_t i = 0;
+      for (; i + 2 <= m; i += 2) {  // two rows share each weight vector, two blocks at a time (more would spill)
+        for (int j = 0; j < NB; j += 2) {
+          float* y = yp + i * n + (first + j) * kQ4Block;
+          if (j + 2 <= NB) {
+            q8_tile<2, 2>(q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, w + j * 512,
+                          run_stride, s + j * kQ4Block, runs, y, n, j + 2 == NB ? last : 0xFFFF);
+          } else {
+            q8_tile<2, 1>(q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, w + j * 512,
+                          run_stride, s + j * kQ4Block, runs, y, n, last);
+          }
+        }
+      }
+      if (i < m)
+        q8_tile<1, NB>(q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, w, run_stride, s, runs,
+                       yp + i * n + first * kQ4Block, n, last);
+    };
+    switch (count) {
+      case 4: rows(std::integral_constant<int, 4>{}); break;
+      case 3: rows(std::integral_constant<int, 3>{}); break;
+      case 2: rows(std::integral_constant<int, 2>{}); break;
+      default: rows(std::integral_constant<int, 1>{}); break;
+    }
+  });
+}
 #else
 #define WATCHLLM_INT4_VNNI 0
 #endif
 }  // namespace
 
+// x [M, K] (float32 or bf16, contiguous; K a multiple of 32), packed: the weights q + 128 in the layout above,
+// [ceil(N / 16) * 16, K] uint8, scale [ceil(N / 16) * 16] float32 (zero past N) -> y [M, n] float32
+at::Tensor int8_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n) {
+  TORCH_CHECK(WATCHLLM_INT4_VNNI, "int8_matmul_vnni needs AVX-512 VNNI");
+  const int64_t k_len = x.dim() == 2 ? x.size(1) : 0, blocks = (n + kQ4Block - 1) / kQ4Block;
+  check_activations(x, k_len, kQ4Run);
+  TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(0) == blocks * kQ4Block && packed.size(1) == k_len,
+              "packed must be a contiguous uint8 tensor [", blocks * kQ4Block, ", ", k_len, "], got ", packed.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 &&
+                  scale.size(0) == blocks * kQ4Block,
+              "scale must be a contiguous float32 tensor [", blocks * kQ4Block, "], got ", scale.sizes());
+  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0) return y;
+#if WATCHLLM_INT4_VNNI
+  if (x.scalar_type() == at::kBFloat16) {
+    int8_vnni_run(x.data_ptr<c10::BFloat16>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                  n, y.data_ptr<float>());
+  } else {
+    int8_vnni_run(x.data_ptr<float>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), n,
+                  y.data_ptr<float>());
+  }
+#endif
+  return y;
+}
+
 // Whether this build has int4_matmul_vnni (AVX-512 VNNI); without it Int4Linear runs int4_matmul
-bool int4_vnni_available() { return WATCHLLM_INT4_VNNI; }
+bool vnni_available() { return WATCHLLM_INT4_VNNI; }
 
 // x [M, K] (float32 or bf16, contiguous; K a multiple of 32), packed: the weights' levels in the layout above,
 // [ceil(N / 16) * 16, K / 2] uint8, params [ceil(N / 16), K / group, 16, 2] bf16 (scale, mid), group a multiple of
 // 32 dividing K -> y [M, n] float32
 at::Tensor int4_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, int64_t group,
                             int64_t n) {
-  TORCH_CHECK(int4_vnni_available(), "int4_matmul_vnni needs AVX-512 VNNI");
+  TORCH_CHECK(vnni_available(), "int4_matmul_vnni needs AVX-512 VNNI");
   const int64_t k_len = x.dim() == 2 ? x.size(1) : 0, blocks = (n + kQ4Block - 1) / kQ4Block;
   check_activations(x, k_len, kQ4Run);
   TORCH_CHECK(group > 0 && group % kQ4Run == 0 && k_len % group == 0,
@@ -2055,7 +2192,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_matmul", &dense_matmul, nogil, "x @ W.T in x's dtype over pack_dense's weight", py::arg("x"),
         py::arg("packed"), py::arg("n"));
   m.def("int4_matmul", &int4_matmul, nogil, "x @ W.T, W int4 in groups (scale, mid), widened as it is read");
-  m.def("int4_vnni_available", &int4_vnni_available, "whether int4_matmul_vnni is built (AVX-512 VNNI)");
+  m.def("vnni_available", &vnni_available, "whether int4_matmul_vnni and int8_matmul_vnni are built "
+        "(AVX-512 VNNI)");
+  m.def("int8_matmul_vnni", &int8_matmul_vnni, nogil, "x @ (q * scale).T, x in two 8-bit parts per 32 features, on "
+        "VNNI's integer dot products", py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("n"));
   m.def("int4_matmul_vnni", &int4_matmul_vnni, nogil, "x @ W.T, W int4 in groups, x in two 8-bit parts per 32 "
         "features, on VNNI's integer dot products", py::arg("x"), py::arg("packed"), py::arg("params"),
         py::arg("group"), py::arg("n"));

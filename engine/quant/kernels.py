@@ -9,7 +9,9 @@ engine's snapshot, the status line and the benchmarks all ask it, and none decid
           cpu     oneDNN's linear (weight reordered once)         otherwise: fp32; bf16 with AVX-512 BF16 / AMX
           cpu     x @ W                                           bf16 without them, a torch without oneDNN
           cuda    x @ W
-  int8    cpu     the engine's C++ int8_matmul (AVX-512)          AVX-512 here and the C++ kernels built
+  int8    cpu     the engine's C++ int8_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built
+                  in two 8-bit parts, integer dot products)       (K a multiple of 32)
+          cpu     the engine's C++ int8_matmul (AVX-512)          AVX-512 here and the C++ kernels built
           cpu     torch._weight_int8pack_mm (bf16 activations)    otherwise
   int4    cpu     the engine's C++ int4_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built
                   in two 8-bit parts, integer dot products)
@@ -211,13 +213,14 @@ def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.d
                          f"{', '.join(TORCH_KERNELS[scheme])}{': ' + why if why else ''}); it is refused rather than "
                          f"run unquantized")
     if scheme in ("int8", "int4") and device == "cpu":
-        if (scheme == "int4" and ext is not None and "avx512_vnni" in features
-                and getattr(ext, "int4_vnni_available", lambda: False)()):
-            return KernelChoice(scheme, device, "int4_matmul_vnni (C++)", "AVX-512 VNNI here and the engine's C++ "
-                                "kernels built: the weights stay 4-bit integers, multiplied by the activations made "
-                                "integers in two 8-bit parts (about 15 bits) on VNNI's dot products, several times "
-                                "fewer instructions than widening every weight to a float, which ran out of them "
-                                "before the memory ran out of bytes", own=True, model_dtype=name)
+        if ext is not None and "avx512_vnni" in features and getattr(ext, "vnni_available", lambda: False)():
+            bits = "4" if scheme == "int4" else "8"
+            return KernelChoice(scheme, device, f"{scheme}_matmul_vnni (C++)", f"AVX-512 VNNI here and the engine's "
+                                f"C++ kernels built: the weights stay {bits}-bit integers, multiplied by the "
+                                f"activations made integers in two 8-bit parts (about 15 bits) on VNNI's dot "
+                                f"products, several times fewer instructions than widening every weight to a float, "
+                                f"which ran out of them before the memory ran out of bytes", own=True,
+                                model_dtype=name)
         if ext is not None and "avx512f" in features and ext.weight_only_available():
             return KernelChoice(scheme, device, f"{scheme}_matmul (C++)", "AVX-512 here and the engine's C++ kernels "
                                 "built: its own kernel widens the weights in registers and takes the activations as "

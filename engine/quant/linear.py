@@ -17,7 +17,9 @@ quant/speed.py says, per machine, whether one is faster than fp32 here at all).
 The quantized projections, each quantized once at load (quant/numerics.py) and packed for the kernel
 quant/kernels.py's choose_kernel picks on this device; each gives a row the same result whatever else shares the
 call:
-  int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul (AVX-512),
+  int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul_vnni (AVX-512 VNNI:
+                                                             activations in two 8-bit parts, about 15 bits),
+                                                             else its int8_matmul (AVX-512, exact float products),
                                                              else torch._weight_int8pack_mm
   int4  weight-only, asymmetric per group of input features  the engine's C++ int4_matmul_vnni (AVX-512 VNNI:
                                                              activations in two 8-bit parts, about 15 bits),
@@ -54,6 +56,7 @@ import torch
 
 from .. import cpu_kernels
 from .format import INT4_GROUP_SIZES, WeightFormat
+from . import kernels as kernel_choice
 from .kernels import W8A8_OP, W8A8_ZERO_POINT, choose_kernel
 from .numerics import quantize_int4, quantize_int8
 
@@ -105,6 +108,7 @@ def _bytes(*tensors: torch.Tensor) -> int:
 
 
 INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's returns garbage off it: measured)
+VNNI_K_MULTIPLE = 32  # the VNNI kernels': one scale of the activations per run of 32
 
 
 class _WeightOnly(_Quantized):
@@ -121,9 +125,10 @@ class _WeightOnly(_Quantized):
 
 
 class Int8Linear(_WeightOnly):
-    """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T,
-    widening the weights as it reads them. The C++ kernel keeps the scales in fp32; torch's _weight_int8pack_mm
-    wants them in bf16, like its activations."""
+    """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T.
+    int8_matmul_vnni (AVX-512 VNNI, K a multiple of 32) keeps them in pack_int8_vnni's layout and multiplies integers;
+    int8_matmul widens the weights as it reads them. The C++ kernels keep the scales in fp32; torch's
+    _weight_int8pack_mm wants them in bf16, like its activations."""
     scheme = "int8"
 
     def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
@@ -131,18 +136,39 @@ class Int8Linear(_WeightOnly):
         if self.device.type == "cpu" and self.in_features % INT8_K_MULTIPLE:
             raise ValueError(f"int8 on CPU needs input features in multiples of {INT8_K_MULTIPLE} (its kernels step "
                              f"over them 16 at a time; torch's returns garbage otherwise), got {self.in_features}")
+        self.vnni = self.choice.kernel.startswith("int8_matmul_vnni")
+        if self.vnni and self.in_features % VNNI_K_MULTIPLE:  # the exact float kernel, which steps over 16
+            self.choice = choose_kernel(self.scheme, self.device, self.dtype,
+                                        kernel_choice.cpu_features() - {"avx512_vnni"})
+            self.kernel, self.vnni = self.choice.kernel.rsplit(".", 1)[-1], False
+            self._own = cpu_kernels.compiled().int8_matmul
         scale_dtype = None if self._own is not None else self.activation_dtype
-        self.qweight, scale = quantize_int8(weight, scale_dtype=scale_dtype, hessian=hessian)
-        self.scales = scale if scale_dtype is None else scale.to(scale_dtype)
+        q, scale = quantize_int8(weight, scale_dtype=scale_dtype, hessian=hessian)
+        if self.vnni:
+            self.packed, self.padded_scales = pack_int8_vnni(q, scale)
+            self._qweight = self._scales = None
+        else:
+            self._qweight, self._scales = q, (scale if scale_dtype is None else scale.to(scale_dtype))
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """q [N, K] int8 (read back from the VNNI kernel's layout where it runs)."""
+        return unpack_int8_vnni(self.packed, self.out_features) if self.vnni else self._qweight
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.padded_scales[:self.out_features] if self.vnni else self._scales
 
     @property
     def nbytes(self) -> int:
-        return _bytes(self.qweight, self.scales)
+        return _bytes(*self.weight_tensors())
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return [self.qweight, self.scales]
+        return [self.packed, self.padded_scales] if self.vnni else [self._qweight, self._scales]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            return self._own(x.contiguous(), self.packed, self.padded_scales, self.out_features)
         if self._own is not None:
             return self._own(x.contiguous(), self.qweight, self.scales)
         return torch._weight_int8pack_mm(_as(x, self.activation_dtype), self.qweight, self.scales)
@@ -163,13 +189,54 @@ def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor) -> t
     runs = q.reshape(blocks, INT4_VNNI_BLOCK, k // 32, 2, 4, 4)  # [block, output, run, half, z, 4 features]
     nibbles = runs[:, :, :, 0] | runs[:, :, :, 1] << 4  # features 0-15 of a run low, 16-31 high
     per_block = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, k // 32, 256)  # [block, run, 256 bytes]
-    # a thread's group of 4 blocks (the last group's 1-4) interleaved run by run: one stream to read, not four
-    whole = blocks // INT4_VNNI_GROUP * INT4_VNNI_GROUP
-    groups = [per_block[:whole].reshape(-1, INT4_VNNI_GROUP, k // 32, 256), per_block[whole:].unsqueeze(0)]
-    packed = torch.cat([g.transpose(1, 2).reshape(-1) for g in groups if g.numel()])
-    packed = packed.reshape(blocks * INT4_VNNI_BLOCK, k // 2)
+    packed = _interleaved(per_block).reshape(blocks * INT4_VNNI_BLOCK, k // 2)
     pairs = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).reshape(blocks, INT4_VNNI_BLOCK, -1, 2)
     return packed, pairs.permute(0, 2, 1, 3).contiguous()
+
+
+def _interleaved(per_block: torch.Tensor) -> torch.Tensor:
+    """[blocks, runs, bytes] -> flat, each 4 blocks (a thread's group at a time in the VNNI kernels, the last group's
+    1-4) interleaved run by run: one stream to read, not four."""
+    blocks, runs, size = per_block.shape
+    whole = blocks // INT4_VNNI_GROUP * INT4_VNNI_GROUP
+    groups = [per_block[:whole].reshape(-1, INT4_VNNI_GROUP, runs, size), per_block[whole:].unsqueeze(0)]
+    return torch.cat([g.transpose(1, 2).reshape(-1) for g in groups if g.numel()])
+
+
+def _deinterleaved(flat: torch.Tensor, blocks: int, runs: int, size: int) -> torch.Tensor:
+    """_interleaved's flat bytes back to [blocks, runs, bytes]."""
+    whole = blocks // INT4_VNNI_GROUP * INT4_VNNI_GROUP
+    parts = [flat[:whole * runs * size].reshape(-1, runs, INT4_VNNI_GROUP, size).transpose(1, 2)
+             .reshape(whole, runs, size)]
+    if whole < blocks:
+        parts.append(flat[whole * runs * size:].reshape(runs, blocks - whole, size).transpose(0, 1))
+    return torch.cat(parts)
+
+
+def pack_int8_vnni(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, scale [N] -> int8_matmul_vnni's (packed, scale): N padded with zero weights and scales to blocks
+    of 16 outputs; packed [ceil(N / 16) * 16, K] bytes q + 128 (the dot products take their first operand unsigned),
+    per block and run of 32 features 8 vectors of 64 bytes, vector z holding features 4z..4z+3 of output j in bytes
+    4j..4j+3, each 4 blocks interleaved run by run (as pack_int4_vnni's)."""
+    n, k = q.shape
+    blocks = -(-n // INT4_VNNI_BLOCK)
+    pad = blocks * INT4_VNNI_BLOCK - n
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+    if pad:
+        shifted = torch.nn.functional.pad(shifted, (0, 0, 0, pad), value=128)
+        scale = torch.nn.functional.pad(scale, (0, pad))
+    per_block = shifted.reshape(blocks, INT4_VNNI_BLOCK, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [block, run, z, j, 4]
+    packed = _interleaved(per_block.reshape(blocks, k // 32, 512)).reshape(blocks * INT4_VNNI_BLOCK, k)
+    return packed, scale.float().contiguous()
+
+
+def unpack_int8_vnni(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_int8_vnni's bytes back to q [N, K] int8."""
+    rows, k = packed.shape
+    blocks = rows // INT4_VNNI_BLOCK
+    per_block = _deinterleaved(packed.reshape(-1), blocks, k // 32, 512).reshape(blocks, k // 32, 8, INT4_VNNI_BLOCK, 4)
+    shifted = per_block.permute(0, 3, 1, 2, 4).reshape(rows, k)[:n]
+    return (shifted.to(torch.int16) - 128).to(torch.int8)
 
 
 class Int4Linear(_WeightOnly):
