@@ -367,20 +367,14 @@ def unpack_int4_vnni(packed: torch.Tensor, params: torch.Tensor, n: int, k: int)
     """pack_int4_vnni's layout read back the way its docstring says, independently of how it was written: (q [N, K],
     scale, mid [N, K / g])."""
     blocks, runs = params.shape[0], k // 32
-    flat, q = packed.reshape(-1), torch.empty(blocks * 16, k, dtype=torch.uint8)
-    at = 0
-    for first in range(0, blocks, 4):  # each 4 blocks (the last 1-4) interleaved run by run
-        count = min(4, blocks - first)
-        group = flat[at:at + count * runs * 256].reshape(runs, count, 4, 16, 4)  # [run, block, z, output, 4 bytes]
-        at += count * runs * 256
-        for b in range(count):
-            for z in range(4):
-                byte = group[:, b, z].permute(1, 0, 2)  # [output, run, 4 features]
-                rows = q[(first + b) * 16:(first + b + 1) * 16].view(16, runs, 32)
-                rows[:, :, 4 * z:4 * z + 4] = byte & 15
-                rows[:, :, 16 + 4 * z:16 + 4 * z + 4] = byte >> 4
+    nibbles = packed.reshape(blocks, runs, 4, 16, 4)  # [block, run, z, output, 4 bytes]
+    q = torch.empty(blocks, 16, runs, 32, dtype=torch.uint8)
+    for z in range(4):
+        byte = nibbles[:, :, z].permute(0, 2, 1, 3)  # [block, output, run, 4 features]
+        q[..., 4 * z:4 * z + 4] = byte & 15
+        q[..., 16 + 4 * z:16 + 4 * z + 4] = byte >> 4
     pairs = params.permute(0, 2, 1, 3).reshape(blocks * 16, -1, 2).float()
-    return q[:n], pairs[:n, :, 0], pairs[:n, :, 1]
+    return q.reshape(blocks * 16, k)[:n], pairs[:n, :, 0], pairs[:n, :, 1]
 
 
 @pytest.mark.parametrize("kernel", INT4_KERNELS)
@@ -390,7 +384,7 @@ def unpack_int4_vnni(packed: torch.Tensor, params: torch.Tensor, n: int, k: int)
 def test_int4_kernel_matches_the_dequantized_reference(dtype, group, kernel, monkeypatch):
     """The exact float kernel to float32's rounding; VNNI's to its activations' two 8-bit parts (VNNI_ROUNDING);
     torch's to its bf16 activations. 100 outputs (torch's: 96, its tiles of 16): VNNI's last group of blocks has 3,
-    its last block 4 outputs."""
+    its last block 4 outputs (padded to 16)."""
     n = 96 if kernel == "torch" else 100
     w, x = weight(n, 256).to(dtype), torch.randn(7, 256).to(dtype)
     lin = int4_linear(w, group, kernel, monkeypatch)

@@ -62,7 +62,6 @@ from .numerics import quantize_int4, quantize_int8
 
 INT4_PACK_ROWS = 16  # torch's CPU int4 kernel packs output features in tiles of 16
 INT4_VNNI_BLOCK = 16  # int4_matmul_vnni's outputs a block: one int32 lane each in its dot products
-INT4_VNNI_GROUP = 4  # its blocks a thread takes at a time (kQ4Blocks), stored interleaved
 INT4_INNER_K_TILES = (8, 4, 2)  # CUDA's int4 packing: the largest tiling (16 input features each) that divides K
 
 
@@ -178,9 +177,8 @@ def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor) -> t
     """q [N, K] levels (uint8, 0-15), scale and mid [N, K / g] -> int4_matmul_vnni's (packed, params): N padded with
     zero weights to blocks of 16 outputs; packed [ceil(N / 16) * 16, K / 2] bytes, per block and run of 32 features
     4 vectors of 64 bytes, vector z holding for output j features 4z..4z+3 in the low nibbles of bytes 4j..4j+3 and
-    16+4z..16+4z+3 in the high ones (the order of its dot products), each 4 blocks (a thread's share at a time, the
-    last 1-4) interleaved run by run; params [ceil(N / 16), K / g, 16, 2] bf16, each block's (scale, mid) pairs of a
-    group in one 64-byte line."""
+    16+4z..16+4z+3 in the high ones (the order of its dot products); params [ceil(N / 16), K / g, 16, 2] bf16, each
+    block's (scale, mid) pairs of a group in one 64-byte line."""
     n, k = q.shape
     blocks = -(-n // INT4_VNNI_BLOCK)
     pad = blocks * INT4_VNNI_BLOCK - n
@@ -188,36 +186,16 @@ def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor) -> t
         q, scale, mid = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scale, mid))
     runs = q.reshape(blocks, INT4_VNNI_BLOCK, k // 32, 2, 4, 4)  # [block, output, run, half, z, 4 features]
     nibbles = runs[:, :, :, 0] | runs[:, :, :, 1] << 4  # features 0-15 of a run low, 16-31 high
-    per_block = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, k // 32, 256)  # [block, run, 256 bytes]
-    packed = _interleaved(per_block).reshape(blocks * INT4_VNNI_BLOCK, k // 2)
+    packed = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks * INT4_VNNI_BLOCK, k // 2)  # [block, run, z, j, 4]
     pairs = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).reshape(blocks, INT4_VNNI_BLOCK, -1, 2)
     return packed, pairs.permute(0, 2, 1, 3).contiguous()
-
-
-def _interleaved(per_block: torch.Tensor) -> torch.Tensor:
-    """[blocks, runs, bytes] -> flat, each 4 blocks (a thread's group at a time in the VNNI kernels, the last group's
-    1-4) interleaved run by run: one stream to read, not four."""
-    blocks, runs, size = per_block.shape
-    whole = blocks // INT4_VNNI_GROUP * INT4_VNNI_GROUP
-    groups = [per_block[:whole].reshape(-1, INT4_VNNI_GROUP, runs, size), per_block[whole:].unsqueeze(0)]
-    return torch.cat([g.transpose(1, 2).reshape(-1) for g in groups if g.numel()])
-
-
-def _deinterleaved(flat: torch.Tensor, blocks: int, runs: int, size: int) -> torch.Tensor:
-    """_interleaved's flat bytes back to [blocks, runs, bytes]."""
-    whole = blocks // INT4_VNNI_GROUP * INT4_VNNI_GROUP
-    parts = [flat[:whole * runs * size].reshape(-1, runs, INT4_VNNI_GROUP, size).transpose(1, 2)
-             .reshape(whole, runs, size)]
-    if whole < blocks:
-        parts.append(flat[whole * runs * size:].reshape(runs, blocks - whole, size).transpose(0, 1))
-    return torch.cat(parts)
 
 
 def pack_int8_vnni(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] int8, scale [N] -> int8_matmul_vnni's (packed, scale): N padded with zero weights and scales to blocks
     of 16 outputs; packed [ceil(N / 16) * 16, K] bytes q + 128 (the dot products take their first operand unsigned),
     per block and run of 32 features 8 vectors of 64 bytes, vector z holding features 4z..4z+3 of output j in bytes
-    4j..4j+3, each 4 blocks interleaved run by run (as pack_int4_vnni's)."""
+    4j..4j+3."""
     n, k = q.shape
     blocks = -(-n // INT4_VNNI_BLOCK)
     pad = blocks * INT4_VNNI_BLOCK - n
@@ -226,15 +204,13 @@ def pack_int8_vnni(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
         shifted = torch.nn.functional.pad(shifted, (0, 0, 0, pad), value=128)
         scale = torch.nn.functional.pad(scale, (0, pad))
     per_block = shifted.reshape(blocks, INT4_VNNI_BLOCK, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [block, run, z, j, 4]
-    packed = _interleaved(per_block.reshape(blocks, k // 32, 512)).reshape(blocks * INT4_VNNI_BLOCK, k)
-    return packed, scale.float().contiguous()
+    return per_block.reshape(blocks * INT4_VNNI_BLOCK, k), scale.float().contiguous()
 
 
 def unpack_int8_vnni(packed: torch.Tensor, n: int) -> torch.Tensor:
     """pack_int8_vnni's bytes back to q [N, K] int8."""
     rows, k = packed.shape
-    blocks = rows // INT4_VNNI_BLOCK
-    per_block = _deinterleaved(packed.reshape(-1), blocks, k // 32, 512).reshape(blocks, k // 32, 8, INT4_VNNI_BLOCK, 4)
+    per_block = packed.reshape(rows // INT4_VNNI_BLOCK, k // 32, 8, INT4_VNNI_BLOCK, 4)
     shifted = per_block.permute(0, 3, 1, 2, 4).reshape(rows, k)[:n]
     return (shifted.to(torch.int16) - 128).to(torch.int8)
 
