@@ -25,14 +25,22 @@ replaces torch calls that spent most of their time outside the arithmetic for th
   next block's prefetched, the activations taken as they come (fp32 or bf16) with fp32 sums: torch's kernels
   take bf16 activations only and streamed the weights more slowly at one row (docs/measurements.md, "The engine's
   own weight-only kernels"). Built with AVX-512 only (elsewhere torch's kernels run); a row's result is the same
-  in any batch (tested).
+  in any batch (tested). With AVX-512 VNNI they run int4_matmul_vnni and int8_matmul_vnni instead: the weights
+  stay integers and each row's activations are made integers once per call, in two 8-bit parts per run of 32
+  features (about 15 bits), for VNNI's integer dot products: widening every weight to a float had run out of
+  instructions before the memory ran out of bytes (int4 most). A precision change, measured: the quality table's
+  int4 and int8 rows moved by at most 0.1 point of agreement (docs/measurements.md, "Against the machine's
+  limits").
 - float32 and bf16 matmuls for the unquantized projections (quant/linear.py's Linear), over a weight packed once
   into blocks of 16 outputs, each k's (bf16: each pair's) weights of a block one 64-byte vector: one fused
   multiply-add (bf16: one AVX-512 BF16 dot product) per block and k, no reduction across lanes, groups of blocks
   taken from a shared counter so a thread the OS pauses leaves its share to the other. A decode step's
   projections and LM head run faster than on oneDNN's linear (what ran before) at a few rows, and about as fast
   at hundreds (`bench kernels`; docs/measurements.md, "The projections in C++, and the table again"). Built with
-  AVX-512 (bf16: AVX-512 BF16; with AMX, oneDNN keeps bf16); a row's result is the same in any batch (tested).
+  AVX-512 (bf16: AVX-512 BF16). On a CPU with AMX, bf16 runs on its tiles over the same packed weight (each block's
+  pairs are the tile's layout): as fast as the dot products at one row and as oneDNN's AMX linear at hundreds
+  (docs/measurements.md, "Against the machine's limits"), where the dot products alone fell far behind it. A row's
+  result is the same in any batch (tested).
 - a decoder layer's elementwise steps (models/llama.py): RMSNorm with the residual add before it, RoPE, and
   silu(gate) * up, one call each where the torch formulas are 7, 6 and 4 calls, whose dispatch was a large share
   of an int4 token's time at batch 1 (with the attention above, it took int4 past llama.cpp's speed in the same
@@ -254,8 +262,10 @@ def describe(ext) -> str:
     steps = ("decode attention over the paged KV pool, KV writes (int8 too), RMSNorm / RoPE / silu layer steps, "
              "w8a8 rows, the sampler's rows")
     if ext.weight_only_available():
-        dense = " / ".join("bf16" if d == "bfloat16" else d for d in ext.dense_dtypes())
-        return f"{steps}, AVX-512 {dense} and int8 / int4 weight-only matmuls and attention loops"
+        amx = " (AMX)" if getattr(ext, "dense_amx", lambda: False)() else ""
+        dense = " / ".join(f"bf16{amx}" if d == "bfloat16" else d for d in ext.dense_dtypes())
+        vnni = " (on VNNI)" if getattr(ext, "vnni_available", lambda: False)() else ""
+        return f"{steps}, AVX-512 {dense} and int8 / int4 weight-only matmuls{vnni} and attention loops"
     return f"{steps} (no AVX-512 in this build: torch's weight-only kernels, the portable attention loops)"
 
 

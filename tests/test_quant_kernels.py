@@ -42,6 +42,16 @@ def test_weight_only_choice_follows_the_cpu_and_the_build(scheme):
     assert not unbuilt.own and "not built" in unbuilt.why
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_weight_only_takes_the_vnni_kernel_where_the_cpu_and_the_build_have_it(scheme):
+    with_vnni = type("WithVnni", (BuiltWithAvx512,), {"vnni_available": staticmethod(lambda: True)})
+    vnni = choose_kernel(scheme, "cpu", features=AVX512, extension=with_vnni)
+    assert vnni.own and vnni.kernel == f"{scheme}_matmul_vnni (C++)" and vnni.activations is None
+    assert vnni.describe() == f"{scheme} weights · C++ AVX-512 VNNI kernel" and "two 8-bit parts" in vnni.why
+    exact = choose_kernel(scheme, "cpu", features=AVX512 - {"avx512_vnni"}, extension=with_vnni)
+    assert exact.kernel == f"{scheme}_matmul (C++)"  # an AVX-512 CPU without VNNI: the exact float kernel
+
+
 def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="unknown quantization scheme 'int3'"):
         choose_kernel("int3", "cpu")
@@ -68,9 +78,14 @@ def test_unquantized_choice_by_dtype_cpu_and_build():
         assert own.describe() == f"{str(dtype)[6:]} weights · C++ AVX-512 kernel"
         unbuilt = choose_kernel(None, "cpu", dtype, features=AVX512, extension=None)
         assert not unbuilt.own and unbuilt.kernel in ("oneDNN", "x @ W")
-    amx = AVX512 | {"amx_tile", "amx_bf16"}  # oneDNN's bf16 linear uses AMX: it keeps bf16 there, not float32
+    amx = AVX512 | {"amx_tile", "amx_bf16"}  # oneDNN's bf16 linear uses AMX: it keeps bf16 there, not float32,
     assert not choose_kernel(None, "cpu", torch.bfloat16, features=amx, extension=BuiltWithAvx512).own
     assert choose_kernel(None, "cpu", torch.float32, features=amx, extension=BuiltWithAvx512).own
+    with_amx = type("WithAmx", (BuiltWithAvx512,), {"dense_amx": staticmethod(lambda: True)})  # unless ours uses it
+    on_tiles = choose_kernel(None, "cpu", torch.bfloat16, features=amx, extension=with_amx)
+    assert on_tiles.own and "AMX" in on_tiles.why
+    assert not choose_kernel(None, "cpu", torch.bfloat16, features=amx,
+                             extension=type("NoAmx", (with_amx,), {"dense_amx": staticmethod(lambda: False)})).own
     fp32_only = type("Avx512NoBf16", (BuiltWithAvx512,), {"dense_dtypes": staticmethod(lambda: ["float32"])})
     assert not choose_kernel(None, "cpu", torch.bfloat16, features=AVX512, extension=fp32_only).own
     no_bf16 = AVX512 - {"avx512_bf16"}  # the CPU decides too (kernel-worth builds torch's weights by saying AVX2)
@@ -82,7 +97,8 @@ def test_unquantized_choice_by_dtype_cpu_and_build():
     ext, amx = cpu_kernels.compiled(), "amx_bf16" in kernels.cpu_features()  # this machine, its build
     for dtype in (torch.float32, torch.bfloat16):
         built = ext is not None and str(dtype)[6:] in ext.dense_dtypes()  # -march=native: the CPU's own flags
-        assert choose_kernel(None, "cpu", dtype).own == (built and not (amx and dtype == torch.bfloat16))
+        tiles = ext is not None and getattr(ext, "dense_amx", lambda: False)()
+        assert choose_kernel(None, "cpu", dtype).own == (built and not (amx and dtype == torch.bfloat16 and not tiles))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

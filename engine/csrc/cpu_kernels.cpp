@@ -14,6 +14,14 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+// AMX's tiles (bf16 dense matmuls): the instructions, and Linux's call that lets a process use them
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define WATCHLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define WATCHLLM_AMX 0
+#endif
 
 #include <algorithm>
 #include <array>
@@ -1184,6 +1192,137 @@ void dense_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w
 }
 #endif
 
+#if WATCHLLM_AMX
+// bf16 on AMX's tiles, over the same packed weight: a block's 16 pairs of k for its 16 outputs are 16 lines of 64
+// bytes in a row, which is the layout AMX's B tile takes, so one tile load reads them and one _tile_dpbf16ps adds
+// up to 16 rows' 32 products each into a 16 x 16 float tile. It replaces dense_tile_bf16 wherever AMX runs (K a
+// multiple of 32): a single row costs as little as there (the tile holds only the rows there are) and hundreds
+// ran as fast as oneDNN's AMX linear, which then need no copy of the weights of their own (docs/measurements.md,
+// "Against the machine's limits"). The tiles sum in their own order, not dense_tile_bf16's, but always the same
+// one: each output adds its pairs of k in order whatever rows share the tile, so a row's result does not depend
+// on its batch here either (tested).
+constexpr int kAmxBlocks = 4;  // blocks a group: tiles 0-3 hold their sums, 4 the rows of x, 5-7 the weights
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux gives a process AMX's tile registers only once it asks for them (ARCH_REQ_XCOMP_PERM, XTILEDATA); asked
+// once per process (oneDNN asks on its own)
+bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// one group's nb blocks (1-4) against `rows` rows of x (1-16, as the tiles are configured): the sums in tiles 0-3,
+// stored through scratch into y in bf16 (the tail block's outputs masked by last)
+template <int NB>
+void amx_tile_bf16(const char* x, int64_t x_stride, const char* w, int64_t pairs, int rows, c10::BFloat16* y,
+                   int64_t ldy, __mmask16 last, float (*scratch)[kDenseBlock]) {
+  const int64_t block_bytes = pairs * 64;
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  for (int64_t p = 0; p < pairs; p += 16) {
+    _tile_loadd(4, x + p * 4, x_stride);
+    _tile_loadd(5, w + p * 64, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NB > 1) {
+      _tile_loadd(6, w + block_bytes + p * 64, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NB > 2) {
+      _tile_loadd(7, w + 2 * block_bytes + p * 64, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (NB > 3) {
+      _tile_loadd(5, w + 3 * block_bytes + p * 64, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    switch (j) {  // a tile's number is part of the instruction
+      case 0: _tile_stored(0, scratch, 64); break;
+      case 1: _tile_stored(1, scratch, 64); break;
+      case 2: _tile_stored(2, scratch, 64); break;
+      default: _tile_stored(3, scratch, 64); break;
+    }
+    for (int i = 0; i < rows; ++i)
+      _mm256_mask_storeu_epi16(y + i * ldy + j * kDenseBlock, j == NB - 1 ? last : __mmask16(0xFFFF),
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(scratch[i])));
+  }
+}
+
+// y [m, n] = x @ W.T over pack_dense's bf16 weight, K a multiple of 32. Rows 16 at a time (the last few copied into
+// a zeroed tile of 16 when there are more than 16: their sums are the same, the zero rows' thrown away); up to 16
+// rows in one tile of as many. Each thread sets its tiles up for the call and, after, puts back whatever
+// configuration it found (torch's own AMX kernels keep theirs configured between calls), or lets the tiles go.
+void dense_matmul_amx(const c10::BFloat16* xp, int64_t ldx, const c10::BFloat16* wp, int64_t m, int64_t k_len,
+                      int64_t n, c10::BFloat16* yp) {
+  const int64_t pairs = k_len / 2, blocks = (n + kDenseBlock - 1) / kDenseBlock;
+  const int64_t groups = (blocks + kAmxBlocks - 1) / kAmxBlocks;
+  const int rows = static_cast<int>(std::min<int64_t>(m, 16));
+  const int64_t whole = m > 16 ? m / 16 * 16 : m, chunks = (m + 15) / 16;
+  std::vector<c10::BFloat16> tail;  // the rows past the last whole 16, zero-padded to 16
+  if (whole < m) {
+    tail.assign(16 * k_len, c10::BFloat16(0.f));
+    for (int64_t i = whole; i < m; ++i) std::memcpy(&tail[(i - whole) * k_len], xp + i * ldx, k_len * 2);
+  }
+  const __mmask16 tail_mask = n % kDenseBlock ? __mmask16((1u << (n % kDenseBlock)) - 1) : __mmask16(0xFFFF);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  const int64_t chunk = std::max<int64_t>(1, groups / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    TileConfig found, mine;
+    _tile_storeconfig(&found);
+    for (int t = 0; t < 5; ++t) mine.rows[t] = rows, mine.colsb[t] = 64;  // sums and x: `rows` rows
+    for (int t = 5; t < 8; ++t) mine.rows[t] = 16, mine.colsb[t] = 64;    // weights: 16 pairs of k
+    _tile_loadconfig(&mine);
+    alignas(64) float scratch[16][kDenseBlock];
+    for (int64_t g = next.fetch_add(chunk); g < groups; g = next.fetch_add(chunk)) {
+      for (const int64_t e = std::min(groups, g + chunk); g < e; ++g) {
+        const int64_t first = g * kAmxBlocks, count = std::min<int64_t>(kAmxBlocks, blocks - first);
+        const __mmask16 last = first + count == blocks ? tail_mask : __mmask16(0xFFFF);
+        const char* w = reinterpret_cast<const char*>(wp + first * pairs * 2 * kDenseBlock);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t i = c * 16;
+          const bool padded = i >= whole;
+          const char* x = reinterpret_cast<const char*>(padded ? tail.data() : xp + i * ldx);
+          const int64_t x_stride = (padded ? k_len : ldx) * 2;
+          const int valid = static_cast<int>(std::min<int64_t>(rows, m - i));
+          c10::BFloat16* y = yp + i * n + first * kDenseBlock;
+          switch (count) {
+            case 4: amx_tile_bf16<4>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+            case 3: amx_tile_bf16<3>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+            case 2: amx_tile_bf16<2>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+            default: amx_tile_bf16<1>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+          }
+        }
+      }
+    }
+    if (found.palette != 0) {
+      _tile_loadconfig(&found);
+    } else {
+      _tile_release();
+    }
+  });
+}
+#endif
+
+// Whether dense_matmul's bf16 runs on AMX here for inner size k_len (built with it, the OS lets this process use
+// it, K a multiple of 32)
+bool dense_bf16_on_amx(int64_t k_len) {
+#if WATCHLLM_AMX
+  return k_len % 32 == 0 && amx_permitted();
+#else
+  (void)k_len;
+  return false;
+#endif
+}
+
 // Every 8 rows of x, then the 1-7 left, through tile(MB, first row): one group's blocks against each
 template <int NB, typename F>
 void dense_rows(int64_t m, F&& tile) {
@@ -1266,6 +1405,10 @@ std::vector<std::string> dense_dtypes() {
   return out;
 }
 
+// Whether this build's bf16 dense_matmul runs on AMX here (for K a multiple of 32; elsewhere AVX-512 BF16's dot
+// products): built with it and the OS lets this process use the tiles
+bool dense_amx() { return dense_bf16_on_amx(32); }
+
 // w [N, K] float32 or bf16 -> its packed layout (see above), zero-padded to whole blocks and (bf16) whole pairs
 at::Tensor pack_dense(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && float_or_bf16(w), "w must be a float32 or bf16 CPU tensor [N, K]");
@@ -1299,7 +1442,12 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
   const int64_t ldx = x.size(0) > 1 ? x.stride(0) : k_len;
-  if (bf16) {
+  if (bf16 && dense_bf16_on_amx(k_len)) {
+#if WATCHLLM_AMX
+    dense_matmul_amx(x.data_ptr<c10::BFloat16>(), ldx, packed.data_ptr<c10::BFloat16>(), x.size(0), k_len, n,
+                     y.data_ptr<c10::BFloat16>());
+#endif
+  } else if (bf16) {
     dense_matmul_any(x.data_ptr<c10::BFloat16>(), ldx, packed.data_ptr<c10::BFloat16>(), x.size(0), k_len, n,
                      y.data_ptr<c10::BFloat16>());
   } else {
@@ -1307,6 +1455,341 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   }
   return y;
 }
+
+// ---- int4 on AVX-512 VNNI's integer dot products (quant/linear.py's Int4Linear where the CPU has them). int4_matmul
+// above widens every weight to a float and multiplies it in floats: per 32 weights of an output a widening, a shift,
+// two lookups and two multiply-adds, and for groups of 32 a group's 16 levels besides, so at one row it ran out of
+// instructions before the memory ran out of bytes (docs/measurements.md, "Against the machine's limits"). Here the
+// activations are made integers once per call instead, and the weights stay integers: one _mm512_dpbusd_epi32 multiplies
+// 64 unsigned 4-bit weights (16 outputs x 4 features) by 4 signed 8-bit activations and adds them in int32, exactly.
+// The activations: each row's runs of 32 features over their largest magnitude m, in two 8-bit parts, h = round(x *
+// 127 / m) and l = round((x * 127 / m - h) * 128), so x = m / (127 * 128) * (128 h + l) to within m / 32,512 (the
+// second part's half step), about 15 bits: a precision change from the float path's exact products, measured in
+// docs/measurements.md's quality table, far below int4's own rounding of the weights and bf16's of activations.
+// Each run of 32 then adds, per output, sum(q * (128 h + l)) = 128 * dot(q, h) + dot(q, l) (two dot products, int32)
+// and, in floats, w = (q - 8) * scale + mid = q * scale + w0 (w0 = mid - 8 * scale) gives
+//   y += unit * (scale * sum(q * (128 h + l)) + w0 * sum(128 h + l)),  unit = m / (127 * 128).
+// Layout: 16 outputs a block, for each run of 32 features 4 vectors of 64 bytes, vector z holding for output j
+// features 4z..4z+3 in the low nibbles of bytes 4j..4j+3 and 16+4z..16+4z+3 in their high nibbles (the dot products'
+// order), [N / 16, K / 32, 4, 16, 4]: a thread takes 4 blocks at a time, reading them as 4 streams side by side
+// (measured: faster than the same bytes interleaved into one stream, ~10% at one row). The (scale, mid) pairs
+// [N / 16, K / group, 16, 2] bf16, a block's 16 in one line. A row's result does not depend on the rows beside it
+// (each row is made integers on its own; tested).
+namespace {
+constexpr int64_t kQ4Block = 16;       // outputs a block
+constexpr int64_t kQ4Run = 32;         // features a run: one activation scale, 256 bytes of a block's weights
+constexpr int kQ4Blocks = 4;           // blocks a thread's group
+constexpr float kQ4Residual = 128.f;   // the second part's steps per step of the first
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define WATCHLLM_INT4_VNNI 1
+// a row's runs of 32 features -> [runs][2][32] int8 (h then l), the scale m / (127 * 128) of each run, sum(128 h + l)
+// and that sum times the scale
+template <typename X>
+void q4_quantize_row(const X* x, int64_t k_len, int8_t* q, float* unit, float* unit_sum, int32_t* sums) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t r = 0; r < k_len / kQ4Run; ++r) {
+    const __m512 a = load16(x + r * kQ4Run), b = load16(x + r * kQ4Run + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    __m512i sum = _mm512_setzero_si512();
+    int8_t* out = q + r * 2 * kQ4Run;
+    for (int half = 0; half < 2; ++half) {
+      const __m512 scaled = _mm512_mul_ps(half ? b : a, inv);
+      const __m512 h = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i hi = _mm512_cvtps_epi32(h);
+      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled, h), _mm512_set1_ps(kQ4Residual)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + half * 16), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + kQ4Run + half * 16), _mm512_cvtepi32_epi8(lo));
+      sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo));
+    }
+    unit[r] = top / (127.f * kQ4Residual);
+    sums[r] = _mm512_reduce_add_epi32(sum);
+    unit_sum[r] = unit[r] * static_cast<float>(sums[r]);
+  }
+}
+
+// A call's rows made integers (q4_quantize_row's), rows split between the threads where there are many
+struct IntegerRows {
+  int64_t runs;
+  std::vector<int8_t> q;
+  std::vector<float> unit, unit_sum;
+  std::vector<int32_t> sums;
+
+  template <typename X>
+  IntegerRows(const X* xp, int64_t m, int64_t k_len)
+      : runs(k_len / kQ4Run), q(m * 2 * k_len), unit(m * runs), unit_sum(m * runs), sums(m * runs) {
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        q4_quantize_row(xp + i * k_len, k_len, q.data() + i * 2 * k_len, unit.data() + i * runs,
+                        unit_sum.data() + i * runs, sums.data() + i * runs);
+    });
+  }
+};
+
+// runs ahead each run asks for (a hint: the hardware's prefetcher mostly keeps up with the one stream on its own)
+constexpr int64_t kQ4Ahead = 4;
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+// MB rows against NB blocks (y: MB rows of NB * 16 floats, the last block's outputs masked by last)
+template <int MB, int NB>
+void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* unit_sum, int64_t s_stride,
+             const uint8_t* w, int64_t block_bytes, const int32_t* params, int64_t block_params, int64_t runs,
+             int64_t runs_per_group, float* y, int64_t ldy, __mmask16 last) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i top_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < runs; ++r) {
+    for (int j = 0; j < NB; ++j)  // past a block's last run: the next block's first (a hint never faults)
+      for (int z = 0; z < 4; ++z)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * block_bytes + (r + kQ4Ahead) * 256 + z * 64), _MM_HINT_T0);
+    __m512i hi_dot[MB][NB], lo_dot[MB][NB];  // dot(q, h) and dot(q, l) of this run
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) hi_dot[i][j] = lo_dot[i][j] = _mm512_setzero_si512();
+    for (int z = 0; z < 4; ++z) {
+      __m512i low[NB], high[NB];
+      for (int j = 0; j < NB; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + j * block_bytes + r * 256 + z * 64);
+        low[j] = _mm512_and_si512(v, nibble);
+        high[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* qr = q + i * q_stride + r * 2 * kQ4Run;
+        const __m512i h0 = broadcast4(qr + 4 * z), h1 = broadcast4(qr + 16 + 4 * z);
+        const __m512i l0 = broadcast4(qr + kQ4Run + 4 * z), l1 = broadcast4(qr + kQ4Run + 16 + 4 * z);
+        for (int j = 0; j < NB; ++j) {
+          hi_dot[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hi_dot[i][j], low[j], h0), high[j], h1);
+          lo_dot[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo_dot[i][j], low[j], l0), high[j], l1);
+        }
+      }
+    }
+    const int64_t g = r / runs_per_group;
+    __m512 scale[NB], w0[NB];
+    for (int j = 0; j < NB; ++j) {  // (scale, mid) as bf16 pairs: the top halves of their floats
+      const __m512i pair = _mm512_loadu_si512(params + j * block_params + g * kQ4Block);
+      scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      w0[j] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale[j], _mm512_castsi512_ps(_mm512_and_si512(pair, top_half)));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 u = _mm512_set1_ps(unit[i * s_stride + r]), us = _mm512_set1_ps(unit_sum[i * s_stride + r]);
+      for (int j = 0; j < NB; ++j) {
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(hi_dot[i][j], 7), lo_dot[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(u, scale[j]), acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(us, w0[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      _mm512_mask_storeu_ps(y + i * ldy + j * kQ4Block, j == NB - 1 ? last : __mmask16(0xFFFF), acc[i][j]);
+}
+
+template <typename X>
+void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, const int32_t* pp, int64_t group,
+                   int64_t n, float* yp) {
+  const int64_t runs = k_len / kQ4Run, blocks = (n + kQ4Block - 1) / kQ4Block, groups = k_len / group;
+  const int64_t block_bytes = runs * 256, block_params = groups * kQ4Block;
+  IntegerRows rows_as_integers(xp, m, k_len);
+  const std::vector<int8_t>& q = rows_as_integers.q;
+  const std::vector<float>&unit = rows_as_integers.unit, &unit_sum = rows_as_integers.unit_sum;
+  const __mmask16 tail = n % kQ4Block ? __mmask16((1u << (n % kQ4Block)) - 1) : __mmask16(0xFFFF);
+  const int64_t ngroups = (blocks + kQ4Blocks - 1) / kQ4Blocks;
+  dense_groups(ngroups, [&](int64_t g) {
+    const int64_t first = g * kQ4Blocks, count = std::min<int64_t>(kQ4Blocks, blocks - first);
+    const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
+    const uint8_t* w = wp + first * block_bytes;
+    const int32_t* params = pp + first * block_params;
+    auto rows = [&](auto nb) {
+      constexpr int NB = decltype(nb)::value;
+      int64_t i = 0;
+      for (; i + 2 <= m; i += 2) {  // two rows share each weight vector, two blocks at a time (more would spill)
+        for (int j = 0; j < NB; j += 2) {
+          const int64_t at = i * 2 * k_len;
+          if (j + 2 <= NB) {
+            q4_tile<2, 2>(q.data() + at, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs, runs,
+                          w + j * block_bytes, block_bytes, params + j * block_params, block_params, runs,
+                          group / kQ4Run, yp + i * n + (first + j) * kQ4Block, n, j + 2 == NB ? last : 0xFFFF);
+          } else {
+            q4_tile<2, 1>(q.data() + at, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs, runs,
+                          w + j * block_bytes, block_bytes, params + j * block_params, block_params, runs,
+                          group / kQ4Run, yp + i * n + (first + j) * kQ4Block, n, last);
+          }
+        }
+      }
+      if (i < m)
+        q4_tile<1, NB>(q.data() + i * 2 * k_len, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs,
+                       runs, w, block_bytes, params, block_params, runs, group / kQ4Run, yp + i * n + first * kQ4Block,
+                       n, last);
+    };
+    switch (count) {
+      case 4: rows(std::integral_constant<int, 4>{}); break;
+      case 3: rows(std::integral_constant<int, 3>{}); break;
+      case 2: rows(std::integral_constant<int, 2>{}); break;
+      default: rows(std::integral_constant<int, 1>{}); break;
+    }
+  });
+}
+
+// int8 weights [N, K] (symmetric per output, a float32 scale each) on the same dot products: the weights stored as
+// q + 128 (unsigned, what _mm512_dpbusd_epi32 takes first), 16 outputs a block, per run of 32 features 8 vectors of 64
+// bytes (vector z: features 4z..4z+3 of output j in bytes 4j..4j+3), [N / 16, K / 32, 8, 16, 4], read as int4's. Each
+// run adds, per output, sum((q + 128) * (128 h + l)) - 128 * sum(128 h + l) = sum(q * (128 h + l)), exactly in int32,
+// times the run's scale; the output's scale at the end.
+template <int MB, int NB>
+void q8_tile(const int8_t* q, int64_t q_stride, const float* unit, const int32_t* sums, int64_t s_stride,
+             const uint8_t* w, int64_t block_bytes, const float* scale, int64_t runs, float* y, int64_t ldy,
+             __mmask16 last) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < runs; ++r) {
+    for (int j = 0; j < NB; ++j)
+      for (int z = 0; z < 8; ++z)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * block_bytes + (r + kQ4Ahead) * 512 + z * 64), _MM_HINT_T0);
+    __m512i hi_dot[MB][NB], lo_dot[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) hi_dot[i][j] = lo_dot[i][j] = _mm512_setzero_si512();
+    for (int z = 0; z < 8; ++z) {
+      __m512i v[NB];
+      for (int j = 0; j < NB; ++j) v[j] = _mm512_loadu_si512(w + j * block_bytes + r * 512 + z * 64);
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* qr = q + i * q_stride + r * 2 * kQ4Run;
+        const __m512i h = broadcast4(qr + 4 * z), l = broadcast4(qr + kQ4Run + 4 * z);
+        for (int j = 0; j < NB; ++j) {
+          hi_dot[i][j] = _mm512_dpbusd_epi32(hi_dot[i][j], v[j], h);
+          lo_dot[i][j] = _mm512_dpbusd_epi32(lo_dot[i][j], v[j], l);
+        }
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512 u = _mm512_set1_ps(unit[i * s_stride + r]);
+      const __m512i bias = _mm512_set1_epi32(sums[i * s_stride + r] * 128);  // the +128 of every weight
+      for (int j = 0; j < NB; ++j) {
+        const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi_dot[i][j], 7), lo_dot[i][j]), bias);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), u, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      _mm512_mask_storeu_ps(y + i * ldy + j * kQ4Block, j == NB - 1 ? last : __mmask16(0xFFFF),
+                            _mm512_mul_ps(acc[i][j], _mm512_loadu_ps(scale + j * kQ4Block)));
+}
+
+template <typename X>
+void int8_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, const float* scale, int64_t n,
+                   float* yp) {
+  const int64_t runs = k_len / kQ4Run, blocks = (n + kQ4Block - 1) / kQ4Block, block_bytes = runs * 512;
+  IntegerRows rows_as_integers(xp, m, k_len);
+  const int8_t* q = rows_as_integers.q.data();
+  const float* unit = rows_as_integers.unit.data();
+  const int32_t* sums = rows_as_integers.sums.data();
+  const __mmask16 tail = n % kQ4Block ? __mmask16((1u << (n % kQ4Block)) - 1) : __mmask16(0xFFFF);
+  dense_groups((blocks + kQ4Blocks - 1) / kQ4Blocks, [&](int64_t g) {
+    const int64_t first = g * kQ4Blocks, count = std::min<int64_t>(kQ4Blocks, blocks - first);
+    const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
+    const uint8_t* w = wp + first * block_bytes;
+    const float* s = scale + first * kQ4Block;
+    auto rows = [&](auto nb) {
+      constexpr int NB = decltype(nb)::value;
+      int64_t i = 0;
+      for (; i + 2 <= m; i += 2) {  // two rows share each weight vector, two blocks at a time (more would spill)
+        for (int j = 0; j < NB; j += 2) {
+          float* y = yp + i * n + (first + j) * kQ4Block;
+          if (j + 2 <= NB) {
+            q8_tile<2, 2>(q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, w + j * block_bytes,
+                          block_bytes, s + j * kQ4Block, runs, y, n, j + 2 == NB ? last : 0xFFFF);
+          } else {
+            q8_tile<2, 1>(q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, w + j * block_bytes,
+                          block_bytes, s + j * kQ4Block, runs, y, n, last);
+          }
+        }
+      }
+      if (i < m)
+        q8_tile<1, NB>(q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, w, block_bytes, s, runs,
+                       yp + i * n + first * kQ4Block, n, last);
+    };
+    switch (count) {
+      case 4: rows(std::integral_constant<int, 4>{}); break;
+      case 3: rows(std::integral_constant<int, 3>{}); break;
+      case 2: rows(std::integral_constant<int, 2>{}); break;
+      default: rows(std::integral_constant<int, 1>{}); break;
+    }
+  });
+}
+#else
+#define WATCHLLM_INT4_VNNI 0
+#endif
+}  // namespace
+
+// x [M, K] (float32 or bf16, contiguous; K a multiple of 32), packed: the weights q + 128 in the layout above,
+// [ceil(N / 16) * 16, K] uint8, scale [ceil(N / 16) * 16] float32 (zero past N) -> y [M, n] float32
+at::Tensor int8_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n) {
+  TORCH_CHECK(WATCHLLM_INT4_VNNI, "int8_matmul_vnni needs AVX-512 VNNI");
+  const int64_t k_len = x.dim() == 2 ? x.size(1) : 0, blocks = (n + kQ4Block - 1) / kQ4Block;
+  check_activations(x, k_len, kQ4Run);
+  TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(0) == blocks * kQ4Block && packed.size(1) == k_len,
+              "packed must be a contiguous uint8 tensor [", blocks * kQ4Block, ", ", k_len, "], got ", packed.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 &&
+                  scale.size(0) == blocks * kQ4Block,
+              "scale must be a contiguous float32 tensor [", blocks * kQ4Block, "], got ", scale.sizes());
+  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0) return y;
+#if WATCHLLM_INT4_VNNI
+  if (x.scalar_type() == at::kBFloat16) {
+    int8_vnni_run(x.data_ptr<c10::BFloat16>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                  n, y.data_ptr<float>());
+  } else {
+    int8_vnni_run(x.data_ptr<float>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), n,
+                  y.data_ptr<float>());
+  }
+#endif
+  return y;
+}
+
+// Whether this build has int4_matmul_vnni (AVX-512 VNNI); without it Int4Linear runs int4_matmul
+bool vnni_available() { return WATCHLLM_INT4_VNNI; }
+
+// x [M, K] (float32 or bf16, contiguous; K a multiple of 32), packed: the weights' levels in the layout above,
+// [ceil(N / 16) * 16, K / 2] uint8, params [ceil(N / 16), K / group, 16, 2] bf16 (scale, mid), group a multiple of
+// 32 dividing K -> y [M, n] float32
+at::Tensor int4_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, int64_t group,
+                            int64_t n) {
+  TORCH_CHECK(vnni_available(), "int4_matmul_vnni needs AVX-512 VNNI");
+  const int64_t k_len = x.dim() == 2 ? x.size(1) : 0, blocks = (n + kQ4Block - 1) / kQ4Block;
+  check_activations(x, k_len, kQ4Run);
+  TORCH_CHECK(group > 0 && group % kQ4Run == 0 && k_len % group == 0,
+              "the group size must be a multiple of 32 dividing K (", k_len, "), got ", group);
+  TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(0) == blocks * kQ4Block && packed.size(1) == k_len / 2,
+              "packed must be a contiguous uint8 tensor [", blocks * kQ4Block, ", ", k_len / 2, "], got ",
+              packed.sizes());
+  TORCH_CHECK(params.scalar_type() == at::kBFloat16 && params.is_contiguous() && params.dim() == 4 &&
+                  params.size(0) == blocks && params.size(1) == k_len / group && params.size(2) == kQ4Block &&
+                  params.size(3) == 2,
+              "params must be a contiguous bf16 tensor [ceil(N / 16), K / group, 16, 2], got ", params.sizes());
+  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0) return y;
+#if WATCHLLM_INT4_VNNI
+  const auto* wp = packed.data_ptr<uint8_t>();
+  const auto* pp = reinterpret_cast<const int32_t*>(params.data_ptr<c10::BFloat16>());
+  if (x.scalar_type() == at::kBFloat16) {
+    int4_vnni_run(x.data_ptr<c10::BFloat16>(), x.size(0), k_len, wp, pp, group, n, y.data_ptr<float>());
+  } else {
+    int4_vnni_run(x.data_ptr<float>(), x.size(0), k_len, wp, pp, group, n, y.data_ptr<float>());
+  }
+#endif
+  return y;
+}
+
 
 // ---- The sampler's row work (engine/sampler.py) over a step's float32 logits [rows, vocabulary]: each row in one
 // or two passes, where torch's calls cost several full passes and fresh tensors each (a topk over 49k entries took
@@ -1702,10 +2185,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_only_available", &weight_only_available, "whether int8_matmul and int4_matmul are built (AVX-512)");
   m.def("int8_matmul", &int8_matmul, nogil, "x @ (q * scale).T, int8 weights widened as they are read");
   m.def("dense_dtypes", &dense_dtypes, "the dtypes dense_matmul runs in this build");
+  m.def("dense_amx", &dense_amx, "whether dense_matmul's bf16 runs on AMX here (K a multiple of 32)");
   m.def("pack_dense", &pack_dense, nogil, "a [N, K] weight packed for dense_matmul (once, at load)");
   m.def("dense_matmul", &dense_matmul, nogil, "x @ W.T in x's dtype over pack_dense's weight", py::arg("x"),
         py::arg("packed"), py::arg("n"));
   m.def("int4_matmul", &int4_matmul, nogil, "x @ W.T, W int4 in groups (scale, mid), widened as it is read");
+  m.def("vnni_available", &vnni_available, "whether int4_matmul_vnni and int8_matmul_vnni are built "
+        "(AVX-512 VNNI)");
+  m.def("int8_matmul_vnni", &int8_matmul_vnni, nogil, "x @ (q * scale).T, x in two 8-bit parts per 32 features, on "
+        "VNNI's integer dot products", py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("n"));
+  m.def("int4_matmul_vnni", &int4_matmul_vnni, nogil, "x @ W.T, W int4 in groups, x in two 8-bit parts per 32 "
+        "features, on VNNI's integer dot products", py::arg("x"), py::arg("packed"), py::arg("params"),
+        py::arg("group"), py::arg("n"));
   m.def("rope", &rope, nogil, "rotary embedding of q and k by their positions");
   m.def("exp_shifted_rows", &exp_shifted_rows, nogil, "exp(x - row max) in place, 0 where x is -inf");
   m.def("draw_rows", &draw_rows, nogil, "exp(x - row max) in place, then each row's token at its uniform number");

@@ -3,14 +3,19 @@ features, built C++ kernels) and says why; the projections (quant/linear.py), th
 engine's snapshot, the status line and the benchmarks all ask it, and none decides on its own.
 
   scheme  device  kernel                                          when
-  None    cpu     the engine's C++ dense_matmul (packed once)     fp32 with AVX-512; bf16 with AVX-512 BF16, no AMX;
+  None    cpu     the engine's C++ dense_matmul (packed once)     fp32 with AVX-512; bf16 with AVX-512 BF16 (with
+                                                                  AMX: on AMX's tiles where the build can use them);
                                                                   the C++ kernels built
           cpu     oneDNN's linear (weight reordered once)         otherwise: fp32; bf16 with AVX-512 BF16 / AMX
           cpu     x @ W                                           bf16 without them, a torch without oneDNN
           cuda    x @ W
-  int8    cpu     the engine's C++ int8_matmul (AVX-512)          AVX-512 here and the C++ kernels built
+  int8    cpu     the engine's C++ int8_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built
+                  in two 8-bit parts, integer dot products)       (K a multiple of 32)
+          cpu     the engine's C++ int8_matmul (AVX-512)          AVX-512 here and the C++ kernels built
           cpu     torch._weight_int8pack_mm (bf16 activations)    otherwise
-  int4    cpu     the engine's C++ int4_matmul (AVX-512)          AVX-512 here and the C++ kernels built
+  int4    cpu     the engine's C++ int4_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built
+                  in two 8-bit parts, integer dot products)
+          cpu     the engine's C++ int4_matmul (AVX-512)          AVX-512 here and the C++ kernels built
           cpu     torch._weight_int4pack_mm_for_cpu (bf16)        otherwise
           cuda    torch._weight_int4pack_mm (bf16)
   w8a8    cpu     fbgemm's int8 linear, rows quantized in C++ or by torch calls; 8-bit weights with VNNI, else 7
@@ -103,7 +108,9 @@ class KernelChoice:
         return "torch kernel"
 
     def _isa(self) -> str:
-        return "AVX-512" if self.device == "cpu" else self.device
+        if self.device != "cpu":
+            return self.device
+        return "AVX-512 VNNI" if "vnni" in self.kernel else "AVX-512"
 
     def describe(self) -> str:
         """"int4 weights · C++ AVX-512 kernel", "float32 weights · oneDNN kernel"."""
@@ -145,16 +152,28 @@ def w8a8_weight_max() -> int:
     return W8A8_WEIGHT_MAX_BY_SUMS[fbgemm_sums()]
 
 
+def _dense_amx(ext) -> bool:
+    """Whether the built module's bf16 dense_matmul runs on AMX here (a build without AMX, or one older than it,
+    says no)."""
+    return bool(getattr(ext, "dense_amx", lambda: False)())
+
+
 def _unquantized(device: str, dtype: torch.dtype, features: frozenset[str], ext) -> KernelChoice:
     name = str(dtype).removeprefix("torch.")
     bf16 = dtype == torch.bfloat16
+    # with AMX, oneDNN's bf16 linear runs on the tiles, far ahead of AVX-512 BF16's dot products at many rows: the
+    # engine's own matmul takes bf16 there only where it runs on the tiles too
+    amx = bf16 and "amx_bf16" in features
     if (ext is not None and name in ext.dense_dtypes() and ("avx512_bf16" if bf16 else "avx512f") in features
-            and not (bf16 and "amx_bf16" in features)):
+            and (not amx or _dense_amx(ext))):
+        how = "AMX" if amx else "AVX-512 BF16" if bf16 else "AVX-512"
+        speed = ("ran a decode step's projections 1.5x as fast as oneDNN's AMX linear at 1-4 rows and as fast at 256 "
+                 "(measured on an Intel Xeon)" if amx else
+                 "ran a decode step's projections 1.2-1.4x as fast as oneDNN's linear at 1-32 rows (measured on an "
+                 "AMD EPYC)")
         return KernelChoice(None, device, "dense_matmul (C++)", own=True, model_dtype=name,
-                            why=f"{name} with {'AVX-512 BF16' if bf16 else 'AVX-512'} and the engine's C++ kernels "
-                                f"built: its own matmul, over a weight packed once at load, ran a decode step's "
-                                f"projections 1.2-1.4x as fast as oneDNN's linear at 1-32 rows (measured on an AMD "
-                                f"EPYC), and a row's result does not depend on its batch")
+                            why=f"{name} with {how} and the engine's C++ kernels built: its own matmul, over a weight "
+                                f"packed once at load, {speed}, and a row's result does not depend on its batch")
     onednn = device == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                                                   "_linear_pointwise")
     if onednn and dtype == torch.float32:
@@ -162,8 +181,8 @@ def _unquantized(device: str, dtype: torch.dtype, features: frozenset[str], ext)
                             why="fp32 on CPU: oneDNN's linear over a weight reordered once at load beat MKL's x @ W at "
                                 "2-32 rows, and a row's result does not depend on its batch")
     if onednn and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        amx = ("; with AMX, oneDNN's runs on its tiles, where the engine's own matmul has AVX-512 BF16's dot products "
-               "only" if "amx_bf16" in features else "")
+        amx = ("; with AMX, oneDNN's runs on its tiles, which this build of the engine's own matmul cannot use here"
+               if "amx_bf16" in features else "")
         return KernelChoice(None, device, "oneDNN", model_dtype=name,
                             why="bf16 with bf16 instructions: oneDNN beat bf16 x @ W at every size measured (1.2-2.8x "
                                 f"at one row){amx}")
@@ -194,6 +213,14 @@ def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.d
                          f"{', '.join(TORCH_KERNELS[scheme])}{': ' + why if why else ''}); it is refused rather than "
                          f"run unquantized")
     if scheme in ("int8", "int4") and device == "cpu":
+        if ext is not None and "avx512_vnni" in features and getattr(ext, "vnni_available", lambda: False)():
+            bits = "4" if scheme == "int4" else "8"
+            return KernelChoice(scheme, device, f"{scheme}_matmul_vnni (C++)", f"AVX-512 VNNI here and the engine's "
+                                f"C++ kernels built: the weights stay {bits}-bit integers, multiplied by the "
+                                f"activations made integers in two 8-bit parts (about 15 bits) on VNNI's dot "
+                                f"products, several times fewer instructions than widening every weight to a float, "
+                                f"which ran out of them before the memory ran out of bytes", own=True,
+                                model_dtype=name)
         if ext is not None and "avx512f" in features and ext.weight_only_available():
             return KernelChoice(scheme, device, f"{scheme}_matmul (C++)", "AVX-512 here and the engine's C++ kernels "
                                 "built: its own kernel widens the weights in registers and takes the activations as "

@@ -2,8 +2,9 @@
 `Linear(w)(x)` is x @ w.T, or one of its quantized siblings when the model's weight format asks for one
 (make_projection).
 
-On CPU with AVX-512 (bf16: AVX-512 BF16 without AMX) and the C++ kernels built, the engine's own dense_matmul runs
-the unquantized projections over a weight packed once at load (cpu_kernels.py says how, and how much faster).
+On CPU with AVX-512 (bf16: AVX-512 BF16, and with AMX the C++ kernels' use of its tiles) and the C++ kernels built,
+the engine's own dense_matmul runs the unquantized projections over a weight packed once at load (cpu_kernels.py
+says how, and how much faster).
 Elsewhere:
 on CPU in float32, oneDNN's linear over a weight reordered once at load beats MKL's `x @ W` for the few rows a
 decode batch or a speculative verify has (about even at one row: docs/measurements.md, "Projections through
@@ -16,9 +17,13 @@ quant/speed.py says, per machine, whether one is faster than fp32 here at all).
 The quantized projections, each quantized once at load (quant/numerics.py) and packed for the kernel
 quant/kernels.py's choose_kernel picks on this device; each gives a row the same result whatever else shares the
 call:
-  int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul (AVX-512),
+  int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul_vnni (AVX-512 VNNI:
+                                                             activations in two 8-bit parts, about 15 bits),
+                                                             else its int8_matmul (AVX-512, exact float products),
                                                              else torch._weight_int8pack_mm
-  int4  weight-only, asymmetric per group of input features  the engine's C++ int4_matmul (AVX-512),
+  int4  weight-only, asymmetric per group of input features  the engine's C++ int4_matmul_vnni (AVX-512 VNNI:
+                                                             activations in two 8-bit parts, about 15 bits),
+                                                             else its int4_matmul (AVX-512, exact float products),
                                                              else torch._weight_int4pack_mm_for_cpu
                                                              (CUDA: torch._weight_int4pack_mm, bf16 activations)
   w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums,
@@ -51,10 +56,12 @@ import torch
 
 from .. import cpu_kernels
 from .format import INT4_GROUP_SIZES, WeightFormat
+from . import kernels as kernel_choice
 from .kernels import W8A8_OP, W8A8_ZERO_POINT, choose_kernel
 from .numerics import quantize_int4, quantize_int8
 
 INT4_PACK_ROWS = 16  # torch's CPU int4 kernel packs output features in tiles of 16
+INT4_VNNI_BLOCK = 16  # int4_matmul_vnni's outputs a block: one int32 lane each in its dot products
 INT4_INNER_K_TILES = (8, 4, 2)  # CUDA's int4 packing: the largest tiling (16 input features each) that divides K
 
 
@@ -100,6 +107,7 @@ def _bytes(*tensors: torch.Tensor) -> int:
 
 
 INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's returns garbage off it: measured)
+VNNI_K_MULTIPLE = 32  # the VNNI kernels': one scale of the activations per run of 32
 
 
 class _WeightOnly(_Quantized):
@@ -109,15 +117,17 @@ class _WeightOnly(_Quantized):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
-        self._own = getattr(cpu_kernels.compiled(), f"{self.scheme}_matmul") if self.choice.own else None
+        own = self.choice.kernel.split(" ")[0]  # "int4_matmul_vnni (C++)": the module's int4_matmul_vnni
+        self._own = getattr(cpu_kernels.compiled(), own) if self.choice.own else None
         self.activation_dtype = self.dtype if self.choice.own else self.choice.activations
         self.input_dtype = self.activation_dtype
 
 
 class Int8Linear(_WeightOnly):
-    """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T,
-    widening the weights as it reads them. The C++ kernel keeps the scales in fp32; torch's _weight_int8pack_mm
-    wants them in bf16, like its activations."""
+    """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T.
+    int8_matmul_vnni (AVX-512 VNNI, K a multiple of 32) keeps them in pack_int8_vnni's layout and multiplies integers;
+    int8_matmul widens the weights as it reads them. The C++ kernels keep the scales in fp32; torch's
+    _weight_int8pack_mm wants them in bf16, like its activations."""
     scheme = "int8"
 
     def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
@@ -125,27 +135,91 @@ class Int8Linear(_WeightOnly):
         if self.device.type == "cpu" and self.in_features % INT8_K_MULTIPLE:
             raise ValueError(f"int8 on CPU needs input features in multiples of {INT8_K_MULTIPLE} (its kernels step "
                              f"over them 16 at a time; torch's returns garbage otherwise), got {self.in_features}")
+        self.vnni = self.choice.kernel.startswith("int8_matmul_vnni")
+        if self.vnni and self.in_features % VNNI_K_MULTIPLE:  # the exact float kernel, which steps over 16
+            self.choice = choose_kernel(self.scheme, self.device, self.dtype,
+                                        kernel_choice.cpu_features() - {"avx512_vnni"})
+            self.kernel, self.vnni = self.choice.kernel.rsplit(".", 1)[-1], False
+            self._own = cpu_kernels.compiled().int8_matmul
         scale_dtype = None if self._own is not None else self.activation_dtype
-        self.qweight, scale = quantize_int8(weight, scale_dtype=scale_dtype, hessian=hessian)
-        self.scales = scale if scale_dtype is None else scale.to(scale_dtype)
+        q, scale = quantize_int8(weight, scale_dtype=scale_dtype, hessian=hessian)
+        if self.vnni:
+            self.packed, self.padded_scales = pack_int8_vnni(q, scale)
+            self._qweight = self._scales = None
+        else:
+            self._qweight, self._scales = q, (scale if scale_dtype is None else scale.to(scale_dtype))
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """q [N, K] int8 (read back from the VNNI kernel's layout where it runs)."""
+        return unpack_int8_vnni(self.packed, self.out_features) if self.vnni else self._qweight
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.padded_scales[:self.out_features] if self.vnni else self._scales
 
     @property
     def nbytes(self) -> int:
-        return _bytes(self.qweight, self.scales)
+        return _bytes(*self.weight_tensors())
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return [self.qweight, self.scales]
+        return [self.packed, self.padded_scales] if self.vnni else [self._qweight, self._scales]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            return self._own(x.contiguous(), self.packed, self.padded_scales, self.out_features)
         if self._own is not None:
             return self._own(x.contiguous(), self.qweight, self.scales)
         return torch._weight_int8pack_mm(_as(x, self.activation_dtype), self.qweight, self.scales)
 
 
+def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] levels (uint8, 0-15), scale and mid [N, K / g] -> int4_matmul_vnni's (packed, params): N padded with
+    zero weights to blocks of 16 outputs; packed [ceil(N / 16) * 16, K / 2] bytes, per block and run of 32 features
+    4 vectors of 64 bytes, vector z holding for output j features 4z..4z+3 in the low nibbles of bytes 4j..4j+3 and
+    16+4z..16+4z+3 in the high ones (the order of its dot products); params [ceil(N / 16), K / g, 16, 2] bf16, each
+    block's (scale, mid) pairs of a group in one 64-byte line."""
+    n, k = q.shape
+    blocks = -(-n // INT4_VNNI_BLOCK)
+    pad = blocks * INT4_VNNI_BLOCK - n
+    if pad:
+        q, scale, mid = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scale, mid))
+    runs = q.reshape(blocks, INT4_VNNI_BLOCK, k // 32, 2, 4, 4)  # [block, output, run, half, z, 4 features]
+    nibbles = runs[:, :, :, 0] | runs[:, :, :, 1] << 4  # features 0-15 of a run low, 16-31 high
+    packed = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks * INT4_VNNI_BLOCK, k // 2)  # [block, run, z, j, 4]
+    pairs = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).reshape(blocks, INT4_VNNI_BLOCK, -1, 2)
+    return packed, pairs.permute(0, 2, 1, 3).contiguous()
+
+
+def pack_int8_vnni(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, scale [N] -> int8_matmul_vnni's (packed, scale): N padded with zero weights and scales to blocks
+    of 16 outputs; packed [ceil(N / 16) * 16, K] bytes q + 128 (the dot products take their first operand unsigned),
+    per block and run of 32 features 8 vectors of 64 bytes, vector z holding features 4z..4z+3 of output j in bytes
+    4j..4j+3."""
+    n, k = q.shape
+    blocks = -(-n // INT4_VNNI_BLOCK)
+    pad = blocks * INT4_VNNI_BLOCK - n
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+    if pad:
+        shifted = torch.nn.functional.pad(shifted, (0, 0, 0, pad), value=128)
+        scale = torch.nn.functional.pad(scale, (0, pad))
+    per_block = shifted.reshape(blocks, INT4_VNNI_BLOCK, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [block, run, z, j, 4]
+    return per_block.reshape(blocks * INT4_VNNI_BLOCK, k), scale.float().contiguous()
+
+
+def unpack_int8_vnni(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_int8_vnni's bytes back to q [N, K] int8."""
+    rows, k = packed.shape
+    per_block = packed.reshape(rows // INT4_VNNI_BLOCK, k // 32, 8, INT4_VNNI_BLOCK, 4)
+    shifted = per_block.permute(0, 3, 1, 2, 4).reshape(rows, k)[:n]
+    return (shifted.to(torch.int16) - 128).to(torch.int8)
+
+
 class Int4Linear(_WeightOnly):
     """Weight-only int4 in groups of `group_size` input features, asymmetric: two values per byte, with each group's
-    scale and mid in bf16. The C++ kernel's layout: [N, K / 2] bytes, in each run of 32 features c in a low nibble
-    and c + 16 in the high one, and [N, K / g, 2] pairs; torch's: packed once by torch for it, pairs [K / g, N, 2]."""
+    scale and mid in bf16. int4_matmul_vnni's layout: pack_int4_vnni's. int4_matmul's: [N, K / 2] bytes, in each run of
+    32 features c in a low nibble and c + 16 in the high one, and [N, K / g, 2] pairs; torch's: packed once by torch
+    for it, pairs [K / g, N, 2]."""
     scheme = "int4"
 
     def __init__(self, weight: torch.Tensor, group_size: int, hessian: torch.Tensor | None = None) -> None:
@@ -157,6 +231,10 @@ class Int4Linear(_WeightOnly):
                              f"input features")
         self.group_size = group_size
         q, scale, mid = quantize_int4(weight, group_size, torch.bfloat16, hessian)
+        self.vnni = self.choice.kernel.startswith("int4_matmul_vnni")
+        if self.vnni:
+            self.packed, self.scales_and_zeros = pack_int4_vnni(q, scale, mid)
+            return
         if self._own is not None:
             runs = q.reshape(self.out_features, -1, 2, 16)  # runs of 32 features: c in a low nibble, c + 16 high
             self.packed = (runs[:, :, 0] | runs[:, :, 1] << 4).reshape(self.out_features, -1).contiguous()
@@ -184,6 +262,8 @@ class Int4Linear(_WeightOnly):
         return [self.packed, self.scales_and_zeros]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            return self._own(x.contiguous(), self.packed, self.scales_and_zeros, self.group_size, self.out_features)
         if self._own is not None:
             return self._own(x.contiguous(), self.packed, self.scales_and_zeros, self.group_size)
         return self._kernel(_as(x, self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
