@@ -278,16 +278,21 @@ def test_the_cpp_weight_only_kernels_refuse_what_they_cannot_read():
         ext.int4_matmul(torch.randn(2, 64), packed, params, 64)
     if not OWN_VNNI:
         return
-    packed, params = torch.zeros(32, 32, dtype=torch.uint8), torch.zeros(2, 2, 16, 2, dtype=torch.bfloat16)
-    assert ext.int4_matmul_vnni(torch.randn(3, 64), packed, params, 32, 20).shape == (3, 20)
+    packed = torch.zeros(32, 32 + 8, dtype=torch.uint8)  # 20 outputs in 2 blocks, K = 64 in 2 groups of 32
+    assert ext.int4_matmul_vnni(torch.randn(3, 64), packed, 32, 20).shape == (3, 20)
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        ext.int4_matmul_vnni(torch.randn(2, 48), packed, params, 32, 20)
+        ext.int4_matmul_vnni(torch.randn(2, 48), packed, 32, 20)
     with pytest.raises(RuntimeError, match="group size must be a multiple of 32"):
-        ext.int4_matmul_vnni(torch.randn(2, 64), packed, params, 48, 20)
-    with pytest.raises(RuntimeError, match=r"packed must be .*\[32, 32\]"):
-        ext.int4_matmul_vnni(torch.randn(2, 64), packed, params, 32, 40)
-    with pytest.raises(RuntimeError, match=r"params must be .*\[ceil\(N / 16\), K / group, 16, 2\]"):
-        ext.int4_matmul_vnni(torch.randn(2, 64), packed, params, 64, 20)
+        ext.int4_matmul_vnni(torch.randn(2, 64), packed, 48, 20)
+    with pytest.raises(RuntimeError, match=r"packed must be .*\[32, 40\]"):
+        ext.int4_matmul_vnni(torch.randn(2, 64), packed, 32, 40)
+    with pytest.raises(RuntimeError, match=r"packed must be .*\[32, 36\]"):  # one group of 64: one pair line
+        ext.int4_matmul_vnni(torch.randn(2, 64), packed, 64, 20)
+    scales = torch.ones(32)
+    with pytest.raises(RuntimeError, match=r"packed must be .*\[32, 64\]"):
+        ext.int8_matmul_vnni(torch.randn(2, 64), packed, scales, 20)
+    with pytest.raises(RuntimeError, match=r"scale must be .*\[32\]"):
+        ext.int8_matmul_vnni(torch.randn(2, 64), torch.zeros(32, 64, dtype=torch.uint8), scales[:20], 20)
 
 
 def dense_built(dtype: torch.dtype) -> bool:
@@ -364,17 +369,19 @@ def test_int8_refuses_input_features_off_its_kernels_multiple_of_16(kernel, monk
         Int8Linear(weight(32, 40))
 
 
-def unpack_int4_vnni(packed: torch.Tensor, params: torch.Tensor, n: int, k: int):
+def unpack_int4_vnni(packed: torch.Tensor, n: int, k: int, group: int):
     """pack_int4_vnni's layout read back the way its docstring says, independently of how it was written: (q [N, K],
     scale, mid [N, K / g])."""
-    blocks, runs = params.shape[0], k // 32
-    nibbles = packed.reshape(blocks, runs, 4, 16, 4)  # [block, run, z, output, 4 bytes]
-    q = torch.empty(blocks, 16, runs, 32, dtype=torch.uint8)
+    blocks, groups, runs = packed.shape[0] // 16, k // group, group // 32
+    per_group = packed.reshape(blocks, groups, 64 + runs * 256)
+    pairs = per_group[..., :64].contiguous().view(torch.bfloat16).reshape(blocks, groups, 16, 2).float()
+    nibbles = per_group[..., 64:].reshape(blocks, groups, runs, 4, 16, 4)  # [block, group, run, z, output, 4 bytes]
+    q = torch.empty(blocks, 16, groups, runs, 32, dtype=torch.uint8)
     for z in range(4):
-        byte = nibbles[:, :, z].permute(0, 2, 1, 3)  # [block, output, run, 4 features]
+        byte = nibbles[:, :, :, z].permute(0, 3, 1, 2, 4)  # [block, output, group, run, 4 features]
         q[..., 4 * z:4 * z + 4] = byte & 15
         q[..., 16 + 4 * z:16 + 4 * z + 4] = byte >> 4
-    pairs = params.permute(0, 2, 1, 3).reshape(blocks * 16, -1, 2).float()
+    pairs = pairs.permute(0, 2, 1, 3).reshape(blocks * 16, groups, 2)
     return q.reshape(blocks * 16, k)[:n], pairs[:n, :, 0], pairs[:n, :, 1]
 
 
@@ -387,14 +394,16 @@ def test_int4_kernel_matches_the_dequantized_reference(dtype, group, kernel, mon
     torch's to its bf16 activations. 100 outputs (torch's: 96, its tiles of 16): VNNI's last group of blocks has 3,
     its last block 4 outputs (padded to 16)."""
     n = 96 if kernel == "torch" else 100
-    w, x = weight(n, 256).to(dtype), torch.randn(7, 256).to(dtype)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(group)).to(dtype)  # the loose bound below: seeded
+    w = weight(n, 256).to(dtype)
     lin = int4_linear(w, group, kernel, monkeypatch)
     q, scale, mid = quantize_int4(w, group, torch.bfloat16)
-    assert lin.packed.dtype == torch.uint8  # two weights per byte (VNNI: outputs padded to blocks of 16)
-    assert lin.packed.numel() == (112 if kernel == "C++ VNNI" else n) * 256 // 2
+    assert lin.packed.dtype == torch.uint8  # two weights per byte (VNNI: outputs padded to blocks of 16, and
+    # each group's (scale, mid) pairs beside its weights)
+    assert lin.packed.numel() == (112 * (128 + 4 * 256 // group) if kernel == "C++ VNNI" else n * 128)
     stored = lin.scales_and_zeros.float()  # each group's (scale, mid): the kernel computes (q - 8) * scale + mid
     if kernel == "C++ VNNI":
-        got_q, got_scale, got_mid = unpack_int4_vnni(lin.packed, lin.scales_and_zeros, n, 256)
+        got_q, got_scale, got_mid = unpack_int4_vnni(lin.packed, n, 256, group)
         assert torch.equal(got_q, q) and torch.equal(got_scale, scale) and torch.equal(got_mid, mid)
     elif kernel == "C++":  # [N, K / 2] bytes, in runs of 32 features c in a low nibble, c + 16 high; [N, K / g, 2]
         runs = q.reshape(100, -1, 2, 16)

@@ -1469,12 +1469,12 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
 // Each run of 32 then adds, per output, sum(q * (128 h + l)) = 128 * dot(q, h) + dot(q, l) (two dot products, int32)
 // and, in floats, w = (q - 8) * scale + mid = q * scale + w0 (w0 = mid - 8 * scale) gives
 //   y += unit * (scale * sum(q * (128 h + l)) + w0 * sum(128 h + l)),  unit = m / (127 * 128).
-// Layout: 16 outputs a block, for each run of 32 features 4 vectors of 64 bytes, vector z holding for output j
-// features 4z..4z+3 in the low nibbles of bytes 4j..4j+3 and 16+4z..16+4z+3 in their high nibbles (the dot products'
-// order), [N / 16, K / 32, 4, 16, 4]: a thread takes 4 blocks at a time, reading them as 4 streams side by side
-// (measured: faster than the same bytes interleaved into one stream, ~10% at one row). The (scale, mid) pairs
-// [N / 16, K / group, 16, 2] bf16, a block's 16 in one line. A row's result does not depend on the rows beside it
-// (each row is made integers on its own; tested).
+// Layout: 16 outputs a block; per block and group, the 16 outputs' (scale, mid) bf16 pairs in one 64-byte line, then
+// for each run of 32 features 4 vectors of 64 bytes, vector z holding for output j features 4z..4z+3 in the low
+// nibbles of bytes 4j..4j+3 and 16+4z..16+4z+3 in their high nibbles (the dot products' order). A thread takes 4
+// blocks at a time and reads them as 4 streams side by side, each block's pairs in its own stream: measured at one
+// row, pairs in a tensor of their own read 14% slower, the 4 blocks interleaved into one stream 10% slower. A row's
+// result does not depend on the rows beside it (each row is made integers on its own; tested).
 namespace {
 constexpr int64_t kQ4Block = 16;       // outputs a block
 constexpr int64_t kQ4Run = 32;         // features a run: one activation scale, 256 bytes of a block's weights
@@ -1539,24 +1539,27 @@ inline __m512i broadcast4(const int8_t* p) {
 // MB rows against NB blocks (y: MB rows of NB * 16 floats, the last block's outputs masked by last)
 template <int MB, int NB>
 void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* unit_sum, int64_t s_stride,
-             const uint8_t* w, int64_t block_bytes, const int32_t* params, int64_t block_params, int64_t runs,
-             int64_t runs_per_group, float* y, int64_t ldy, __mmask16 last) {
+             const uint8_t* w, int64_t block_bytes, int64_t runs, int64_t runs_per_group, float* y, int64_t ldy,
+             __mmask16 last) {
+  const int64_t group_bytes = 64 + runs_per_group * 256;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i top_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t r = 0; r < runs; ++r) {
-    for (int j = 0; j < NB; ++j)  // past a block's last run: the next block's first (a hint never faults)
-      for (int z = 0; z < 4; ++z)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * block_bytes + (r + kQ4Ahead) * 256 + z * 64), _MM_HINT_T0);
+    const int64_t g = r / runs_per_group;
+    const uint8_t* run = w + g * group_bytes + 64 + (r - g * runs_per_group) * 256;  // block 0's run r
+    for (int j = 0; j < NB; ++j)  // past a block's end: the next block's start (a hint never faults)
+      for (int z = 0; z < 5; ++z)
+        _mm_prefetch(reinterpret_cast<const char*>(run + j * block_bytes + kQ4Ahead * 320 + z * 64), _MM_HINT_T0);
     __m512i hi_dot[MB][NB], lo_dot[MB][NB];  // dot(q, h) and dot(q, l) of this run
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) hi_dot[i][j] = lo_dot[i][j] = _mm512_setzero_si512();
     for (int z = 0; z < 4; ++z) {
       __m512i low[NB], high[NB];
       for (int j = 0; j < NB; ++j) {
-        const __m512i v = _mm512_loadu_si512(w + j * block_bytes + r * 256 + z * 64);
+        const __m512i v = _mm512_loadu_si512(run + j * block_bytes + z * 64);
         low[j] = _mm512_and_si512(v, nibble);
         high[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
@@ -1570,10 +1573,9 @@ void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* 
         }
       }
     }
-    const int64_t g = r / runs_per_group;
     __m512 scale[NB], w0[NB];
     for (int j = 0; j < NB; ++j) {  // (scale, mid) as bf16 pairs: the top halves of their floats
-      const __m512i pair = _mm512_loadu_si512(params + j * block_params + g * kQ4Block);
+      const __m512i pair = _mm512_loadu_si512(w + j * block_bytes + g * group_bytes);
       scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
       w0[j] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale[j], _mm512_castsi512_ps(_mm512_and_si512(pair, top_half)));
     }
@@ -1592,10 +1594,9 @@ void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* 
 }
 
 template <typename X>
-void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, const int32_t* pp, int64_t group,
-                   int64_t n, float* yp) {
+void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, int64_t group, int64_t n, float* yp) {
   const int64_t runs = k_len / kQ4Run, blocks = (n + kQ4Block - 1) / kQ4Block, groups = k_len / group;
-  const int64_t block_bytes = runs * 256, block_params = groups * kQ4Block;
+  const int64_t block_bytes = groups * 64 + runs * 256;
   IntegerRows rows_as_integers(xp, m, k_len);
   const std::vector<int8_t>& q = rows_as_integers.q;
   const std::vector<float>&unit = rows_as_integers.unit, &unit_sum = rows_as_integers.unit_sum;
@@ -1605,7 +1606,6 @@ void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, con
     const int64_t first = g * kQ4Blocks, count = std::min<int64_t>(kQ4Blocks, blocks - first);
     const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
     const uint8_t* w = wp + first * block_bytes;
-    const int32_t* params = pp + first * block_params;
     auto rows = [&](auto nb) {
       constexpr int NB = decltype(nb)::value;
       int64_t i = 0;
@@ -1614,19 +1614,18 @@ void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, con
           const int64_t at = i * 2 * k_len;
           if (j + 2 <= NB) {
             q4_tile<2, 2>(q.data() + at, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs, runs,
-                          w + j * block_bytes, block_bytes, params + j * block_params, block_params, runs,
-                          group / kQ4Run, yp + i * n + (first + j) * kQ4Block, n, j + 2 == NB ? last : 0xFFFF);
+                          w + j * block_bytes, block_bytes, runs, group / kQ4Run, yp + i * n + (first + j) * kQ4Block,
+                          n, j + 2 == NB ? last : 0xFFFF);
           } else {
             q4_tile<2, 1>(q.data() + at, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs, runs,
-                          w + j * block_bytes, block_bytes, params + j * block_params, block_params, runs,
-                          group / kQ4Run, yp + i * n + (first + j) * kQ4Block, n, last);
+                          w + j * block_bytes, block_bytes, runs, group / kQ4Run, yp + i * n + (first + j) * kQ4Block,
+                          n, last);
           }
         }
       }
       if (i < m)
         q4_tile<1, NB>(q.data() + i * 2 * k_len, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs,
-                       runs, w, block_bytes, params, block_params, runs, group / kQ4Run, yp + i * n + first * kQ4Block,
-                       n, last);
+                       runs, w, block_bytes, runs, group / kQ4Run, yp + i * n + first * kQ4Block, n, last);
     };
     switch (count) {
       case 4: rows(std::integral_constant<int, 4>{}); break;
@@ -1758,38 +1757,31 @@ at::Tensor int8_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, const
 // Whether this build has int4_matmul_vnni (AVX-512 VNNI); without it Int4Linear runs int4_matmul
 bool vnni_available() { return WATCHLLM_INT4_VNNI; }
 
-// x [M, K] (float32 or bf16, contiguous; K a multiple of 32), packed: the weights' levels in the layout above,
-// [ceil(N / 16) * 16, K / 2] uint8, params [ceil(N / 16), K / group, 16, 2] bf16 (scale, mid), group a multiple of
-// 32 dividing K -> y [M, n] float32
-at::Tensor int4_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, int64_t group,
-                            int64_t n) {
+// x [M, K] (float32 or bf16, contiguous; K a multiple of 32), packed: the weights' levels and their (scale, mid) pairs
+// in the layout above, [ceil(N / 16) * 16, K / 2 + 4 * K / group] uint8, group a multiple of 32 dividing K -> y [M, n]
+// float32
+at::Tensor int4_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t group, int64_t n) {
   TORCH_CHECK(vnni_available(), "int4_matmul_vnni needs AVX-512 VNNI");
   const int64_t k_len = x.dim() == 2 ? x.size(1) : 0, blocks = (n + kQ4Block - 1) / kQ4Block;
   check_activations(x, k_len, kQ4Run);
   TORCH_CHECK(group > 0 && group % kQ4Run == 0 && k_len % group == 0,
               "the group size must be a multiple of 32 dividing K (", k_len, "), got ", group);
   TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.size(0) == blocks * kQ4Block && packed.size(1) == k_len / 2,
-              "packed must be a contiguous uint8 tensor [", blocks * kQ4Block, ", ", k_len / 2, "], got ",
-              packed.sizes());
-  TORCH_CHECK(params.scalar_type() == at::kBFloat16 && params.is_contiguous() && params.dim() == 4 &&
-                  params.size(0) == blocks && params.size(1) == k_len / group && params.size(2) == kQ4Block &&
-                  params.size(3) == 2,
-              "params must be a contiguous bf16 tensor [ceil(N / 16), K / group, 16, 2], got ", params.sizes());
+                  packed.size(0) == blocks * kQ4Block && packed.size(1) == k_len / 2 + 4 * (k_len / group),
+              "packed must be a contiguous uint8 tensor [", blocks * kQ4Block, ", ", k_len / 2 + 4 * (k_len / group),
+              "], got ", packed.sizes());
   at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
   if (x.size(0) == 0) return y;
 #if WATCHLLM_INT4_VNNI
-  const auto* wp = packed.data_ptr<uint8_t>();
-  const auto* pp = reinterpret_cast<const int32_t*>(params.data_ptr<c10::BFloat16>());
   if (x.scalar_type() == at::kBFloat16) {
-    int4_vnni_run(x.data_ptr<c10::BFloat16>(), x.size(0), k_len, wp, pp, group, n, y.data_ptr<float>());
+    int4_vnni_run(x.data_ptr<c10::BFloat16>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), group, n,
+                  y.data_ptr<float>());
   } else {
-    int4_vnni_run(x.data_ptr<float>(), x.size(0), k_len, wp, pp, group, n, y.data_ptr<float>());
+    int4_vnni_run(x.data_ptr<float>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), group, n, y.data_ptr<float>());
   }
 #endif
   return y;
 }
-
 
 // ---- The sampler's row work (engine/sampler.py) over a step's float32 logits [rows, vocabulary]: each row in one
 // or two passes, where torch's calls cost several full passes and fresh tensors each (a topk over 49k entries took
@@ -2195,8 +2187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matmul_vnni", &int8_matmul_vnni, nogil, "x @ (q * scale).T, x in two 8-bit parts per 32 features, on "
         "VNNI's integer dot products", py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("n"));
   m.def("int4_matmul_vnni", &int4_matmul_vnni, nogil, "x @ W.T, W int4 in groups, x in two 8-bit parts per 32 "
-        "features, on VNNI's integer dot products", py::arg("x"), py::arg("packed"), py::arg("params"),
-        py::arg("group"), py::arg("n"));
+        "features, on VNNI's integer dot products", py::arg("x"), py::arg("packed"), py::arg("group"), py::arg("n"));
   m.def("rope", &rope, nogil, "rotary embedding of q and k by their positions");
   m.def("exp_shifted_rows", &exp_shifted_rows, nogil, "exp(x - row max) in place, 0 where x is -inf");
   m.def("draw_rows", &draw_rows, nogil, "exp(x - row max) in place, then each row's token at its uniform number");

@@ -173,12 +173,12 @@ class Int8Linear(_WeightOnly):
         return torch._weight_int8pack_mm(_as(x, self.activation_dtype), self.qweight, self.scales)
 
 
-def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, K] levels (uint8, 0-15), scale and mid [N, K / g] -> int4_matmul_vnni's (packed, params): N padded with
-    zero weights to blocks of 16 outputs; packed [ceil(N / 16) * 16, K / 2] bytes, per block and run of 32 features
-    4 vectors of 64 bytes, vector z holding for output j features 4z..4z+3 in the low nibbles of bytes 4j..4j+3 and
-    16+4z..16+4z+3 in the high ones (the order of its dot products); params [ceil(N / 16), K / g, 16, 2] bf16, each
-    block's (scale, mid) pairs of a group in one 64-byte line."""
+def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
+    """q [N, K] levels (uint8, 0-15), scale and mid [N, K / g] -> int4_matmul_vnni's bytes [ceil(N / 16) * 16,
+    K / 2 + 4 * K / g]: N padded with zero weights to blocks of 16 outputs; per block and group of g features, the 16
+    outputs' (scale, mid) bf16 pairs in one 64-byte line, then per run of 32 features 4 vectors of 64 bytes, vector z
+    holding for output j features 4z..4z+3 in the low nibbles of bytes 4j..4j+3 and 16+4z..16+4z+3 in the high ones
+    (the order of its dot products). Each block one stream: the pairs read where their weights are."""
     n, k = q.shape
     blocks = -(-n // INT4_VNNI_BLOCK)
     pad = blocks * INT4_VNNI_BLOCK - n
@@ -186,9 +186,11 @@ def pack_int4_vnni(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor) -> t
         q, scale, mid = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scale, mid))
     runs = q.reshape(blocks, INT4_VNNI_BLOCK, k // 32, 2, 4, 4)  # [block, output, run, half, z, 4 features]
     nibbles = runs[:, :, :, 0] | runs[:, :, :, 1] << 4  # features 0-15 of a run low, 16-31 high
-    packed = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks * INT4_VNNI_BLOCK, k // 2)  # [block, run, z, j, 4]
-    pairs = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).reshape(blocks, INT4_VNNI_BLOCK, -1, 2)
-    return packed, pairs.permute(0, 2, 1, 3).contiguous()
+    groups = scale.shape[1]
+    runs_of = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, -1)  # [block, group, its runs' bytes]
+    pairs = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).reshape(blocks, INT4_VNNI_BLOCK, groups, 2)
+    lines = pairs.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(blocks, groups, 64)
+    return torch.cat([lines, runs_of], dim=-1).reshape(blocks * INT4_VNNI_BLOCK, -1)
 
 
 def pack_int8_vnni(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +235,8 @@ class Int4Linear(_WeightOnly):
         q, scale, mid = quantize_int4(weight, group_size, torch.bfloat16, hessian)
         self.vnni = self.choice.kernel.startswith("int4_matmul_vnni")
         if self.vnni:
-            self.packed, self.scales_and_zeros = pack_int4_vnni(q, scale, mid)
+            self.packed = pack_int4_vnni(q, scale, mid)
+            self.scales_and_zeros = self.packed.new_empty(0)  # in packed, beside their weights
             return
         if self._own is not None:
             runs = q.reshape(self.out_features, -1, 2, 16)  # runs of 32 features: c in a low nibble, c + 16 high
@@ -259,11 +262,11 @@ class Int4Linear(_WeightOnly):
         return _bytes(self.packed, self.scales_and_zeros)
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.scales_and_zeros]
+        return [t for t in (self.packed, self.scales_and_zeros) if t.numel()]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni:
-            return self._own(x.contiguous(), self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+            return self._own(x.contiguous(), self.packed, self.group_size, self.out_features)
         if self._own is not None:
             return self._own(x.contiguous(), self.packed, self.scales_and_zeros, self.group_size)
         return self._kernel(_as(x, self.activation_dtype), self.packed, self.group_size, self.scales_and_zeros)
