@@ -212,8 +212,8 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
                     period(every))
         refreshed = [status, *plots, *lesson["outputs"], bring, seen, back, header, shown, lesson["pick"],
                      lesson["record_output"], *join["outputs"], clock]
-        clock.tick(refresh, [lesson["picked"], seen, shown, clock], refreshed, concurrency_limit=4, show_progress="hidden",
-                   show_progress_on=seen, api_name="dashboard", postprocess=False)
+        clock.tick(refresh, [lesson["picked"], seen, shown, clock], refreshed, concurrency_limit=4,
+                   show_progress="hidden", show_progress_on=seen, api_name="dashboard", postprocess=False)
         bring.change(None, None, None, js=SHOW_LESSONS)
         back.click(None, None, None, js=SHOW_LESSONS)
         wire_roles(demo, access, role)

@@ -82,9 +82,8 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         settings_note = gr.Markdown()
         loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
         # in the tab: it ticks once the tab has been opened, once a second as the page's clock does (the status line
-        # that says who changed what comes with that clock). Each tick costs the browser (every field of the form
-        # marked pending, then done, even when nothing is sent): at twice a second, 0.4 of a core for an idle
-        # open settings tab on the 2-core Xeon (docs/measurements.md)
+        # that says who changed what comes with that clock), faster while a lesson runs. Each tick costs every
+        # browser showing the form something (docs/measurements.md, "The room in Chromium")
         follow = gr.Timer(PAGE_PERIOD_S)
 
     inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())

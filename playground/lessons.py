@@ -86,6 +86,7 @@ class LessonRun:
 # agrees with a change the lesson makes within a second; once otherwise
 PAGE_PERIOD_S, LESSON_PERIOD_S = 1.0, 0.5
 
+
 class LessonRunner:
     """The lessons, and the one run at a time on the page's engine. Every visitor reads it; only the presenter's
     handlers call start / flip / leave (access.py guards them)."""
@@ -321,7 +322,8 @@ class LessonRunner:
             start.update(lesson.configuration())
             # every page's next tick brings it to the lesson and to the lesson's faster period: the engine changes
             # once the room is watching, so each page shows the change within a second of it
-            run.stop.wait(max(0.0, PAGE_PERIOD_S - (time.time() - run.started)))
+            if run.stop.wait(max(0.0, PAGE_PERIOD_S - (time.time() - run.started))):
+                return
             if not self._apply(run, start) or run.stop.is_set():
                 return
             requests = load_workload(lesson.workload).tokenized(self.pg.llm.tokenizer).requests

@@ -126,5 +126,5 @@ def build_lessons_tab(pg, runner: LessonRunner, serialised) -> dict:
     prev.click(lambda: walk(-1), None, [said, pick], api_name="lesson_previous")
     nxt.click(lambda: walk(+1), None, [said, pick], api_name="lesson_next")
     make.click(prepare_record, None, [files, records], api_name="lesson_record")
-    return {"parts": parts, "pick": pick, "picked": picked, "outputs": [phase, text, numbers, plot], "record": record_line,
-            "record_output": records}
+    return {"parts": parts, "pick": pick, "picked": picked, "outputs": [phase, text, numbers, plot],
+            "record": record_line, "record_output": records}
