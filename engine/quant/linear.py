@@ -55,8 +55,8 @@ import warnings
 import torch
 
 from .. import cpu_kernels
-from .format import INT4_GROUP_SIZES, WeightFormat
 from . import kernels as kernel_choice
+from .format import INT4_GROUP_SIZES, WeightFormat
 from .kernels import W8A8_OP, W8A8_ZERO_POINT, choose_kernel
 from .numerics import quantize_int4, quantize_int8
 
