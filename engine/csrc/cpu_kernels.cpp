@@ -1472,9 +1472,10 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
 // Layout: 16 outputs a block; per block and group, the 16 outputs' (scale, mid) bf16 pairs in one 64-byte line, then
 // for each run of 32 features 4 vectors of 64 bytes, vector z holding for output j features 4z..4z+3 in the low
 // nibbles of bytes 4j..4j+3 and 16+4z..16+4z+3 in their high nibbles (the dot products' order). A thread takes 4
-// blocks at a time and reads them as 4 streams side by side, each block's pairs in its own stream: measured at one
-// row, pairs in a tensor of their own read 14% slower, the 4 blocks interleaved into one stream 10% slower. A row's
-// result does not depend on the rows beside it (each row is made integers on its own; tested).
+// blocks at a time and reads them as 4 streams side by side, each block's pairs in its own stream: at one row both
+// the pairs in a tensor of their own and the 4 blocks interleaved into one stream read measurably slower
+// (docs/measurements.md, "Against the machine's limits"). A row's result does not depend on the rows beside it (each
+// row is made integers on its own; tested).
 namespace {
 constexpr int64_t kQ4Block = 16;       // outputs a block
 constexpr int64_t kQ4Run = 32;         // features a run: one activation scale, 256 bytes of a block's weights

@@ -167,8 +167,8 @@ def _unquantized(device: str, dtype: torch.dtype, features: frozenset[str], ext)
     if (ext is not None and name in ext.dense_dtypes() and ("avx512_bf16" if bf16 else "avx512f") in features
             and (not amx or _dense_amx(ext))):
         how = "AMX" if amx else "AVX-512 BF16" if bf16 else "AVX-512"
-        speed = ("ran a decode step's projections 1.5x as fast as oneDNN's AMX linear at 1-4 rows and as fast at 256 "
-                 "(measured on an Intel Xeon)" if amx else
+        speed = ("ran a decode step's projections 1.4-1.6x as fast as oneDNN's AMX linear at 1-32 rows and as fast "
+                 "at 256 (measured on an Intel Xeon)" if amx else
                  "ran a decode step's projections 1.2-1.4x as fast as oneDNN's linear at 1-32 rows (measured on an "
                  "AMD EPYC)")
         return KernelChoice(None, device, "dense_matmul (C++)", own=True, model_dtype=name,
