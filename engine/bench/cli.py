@@ -148,22 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     _sizes(qu, window=1024)
     _serve_parsers(sub, common)
     _versus_parser(sub)
-    sp = sub.add_parser("sampling-cost", parents=common, help="what each sampling mode adds over greedy, batched")
-    _sizes(sp, batch=8, prompt_len=128, tokens=64, rounds=3)
-    pc = sub.add_parser("prefill-cost", parents=common, help="a wave of prompts into an idle engine: ms per prompt "
-                                                             "token at each step budget")
-    pc.add_argument("--budgets", type=_int_list, default=[256], metavar="N,N",
-                    help="max_num_batched_tokens values, alternating (default 256, the CPU's)")
-    _sizes(pc, batch=32, prompt_len=128, rounds=3)
-    pc.add_argument("--beside-busy", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
-                    help="also time each budget beside a process that computes BUSY_MS then sleeps IDLE_MS (2,3: "
-                         "40%% of a core, about what a benchmark client on the same host takes)")
-    ac = sub.add_parser("attention-cost", parents=common, help="the C++ attention kernel alone, a step's calls over "
-                                                               "cold pools: decode rows and a causal chunk")
-    ac.add_argument("--rows", type=_positive, default=32, help="decode rows (default 32)")
-    ac.add_argument("--context", type=_positive, default=145, help="slots each decode row reads (default 145)")
-    ac.add_argument("--chunk", type=_positive, default=224, help="rows of the causal chunk (default 224)")
-    _sizes(ac, rounds=5)
     cl = sub.add_parser("closed-loop", parents=common, help="bench versus's load in-process, without HTTP: requests "
                                                             "kept in flight, output tok/s")
     _sizes(cl, concurrency=32, requests=64, prompt_len=128, output_len=64, rounds=2)
@@ -182,8 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--read-mb", type=_positive, default=None, help="the read buffer, MiB (default: 1 GiB or 4x the "
                                                                     "last-level cache, whichever is more)")
     rl.add_argument("--gemm", type=_positive, default=None, metavar="N", help="the square GEMMs' side (default 2048)")
-    sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
-    _sizes(sc, running=64, prompt_len=16, decode_steps=32)
     return parser
 
 
@@ -311,9 +293,6 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         workload = load_workload("fixed-16" if args.fixed else args.workload, args.quick)
         batch = len(workload.requests) if args.fixed else args.batch_size
         return rp.hf_static_report(ex.hf_static(llm, workload, batch, settings))
-    if args.command == "sampling-cost":
-        rows = ex.sampling_cost(llm, args.batch, args.prompt_len, args.tokens, args.rounds, settings)
-        return rp.sampling_cost_report(rows, args.batch, args.prompt_len, args.tokens)
     if args.command == "closed-loop":
         rows = ex.closed_loop(llm, args.concurrency, args.requests, args.prompt_len, args.output_len, args.rounds,
                               settings, busy=args.busy_duty, neighbours=args.beside_busy)
@@ -321,13 +300,6 @@ def run_command(args: argparse.Namespace) -> rp.Report:
                                      busy=args.busy_duty)
     if args.command == "roofline":
         return rf.roofline_report(rf.roofline(llm, args.specs or rf.SPECS, roofline_sizes(args), settings, _bar))
-    if args.command == "attention-cost":
-        rows = ex.attention_cost(llm, args.rows, args.context, args.chunk, args.rounds)
-        return rp.attention_cost_report(rows, str(llm.engine.model.dtype).removeprefix("torch."))
-    if args.command == "prefill-cost":
-        rows = ex.prefill_cost(llm, args.budgets, args.batch, args.prompt_len, args.rounds, settings,
-                               busy=args.beside_busy)
-        return rp.prefill_cost_report(rows, args.batch, args.prompt_len)
     if args.command == "ablate":
         workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
         if args.concurrency:
@@ -354,10 +326,8 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         rows = pr.decode_timings(llm, args.specs or pr.DECODE_SPECS, args.prompt_len, args.tokens, args.rounds,
                                  settings, _bar, llama_cpp_gguf(args.llama_cpp))
         return rp.decode_report(rows, args.prompt_len, args.tokens)
-    if args.command == "quality":
-        return rp.quality_report(pr.quality(llm, quality_specs(args, settings), settings, window=args.window,
-                                            progress=_bar), args.window)
-    return rp.sched_cost_report(ex.sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
+    return rp.quality_report(pr.quality(llm, quality_specs(args, settings), settings, window=args.window,
+                                        progress=_bar), args.window)
 
 
 def run_http_command(args: argparse.Namespace) -> tuple[str, Any, bool]:
