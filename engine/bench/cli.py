@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     qu = sub.add_parser("quality", parents=common, help="a precision against fp32 over a fixed text")
     _specs(qu, "precisions to compare", f"the --set precision if one is given, else {' '.join(pr.QUALITY_SPECS)}")
     _sizes(qu, window=1024)
-    _serve_parsers(sub, common)
+    _serve_parser(sub)
     _versus_parser(sub)
     cl = sub.add_parser("closed-loop", parents=common, help="bench versus's load in-process, without HTTP: requests "
                                                             "kept in flight, output tok/s")
@@ -169,33 +169,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve_load_args(p: argparse.ArgumentParser) -> None:
-    _sizes(p, concurrency=8, requests=32)
-    p.add_argument("--workload", default="mixed-lengths", help="preset name or TOML path (presets/workloads/)")
-    p.add_argument("--max-tokens", type=_positive, default=None, help="every request's max_tokens (default: the "
-                                                                      "workload's own)")
-    p.add_argument("--api", choices=("chat", "completions"), default="chat",
-                   help="stream /v1/chat/completions (default) or /v1/completions")
-    p.add_argument("--tokenizer", default=None, help="turns random-token prompts into text (default: the "
-                                                     "embedded model's)")
-
-
-def _serve_parsers(sub, common: list[argparse.ArgumentParser]) -> None:
+def _serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="load an OpenAI-compatible server (this app, vLLM, ...) over HTTP")
     serve.add_argument("--url", required=True, help="the server's root, e.g. http://127.0.0.1:7860")
-    _serve_load_args(serve)
+    _sizes(serve, concurrency=8, requests=32)
+    serve.add_argument("--workload", default="mixed-lengths", help="preset name or TOML path (presets/workloads/)")
+    serve.add_argument("--max-tokens", type=_positive, default=None, help="every request's max_tokens (default: the "
+                                                                          "workload's own)")
+    serve.add_argument("--api", choices=("chat", "completions"), default="chat",
+                       help="stream /v1/chat/completions (default) or /v1/completions")
+    serve.add_argument("--tokenizer", default=None, help="turns random-token prompts into text (default: the "
+                                                         "embedded model's)")
     serve.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
     serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                        help="send vLLM's ignore_eos (default: as the workload says: random-token prompts do)")
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     serve.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
-    over = sub.add_parser("serve-overhead", parents=common, help="rounds of (python app.py + bench serve) and "
-                          "(LLM.generate in a fresh process): the HTTP path's cost; --set applies to both sides "
-                          "(max_num_seqs defaults to --concurrency)")
-    _serve_load_args(over)
-    over.set_defaults(workload="fixed-16", max_tokens=64)
-    _sizes(over, rounds=3)
 
 
 def _versus_parser(sub) -> None:
@@ -331,7 +321,7 @@ def run_command(args: argparse.Namespace) -> rp.Report:
 
 
 def run_http_command(args: argparse.Namespace) -> tuple[str, Any, bool]:
-    """`serve`, `serve-overhead` and `versus` talk HTTP, so they load no weights here (a tokenizer at most).
+    """`serve` and `versus` talk HTTP, so they load no weights here (a tokenizer at most).
     Returns the text, the JSON data and whether a request failed."""
     from . import serve as sv
     if args.command == "versus":
@@ -342,10 +332,6 @@ def run_http_command(args: argparse.Namespace) -> tuple[str, Any, bool]:
                            settle_s=vs.SETTLE_S if args.settle is None else args.settle)
         return vs.render(result), result.to_json(), False
     workload = load_workload(args.workload)
-    if args.command == "serve-overhead":
-        from . import overhead
-        result = overhead.serve_overhead(workload, args, _bar)
-        return overhead.render(result), result.to_json(), False
     tokenizer = _tokenizer(args.tokenizer) if any(r.text is None for r in workload.requests) else None
     requests = sv.workload_requests(workload, tokenizer, args.requests, args.max_tokens, args.ignore_eos)
     result = sv.run_serve(args.url, requests, args.concurrency, api=args.api, model=args.model,
@@ -366,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return gpu_check_main(argv[1:])
     args = parse_args(argv)
     try:
-        if args.command in ("serve", "serve-overhead", "versus"):
+        if args.command in ("serve", "versus"):
             text, data, failed = run_http_command(args)
         else:
             report = run_command(args)
