@@ -403,8 +403,8 @@ def test_cli_quality_compares_the_set_precision(tiny_models):
     assert quality_specs(parse_args(["quality"]), {}) == list(measure.QUALITY_SPECS)
 
 
-def test_cli_kernels_and_decode_time_each_precision(tiny_models, tmp_path, capsys):
-    """`kernels` and `decode` load every precision asked for and time each round of each: as many rows as specs,
+def test_cli_decode_times_each_precision(tiny_models, tmp_path, capsys):
+    """`decode` loads every precision asked for and times each round of each: as many rows as specs,
     the reference first (its ratio 1), a time per round, the precision as the engine states it."""
     from engine.bench import cli
     folder = tiny_models["llama"][0]
@@ -415,12 +415,6 @@ def test_cli_kernels_and_decode_time_each_precision(tiny_models, tmp_path, capsy
     assert [r["spec"] for r in rows] == ["dtype=float32", "quantization=int4"] and rows[0]["ratio"] == 1.0
     assert all(len(r["ms_per_token"]) == 2 and min(r["ms_per_token"]) > 0 for r in rows)
     assert "int4 weights" in rows[1]["precision"] and "time per token" in capsys.readouterr().out
-    out = tmp_path / "kernels.json"
-    assert cli.main(["kernels", "--model", folder, "--spec", "dtype=float32", "--spec", "quantization=int8",
-                     "--rows", "1,4", "--repeat", "2", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    assert [r["spec"] for r in rows] == ["dtype=float32", "quantization=int8"] and "int8" in rows[1]["kernel"]
-    assert rows[1]["weight_mb"] < rows[0]["weight_mb"]
 
 
 @pytest.mark.skipif(cpu_kernels.compiled() is None or not cpu_kernels.compiled().weight_only_available(),
@@ -554,7 +548,7 @@ def test_cli_decode_times_llama_cpp_in_the_same_rounds_or_says_what_it_needs(tin
 
 @pytest.mark.slow
 def test_a_random_model_loads_in_another_precision_for_the_benchmarks():
-    """bench kernels / decode load each precision from the model loaded: a random: model too (its seeded weights)."""
+    """bench decode loads each precision from the model loaded: a random: model too (its seeded weights)."""
     from engine import LLM
     from engine.quant.linear import Int8Linear
     llm = LLM("random:smollm2-135m", max_model_len=64, kv_cache=False)

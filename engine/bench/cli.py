@@ -128,10 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--blocks", type=_int_list, default=[32, 64, 128, 256], help="pool sizes, in blocks")
     mem.add_argument("--kv-dtypes", default=",".join(ablation.KV_CACHE_DTYPES_SWEPT), metavar="auto,int8",
                      help="KV cache dtypes, each at the same memory per pool (auto: the model's dtype)")
-    kn = sub.add_parser("kernels", parents=common, help="one decode step's matmuls in each weight format")
-    kn.add_argument("--rows", type=_int_list, default=[1, 16, 64], help="tokens in the step")
-    _specs(kn, "weights to time", " ".join(pr.KERNEL_SPECS))
-    _sizes(kn, repeat=5)
     kw = sub.add_parser("kernel-worth", parents=common,
                         help="each of the engine's C++ CPU kernels against its torch path, decode steps end to end")
     kw.add_argument("--rows", type=_int_list, default=[1, 16], help="requests decoding together")
@@ -305,9 +301,6 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         rows = ablation.memory_sweep(llm, workload, args.blocks, settings, _bar, kv_cache_dtypes=kv_dtypes)
         model = llm.engine.model
         return rp.memory_report(workload, rows, model.kv_bytes_per_token(), model.kv_bytes_per_token("int8"))
-    if args.command == "kernels":
-        rows = pr.kernel_timings(llm, args.specs or pr.KERNEL_SPECS, args.rows, args.repeat, _bar)
-        return rp.kernels_report(rows, args.repeat)
     if args.command == "kernel-worth":
         rows = kw_mod.kernel_worth(llm, args.specs or kw_mod.SPECS, args.rows, args.tokens, args.rounds,
                                    progress=_say)

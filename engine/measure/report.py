@@ -10,7 +10,7 @@ from typing import Any
 from ..workloads import Workload
 from .ablation import AblationRow, MemoryRow
 from .experiments import CompareResult, HFStaticResult, TableRow
-from .precision import KernelRow, QualityRow
+from .precision import QualityRow
 from .runs import RunResult, StepBreakdown
 
 
@@ -162,20 +162,6 @@ def memory_report(workload: Workload, rows: list[MemoryRow], kv_bytes_per_token:
         report.notes.append(f"int8 KV: {int8_kv_bytes_per_token:,} bytes per token (1 byte per element plus a 4-byte "
                             f"scale per token and KV head), {kv_bytes_per_token / int8_kv_bytes_per_token:.2f}x "
                             f"fewer: the same memory holds that many more blocks.")
-    return report
-
-
-def kernels_report(rows: list[KernelRow], repeat: int) -> Report:
-    report = Report("one decode step's projections (every layer's qkv, o, gate|up, down and the LM head), "
-                    f"min of {repeat} rounds", rows=rows)
-    base = rows[0]
-    report.tables["ms per step by rows (tokens in the step)"] = [
-        {"weights": r.spec, "precision": r.precision, "kernel": r.kernel, "weights MB": r.weight_mb,
-         **{f"{m} rows ms": ms for m, ms in r.ms.items()},
-         **{f"{m} rows x {base.spec}": base.ms[m] / ms for m, ms in r.ms.items()}} for r in rows]
-    worst = max((s for r in rows for s in r.spread.values()), default=1.0)
-    report.notes.append(f"the slowest round took up to {worst:.1f}x the fastest: on a shared machine compare within "
-                        f"one run")
     return report
 
 
