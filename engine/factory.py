@@ -1,15 +1,7 @@
-"""The one place an automatic setting is decided: the device ("auto"), the dtype ("auto"), the attention backend
-(None), the sizes left None (max_model_len, max_num_batched_tokens, num_kv_blocks) and the kernel that runs the
-weights' precision. `resolve` turns what was asked into a `Resolved`: the request as asked, every choice made, and
-what each automatic field came to.
-
-`CoreBuilder` turns a resolved configuration into what an engine runs: its sizes checked (they fit together, the
-model and the memory free now), its KV manager and model runner built, changing nothing else.
-
-Layering: these are decisions over a config, a device and a loaded model, and the parts built from them; this module
-imports neither the engine nor reconfigure.py, so both may import it (an engine builds its first core here,
-reconfigure.py each next one). A CUDA memory profile is measured by gpu.py and kept by the CoreBuilder; the
-decisions only say when one is needed and what the pool comes to from it.
+"""The one place an automatic setting is decided: the device and dtype ("auto"), the attention backend (None), the
+sizes left None and the kernel that runs the weights' precision. `resolve` turns what was asked into a `Resolved`;
+`CoreBuilder` turns that into what an engine runs (its KV manager and model runner), its sizes checked. It imports
+neither the engine nor reconfigure.py, so both may import it (docs/engine.md).
 """
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """Changing a running engine's configuration from outside it: validate, build the new KV pool beside the old one,
-hand it to the engine at a step boundary, record what was done.
-
-An engine runs one resolved configuration and does not know how it is replaced; its owner (EngineService, or LLM
-offline) keeps a Reconfiguration beside it, which is everything about getting from one configuration to the next:
-- update: a change is resolved (engine/factory.py's CoreBuilder fills the fields left automatic and checks that the
-  sizes fit together and in the memory free now) and validated at once against the requests the engine holds (a
-  ValueError leaves everything as it was); it then waits, and a new request must fit it too (check_request);
-- apply, between two of the engine's steps: the change is resolved and checked again, the new pool and runner built
-  while the old one still serves when the pool's structure (STRUCTURAL_FIELDS) changes, and handed to the engine
-  (engine.swap_core: it frees its running requests' blocks in the old pool and requeues them oldest first, to be
-  re-prefilled; nothing in flight is lost; other changes apply in place). A change that can no longer be built is
-  recorded as not applied, and the old configuration keeps serving. The engine is told what it was asked, how a
-  GPU's pool was sized and the change's record, which its snapshot reports.
+hand it to the engine at a step boundary, record what was done. An engine does not know how it is replaced: its owner
+(EngineService, or LLM offline) keeps a Reconfiguration beside it; docs/engine.md walks through update and apply.
 """
 from __future__ import annotations
 

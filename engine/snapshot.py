@@ -172,10 +172,6 @@ class EngineSnapshot:
                 owners.setdefault(b, []).append(rid)
         return owners
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
 
 def snapshot_of(engine, num_steps: int = 64) -> EngineSnapshot:
     """A plain-data picture of the engine now; no tensors, cheap enough for every refresh."""

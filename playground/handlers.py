@@ -1,12 +1,6 @@
-"""The playground: the shared state every tab's events work on, one Playground per page. No gradio layout here;
-functions return plain values. Split by job: chat.py (conversations and the tab's live view), settings.py (the
-form, changes, rebuilds, restart), measurements.py (ablation and comparison), watching.py (attaching to another
-server); this file holds the state they share, the dashboard and status line, the traffic generator, step mode
-and detaching.
-
-The live engine runs in an EngineService thread; ablation and comparison runs build their own engines over
-the same loaded weights, with the live engine paused meanwhile so their measurements are clean. Who may call
-what is playground/access.py's to say, and what every visitor sees of it, room.py's.
+"""The playground: the shared state every tab's events work on, one Playground per page (docs/playground.md says
+which module holds which job). No gradio layout here; functions return plain values. The live engine runs in an
+EngineService thread; measurements build their own engines over the same loaded weights, the live engine paused.
 """
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from engine.measure import NAIVE_LOOP, AblationRow, MemoryRow, QualityRow, to_jsonable
+from engine.quant.kernels import cpu_name
 
 # in the tab's order: quality under the cumulative ablation, whose quantization row is what precision costs in speed
 EXPERIMENTS = ("cumulative", "quality", "concurrency", "memory")
@@ -156,18 +156,8 @@ def machine_description(llm: Any) -> str:
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     else:
-        where = f"{os.cpu_count()}-core {_cpu_name()}, no GPU"
+        where = f"{os.cpu_count()}-core {cpu_name()}, no GPU"
     return f"{where}, torch {torch.__version__.split('+')[0]}, {Path(str(llm.model_path)).name} ({llm.config.dtype})"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "CPU"
 
 
 def now() -> str:

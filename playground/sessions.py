@@ -1,7 +1,7 @@
 """gradio's per-session state, made cheap to open: one place that adjusts gradio's internals for a shared page.
 
 gradio opens a SessionState for every new session hash it sees, and its constructor computes every component's
-configuration (234 on this page: ~21 ms of the GIL each time, measured on the 2-core Xeon). A client that sends a
+configuration (docs/measurements.md, "One engine, many people", has its cost). A client that sends a
 fresh session hash with every call (the hostile suite's flooder) had the server do that a few times a second, each
 time holding the lock the engine's step and every page's stream need. The copy is only read whole for a deep link
 (which this page does not offer) and one entry at a time when an event updates a component, so it is computed per

@@ -160,7 +160,7 @@ def test_compare_preempts_with_a_small_pool(tiny_llm):
     assert result.same_outputs
 
 
-# ---- table, hf-static, sched-cost --------------------------------------------------------------------
+# ---- table, hf-static --------------------------------------------------------------------------------
 def test_table_rows(tiny_llm):
     rows = measure.run_table(tiny_llm, [1, 3], input_len=8, output_len=5, settings=SMALL_POOL, hf=True)
     assert [r.batch for r in rows] == [1, 3]
@@ -200,32 +200,6 @@ def test_hf_static(tiny_llm):
     assert result.hf_generated_tokens == sum(longest) >= result.hf_useful_tokens
     assert result.hf_throughput > 0 and result.ratio > 0
     assert len(measure.hf_static_report(result).tables["throughput"]) == 2
-
-
-def test_sched_cost(tiny_llm):
-    result = measure.sched_cost(tiny_llm, running=5, prompt_len=6, decode_steps=4, settings=SMALL_POOL)
-    assert result.decode.num_steps == 4 and result.decode.mean_running == 5
-    assert result.all_steps.num_steps == 5
-    assert result.decode.max_ms["schedule_ms"] >= result.decode.mean_ms["schedule_ms"] >= 0
-    rows = measure.sched_cost_report(result).tables["cost per step"]
-    assert rows[0]["count"] == 4
-
-
-def test_sampling_cost_runs_every_mode_batched_and_times_the_sampler(tiny_llm):
-    from engine.measure.experiments import SAMPLING_MODES, sampling_cost
-    from engine.measure.report import sampling_cost_report
-    rows = sampling_cost(tiny_llm, batch=3, prompt_len=5, tokens=4, rounds=2, settings=SMALL_POOL)
-    assert [r.mode for r in rows] == [m for m, _ in SAMPLING_MODES] and rows[0].mode == "greedy"
-    assert rows[0].vs_greedy == [1.0, 1.0] and all(len(r.tok_s) == 2 and min(r.tok_s) > 0 for r in rows)
-    assert all(min(r.sample_ms) > 0 for r in rows)
-    table = sampling_cost_report(rows, 3, 5, 4).tables["per mode"]
-    assert table[1]["mode"] == "temperature 1" and table[1]["vs greedy (median)"] > 0
-
-
-def test_sched_cost_raises_max_num_seqs(tiny_llm):
-    result = measure.sched_cost(tiny_llm, running=6, prompt_len=4, decode_steps=2,
-                              settings={**SMALL_POOL, "max_num_seqs": 2})
-    assert result.decode.mean_running == 6
 
 
 # ---- rendering and the command line ------------------------------------------------------------------
@@ -429,8 +403,8 @@ def test_cli_quality_compares_the_set_precision(tiny_models):
     assert quality_specs(parse_args(["quality"]), {}) == list(measure.QUALITY_SPECS)
 
 
-def test_cli_kernels_and_decode_time_each_precision(tiny_models, tmp_path, capsys):
-    """`kernels` and `decode` load every precision asked for and time each round of each: as many rows as specs,
+def test_cli_decode_times_each_precision(tiny_models, tmp_path, capsys):
+    """`decode` loads every precision asked for and times each round of each: as many rows as specs,
     the reference first (its ratio 1), a time per round, the precision as the engine states it."""
     from engine.bench import cli
     folder = tiny_models["llama"][0]
@@ -441,12 +415,6 @@ def test_cli_kernels_and_decode_time_each_precision(tiny_models, tmp_path, capsy
     assert [r["spec"] for r in rows] == ["dtype=float32", "quantization=int4"] and rows[0]["ratio"] == 1.0
     assert all(len(r["ms_per_token"]) == 2 and min(r["ms_per_token"]) > 0 for r in rows)
     assert "int4 weights" in rows[1]["precision"] and "time per token" in capsys.readouterr().out
-    out = tmp_path / "kernels.json"
-    assert cli.main(["kernels", "--model", folder, "--spec", "dtype=float32", "--spec", "quantization=int8",
-                     "--rows", "1,4", "--repeat", "2", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    assert [r["spec"] for r in rows] == ["dtype=float32", "quantization=int8"] and "int8" in rows[1]["kernel"]
-    assert rows[1]["weight_mb"] < rows[0]["weight_mb"]
 
 
 @pytest.mark.skipif(cpu_kernels.compiled() is None or not cpu_kernels.compiled().weight_only_available(),
@@ -580,7 +548,7 @@ def test_cli_decode_times_llama_cpp_in_the_same_rounds_or_says_what_it_needs(tin
 
 @pytest.mark.slow
 def test_a_random_model_loads_in_another_precision_for_the_benchmarks():
-    """bench kernels / decode load each precision from the model loaded: a random: model too (its seeded weights)."""
+    """bench decode loads each precision from the model loaded: a random: model too (its seeded weights)."""
     from engine import LLM
     from engine.quant.linear import Int8Linear
     llm = LLM("random:smollm2-135m", max_model_len=64, kv_cache=False)
@@ -589,35 +557,10 @@ def test_a_random_model_loads_in_another_precision_for_the_benchmarks():
 
 
 def test_busy_process_runs_only_inside_its_block():
-    from engine.measure.experiments import busy_process
-    with busy_process(1, 1) as proc:
+    from engine.measure.experiments import busy_processes
+    with busy_processes(1, 1, 1) as (proc,):
         assert proc.poll() is None  # spinning while the block runs
     assert proc.poll() is not None  # killed and reaped after it
-
-
-def test_prefill_cost_beside_a_busy_process_times_each_budget_twice(tiny_llm, monkeypatch):
-    from contextlib import contextmanager
-
-    from engine.measure import experiments
-    from engine.measure.report import prefill_cost_report
-    started = []
-    real = experiments.busy_process
-
-    @contextmanager
-    def counted(busy_ms, idle_ms):
-        with real(busy_ms, idle_ms) as proc:
-            started.append((busy_ms, idle_ms))
-            yield proc
-    monkeypatch.setattr(experiments, "busy_process", counted)
-    rows = experiments.prefill_cost(tiny_llm, [8, 64], batch=4, prompt_len=6, rounds=2, settings=SMALL_POOL,
-                                    busy=(1.0, 2.0))
-    assert [(r.budget, r.beside_busy) for r in rows] == [(8, False), (64, False), (8, True), (64, True)]
-    assert started == [(1.0, 2.0)] * 2  # once a round, around both budgets' busy waves only
-    assert all(len(r.ms_per_token) == 2 and min(r.ms_per_token) > 0 for r in rows)
-    assert [r.steps for r in rows] == [[3, 3], [1, 1], [3, 3], [1, 1]]
-    table = prefill_cost_report(rows, 4, 6).tables["per budget"]
-    assert [t["beside a busy process"] for t in table] == [False, False, True, True]
-    assert "beside a busy process" not in prefill_cost_report(rows[:2], 4, 6).tables["per budget"][0]
 
 
 def test_beside_busy_wants_two_finite_milliseconds():
@@ -628,32 +571,6 @@ def test_beside_busy_wants_two_finite_milliseconds():
     for bad in ("2", "2,3,4", "0,3", "nan,3", "2,inf", "-1,3", "x,3", "1e7,1"):
         with pytest.raises(argparse.ArgumentTypeError):
             _busy_pair(bad)
-
-
-def test_prefill_cost_times_a_wave_at_each_budget(tiny_llm):
-    from engine.measure.experiments import prefill_cost
-    from engine.measure.report import prefill_cost_report
-    rows = prefill_cost(tiny_llm, [8, 64], batch=4, prompt_len=6, rounds=2, settings=SMALL_POOL)
-    assert [r.budget for r in rows] == [8, 64]
-    assert rows[0].steps == [3, 3] and rows[1].steps == [1, 1]  # 24 prompt tokens: 8 a step, then all in one
-    assert all(min(r.ms_per_token) > 0 and 0 < min(r.forward_share) <= max(r.forward_share) < 1 for r in rows)
-    table = prefill_cost_report(rows, 4, 6).tables["per budget"]
-    assert [t["max_num_batched_tokens"] for t in table] == [8, 64] and table[1]["steps"] == 1
-
-
-def test_attention_cost_times_the_kernel_over_a_pool_per_layer(tiny_llm):
-    """Both cases are timed over every layer, reading the slots they say (a causal chunk of n rows reads
-    1 + ... + n), and the report carries them."""
-    from engine import cpu_kernels
-    from engine.measure.experiments import attention_cost
-    from engine.measure.report import attention_cost_report
-    if cpu_kernels.compiled() is None:
-        pytest.skip("the C++ kernels did not build here")
-    rows = attention_cost(tiny_llm, rows=3, context=20, chunk=5, rounds=2)
-    assert [(r.case, r.rows, r.slots_read) for r in rows] == [("decode rows", 3, 60), ("one causal chunk", 5, 15)]
-    assert all(len(r.ms_per_step) == len(r.gb_s) == 2 and min(r.ms_per_step) > 0 and min(r.gb_s) > 0 for r in rows)
-    table = attention_cost_report(rows, "float32").tables["per case"]
-    assert [t["slots read"] for t in table] == [60, 15]
 
 
 def test_closed_loop_keeps_its_requests_in_flight_and_runs_them_all(tiny_llm):

@@ -498,16 +498,6 @@ def test_ignore_eos_reaches_the_engine_from_the_api():
     assert parse_completion({"prompt": "hi", "ignore_eos": True}, "m").sampling_params(3, 256).ignore_eos is True
 
 
-def test_the_offline_side_of_serve_overhead_generates_every_token(tiny_models, tmp_path):
-    from engine.bench.overhead import offline_main
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps({"model": tiny_models["llama"][0], "api": "chat", "settings": {"max_num_seqs": 2},
-                                   "requests": [["one prompt", 5], ["another, longer prompt", 7], ["third", 3]]}))
-    offline_main(str(prompts), str(tmp_path / "out.json"))
-    out = json.loads((tmp_path / "out.json").read_text())
-    assert out["tokens"] == 15 and out["seconds"] > 0
-
-
 def test_vllm_s_null_block_is_left_out_of_the_pool_it_draws():
     """vLLM counts a null block in num_gpu_blocks that kv_cache_usage_perc leaves out: a 6-block pool holding 4 of
     its 5 usable blocks (usage 0.8) is 4 / 5, not 5 / 6; this app's own pool has no such block."""

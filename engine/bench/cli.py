@@ -128,10 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--blocks", type=_int_list, default=[32, 64, 128, 256], help="pool sizes, in blocks")
     mem.add_argument("--kv-dtypes", default=",".join(ablation.KV_CACHE_DTYPES_SWEPT), metavar="auto,int8",
                      help="KV cache dtypes, each at the same memory per pool (auto: the model's dtype)")
-    kn = sub.add_parser("kernels", parents=common, help="one decode step's matmuls in each weight format")
-    kn.add_argument("--rows", type=_int_list, default=[1, 16, 64], help="tokens in the step")
-    _specs(kn, "weights to time", " ".join(pr.KERNEL_SPECS))
-    _sizes(kn, repeat=5)
     kw = sub.add_parser("kernel-worth", parents=common,
                         help="each of the engine's C++ CPU kernels against its torch path, decode steps end to end")
     kw.add_argument("--rows", type=_int_list, default=[1, 16], help="requests decoding together")
@@ -146,24 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     qu = sub.add_parser("quality", parents=common, help="a precision against fp32 over a fixed text")
     _specs(qu, "precisions to compare", f"the --set precision if one is given, else {' '.join(pr.QUALITY_SPECS)}")
     _sizes(qu, window=1024)
-    _serve_parsers(sub, common)
+    _serve_parser(sub)
     _versus_parser(sub)
-    sp = sub.add_parser("sampling-cost", parents=common, help="what each sampling mode adds over greedy, batched")
-    _sizes(sp, batch=8, prompt_len=128, tokens=64, rounds=3)
-    pc = sub.add_parser("prefill-cost", parents=common, help="a wave of prompts into an idle engine: ms per prompt "
-                                                             "token at each step budget")
-    pc.add_argument("--budgets", type=_int_list, default=[256], metavar="N,N",
-                    help="max_num_batched_tokens values, alternating (default 256, the CPU's)")
-    _sizes(pc, batch=32, prompt_len=128, rounds=3)
-    pc.add_argument("--beside-busy", type=_busy_pair, default=None, metavar="BUSY_MS,IDLE_MS",
-                    help="also time each budget beside a process that computes BUSY_MS then sleeps IDLE_MS (2,3: "
-                         "40%% of a core, about what a benchmark client on the same host takes)")
-    ac = sub.add_parser("attention-cost", parents=common, help="the C++ attention kernel alone, a step's calls over "
-                                                               "cold pools: decode rows and a causal chunk")
-    ac.add_argument("--rows", type=_positive, default=32, help="decode rows (default 32)")
-    ac.add_argument("--context", type=_positive, default=145, help="slots each decode row reads (default 145)")
-    ac.add_argument("--chunk", type=_positive, default=224, help="rows of the causal chunk (default 224)")
-    _sizes(ac, rounds=5)
     cl = sub.add_parser("closed-loop", parents=common, help="bench versus's load in-process, without HTTP: requests "
                                                             "kept in flight, output tok/s")
     _sizes(cl, concurrency=32, requests=64, prompt_len=128, output_len=64, rounds=2)
@@ -182,38 +162,26 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--read-mb", type=_positive, default=None, help="the read buffer, MiB (default: 1 GiB or 4x the "
                                                                     "last-level cache, whichever is more)")
     rl.add_argument("--gemm", type=_positive, default=None, metavar="N", help="the square GEMMs' side (default 2048)")
-    sc = sub.add_parser("sched-cost", parents=common, help="the scheduler's own cost per step")
-    _sizes(sc, running=64, prompt_len=16, decode_steps=32)
     return parser
 
 
-def _serve_load_args(p: argparse.ArgumentParser) -> None:
-    _sizes(p, concurrency=8, requests=32)
-    p.add_argument("--workload", default="mixed-lengths", help="preset name or TOML path (presets/workloads/)")
-    p.add_argument("--max-tokens", type=_positive, default=None, help="every request's max_tokens (default: the "
-                                                                      "workload's own)")
-    p.add_argument("--api", choices=("chat", "completions"), default="chat",
-                   help="stream /v1/chat/completions (default) or /v1/completions")
-    p.add_argument("--tokenizer", default=None, help="turns random-token prompts into text (default: the "
-                                                     "embedded model's)")
-
-
-def _serve_parsers(sub, common: list[argparse.ArgumentParser]) -> None:
+def _serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="load an OpenAI-compatible server (this app, vLLM, ...) over HTTP")
     serve.add_argument("--url", required=True, help="the server's root, e.g. http://127.0.0.1:7860")
-    _serve_load_args(serve)
+    _sizes(serve, concurrency=8, requests=32)
+    serve.add_argument("--workload", default="mixed-lengths", help="preset name or TOML path (presets/workloads/)")
+    serve.add_argument("--max-tokens", type=_positive, default=None, help="every request's max_tokens (default: the "
+                                                                          "workload's own)")
+    serve.add_argument("--api", choices=("chat", "completions"), default="chat",
+                       help="stream /v1/chat/completions (default) or /v1/completions")
+    serve.add_argument("--tokenizer", default=None, help="turns random-token prompts into text (default: the "
+                                                         "embedded model's)")
     serve.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
     serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                        help="send vLLM's ignore_eos (default: as the workload says: random-token prompts do)")
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     serve.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
-    over = sub.add_parser("serve-overhead", parents=common, help="rounds of (python app.py + bench serve) and "
-                          "(LLM.generate in a fresh process): the HTTP path's cost; --set applies to both sides "
-                          "(max_num_seqs defaults to --concurrency)")
-    _serve_load_args(over)
-    over.set_defaults(workload="fixed-16", max_tokens=64)
-    _sizes(over, rounds=3)
 
 
 def _versus_parser(sub) -> None:
@@ -311,9 +279,6 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         workload = load_workload("fixed-16" if args.fixed else args.workload, args.quick)
         batch = len(workload.requests) if args.fixed else args.batch_size
         return rp.hf_static_report(ex.hf_static(llm, workload, batch, settings))
-    if args.command == "sampling-cost":
-        rows = ex.sampling_cost(llm, args.batch, args.prompt_len, args.tokens, args.rounds, settings)
-        return rp.sampling_cost_report(rows, args.batch, args.prompt_len, args.tokens)
     if args.command == "closed-loop":
         rows = ex.closed_loop(llm, args.concurrency, args.requests, args.prompt_len, args.output_len, args.rounds,
                               settings, busy=args.busy_duty, neighbours=args.beside_busy)
@@ -321,13 +286,6 @@ def run_command(args: argparse.Namespace) -> rp.Report:
                                      busy=args.busy_duty)
     if args.command == "roofline":
         return rf.roofline_report(rf.roofline(llm, args.specs or rf.SPECS, roofline_sizes(args), settings, _bar))
-    if args.command == "attention-cost":
-        rows = ex.attention_cost(llm, args.rows, args.context, args.chunk, args.rounds)
-        return rp.attention_cost_report(rows, str(llm.engine.model.dtype).removeprefix("torch."))
-    if args.command == "prefill-cost":
-        rows = ex.prefill_cost(llm, args.budgets, args.batch, args.prompt_len, args.rounds, settings,
-                               busy=args.beside_busy)
-        return rp.prefill_cost_report(rows, args.batch, args.prompt_len)
     if args.command == "ablate":
         workload = load_workload(args.workload, args.quick).tokenized(llm.tokenizer)
         if args.concurrency:
@@ -343,9 +301,6 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         rows = ablation.memory_sweep(llm, workload, args.blocks, settings, _bar, kv_cache_dtypes=kv_dtypes)
         model = llm.engine.model
         return rp.memory_report(workload, rows, model.kv_bytes_per_token(), model.kv_bytes_per_token("int8"))
-    if args.command == "kernels":
-        rows = pr.kernel_timings(llm, args.specs or pr.KERNEL_SPECS, args.rows, args.repeat, _bar)
-        return rp.kernels_report(rows, args.repeat)
     if args.command == "kernel-worth":
         rows = kw_mod.kernel_worth(llm, args.specs or kw_mod.SPECS, args.rows, args.tokens, args.rounds,
                                    progress=_say)
@@ -354,14 +309,12 @@ def run_command(args: argparse.Namespace) -> rp.Report:
         rows = pr.decode_timings(llm, args.specs or pr.DECODE_SPECS, args.prompt_len, args.tokens, args.rounds,
                                  settings, _bar, llama_cpp_gguf(args.llama_cpp))
         return rp.decode_report(rows, args.prompt_len, args.tokens)
-    if args.command == "quality":
-        return rp.quality_report(pr.quality(llm, quality_specs(args, settings), settings, window=args.window,
-                                            progress=_bar), args.window)
-    return rp.sched_cost_report(ex.sched_cost(llm, args.running, args.prompt_len, args.decode_steps, settings))
+    return rp.quality_report(pr.quality(llm, quality_specs(args, settings), settings, window=args.window,
+                                        progress=_bar), args.window)
 
 
 def run_http_command(args: argparse.Namespace) -> tuple[str, Any, bool]:
-    """`serve`, `serve-overhead` and `versus` talk HTTP, so they load no weights here (a tokenizer at most).
+    """`serve` and `versus` talk HTTP, so they load no weights here (a tokenizer at most).
     Returns the text, the JSON data and whether a request failed."""
     from . import serve as sv
     if args.command == "versus":
@@ -372,10 +325,6 @@ def run_http_command(args: argparse.Namespace) -> tuple[str, Any, bool]:
                            settle_s=vs.SETTLE_S if args.settle is None else args.settle)
         return vs.render(result), result.to_json(), False
     workload = load_workload(args.workload)
-    if args.command == "serve-overhead":
-        from . import overhead
-        result = overhead.serve_overhead(workload, args, _bar)
-        return overhead.render(result), result.to_json(), False
     tokenizer = _tokenizer(args.tokenizer) if any(r.text is None for r in workload.requests) else None
     requests = sv.workload_requests(workload, tokenizer, args.requests, args.max_tokens, args.ignore_eos)
     result = sv.run_serve(args.url, requests, args.concurrency, api=args.api, model=args.model,
@@ -396,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return gpu_check_main(argv[1:])
     args = parse_args(argv)
     try:
-        if args.command in ("serve", "serve-overhead", "versus"):
+        if args.command in ("serve", "versus"):
             text, data, failed = run_http_command(args)
         else:
             report = run_command(args)

@@ -19,7 +19,6 @@ from .experiments import (
                           compare,
                           hf_static,
                           run_table,
-                          sched_cost,
 )
 from .precision import (
                           QUALITY_SPECS,
@@ -38,7 +37,6 @@ from .report import (
                           memory_report,
                           quality_report,
                           render_report,
-                          sched_cost_report,
                           table_report,
                           to_jsonable,
 )
@@ -59,6 +57,6 @@ __all__ = [
     "ablate_cumulative", "ablate_report", "compare", "compare_report", "config_fields", "hf_static", "hf_static_report",
     "list_feature_presets", "load_feature_preset", "load_llm", "markdown_table", "memory_report", "memory_sweep",
     "quality", "quality_report", "QUALITY_SPECS", "QUALITY_TEXT", "QualityRow", "compare_logprobs", "text_windows",
-    "parse_assignments", "parse_value", "render_report", "resolve_spec", "run_config", "run_table", "sched_cost",
-    "sched_cost_report", "table_report", "to_jsonable", "weight_bytes",
+    "parse_assignments", "parse_value", "render_report", "resolve_spec", "run_config", "run_table",
+    "table_report", "to_jsonable", "weight_bytes",
 ]

@@ -8,18 +8,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..llm import LLM, warm_up
 from ..sampling_params import SamplingParams
 from ..threads import usable_cores
-from ..utils import cdiv
 from ..workloads import Workload
 from .hf import hf_generate, hf_pad_id, hf_static_batches, hf_warm_up, load_hf_model
 from .runs import (
@@ -35,7 +33,6 @@ from .runs import (
     random_prompts,
     run_config,
     run_workload,
-    summarize_steps,
     tell,
     weight_bytes,
 )
@@ -160,84 +157,6 @@ def hf_static(llm: LLM, workload: Workload, batch_size: int = 8,
                           useful, hf_tps, engine_run, engine_run.throughput / hf_tps if hf_tps else float("inf"))
 
 
-@dataclass
-class SchedCostResult:
-    running: int
-    prompt_len: int
-    decode_steps: int
-    decode: StepBreakdown  # steps that only decode (all admitted requests running)
-    all_steps: StepBreakdown
-    wall_s: float
-
-
-def sched_cost(llm: LLM, running: int = 64, prompt_len: int = 16, decode_steps: int = 32,
-               settings: dict[str, Any] | None = None, seed: int = 0) -> SchedCostResult:
-    settings = dict(settings or {})
-    settings["max_num_seqs"] = max(running, settings.get("max_num_seqs", EngineConfig.max_num_seqs))
-    engine = llm.build_engine(settings)
-    warm_up(engine)
-    params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
-    tracker, wall = _drain(engine, random_prompts(running, prompt_len, seed), params)
-    decodes = [r for r in tracker.records if r.decodes and not r.prefills]
-    return SchedCostResult(running, prompt_len, decode_steps, summarize_steps(decodes),
-                           summarize_steps(tracker.records), wall)
-
-
-def _drain(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[StepTracker, float]:
-    """Every prompt added with these params, then steps until all have finished: the steps, and the seconds."""
-    tracker = StepTracker(engine)
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        tracker.step()
-    return tracker, time.perf_counter() - start
-
-
-# (label, SamplingParams fields): greedy first, the reference of every ratio
-SAMPLING_MODES = (("greedy", {"temperature": 0.0}), ("temperature 1", {"temperature": 1.0}),
-                  ("temperature 0.7, top-p 0.95", {"temperature": 0.7, "top_p": 0.95}),
-                  ("temperature 0.8, top-k 50", {"temperature": 0.8, "top_k": 50}),
-                  ("temperature 1, min-p 0.05", {"temperature": 1.0, "min_p": 0.05}))
-
-
-@dataclass
-class SamplingCostRow:
-    mode: str
-    tok_s: list[float]  # one per round
-    sample_ms: list[float]  # the sampler's own mean time per step, one per round
-    vs_greedy: list[float]  # tok/s over greedy's in the same round
-
-
-def sampling_cost(llm: LLM, batch: int = 8, prompt_len: int = 128, tokens: int = 64, rounds: int = 3,
-                  settings: dict[str, Any] | None = None, seed: int = 0) -> list[SamplingCostRow]:
-    """`batch` requests decoding together in each sampling mode, the modes alternating within each round on one
-    engine, fresh prompts every run: tokens/s and the sampler's own time per step."""
-    engine = llm.build_engine(dict(settings or {}))
-    warm_up(engine)
-    rows = [SamplingCostRow(label, [], [], []) for label, _ in SAMPLING_MODES]
-    draw = seed
-    for _ in range(rounds):
-        for row, (_, fields) in zip(rows, SAMPLING_MODES, strict=True):
-            draw += 1
-            params = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=draw, **fields)
-            tracker, took = _drain(engine, random_prompts(batch, prompt_len, draw), params)
-            row.tok_s.append(batch * tokens / took)
-            row.sample_ms.append(summarize_steps(tracker.records).mean_ms["sample_ms"])
-        for row in rows:
-            row.vs_greedy.append(row.tok_s[-1] / rows[0].tok_s[-1])
-    return rows
-
-
-@dataclass
-class PrefillCostRow:
-    budget: int  # max_num_batched_tokens
-    ms_per_token: list[float]  # the wave's prefill time over its prompt tokens, one per round
-    steps: list[int]  # steps the wave took
-    forward_share: list[float]  # of the wave's time, the model's forward (the rest: scheduling, preparing, sampling)
-    beside_busy: bool = False  # timed beside a busy process (busy_process)
-
-
 # A process that computes busy_ms, then sleeps idle_ms, until killed: another program sharing the cores (as the
 # benchmark client does beside a server: docs/measurements.md, "Why c=32 loses served but not offline"). busy_ms
 # "inf" never sleeps: a neighbour that wants a whole core. It says "spinning" once it is, and ends by itself when
@@ -282,100 +201,6 @@ def busy_processes(count: int, busy_ms: float = math.inf, idle_ms: float = 0.0) 
         for proc in procs:
             proc.wait()
             proc.stdout.close()
-
-
-@contextmanager
-def busy_process(busy_ms: float, idle_ms: float) -> Iterator[subprocess.Popen]:
-    """Another process taking busy_ms / (busy_ms + idle_ms) of one core while the block runs."""
-    with busy_processes(1, busy_ms, idle_ms) as procs:
-        yield procs[0]
-
-
-def prefill_cost(llm: LLM, budgets: list[int], batch: int = 32, prompt_len: int = 128, rounds: int = 3,
-                 settings: dict[str, Any] | None = None, seed: int = 0,
-                 busy: tuple[float, float] | None = None) -> list[PrefillCostRow]:
-    """A wave of `batch` fresh prompts (one token each: all prefill) into an idle engine at each step budget, the
-    budgets alternating within each round: what a burst of requests waits for its first token. Prefix caching is
-    off: a cached run would time nothing. `busy` (busy_ms, idle_ms): each round also times every budget beside a
-    busy process, so what a shared CPU costs each step size is read side by side."""
-    engines = [llm.build_engine({**(settings or {}), "prefix_caching": False, "max_num_batched_tokens": b})
-               for b in budgets]
-    for engine in engines:
-        warm_up(engine)
-    conditions = [False, True] if busy is not None else [False]
-    rows = {c: [PrefillCostRow(b, [], [], [], c) for b in budgets] for c in conditions}  # one per engine
-    draw = seed
-    for _ in range(rounds):
-        for beside in conditions:
-            with busy_process(*busy) if beside else nullcontext():
-                for row, engine in zip(rows[beside], engines, strict=True):
-                    draw += 1
-                    _time_wave(engine, row, random_prompts(batch, prompt_len, draw))
-    return [row for c in conditions for row in rows[c]]
-
-
-def _time_wave(engine: LLMEngine, row: PrefillCostRow, prompts: list[list[int]]) -> None:
-    tracker, took = _drain(engine, prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    row.ms_per_token.append(took * 1e3 / sum(len(p) for p in prompts))
-    row.steps.append(len(tracker.records))
-    row.forward_share.append(sum(r.forward_ms for r in tracker.records) / (took * 1e3))
-
-
-@dataclass
-class AttentionCostRow:
-    case: str  # "decode rows" or "one causal chunk"
-    rows: int  # query rows per call
-    slots_read: int  # context slots read per call, summed over the rows
-    ms_per_step: list[float]  # one call per layer, each over its own pool: one per round (the fastest of 3 steps)
-    gb_s: list[float]  # K and V bytes of the slots read (per KV head, once per row) over the time, per round
-
-
-def attention_cost(llm: LLM, rows: int = 32, context: int = 145, chunk: int = 224, rounds: int = 5,
-                   seed: int = 0) -> list[AttentionCostRow]:
-    """The engine's C++ attention kernel alone, as a step calls it: once per layer, each over a pool of its own (so
-    no call reads memory the last one warmed), the rows' blocks scattered over a pool three times what they need
-    (a pool after a while of serving). `rows` decode rows of `context` slots; one causal chunk of `chunk` rows."""
-    from .. import cpu_kernels
-    ext = cpu_kernels.compiled()
-    if ext is None:
-        raise RuntimeError("the engine's C++ kernels are not built here (make kernels)")
-    shape, dtype = llm.engine.model.shape, llm.engine.model.dtype
-    bs = llm.engine.config.block_size
-    g = torch.Generator().manual_seed(seed)
-    cases = {"decode rows": (rows, context), "one causal chunk": (1, chunk)}
-    lists = {case: (requests, cdiv(length, bs), length) for case, (requests, length) in cases.items()}
-    num_blocks = 3 * max(requests * per for requests, per, _ in lists.values())
-    pools = [torch.randn(2, num_blocks * bs, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
-             for _ in range(shape.num_layers)]
-    out = []
-    for case, (requests, per, length) in lists.items():
-        blocks = torch.randperm(num_blocks, generator=g)[:requests * per].view(requests, per)
-        slots = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).view(requests, per * bs)
-        if case == "decode rows":
-            lens, which = torch.full((requests,), length), None
-        else:
-            lens, which = torch.arange(1, length + 1), torch.zeros(length, dtype=torch.long)
-        q = torch.randn(len(lens), shape.num_heads, shape.head_dim, generator=g).to(dtype)
-        read = int(lens.sum())
-        row = AttentionCostRow(case, len(lens), read, [], [])
-        args = (q, slots, lens, which)
-        _attention_step(ext, pools, args)  # untimed: the first call's allocations
-        for _ in range(rounds):
-            took = min(_attention_step(ext, pools, args) for _ in range(3))
-            row.ms_per_step.append(took * 1e3)
-            moved = 2 * read * shape.num_kv_heads * shape.head_dim * dtype.itemsize * shape.num_layers
-            row.gb_s.append(moved / took / 1e9)
-        out.append(row)
-    return out
-
-
-def _attention_step(ext, pools: list[torch.Tensor], args: tuple) -> float:
-    """Seconds for one call of the C++ attention per layer, each over its own pool ([2, slots, KV, D])."""
-    q, slots, lens, which = args
-    start = time.perf_counter()
-    for pool in pools:
-        ext.decode_attention(q, pool[0], pool[1], slots, lens, None, None, which)
-    return time.perf_counter() - start
 
 
 @dataclass

@@ -1,13 +1,13 @@
-"""What each precision costs, in speed and in quality: `kernels` (one decode step's projections in each weight
-format), `decode` (the whole engine's batch-1 time per token, beside llama.cpp's), `quality` (a quantized or bf16
-engine against the fp32 one over a fixed text). Each returns dataclasses a UI can use; only the CLI prints."""
+"""What each precision costs, in speed and in quality: `decode` (the whole engine's batch-1 time per token, beside
+llama.cpp's), `quality` (a quantized or bf16 engine against the fp32 one over a fixed text).
+Each returns dataclasses a UI can use; only the CLI prints."""
 from __future__ import annotations
 
 import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +22,6 @@ from ..sampling_params import SamplingParams
 from .runs import Progress, random_prompts, tell
 from .specs import FEATURE_DIR, resolve_spec
 
-# What `kernels` compares by default: the model's dtype, bf16, and each quantization scheme
-KERNEL_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4", "quantization=w8a8")
-
-
-@dataclass
-class KernelRow:
-    spec: str  # the flags that made these weights
-    precision: str
-    kernel: str  # the function each projection calls
-    weight_mb: float  # the projections' bytes (every layer's and the LM head)
-    ms: dict[int, float]  # rows -> one step's projections, min over repeats (ms)
-    spread: dict[int, float] = field(default_factory=dict)  # rows -> max / min over repeats
-
 
 def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -> tuple[list, list]:
     """(configs, models): each spec's engine configuration and weights, all loaded before any timing (progress
@@ -46,38 +33,6 @@ def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -
         same = (config.dtype, WeightFormat.of(config)) == stored_as(llm.engine.model)  # as LLM.weights_for
         models.append(llm.engine.model if same else llm.load_weights(config))
     return configs, models
-
-
-def kernel_timings(llm: LLM, specs: Sequence[str] = KERNEL_SPECS, rows: Sequence[int] = (1, 16, 64),
-                   repeat: int = 5, progress: Progress = None) -> list[KernelRow]:
-    """The matmuls alone of one decode step with `rows` tokens, in each weight format (the engine's own projection
-    classes over this checkpoint's weights). Every format is loaded first and the repeats go round all of them,
-    so a busy moment on a shared machine hits every format alike; the min is reported with its spread."""
-    configs, models = load_each(llm, specs, repeat, progress)
-    times: dict[tuple[int, int], list[float]] = {}
-    with torch.inference_mode():
-        for r in range(repeat):
-            tell(progress, len(specs) + r, len(specs) + repeat, f"round {r + 1} of {repeat}")
-            for i, model in enumerate(models):
-                projections = model.projections()
-                for m in rows:
-                    xs = {p.in_features: torch.randn(m, p.in_features, dtype=model.dtype, device=model.device)
-                          for p in projections}
-                    start = time.perf_counter()
-                    for p in projections:
-                        p(xs[p.in_features])
-                    if model.device.type == "cuda":
-                        torch.cuda.synchronize(model.device)
-                    times.setdefault((i, m), []).append((time.perf_counter() - start) * 1e3)
-    tell(progress, len(specs) + repeat, len(specs) + repeat, "done")
-    out = []
-    for i, (spec, config, model) in enumerate(zip(specs, configs, models, strict=True)):
-        projections = model.projections()
-        out.append(KernelRow(spec, config.precision, projections[0].kernel,
-                             sum(p.nbytes for p in projections) / 2**20,
-                             {m: min(times[i, m]) for m in rows},
-                             {m: max(times[i, m]) / min(times[i, m]) for m in rows}))
-    return out
 
 
 # each scheme as is (every projection quantized), then the int8 and int4 presets whole (LM head unquantized, int8 KV

@@ -9,8 +9,8 @@ from typing import Any
 
 from ..workloads import Workload
 from .ablation import AblationRow, MemoryRow
-from .experiments import CompareResult, HFStaticResult, SchedCostResult, TableRow
-from .precision import KernelRow, QualityRow
+from .experiments import CompareResult, HFStaticResult, TableRow
+from .precision import QualityRow
 from .runs import RunResult, StepBreakdown
 
 
@@ -83,22 +83,6 @@ def hf_static_report(result: HFStaticResult) -> Report:
          "wall time (s)": e.wall_s, "throughput tok/s": e.throughput}]
     report.notes.append(f"engine / HF throughput: {result.ratio:.2f}x (useful tokens only)")
     return report
-
-
-def sched_cost_report(result: SchedCostResult) -> Report:
-    report = Report(f"scheduler cost: {result.running} requests, prompts of {result.prompt_len} tokens, "
-                    f"{result.decode_steps} decode steps")
-    report.tables["cost per step"] = [_sched_row("decode-only steps", result.decode),
-                                      _sched_row("all steps", result.all_steps)]
-    return report
-
-
-def _sched_row(label: str, s: StepBreakdown) -> dict[str, Any]:
-    per_request = s.mean_ms["schedule_ms"] * 1e3 / s.mean_running if s.mean_running else None
-    return {"steps": label, "count": s.num_steps, "mean running": s.mean_running,
-            "schedule mean ms": s.mean_ms["schedule_ms"], "schedule max ms": s.max_ms["schedule_ms"],
-            "schedule us / request": per_request, "prepare mean ms": s.mean_ms["prepare_ms"],
-            "prepare max ms": s.max_ms["prepare_ms"], "forward mean ms": s.mean_ms["forward_ms"]}
 
 
 def format_cell(value: Any) -> str:
@@ -181,20 +165,6 @@ def memory_report(workload: Workload, rows: list[MemoryRow], kv_bytes_per_token:
     return report
 
 
-def kernels_report(rows: list[KernelRow], repeat: int) -> Report:
-    report = Report("one decode step's projections (every layer's qkv, o, gate|up, down and the LM head), "
-                    f"min of {repeat} rounds", rows=rows)
-    base = rows[0]
-    report.tables["ms per step by rows (tokens in the step)"] = [
-        {"weights": r.spec, "precision": r.precision, "kernel": r.kernel, "weights MB": r.weight_mb,
-         **{f"{m} rows ms": ms for m, ms in r.ms.items()},
-         **{f"{m} rows x {base.spec}": base.ms[m] / ms for m, ms in r.ms.items()}} for r in rows]
-    worst = max((s for r in rows for s in r.spread.values()), default=1.0)
-    report.notes.append(f"the slowest round took up to {worst:.1f}x the fastest: on a shared machine compare within "
-                        f"one run")
-    return report
-
-
 def kernel_worth_report(rows: list, tokens: int) -> Report:
     report = Report(f"each C++ CPU kernel against its torch path (and the weights in 2 MB pages against 4 KB ones): "
                     f"ms per decode step ({tokens} steps a round), the rounds alternating in one process", rows=rows)
@@ -245,19 +215,6 @@ def quality_report(rows: list[QualityRow], window: int) -> Report:
     return report
 
 
-def prefill_cost_report(rows, batch: int, prompt_len: int) -> Report:
-    report = Report(f"prefill's cost: a wave of {batch} fresh prompts of {prompt_len} tokens (one new token each) "
-                    f"into an idle engine, the budgets alternating ({len(rows[0].ms_per_token)} rounds)", rows=rows)
-    report.tables["per budget"] = [
-        {"max_num_batched_tokens": r.budget, **({"beside a busy process": r.beside_busy}
-                                                 if any(x.beside_busy for x in rows) else {}),
-         "steps": r.steps[0],
-         "ms / prompt token (median)": statistics.median(r.ms_per_token),
-         "ms / prompt token (runs)": ", ".join(f"{x:.3f}" for x in r.ms_per_token),
-         "forward share (median)": statistics.median(r.forward_share)} for r in rows]
-    return report
-
-
 def closed_loop_report(rows, concurrency: int, requests: int, prompt_len: int, output_len: int,
                        busy: tuple[float, float] | None = None) -> Report:
     report = Report(f"a closed loop in-process: {concurrency} requests in flight, {requests} in all, "
@@ -283,26 +240,4 @@ def closed_loop_report(rows, concurrency: int, requests: int, prompt_len: int, o
                             "CPU gets an equal slice of the cores (2 / (2 + k) for 2 threads on 2 cores beside k "
                             "busy processes); of fair share: vs quiet over it, 1 = a fair share kept")
         report.notes.append("threads: the engine's compute threads at the end of each run (engine/threads.py)")
-    return report
-
-
-def attention_cost_report(rows, dtype: str) -> Report:
-    report = Report(f"the C++ attention kernel alone, one call per layer over a pool of its own ({dtype}, "
-                    f"{len(rows[0].ms_per_step)} rounds, each the fastest of 3 steps)", rows=rows)
-    report.tables["per case"] = [
-        {"case": r.case, "rows": r.rows, "slots read": r.slots_read,
-         "ms / step (median)": statistics.median(r.ms_per_step),
-         "ms / step (runs)": ", ".join(f"{x:.2f}" for x in r.ms_per_step),
-         "GB/s of K and V (median)": statistics.median(r.gb_s)} for r in rows]
-    return report
-
-
-def sampling_cost_report(rows, batch: int, prompt_len: int, tokens: int) -> Report:
-    report = Report(f"sampling's cost: {batch} requests decoding together, prompts of {prompt_len} tokens, "
-                    f"{tokens} new each, the modes alternating on one engine ({len(rows[0].tok_s)} rounds)", rows=rows)
-    report.tables["per mode"] = [
-        {"mode": r.mode, "tok/s (median)": statistics.median(r.tok_s),
-         "vs greedy (median)": statistics.median(r.vs_greedy),
-         "vs greedy (runs)": ", ".join(f"{x:.3f}" for x in r.vs_greedy),
-         "sampler ms / step (median)": statistics.median(r.sample_ms)} for r in rows]
     return report

@@ -98,23 +98,19 @@ class StepBreakdown:
     """Per-step costs over the steps that computed something."""
     num_steps: int
     mean_ms: dict[str, float]  # phase (schedule_ms, prepare_ms, ...) -> mean over steps
-    max_ms: dict[str, float]
     mean_running: float  # requests computed per step
-    mean_batched_tokens: float
 
 
 def summarize_steps(records: Sequence[StepRecord]) -> StepBreakdown:
     active = [r for r in records if r.num_batched_tokens > 0]
     if not active:
         zeros = dict.fromkeys(PHASES, 0.0)
-        return StepBreakdown(0, zeros, dict(zeros), 0.0, 0.0)
+        return StepBreakdown(0, zeros, 0.0)
     n = len(active)
     return StepBreakdown(
         num_steps=n,
         mean_ms={p: sum(getattr(r, p) for r in active) / n for p in PHASES},
-        max_ms={p: max(getattr(r, p) for r in active) for p in PHASES},
         mean_running=sum(len(r.entries) for r in active) / n,
-        mean_batched_tokens=sum(r.num_batched_tokens for r in active) / n,
     )
 
 

@@ -167,13 +167,10 @@ def _unquantized(device: str, dtype: torch.dtype, features: frozenset[str], ext)
     if (ext is not None and name in ext.dense_dtypes() and ("avx512_bf16" if bf16 else "avx512f") in features
             and (not amx or _dense_amx(ext))):
         how = "AMX" if amx else "AVX-512 BF16" if bf16 else "AVX-512"
-        speed = ("ran a decode step's projections 1.4-1.6x as fast as oneDNN's AMX linear at 1-32 rows and as fast "
-                 "at 256 (measured on an Intel Xeon)" if amx else
-                 "ran a decode step's projections 1.2-1.4x as fast as oneDNN's linear at 1-32 rows (measured on an "
-                 "AMD EPYC)")
         return KernelChoice(None, device, "dense_matmul (C++)", own=True, model_dtype=name,
                             why=f"{name} with {how} and the engine's C++ kernels built: its own matmul, over a weight "
-                                f"packed once at load, {speed}, and a row's result does not depend on its batch")
+                                f"packed once at load, ahead of oneDNN's linear at a decode step's rows where measured "
+                                f"(docs/measurements.md), and a row's result does not depend on its batch")
     onednn = device == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
                                                                                   "_linear_pointwise")
     if onednn and dtype == torch.float32:
@@ -184,8 +181,7 @@ def _unquantized(device: str, dtype: torch.dtype, features: frozenset[str], ext)
         amx = ("; with AMX, oneDNN's runs on its tiles, which this build of the engine's own matmul cannot use here"
                if "amx_bf16" in features else "")
         return KernelChoice(None, device, "oneDNN", model_dtype=name,
-                            why="bf16 with bf16 instructions: oneDNN beat bf16 x @ W at every size measured (1.2-2.8x "
-                                f"at one row){amx}")
+                            why=f"bf16 with bf16 instructions: oneDNN beat bf16 x @ W at every size measured{amx}")
     why = ("bf16 without AVX-512 BF16 / AMX: oneDNN refuses it" if onednn and dtype == torch.bfloat16
            else "oneDNN's linear is CPU-only" if device != "cpu" else "this torch has no oneDNN linear")
     return KernelChoice(None, device, "x @ W", why, model_dtype=name)

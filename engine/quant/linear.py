@@ -1,52 +1,19 @@
-"""A projection's weight, stored once at load for the kernel quant/kernels.py's choose_kernel picks on this device:
+"""A projection's weight, stored once at load for the kernel quant/kernels.py's choose_kernel picks on this device
+(its docstring has the table, and docs/measurements.md, "Quantization on this CPU", the measurements behind it):
 `Linear(w)(x)` is x @ w.T, or one of its quantized siblings when the model's weight format asks for one
-(make_projection).
+(make_projection). Each gives a row the same result whatever else shares the call, so a request's tokens are the same
+whoever it is batched with: without the C++ kernels, fp32 and bf16 go through oneDNN's linear over a weight reordered
+once at load, whose rows do not depend on how many share the call (MKL's `x @ W` does for one or two rows).
 
-On CPU with AVX-512 (bf16: AVX-512 BF16, and with AMX the C++ kernels' use of its tiles) and the C++ kernels built,
-the engine's own dense_matmul runs the unquantized projections over a weight packed once at load (cpu_kernels.py
-says how, and how much faster).
-Elsewhere:
-on CPU in float32, oneDNN's linear over a weight reordered once at load beats MKL's `x @ W` for the few rows a
-decode batch or a speculative verify has (about even at one row: docs/measurements.md, "Projections through
-oneDNN"), and each row's result does not depend on how many rows share the call (MKL's does for one or two
-rows), so a request's tokens are the same whoever it is batched with. So in bf16 on a CPU with bf16
-instructions. Elsewhere (CUDA, bf16 without them, a torch without oneDNN) it is `x @ W` over the weight stored
-transposed. Quantized formats are chosen by measurement (docs/measurements.md, `python -m engine.bench kernels`;
-quant/speed.py says, per machine, whether one is faster than fp32 here at all).
-
-The quantized projections, each quantized once at load (quant/numerics.py) and packed for the kernel
-quant/kernels.py's choose_kernel picks on this device; each gives a row the same result whatever else shares the
-call:
-  int8  weight-only, symmetric per output channel            the engine's C++ int8_matmul_vnni (AVX-512 VNNI:
-                                                             activations in two 8-bit parts, about 15 bits),
-                                                             else its int8_matmul (AVX-512, exact float products),
-                                                             else torch._weight_int8pack_mm
-  int4  weight-only, asymmetric per group of input features  the engine's C++ int4_matmul_vnni (AVX-512 VNNI:
-                                                             activations in two 8-bit parts, about 15 bits),
-                                                             else its int4_matmul (AVX-512, exact float products),
-                                                             else torch._weight_int4pack_mm_for_cpu
-                                                             (CUDA: torch._weight_int4pack_mm, bf16 activations)
-  w8a8  int8 weights per channel, uint8 activations per token  fbgemm (quantized::linear_..._output_fp32), int32 sums,
-                                                             each row quantized and scaled back in C++ (cpu_kernels.py)
-torch's two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path, on AVX2
-and on AVX-512: docs/measurements.md, "The engine's own weight-only kernels"), so an fp32 model's activations enter
-them as bf16 and come back fp32. torch._int_mm (the obvious w8a8 kernel) takes a slow path without VNNI, far behind
-fbgemm, and with VNNI it is still slower (docs/measurements.md, "Quantization on this CPU"). On CUDA int4's kernel
-is faster than bf16's x @ W, so it is offered there; int8's `_weight_int8pack_mm` is far slower than bf16 and
-w8a8's `_int_mm` needs more than 16 rows and is slower with the activations' quantization, so both are refused on
-CUDA, saying so (docs/measurements.md, "On a GPU").
+torch's two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path), so an
+fp32 model's activations enter them as bf16 and come back fp32.
 
 w8a8: fbgemm multiplies uint8 activations by int8 weights. On AVX2 it adds pairs of products in int16, which
-overflows when both use 8 bits (measured: 52% error at full range; exact with either side at 7 bits); with AVX-512
-VNNI the products go straight into int32 sums and 8 bits on both sides are exact. So the weights get all 8 bits,
-[-127, 127], where a probe at load finds the sums exact at full range (kernels.w8a8_weight_max), else 7, [-63, 63].
-SmolLM2's top-1 agreement with fp32 over the 2,518-token quality text, smoothed and GPTQ-rounded with its LM head in
-fp32: 93.8% with 7-bit weights, 94.9% with 8-bit (perplexity +1.6% -> +0.9%). On AVX2, 7-bit weights measured
-better than the other split fbgemm allows there (8-bit weights, 7-bit activations). Activations: per token,
-asymmetric over all 256 uint8 levels (numerics.quantize_uint8), which took the top-1 agreement of plain w8a8 (7-bit
-weights) from 88.1% (symmetric, [-127, 127]) to 90.9% and its perplexity change from +4.7% to +2.5%. fbgemm takes
-one zero point for the whole input, so it is given 128 and each row's own is corrected after:
-y -= (zero - 128) * w_scale * sum(w_q) per output channel.
+overflows when both use 8 bits; with AVX-512 VNNI the products go straight into int32 sums and 8 bits on both sides
+are exact. So the weights get all 8 bits, [-127, 127], where a probe at load finds the sums exact at full range
+(kernels.w8a8_weight_max), else 7, [-63, 63]. Activations: per token, asymmetric over all 256 uint8 levels
+(numerics.quantize_uint8; closer to fp32 than symmetric). fbgemm takes one zero point for the whole input, so it is
+given 128 and each row's own is corrected after: y -= (zero - 128) * w_scale * sum(w_q) per output channel.
 """
 from __future__ import annotations
 

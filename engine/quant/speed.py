@@ -1,16 +1,11 @@
 """Whether a quantization scheme is faster than fp32 on the CPU at hand: measured, once per machine, and cached.
 
-What pays on one CPU costs on another: w8a8 at 16 rows was well ahead of fp32 on an Intel Xeon with AMX and slower
-than no quantization on an AMD EPYC with AVX-512 VNNI, where the weight-only schemes were far ahead at one row
-(docs/measurements.md, "Which kernel runs, and what each C++ kernel is worth"). So the page and the quality table do
-not assume a scheme is faster: they show what this function measured here. It times one decoder layer's
-projections of the model at hand (their shapes, random weights: speed does not depend on the values) at 1 and 16
-rows, each scheme on the kernel quant/kernels.py picks, against the fp32 projections on theirs, the best of a few
-repeats, interleaved so a busy machine slows both.
-
-The result is kept in the cache (kernel-speed.json) under a key of everything the timing depends on (the CPU's
-flags, torch's version, the kernels chosen, fp32's too, the C++ build, the shapes), so it is measured once per
-machine and kernel build, in about half a second per scheme.
+What pays on one CPU costs on another (docs/measurements.md, "Which kernel runs, and what each C++ kernel is
+worth"), so the page and the quality table do not assume a scheme is faster: they show what this measured here. It
+times one decoder layer's projections of the model at hand (random weights: speed does not depend on the values),
+each scheme on the kernel quant/kernels.py picks against fp32 on its own, interleaved so a busy machine slows both.
+The result is cached under a key of everything the timing depends on (_key), so it is measured once per machine and
+kernel build.
 """
 from __future__ import annotations
 
