@@ -392,7 +392,7 @@ QUEUE_POLL_S = 0.02  # gradio's queue checks for work every 1 ms (progress every
 def calm_queue(demo: gr.Blocks) -> None:
     """Let gradio's queue poll every 20 ms instead of every 1 ms. Each wake-up takes the GIL from the engine
     thread and a core from its matmul threads: the HTTP API streamed fewer tokens/s than LLM.generate with the same
-    engine (`python -m engine.bench serve-overhead`; docs/measurements.md, "What the HTTP path costs"). A page event
+    engine (docs/measurements.md, "What the HTTP path costs"). A page event
     starts <= 20 ms later; gradio itself polls every 50 ms on Windows."""
     queue = getattr(demo, "_queue", None)
     if queue is not None and hasattr(queue, "sleep_when_free"):

@@ -35,6 +35,19 @@ STATUS = "() => document.querySelector('#status')?.innerText || ''"
 BOTS = "document.querySelectorAll('[data-testid=\"bot\"]')"
 
 
+def chromium_cpu_s() -> float:
+    """User + system CPU seconds of every running Chromium process (the load test's /proc reading, per process)."""
+    from playground.loadtest import cpu_seconds
+
+    def cmdline(pid: str) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_text()
+        except OSError:  # gone meanwhile
+            return ""
+    pids = [pid for pid in filter(str.isdigit, os.listdir("/proc")) if "chromium" in cmdline(pid)]
+    return sum(cpu_seconds(int(pid)) or 0.0 for pid in pids)
+
+
 def ttft(page, text: str) -> float:
     """Seconds from Enter to the reply's first text on the page; then the reply is let finish."""
     box = page.get_by_placeholder("Type a message and press Enter")
@@ -131,7 +144,6 @@ def main() -> int:
             why = pg.start_traffic("open-chat", 32, 300)
             assert why == "", why
             time.sleep(10)
-            from tools.page_cost import chromium_cpu_s
             cpu0, own0, wall0 = chromium_cpu_s(), time.process_time(), time.monotonic()
             busy = [ttft(person, f"Name an animal, one word. ({i})") for i in range(3)]
             wall = time.monotonic() - wall0
