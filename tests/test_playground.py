@@ -139,6 +139,13 @@ def test_the_page_s_clocks_mark_only_states_pending_and_nothing_sits_among_the_t
             marked = (dep["show_progress_on"] or dep["outputs"]) + dep["inputs"]
             assert {kinds[i] for i in marked} <= {"state", "timer"}, dep["api_name"]  # neither draws anything
     assert {"dashboard", "settings_follow", "chat_view", "settings"} <= seen
+    # and on the main page every event that shows no progress, and every load, marks only states (app.quiet_progress)
+    main_page = set(config["page"][""]["dependencies"])
+    quiet = [dep for dep in config["dependencies"] if dep["id"] in main_page and dep["backend_fn"] and dep["outputs"]
+             and (dep["show_progress"] == "hidden" or all(event == "load" for _, event in dep["targets"]))]
+    assert len(quiet) > 10
+    for dep in quiet:
+        assert {kinds[i] for i in dep["show_progress_on"] or dep["outputs"]} <= {"state", "timer"}, dep["api_name"]
 
     def children(node):
         return node.get("children", [])
