@@ -100,6 +100,7 @@ struct State {
   std::atomic<bool> busy{false};  // one caller at a time; a second one runs its work alone
   std::atomic<int> threads{0};    // what the engine asked for; 0: at::get_num_threads() of the caller
   std::atomic<int64_t> spin_ns{200000};
+  bool spin_yield = std::getenv("WATCHLLM_SPIN_YIELD") && std::string(std::getenv("WATCHLLM_SPIN_YIELD")) == "1";
   std::atomic<int> hold{0};       // test hook: 1 stops a worker between reading a job and claiming a chunk
   std::mutex mutex;               // starting workers; the first error
   std::vector<std::thread::id> started;
@@ -207,6 +208,7 @@ void worker_main(State* s, int index) {
     bool found = false;
     while (!found && std::chrono::steady_clock::now() < until) {
       for (int i = 0; i < 64 && !(found = claimable(*s, index)); ++i) cpu_relax();
+      if (!found && s->spin_yield) sched_yield();
     }
     if (found) continue;
     s->sleepers.fetch_add(1);
@@ -311,10 +313,9 @@ const int registered = pthread_atfork(nullptr, nullptr, forget_workers);
 }  // namespace pool
 
 // The kernels' threads: n > 0 sets how many (capped by the cores this process may use), 0 follows
-// torch.get_num_threads() of the calling thread; returns the count a call uses now
+// torch.get_num_threads() of the calling thread, negative leaves it; returns the count a call uses now
 int64_t kernel_threads(int64_t n) {
-  TORCH_CHECK(n >= 0, "kernel_threads takes a count >= 0");
-  pool::state->threads.store(static_cast<int>(n));
+  if (n >= 0) pool::state->threads.store(static_cast<int>(n));
   return pool::threads_for_call();
 }
 
@@ -329,7 +330,8 @@ std::map<std::string, int64_t> pool_stats() {
   pool::State& s = *pool::state;
   std::lock_guard<std::mutex> lock(s.mutex);
   return {{"workers", static_cast<int64_t>(s.started.size())}, {"worker_chunks", s.worker_chunks.load()},
-          {"refused_claims", s.refused_claims.load()}, {"holds", s.holds.load()}, {"hold", s.hold.load()}};
+          {"refused_claims", s.refused_claims.load()}, {"holds", s.holds.load()}, {"hold", s.hold.load()},
+          {"threads_set", s.threads.load()}};
 }
 
 void pool_hold(bool hold) { pool::state->hold.store(hold ? 1 : 0); }
@@ -2502,10 +2504,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, nogil, "each row's argmax (the first of equal maxima, the first NaN)");
   m.def("filter_rows", &filter_rows, nogil, "top-k / top-p / min-p of tempered logits, in place (dropped: -inf)");
   m.def("kernel_threads", &kernel_threads, "the kernels' threads: n > 0 sets them (capped by the usable cores), 0 "
-        "follows torch.get_num_threads(); returns the count a call uses", py::arg("n"));
+        "follows torch.get_num_threads(), negative leaves it; returns the count a call uses", py::arg("n") = -1);
   m.def("kernel_spin_us", &kernel_spin_us, "how long an idle kernel thread waits for work before it sleeps "
         "(microseconds; negative: unchanged); returns it", py::arg("us") = -1);
-  m.def("pool_stats", &pool_stats, "the kernels' threads: workers started, chunks they ran, claims refused, holds");
+  m.def("pool_stats", &pool_stats, "the kernels' threads: workers started, chunks they ran, claims refused, holds, "
+        "the count set");
   m.def("pool_hold", &pool_hold, "tests: stop every worker between reading a job and claiming a chunk (or let go)");
   m.def("pool_count", &pool_count, nogil, "tests: how many times each of [0, items) ran through the pool",
         py::arg("items"), py::arg("grain"), py::arg("work_us") = 0);
