@@ -203,7 +203,10 @@ void worker_main(State* s, int index) {
   in_worker = true;
   for (;;) {
     if (work(*s, index)) continue;
-    // spin a while: a step's next region comes within microseconds, and waking a sleeper costs more than that
+    // spin a while: a step's next region comes within microseconds, and waking a sleeper costs more than that.
+    // Shorter spins (tried: 5, 20 us) slowed the quiet machine, longer ones (1 ms) the engine beside busy
+    // neighbours; spinning with sched_yield between checks (WATCHLLM_SPIN_YIELD=1, kept to measure it again) did
+    // no better (docs/measurements.md, "Beside a busy neighbour")
     const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(s->spin_ns.load());
     bool found = false;
     while (!found && std::chrono::steady_clock::now() < until) {
