@@ -78,8 +78,8 @@ from .quant import quantize_uint8
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
 W8A8_ZERO_POINT = 128  # the zero point fbgemm is given; each row's own is corrected after (models/linear.py)
-# -fopenmp: at::parallel_for runs serially without it; -ffp-contract=off: no fused multiply-adds, so that the w8a8
-# helpers round as the torch calls do
+# -fopenmp: the `omp simd` reductions (the kernels' threads are their own, not OpenMP's); -ffp-contract=off: no fused
+# multiply-adds, so that the w8a8 helpers round as the torch calls do
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 LIB_EXT = ".pyd" if sys.platform == "win32" else ".so"  # torch.utils.cpp_extension.LIB_EXT, without importing it

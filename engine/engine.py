@@ -26,7 +26,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Phase, ScheduledRequest, Scheduler
 from .snapshot import EngineCounters, EngineSnapshot, StepEntry, StepRecord, counters_of, kernels_of, snapshot_of
 from .spec import SpecDecodeStats, verify
-from .threads import CoreShare
+from .threads import compute_threads
 
 
 class LLMEngine:
@@ -57,8 +57,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.spec_stats = SpecDecodeStats()
         self.steps: deque[StepRecord] = deque(maxlen=256)
-        # on a CPU the compute threads follow the cores other processes leave free; a GPU's host thread is one
-        self.cores = CoreShare() if model.device.type == "cpu" else CoreShare(most=1)
+        # the C++ kernels' own threads on a CPU, else torch's following the cores others leave (engine/threads.py)
+        self.cores = compute_threads(model.device)
         self.generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
         # each new token's text and whether it ends its request (engine/output.py)
         self.output = OutputProcessor(tokenizer, eos_token_ids(tokenizer, hf_config))
@@ -116,7 +116,10 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.cores.adjust()  # the compute threads follow the cores nobody else wants (engine/threads.py)
+        with self.cores.computing():  # on the threads a step computes on (engine/threads.py)
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = [self._pop(r) for r in self._aborted]
         self._aborted = []
         rec = StepRecord(self.step_count, time.time())

@@ -1,15 +1,25 @@
-"""The engine's compute threads follow the cores nobody else wants. A step is hundreds of parallel regions, each
-ending at a barrier: beside a busy process, a thread per core keeps losing one thread to the OS while the other waits
-at every barrier, and makes less than one thread alone (docs/measurements.md, "Beside a busy neighbour"). Readings
-in a row (DROP_AFTER, RISE_AFTER) are asked before the count moves, so a passing process does not make it flap.
+"""The engine's compute threads. On a CPU nearly all of a step runs in the engine's C++ kernels, on their own threads
+(engine/csrc/cpu_kernels.cpp, namespace pool), whose parallel regions never wait for a thread that has not claimed
+a share of the work: beside a busy process the OS keeps one of them off its core and the other goes on, so the
+engine keeps a thread per core (KernelThreads). torch's own calls left in a step run on one thread: an OpenMP region
+ends at a barrier, and OpenMP's idle threads spin against the kernels' own (docs/measurements.md, "Beside a busy
+neighbour").
+
+Without the C++ kernels a step is hundreds of OpenMP regions, each ending at a barrier, and CoreShare sets torch's
+threads to the cores nobody else wants instead. Readings in a row (DROP_AFTER, RISE_AFTER) are asked before the
+count moves, so a passing process does not make it flap.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from . import cpu_kernels
 
 EVERY_S = 0.5
 DROP_AFTER, RISE_AFTER = 2, 4
@@ -74,6 +84,12 @@ class CoreShare:
             self.threads, self._fewer, self._more = want, 0, 0
             torch.set_num_threads(self.threads)  # only on a change: whoever set it otherwise since is left alone
 
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Around a step: the count adjusted first, and left as it is after."""
+        self.adjust()
+        yield
+
     def settle(self, gap_s: float = 0.02) -> None:
         """Take now, gap_s apart, the readings a change of thread count waits for: a measurement beside a set number
         of busy processes (bench closed-loop) then times their effect, not the engine's time to see them come."""
@@ -85,3 +101,51 @@ class CoreShare:
     def describe(self) -> str:
         return (f"{self.threads} of {self.most} threads" + (f" ({self.others} other threads want a core)"
                                                             if self.threads < self.most else ""))
+
+
+_given: int | None = None  # torch's threads when the process's first engine started: what the engine was given
+
+
+class KernelThreads:
+    """The C++ kernels on `most` threads (torch's count when the first engine started, a user's OMP_NUM_THREADS or a
+    test lane's 1), at most a usable core each, and torch's own calls in a step on one: CoreShare's interface, with
+    nothing to follow."""
+
+    def __init__(self, kernels, most: int | None = None) -> None:
+        global _given
+        if _given is None:
+            _given = torch.get_num_threads()
+        self.most = max(1, min(most or _given, usable_cores()))
+        self.threads = kernels.kernel_threads(self.most)
+        self.others = 0
+
+    def adjust(self, now: float | None = None) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Around a step: the stepping thread's torch calls on one thread (an OpenMP setting is that thread's), its
+        count put back after, for whatever else that thread runs."""
+        before = torch.get_num_threads()
+        if before != 1:
+            torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            if before != 1:
+                torch.set_num_threads(before)
+
+    def settle(self, gap_s: float = 0.02) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"{self.threads} (C++ kernels; torch's calls on 1)"
+
+
+def compute_threads(device: torch.device) -> CoreShare | KernelThreads:
+    """What a step computes on: on a CPU with the C++ kernels built, their own threads; on a CPU without them,
+    torch's, following the cores others leave free; beside a GPU, the one host thread."""
+    if device.type != "cpu":
+        return CoreShare(most=1)
+    kernels = cpu_kernels.compiled()
+    return KernelThreads(kernels) if kernels is not None else CoreShare()

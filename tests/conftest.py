@@ -86,13 +86,20 @@ def build_tiny_model(arch: str, folder, seed: int = 0, vocab_size: int = 49152):
 
 @pytest.fixture()
 def two_threads():
-    """torch (and the C++ kernels' at::parallel_for) on two threads for one test, whatever the run gives the rest:
-    `make test` runs its lanes on one thread each, and a kernel's split of its rows between threads must still be
-    checked against its reference."""
+    """torch and the C++ kernels (their own threads: engine/csrc/cpu_kernels.cpp) on two threads for one test,
+    whatever the run gives the rest: `make test` runs its lanes on one thread each, and a kernel's split of its rows
+    between threads must still be checked against its reference."""
+    from engine import cpu_kernels
+    ext = cpu_kernels.compiled()
     before = torch.get_num_threads()
+    kernels_before = ext.pool_stats()["threads_set"] if ext is not None else None
     torch.set_num_threads(2)
+    if ext is not None:
+        ext.kernel_threads(2)
     yield
     torch.set_num_threads(before)
+    if ext is not None:
+        ext.kernel_threads(kernels_before)
 
 
 @pytest.fixture(scope="session")

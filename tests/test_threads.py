@@ -1,5 +1,6 @@
-"""The engine's compute threads follow the cores nobody else wants (engine/threads.py): fewer as soon as another
-process keeps wanting a core, back once it has gone for a while, never more than it was given."""
+"""The engine's compute threads (engine/threads.py): with the C++ kernels, their own threads on every usable core it
+was given and torch's calls on one; without them torch's threads follow the cores nobody else wants: fewer as soon
+as another process keeps wanting a core, back once it has gone for a while, never more than it was given."""
 from __future__ import annotations
 
 import torch
@@ -69,3 +70,39 @@ def test_settle_takes_the_readings_a_change_waits_for_at_once(monkeypatch):
         assert share.threads == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+class _Kernels:
+    """A stand-in for the built module: what kernel_threads was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def kernel_threads(self, n: int = -1) -> int:
+        self.asked.append(n)
+        return n
+
+
+def test_with_the_kernels_they_keep_every_usable_core_given_and_torch_one(monkeypatch):
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        kernels = _Kernels()
+        cores = threads.KernelThreads(kernels, most=4)
+        assert cores.most == cores.threads == 2 and kernels.asked == [2]  # a thread per usable core, at most
+        assert threads.KernelThreads(kernels, most=1).threads == 1  # a test lane's one thread stays one
+        torch.set_num_threads(2)
+        with cores.computing():
+            assert torch.get_num_threads() == 1  # torch's own calls in a step: one thread
+        assert torch.get_num_threads() == 2  # the stepping thread's own count, after
+        assert cores.describe().startswith("2 ")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_gpu_or_a_cpu_without_the_kernels_keeps_the_core_share(monkeypatch):
+    assert isinstance(threads.compute_threads(torch.device("meta")), threads.CoreShare)
+    monkeypatch.setattr(threads.cpu_kernels, "compiled", lambda: None)
+    assert isinstance(threads.compute_threads(torch.device("cpu")), threads.CoreShare)
+    monkeypatch.setattr(threads.cpu_kernels, "compiled", _Kernels)
+    assert isinstance(threads.compute_threads(torch.device("cpu")), threads.KernelThreads)

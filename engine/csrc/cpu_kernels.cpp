@@ -26,13 +26,32 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+// the kernels' own threads (pool, below): Linux's futex to sleep on, affinity to count the cores
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+inline void cpu_relax() { _mm_pause(); }
+#else
+inline void cpu_relax() {}
+#endif
 
 namespace {
 constexpr int64_t kRowsPerTask = 16;
@@ -46,6 +65,296 @@ void check(const at::Tensor& t, int64_t dim, const char* what) {
 }
 }  // namespace
 
+// ---- the kernels' own threads ------------------------------------------------------------------------------------
+// A parallel region that never waits for a thread that has not started its share. at::parallel_for (OpenMP) ends
+// each region at a barrier: beside a busy neighbour the OS keeps one of the threads off its core and the other
+// waits for it at every one of a step's hundreds of regions (docs/measurements.md, "Beside a busy neighbour").
+// Here the calling thread publishes a job (a sequence number and a chunk counter in one word), claims and runs
+// chunks itself like any worker, and returns once every chunk is done: it waits only for chunks a worker has
+// claimed, and a worker that wakes late finds none left. Workers are persistent; each spins a while after a job,
+// then sleeps on a futex.
+//
+// Why a worker never touches a job that has returned: the word's sequence is odd while the job is live. A worker
+// claims a chunk by compare-and-swap on the whole word, so a worker preempted between reading the word and claiming
+// fails the swap once the job has ended (its caller sets an even sequence before it returns). A successful claim
+// holds the job open (its caller waits for that chunk), and a worker claims its next chunk before it reports the
+// last one done, so it reads the job's data only while it holds a chunk.
+namespace pool {
+constexpr uint64_t kChunkMask = 0xFFFFFFFFull;
+
+struct Job {
+  void* ctx;
+  void (*run)(void*, int64_t);  // chunk i
+  void (*enter)(void*);         // once, in each thread that takes part, before its first chunk
+  void (*leave)(void*);         // once, after its last
+};
+
+struct State {
+  alignas(64) std::atomic<uint64_t> word{0};  // sequence (odd: a job is live) << 32 | the next chunk to claim
+  alignas(64) std::atomic<int64_t> chunks{0};
+  std::atomic<Job*> job{nullptr};
+  std::atomic<int> helpers{0};  // workers 0 .. helpers - 1 take part in this job
+  alignas(64) std::atomic<int64_t> done{0};  // chunks finished and reported
+  alignas(64) std::atomic<uint32_t> wake{0};  // the futex word the workers sleep on
+  std::atomic<int> sleepers{0};
+  std::atomic<bool> busy{false};  // one caller at a time; a second one runs its work alone
+  std::atomic<int> threads{0};    // what the engine asked for; 0: at::get_num_threads() of the caller
+  std::atomic<int64_t> spin_ns{200000};
+  bool spin_yield = std::getenv("WATCHLLM_SPIN_YIELD") && std::string(std::getenv("WATCHLLM_SPIN_YIELD")) == "1";
+  std::atomic<int> hold{0};       // test hook: 1 stops a worker between reading a job and claiming a chunk
+  std::mutex mutex;               // starting workers; the first error
+  std::vector<std::thread::id> started;
+  std::exception_ptr error;
+  // what happened, for the tests
+  std::atomic<int64_t> worker_chunks{0}, refused_claims{0}, holds{0};
+};
+
+// never destroyed: a worker may still be asleep on it when the process exits
+State* state = new State;
+thread_local bool in_worker = false;
+
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return std::max(1u, std::thread::hardware_concurrency());
+  return std::max(1, CPU_COUNT(&set));
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t seen) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+void note_error(State& s) {
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.error) s.error = std::current_exception();
+}
+
+// Claims the next chunk of the live job with sequence `seq` (of `n` chunks); -1 when none is left or it ended
+int64_t claim(State& s, uint64_t seq, int64_t n) {
+  uint64_t w = s.word.load();
+  while ((w >> 32) == seq && static_cast<int64_t>(w & kChunkMask) < n) {
+    if (s.word.compare_exchange_weak(w, w + 1)) return static_cast<int64_t>(w & kChunkMask);
+  }
+  return -1;
+}
+
+// Runs chunk `first` (already claimed) and every further one this thread claims, between enter and leave; the last
+// one is reported only after leave, so the job outlives everything this thread does with it
+void run_claimed(State& s, Job* job, uint64_t seq, int64_t n, int64_t first, bool worker) {
+  bool entered = false;
+  try {
+    job->enter(job->ctx);
+    entered = true;
+  } catch (...) {
+    note_error(s);
+  }
+  for (int64_t c = first; c >= 0;) {
+    if (entered) {
+      try {
+        job->run(job->ctx, c);
+      } catch (...) {
+        note_error(s);
+      }
+    }
+    if (worker) s.worker_chunks.fetch_add(1, std::memory_order_relaxed);
+    const int64_t next = claim(s, seq, n);
+    if (next < 0 && entered) {
+      try {
+        job->leave(job->ctx);
+      } catch (...) {
+        note_error(s);
+      }
+    }
+    s.done.fetch_add(1);
+    c = next;
+  }
+}
+
+// What a worker finds: true if it took part in a job (or lost a claim and should look again)
+bool work(State& s, int index) {
+  uint64_t w = s.word.load();
+  const uint64_t seq = w >> 32;
+  if (!(seq & 1) || index >= s.helpers.load()) return false;
+  const int64_t n = s.chunks.load();  // the live job's, or a later one's: then the swap below fails
+  if (static_cast<int64_t>(w & kChunkMask) >= n) return false;
+  if (s.hold.load()) {  // the tests' stand-in for a worker the OS stops right here
+    s.holds.fetch_add(1);
+    while (s.hold.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!s.word.compare_exchange_strong(w, w + 1)) {
+    s.refused_claims.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  run_claimed(s, s.job.load(), seq, n, static_cast<int64_t>(w & kChunkMask), true);
+  return true;
+}
+
+bool claimable(const State& s, int index) {
+  const uint64_t w = s.word.load(std::memory_order_relaxed);
+  return ((w >> 32) & 1) && index < s.helpers.load(std::memory_order_relaxed) &&
+         static_cast<int64_t>(w & kChunkMask) < s.chunks.load(std::memory_order_relaxed);
+}
+
+void worker_main(State* s, int index) {
+  in_worker = true;
+  for (;;) {
+    if (work(*s, index)) continue;
+    // spin a while: a step's next region comes within microseconds, and waking a sleeper costs more than that.
+    // Shorter spins (tried: 5, 20 us) slowed the quiet machine, longer ones (1 ms) the engine beside busy
+    // neighbours; spinning with sched_yield between checks (WATCHLLM_SPIN_YIELD=1, kept to measure it again) did
+    // no better (docs/measurements.md, "Beside a busy neighbour")
+    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(s->spin_ns.load());
+    bool found = false;
+    while (!found && std::chrono::steady_clock::now() < until) {
+      for (int i = 0; i < 64 && !(found = claimable(*s, index)); ++i) cpu_relax();
+      if (!found && s->spin_yield) sched_yield();
+    }
+    if (found) continue;
+    s->sleepers.fetch_add(1);
+    const uint32_t seen = s->wake.load();
+    if (!claimable(*s, index)) futex_wait(&s->wake, seen);
+    s->sleepers.fetch_sub(1);
+  }
+}
+
+void start_workers(State& s, int count) {
+  std::lock_guard<std::mutex> lock(s.mutex);
+  while (static_cast<int>(s.started.size()) < count) {
+    std::thread t(worker_main, &s, static_cast<int>(s.started.size()));
+    s.started.push_back(t.get_id());
+    t.detach();
+  }
+}
+
+int threads_for_call() {
+  static const int cores = usable_cores();
+  const int asked = state->threads.load(std::memory_order_relaxed);
+  return std::max(1, std::min(cores, asked > 0 ? asked : at::get_num_threads()));
+}
+
+void run(int64_t n, Job& job, int threads) {
+  if (n <= 0) return;
+  State& s = *state;
+  threads = static_cast<int>(std::min<int64_t>(threads, n));
+  if (threads <= 1 || in_worker || s.busy.exchange(true)) {  // alone: one thread, a nested call, a second caller
+    job.enter(job.ctx);
+    for (int64_t c = 0; c < n; ++c) job.run(job.ctx, c);
+    job.leave(job.ctx);
+    return;
+  }
+  start_workers(s, threads - 1);
+  s.chunks.store(n);
+  s.job.store(&job);
+  s.helpers.store(threads - 1);
+  s.done.store(0);
+  const uint64_t seq = (s.word.load() >> 32) + 1;  // odd: live
+  s.word.store(seq << 32);
+  s.wake.fetch_add(1);
+  if (s.sleepers.load() > 0) futex_wake_all(&s.wake);
+  const int64_t first = claim(s, seq, n);
+  if (first >= 0) run_claimed(s, &job, seq, n, first, false);
+  // only chunks a worker has claimed are left: wait for those (yielding, in case it is off its core)
+  for (int spins = 0; s.done.load() < n; ++spins) {
+    if (spins < 4096) {
+      cpu_relax();
+    } else {
+      sched_yield();
+    }
+  }
+  s.word.store((seq + 1) << 32);  // even: ended; a late claim fails
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    std::swap(error, s.error);
+  }
+  s.busy.store(false);
+  if (error) std::rethrow_exception(error);
+}
+
+void nothing(void*) {}
+
+// f(begin, end) over [begin, end) in chunks of `grain` (the last shorter), as at::parallel_for's callable
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (end <= begin) return;
+  grain = std::max<int64_t>(1, grain);
+  struct Ctx {
+    const F* f;
+    int64_t begin, end, grain;
+  } ctx{&f, begin, end, grain};
+  Job job{&ctx,
+          [](void* p, int64_t c) {
+            const Ctx& x = *static_cast<const Ctx*>(p);
+            const int64_t b = x.begin + c * x.grain;
+            (*x.f)(b, std::min(x.end, b + x.grain));
+          },
+          nothing, nothing};
+  run((end - begin + grain - 1) / grain, job, threads_for_call());
+}
+
+// each of `chunks` chunks through run(chunk), each taking thread calling enter() before its first and leave() after
+// its last (AMX's tile configuration is a thread's)
+template <typename E, typename R, typename L>
+void parallel_chunks(int64_t chunks, const E& enter, const R& run_chunk, const L& leave) {
+  struct Ctx {
+    const E* enter;
+    const R* run;
+    const L* leave;
+  } ctx{&enter, &run_chunk, &leave};
+  Job job{&ctx, [](void* p, int64_t c) { (*static_cast<Ctx*>(p)->run)(c); },
+          [](void* p) { (*static_cast<Ctx*>(p)->enter)(); }, [](void* p) { (*static_cast<Ctx*>(p)->leave)(); }};
+  run(chunks, job, threads_for_call());
+}
+
+// Every fork's child starts without workers
+void forget_workers() { state = new State; }
+const int registered = pthread_atfork(nullptr, nullptr, forget_workers);
+}  // namespace pool
+
+// The kernels' threads: n > 0 sets how many (capped by the cores this process may use), 0 follows
+// torch.get_num_threads() of the calling thread, negative leaves it; returns the count a call uses now
+int64_t kernel_threads(int64_t n) {
+  if (n >= 0) pool::state->threads.store(static_cast<int>(n));
+  return pool::threads_for_call();
+}
+
+// How long (microseconds) a worker waits for the next job before it sleeps; negative: leave it. Returns it.
+int64_t kernel_spin_us(int64_t us) {
+  if (us >= 0) pool::state->spin_ns.store(us * 1000);
+  return pool::state->spin_ns.load() / 1000;
+}
+
+// The tests' view of the pool: counters, and a hook that stops every worker between reading a job and claiming
+std::map<std::string, int64_t> pool_stats() {
+  pool::State& s = *pool::state;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return {{"workers", static_cast<int64_t>(s.started.size())}, {"worker_chunks", s.worker_chunks.load()},
+          {"refused_claims", s.refused_claims.load()}, {"holds", s.holds.load()}, {"hold", s.hold.load()},
+          {"threads_set", s.threads.load()}};
+}
+
+void pool_hold(bool hold) { pool::state->hold.store(hold ? 1 : 0); }
+
+// [0, items) through parallel_for in chunks of `grain`, each chunk busy ~work_us: how many times each item ran
+// (int32 [items]). What the tests check the pool with, beside the kernels themselves.
+at::Tensor pool_count(int64_t items, int64_t grain, int64_t work_us) {
+  auto counts = at::zeros({items}, at::kInt);
+  std::vector<std::atomic<int32_t>> seen(items);
+  for (auto& c : seen) c.store(0);
+  pool::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) seen[i].fetch_add(1);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(work_us);
+    while (std::chrono::steady_clock::now() < until) cpu_relax();
+  });
+  int32_t* cp = counts.data_ptr<int32_t>();
+  for (int64_t i = 0; i < items; ++i) cp[i] = seen[i].load();
+  return counts;
+}
+
 // x [T, K] -> (q - 128 as float [T, K], scale [T], zero - 128 [T]): each row over its own [min, max] (widened to
 // take in 0) in 255 steps, q = clamp(round(x / scale) + zero, 0, 255), zero = round(-min / scale)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
@@ -58,7 +367,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   float* op = out.data_ptr<float>();
   float* sp = scale.data_ptr<float>();
   float* zp = shifted.data_ptr<float>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * cols;
       float low = 0.f, high = 0.f;
@@ -92,7 +401,7 @@ at::Tensor dequantize_rows(at::Tensor y, const at::Tensor& scale, const at::Tens
   const float* sp = scale.data_ptr<float>();
   const float* zp = shifted.data_ptr<float>();
   const float* up = unit.data_ptr<float>();
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* r = yp + t * cols;
       const float s = sp[t], z = zp[t];
@@ -482,17 +791,18 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
       }
     }
   };
-  // each thread an equal share of the work, not of the tasks: a task costs about its row's context (a prefill
-  // chunk's rows read 1, 2, ... slots, a decode row hundreds), so equal counts left one thread waiting on the other
+  // parts of equal work, not of equal task counts: a task costs about its row's context (a prefill chunk's rows read
+  // 1, 2, ... slots, a decode row hundreds), so equal counts left one thread waiting on the other. Four parts a
+  // thread: a part some thread has claimed is all the caller can be left waiting for
   const int64_t tasks = rows * kv_heads;
   std::vector<int64_t> cost(tasks + 1, 0);  // cost[i]: that of tasks [0, i)
   for (int64_t i = 0; i < tasks; ++i) cost[i + 1] = cost[i] + lp[i / kv_heads] + 16;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(4 * pool::threads_for_call(), tasks));
   auto first_task = [&](int64_t part) {  // where part `part` of `parts` starts
     if (part >= parts) return tasks;
     return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end(), cost[tasks] * part / parts) - cost.begin());
   };
-  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) { attend(first_task(begin), first_task(end)); });
+  pool::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) { attend(first_task(begin), first_task(end)); });
 }
 }  // namespace
 
@@ -614,7 +924,7 @@ inline void store16_as(O* p, __m512 v) {
 
 template <typename X, typename R, typename H>
 void add_rms_norm_rows(X* xp, const R* rp, const X* wp, H* hp, int64_t rows, int64_t cols, float eps) {
-  at::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(cols);
     for (int64_t t = begin; t < end; ++t) {
       X* x = xp + t * cols;
@@ -651,7 +961,7 @@ template <typename X, typename C, typename O>
 void rope_rows(const X* xp, int64_t row_stride, int64_t head_stride, const C* cp, const C* sp, const int64_t* pos,
                O* op, int64_t rows, int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const C* cos = cp + pos[t] * dim;
       const C* sin = sp + pos[t] * dim;  // minus sign on the first half (rotate_half's)
@@ -682,7 +992,7 @@ void rope_rows(const X* xp, int64_t row_stride, int64_t head_stride, const C* cp
 
 template <typename X, typename M, typename O>
 void silu_mul_rows(const X* gp, O* op, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const X* g = gp + t * 2 * inter;
       const X* u = g + inter;
@@ -1006,7 +1316,7 @@ template <typename W, typename X>
 void weight_only_matmul(const W& w, const X* xp, int64_t m, int64_t k_len, int64_t n, float* yp) {
   constexpr int64_t kOutputs = 4, kRowChunk = 64;
   const int64_t blocks = (n + kOutputs - 1) / kOutputs;
-  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < m; r += kRowChunk) {
       const int64_t rows = std::min(kRowChunk, m - r);
       const X* xr = xp + r * k_len;
@@ -1272,43 +1582,47 @@ void dense_matmul_amx(const c10::BFloat16* xp, int64_t ldx, const c10::BFloat16*
     for (int64_t i = whole; i < m; ++i) std::memcpy(&tail[(i - whole) * k_len], xp + i * ldx, k_len * 2);
   }
   const __mmask16 tail_mask = n % kDenseBlock ? __mmask16((1u << (n % kDenseBlock)) - 1) : __mmask16(0xFFFF);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  const int64_t threads = std::min<int64_t>(pool::threads_for_call(), groups);
   const int64_t chunk = std::max<int64_t>(1, groups / (threads * 8));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    TileConfig found, mine;
-    _tile_storeconfig(&found);
-    for (int t = 0; t < 5; ++t) mine.rows[t] = rows, mine.colsb[t] = 64;  // sums and x: `rows` rows
-    for (int t = 5; t < 8; ++t) mine.rows[t] = 16, mine.colsb[t] = 64;    // weights: 16 pairs of k
-    _tile_loadconfig(&mine);
-    alignas(64) float scratch[16][kDenseBlock];
-    for (int64_t g = next.fetch_add(chunk); g < groups; g = next.fetch_add(chunk)) {
-      for (const int64_t e = std::min(groups, g + chunk); g < e; ++g) {
-        const int64_t first = g * kAmxBlocks, count = std::min<int64_t>(kAmxBlocks, blocks - first);
-        const __mmask16 last = first + count == blocks ? tail_mask : __mmask16(0xFFFF);
-        const char* w = reinterpret_cast<const char*>(wp + first * pairs * 2 * kDenseBlock);
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int64_t i = c * 16;
-          const bool padded = i >= whole;
-          const char* x = reinterpret_cast<const char*>(padded ? tail.data() : xp + i * ldx);
-          const int64_t x_stride = (padded ? k_len : ldx) * 2;
-          const int valid = static_cast<int>(std::min<int64_t>(rows, m - i));
-          c10::BFloat16* y = yp + i * n + first * kDenseBlock;
-          switch (count) {
-            case 4: amx_tile_bf16<4>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
-            case 3: amx_tile_bf16<3>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
-            case 2: amx_tile_bf16<2>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
-            default: amx_tile_bf16<1>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+  TileConfig mine;
+  for (int t = 0; t < 5; ++t) mine.rows[t] = rows, mine.colsb[t] = 64;  // sums and x: `rows` rows
+  for (int t = 5; t < 8; ++t) mine.rows[t] = 16, mine.colsb[t] = 64;    // weights: 16 pairs of k
+  static thread_local TileConfig found;  // what this thread had configured before the call
+  pool::parallel_chunks(
+      (groups + chunk - 1) / chunk,
+      [&] {
+        _tile_storeconfig(&found);
+        _tile_loadconfig(&mine);
+      },
+      [&](int64_t part) {
+        alignas(64) float scratch[16][kDenseBlock];
+        for (int64_t g = part * chunk, e = std::min(groups, g + chunk); g < e; ++g) {
+          const int64_t first = g * kAmxBlocks, count = std::min<int64_t>(kAmxBlocks, blocks - first);
+          const __mmask16 last = first + count == blocks ? tail_mask : __mmask16(0xFFFF);
+          const char* w = reinterpret_cast<const char*>(wp + first * pairs * 2 * kDenseBlock);
+          for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t i = c * 16;
+            const bool padded = i >= whole;
+            const char* x = reinterpret_cast<const char*>(padded ? tail.data() : xp + i * ldx);
+            const int64_t x_stride = (padded ? k_len : ldx) * 2;
+            const int valid = static_cast<int>(std::min<int64_t>(rows, m - i));
+            c10::BFloat16* y = yp + i * n + first * kDenseBlock;
+            switch (count) {
+              case 4: amx_tile_bf16<4>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+              case 3: amx_tile_bf16<3>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+              case 2: amx_tile_bf16<2>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+              default: amx_tile_bf16<1>(x, x_stride, w, pairs, valid, y, n, last, scratch); break;
+            }
           }
         }
-      }
-    }
-    if (found.palette != 0) {
-      _tile_loadconfig(&found);
-    } else {
-      _tile_release();
-    }
-  });
+      },
+      [&] {
+        if (found.palette != 0) {
+          _tile_loadconfig(&found);
+        } else {
+          _tile_release();
+        }
+      });
 }
 #endif
 
@@ -1340,16 +1654,14 @@ void dense_rows(int64_t m, F&& tile) {
   }
 }
 
-// groups [0, groups) run by at::parallel_for's threads, each taking `chunk` groups at a time from a shared counter
+// groups [0, groups) run by the pool's threads, `chunk` groups a claim: about 8 claims a thread, so a thread the OS
+// stops mid-claim leaves the caller little to wait for
 template <typename F>
 void dense_groups(int64_t groups, F&& run) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool::threads_for_call(), groups));
   const int64_t chunk = std::max<int64_t>(1, groups / (threads * 8));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t g = next.fetch_add(chunk); g < groups; g = next.fetch_add(chunk)) {
-      for (int64_t e = std::min(groups, g + chunk); g < e; ++g) run(g);
-    }
+  pool::parallel_for(0, groups, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) run(g);
   });
 }
 
@@ -1520,7 +1832,7 @@ struct IntegerRows {
   template <typename X>
   IntegerRows(const X* xp, int64_t m, int64_t k_len)
       : runs(k_len / kQ4Run), q(m * 2 * k_len), unit(m * runs), unit_sum(m * runs), sums(m * runs) {
-    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    pool::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
         q4_quantize_row(xp + i * k_len, k_len, q.data() + i * 2 * k_len, unit.data() + i * runs,
                         unit_sum.data() + i * runs, sums.data() + i * runs);
@@ -2024,7 +2336,7 @@ at::Tensor exp_shifted_rows(at::Tensor x) {
   check(x, 2, "x");
   const int64_t rows = x.size(0), n = x.size(1);
   float* xp = x.data_ptr<float>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* r = xp + t * n;
       const float top = row_max(r, n);
@@ -2104,7 +2416,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* xp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) op[t] = argmax_row(xp + t * n, n);
   });
   return out;
@@ -2124,7 +2436,7 @@ at::Tensor draw_rows(at::Tensor x, const at::Tensor& uniform) {
   float* xp = x.data_ptr<float>();
   const double* up = uniform.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, kSampleRowsPerTask, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, kSampleRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* r = xp + t * n;
       const float top = row_max(r, n);
@@ -2154,7 +2466,7 @@ at::Tensor filter_rows(at::Tensor logits, const at::Tensor& top_k, const at::Ten
   const int64_t* kp = top_k.data_ptr<int64_t>();
   const float* pp = top_p.data_ptr<float>();
   const float* mp = min_p.data_ptr<float>();
-  at::parallel_for(0, rows, kSampleRowsPerTask, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, rows, kSampleRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> e(n);
     for (int64_t t = begin; t < end; ++t) filter_row(xp + t * n, e.data(), n, kp[t], pp[t], mp[t]);
   });
@@ -2194,6 +2506,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_rows", &draw_rows, nogil, "exp(x - row max) in place, then each row's token at its uniform number");
   m.def("argmax_rows", &argmax_rows, nogil, "each row's argmax (the first of equal maxima, the first NaN)");
   m.def("filter_rows", &filter_rows, nogil, "top-k / top-p / min-p of tempered logits, in place (dropped: -inf)");
+  m.def("kernel_threads", &kernel_threads, "the kernels' threads: n > 0 sets them (capped by the usable cores), 0 "
+        "follows torch.get_num_threads(), negative leaves it; returns the count a call uses", py::arg("n") = -1);
+  m.def("kernel_spin_us", &kernel_spin_us, "how long an idle kernel thread waits for work before it sleeps "
+        "(microseconds; negative: unchanged); returns it", py::arg("us") = -1);
+  m.def("pool_stats", &pool_stats, "the kernels' threads: workers started, chunks they ran, claims refused, holds, "
+        "the count set");
+  m.def("pool_hold", &pool_hold, "tests: stop every worker between reading a job and claiming a chunk (or let go)");
+  m.def("pool_count", &pool_count, nogil, "tests: how many times each of [0, items) ran through the pool",
+        py::arg("items"), py::arg("grain"), py::arg("work_us") = 0);
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of a joined gate|up projection", py::arg("gate_up"),
         py::arg("dtype"), py::arg("out_dtype") = py::none());
 }

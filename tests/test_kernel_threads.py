@@ -1,0 +1,113 @@
+"""The C++ kernels' own threads (engine/csrc/cpu_kernels.cpp, namespace pool): every chunk of a parallel region runs
+exactly once, the kernels give the same floats on any number of threads, and a call never waits for a worker that
+has not claimed a chunk: with every worker stopped between reading a job and claiming (the pool's test hook, the
+stand-in for a thread the OS keeps off its core) calls still return, exact, and the stopped worker, let go, claims
+nothing of a job that has ended.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.quant.linear import Int4Linear, Int8Linear, Linear
+from engine.threads import usable_cores
+
+ext = cpu_kernels.compiled()
+pytestmark = pytest.mark.skipif(ext is None or not hasattr(ext, "pool_count"), reason="the C++ kernels are not built")
+needs_two_cores = pytest.mark.skipif(usable_cores() < 2, reason="the pool's workers need a second usable core")
+
+
+@pytest.fixture
+def kernel_threads():
+    """Sets the kernels' thread count for one test; puts back the default (torch's count) after."""
+    yield ext.kernel_threads
+    ext.pool_hold(False)
+    ext.kernel_threads(0)
+
+
+def _wait_for(predicate, seconds: float = 30.0) -> bool:
+    """Whether predicate() came true within `seconds` (a loaded machine can keep a worker waiting)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_every_chunk_runs_exactly_once_on_any_thread_count(kernel_threads):
+    for threads in range(1, usable_cores() + 2):
+        kernel_threads(threads)
+        for items, grain in [(1, 1), (2, 1), (7, 3), (64, 1), (1000, 7), (4096, 64), (333, 1000)]:
+            for _ in range(20):
+                counts = ext.pool_count(items, grain, 0)
+                assert counts.shape == (items,) and bool((counts == 1).all()), (threads, items, grain)
+
+
+@needs_two_cores
+def test_workers_take_chunks(kernel_threads):
+    assert kernel_threads(2) == 2
+    before = ext.pool_stats()["worker_chunks"]
+    assert _wait_for(lambda: bool((ext.pool_count(200, 1, 200) == 1).all())
+                     and ext.pool_stats()["worker_chunks"] > before)
+
+
+@needs_two_cores
+def test_a_call_returns_while_its_worker_is_stopped_before_claiming(kernel_threads):
+    kernel_threads(2)
+    ext.pool_count(64, 1, 50)  # the worker started
+    ext.pool_hold(True)
+    before = ext.pool_stats()
+    calls = 0
+    while ext.pool_stats()["holds"] == before["holds"] and calls < 200:  # until the worker has read a job and stopped
+        assert bool((ext.pool_count(100, 1, 1000) == 1).all())
+        calls += 1
+    held = ext.pool_stats()
+    assert held["holds"] > before["holds"], "the worker never read a job"
+    for _ in range(5):  # more calls, the worker still stopped: each returns, every chunk run once, all by the caller
+        assert bool((ext.pool_count(100, 1, 100) == 1).all())
+    assert ext.pool_stats()["worker_chunks"] == held["worker_chunks"]
+    ext.pool_hold(False)
+    # let go, the worker finds the job it read has ended: its claim is refused, it runs nothing of it
+    assert _wait_for(lambda: ext.pool_stats()["refused_claims"] > held["refused_claims"])
+    assert ext.pool_stats()["worker_chunks"] == held["worker_chunks"]
+    for _ in range(20):
+        assert bool((ext.pool_count(500, 3, 20) == 1).all())
+
+
+def _projections() -> list:
+    g = torch.Generator().manual_seed(48)
+    made = []
+    for n, k in [(576, 576), (3072, 576), (576, 1536), (961, 96)]:
+        w = torch.randn(n, k, generator=g) * 0.05
+        made += [Linear(w), Linear(w.to(torch.bfloat16)), Int8Linear(w), Int4Linear(w, 32)]
+    return made
+
+
+def test_the_kernels_give_the_same_floats_on_one_thread_and_more(kernel_threads):
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for proj in _projections():
+        for m in (1, 3, 8, 17):
+            cases.append((proj, torch.randn(m, proj.in_features, generator=g).to(proj.input_dtype)))
+    kernel_threads(1)
+    alone = [proj(x) for proj, x in cases]
+    for threads in range(2, usable_cores() + 2):
+        kernel_threads(threads)
+        for _ in range(5):
+            for (proj, x), expected in zip(cases, alone, strict=True):
+                assert torch.equal(proj(x), expected), (repr(proj), tuple(x.shape), threads)
+
+
+def test_the_default_models_greedy_tokens_are_the_same_on_one_kernel_thread_and_more(default_llm, kernel_threads):
+    from engine import SamplingParams
+    from tests.test_parity import TEXT_PROMPTS, random_prompts
+    prompts = [default_llm.tokenizer(p).input_ids for p in TEXT_PROMPTS] + random_prompts(4, seed=48)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    kernel_threads(1)
+    alone = [o.token_ids for o in default_llm.generate(prompts, greedy)]
+    kernel_threads(max(2, usable_cores()))
+    assert [o.token_ids for o in default_llm.generate(prompts, greedy)] == alone
