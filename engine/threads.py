@@ -139,7 +139,7 @@ class KernelThreads:
         pass
 
     def describe(self) -> str:
-        return f"{self.threads} (C++ kernels; torch's calls on 1)"
+        return f"{self.threads} threads (C++ kernels; torch's calls on 1)"
 
 
 def compute_threads(device: torch.device) -> CoreShare | KernelThreads:
