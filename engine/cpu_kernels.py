@@ -15,8 +15,8 @@ replaces torch calls that spent most of their time outside the arithmetic for th
   loops and than SDPA over the gathered batch (docs/measurements.md, "int4 beats llama.cpp on the AMD CPU"). It
   asks for each row's K and V some keys ahead (a row's slots are scattered over the pool, too few bytes in a row
   for the hardware's prefetchers), scores a bf16 pool with AVX-512 BF16's dot products where the CPU has them, and
-  splits the rows between the threads by the slots they read (`bench attention-cost`; docs/measurements.md, "The
-  attention kernel's memory, and the table again").
+  splits the rows between the threads by the slots they read (docs/measurements.md, "The attention kernel's
+  memory, and the table again").
 - writing a step's K and V into the pool, one call a layer: as they are (torch's two scatters), or into an int8
   pool, each token and KV head quantized and stored, where quantize_int8's torch calls, their dequantization and
   four scatters were ~26, a good share of an int4 token at batch 1; in one call the int8 cache costs a token
@@ -36,7 +36,7 @@ replaces torch calls that spent most of their time outside the arithmetic for th
   multiply-add (bf16: one AVX-512 BF16 dot product) per block and k, no reduction across lanes, groups of blocks
   taken from a shared counter so a thread the OS pauses leaves its share to the other. A decode step's
   projections and LM head run faster than on oneDNN's linear (what ran before) at a few rows, and about as fast
-  at hundreds (`bench kernels`; docs/measurements.md, "The projections in C++, and the table again"). Built with
+  at hundreds (docs/measurements.md, "The projections in C++, and the table again"). Built with
   AVX-512 (bf16: AVX-512 BF16). On a CPU with AMX, bf16 runs on its tiles over the same packed weight (each block's
   pairs are the tile's layout): as fast as the dot products at one row and as oneDNN's AMX linear at hundreds
   (docs/measurements.md, "Against the machine's limits"), where the dot products alone fell far behind it. A row's
