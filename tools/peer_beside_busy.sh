@@ -8,7 +8,8 @@
 #      ROUNDS (2), DTYPE (float32), TIMEOUT (seconds a run may take beside busy processes, 600), PYTHON (python3),
 #      PORT (8011).
 # Each server is started, warmed, measured over ROUNDS x KS and stopped before the next starts; busy processes start
-# after the warm-up and are killed after each run, whatever happens. Put it under the machine's measuring lock.
+# after the warm-up and are killed after each run, whatever happens. Put it under the machine's measuring lock with
+# `flock -o` (the servers would otherwise inherit the lock's descriptor and hold it for as long as they live).
 engine=$(cd "${1:?usage: $0 ENGINE_CHECKOUT [OUT_DIR]}" && pwd) || exit 1
 out=${2:-$(mktemp -d)}; mkdir -p "$out"; out=$(cd "$out" && pwd)
 venv=${VLLM_VENV:-/tmp/venv-vllm}; model=${MODEL:-$(ls -d ~/.cache/watch-llm/SmolLM2-*/ | head -1)}
