@@ -4,8 +4,8 @@ small class and one line in POLICIES (EngineConfig.scheduling_policy names it, a
 
 - fcfs: first come, first served; the newest running request is preempted first.
 - priority (vLLM's): lower `priority` first, then first come. A better request waiting takes the worst running
-  one's seat and blocks, and while one still reads its prompt the worse ones wait a step: a person's first token
-  does not queue behind simulated users'.
+  one's seat and blocks, and while one still reads its prompt the worse ones wait a step (running or newly come):
+  a person's first token does not queue behind simulated users'.
 """
 from __future__ import annotations
 

@@ -126,6 +126,8 @@ class Scheduler:
         admit = self.config.continuous_batching or batch_was_empty
         while admit and self.waiting:
             req = self.policy.next_waiting(self.waiting)
+            if cutoff is not None and req.priority > cutoff:
+                break  # a worse newcomer's prompt waits too: it would lengthen the better one's step
             # a request the policy ranks above a running one takes that one's seat and blocks (priority only)
             outranks = self.policy.outranks(req, self.running)
             if out.preempted and not outranks:

@@ -86,6 +86,21 @@ def test_worse_requests_sit_out_the_steps_of_a_better_ones_prompt(tiny):
     assert_all_blocks_free(engine)
 
 
+def test_worse_newcomers_are_not_admitted_into_a_better_ones_prompt_step(tiny):
+    engine = engine_like(tiny)
+    users = [engine.add_request(p, GREEDY, priority=1) for p in random_prompts(2, seed=5)]
+    drive(engine, until=lambda: len(engine.scheduler.running) == 2
+          and not any(r.is_prefilling for r in engine.scheduler.running))
+    person = engine.add_request(random_prompts(1, seed=9)[0], GREEDY, priority=0)
+    late = engine.add_request(random_prompts(1, seed=13)[0], GREEDY, priority=1)  # a simulated user's new prompt
+    engine.step()
+    assert ran(engine) == [person]  # the budget had room for the newcomer's prompt: it waits a step all the same
+    engine.step()
+    assert set(ran(engine)) == {*users, person, late}
+    drive(engine)
+    assert_all_blocks_free(engine)
+
+
 def test_fcfs_ignores_priority_and_equal_priorities_are_first_come(tiny):
     prompts = random_prompts(4, seed=11)
     for policy in ("fcfs", "priority"):
