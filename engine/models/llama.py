@@ -2,7 +2,9 @@
 
 All tokens of a step are one flat [num_tokens, hidden] tensor; projections are fused (qkv, gate|up). The math
 follows transformers' step by step (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match it token for token;
-on CPU the elementwise steps run as the engine's C++ kernels (cpu_kernels.py), rounding where those formulas round.
+on CPU the elementwise steps run as the engine's C++ kernels (cpu_kernels.py), rounding where those formulas round,
+and where every step of a layer has one, a step's layers run as one C++ call (cpu_kernels.cpp's DecoderStack: the
+same kernels in the loop's order, the same floats).
 """
 from __future__ import annotations
 
@@ -182,7 +184,8 @@ class LlamaFamilyModel:
         choice = self.layers[0].qkv.choice
         return {"weights": choice.describe(), "weights_kernel": choice.short, "weights_why": choice.why,
                 "lm_head": self.lm_head.choice.describe(),
-                "layer_ops": "C++ (RMSNorm, RoPE, SiLU fused)" if self.cpu_ops is not None else "torch calls"}
+                "layer_ops": ("torch calls" if self.cpu_ops is None else "C++ (RMSNorm, RoPE, SiLU fused)" +
+                              ("; a step's layers in one call" if self.decoder_stack is not None else ""))}
 
     @property
     def max_len(self) -> int:
