@@ -41,6 +41,7 @@ def outputs(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
 @pytest.mark.parametrize("arch,precision", arch_matrix(PRECISIONS))
 def test_projections_left_in_their_kernels_dtype_change_no_float(tiny_models, monkeypatch, arch, precision):
     llm = LLM(tiny_models[arch][0], max_model_len=256, **PRECISIONS[precision])
+    llm.engine.runner.model.decoder_stack = None  # the Python loop's shortcut (the C++ stack's: below)
     prompts = random_prompts(3, seed=4)
     fast = outputs(llm, prompts)
     # the longer way: every projection's result cast to the model's dtype at once, as before the shortcut
@@ -406,3 +407,42 @@ def test_cpp_layer_steps_take_a_batch_with_no_rows():
         assert ext.silu_mul(empty, dtype).shape == (0, 4)
         assert ext.rope(empty.view(0, 2, 4), torch.ones(3, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype),
                         torch.empty(0, dtype=torch.long)).shape == (0, 2, 4)
+
+
+class CountingStack:
+    """A model's DecoderStack that counts the steps it runs."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.runs = stack, 0
+
+    def run(self, *args, **kwargs):
+        self.runs += 1
+        return self.stack.run(*args, **kwargs)
+
+
+STACK_PRECISIONS = {**PRECISIONS, "bf16": {"dtype": "bfloat16"},
+                    "int4 preset": {"quantization": "int4", "quantize_lm_head": "int8", "kv_cache_dtype": "int8",
+                                    "kv_cache_smoothing": True}}
+
+
+@pytest.mark.parametrize("arch,precision", [("llama", p) for p in STACK_PRECISIONS] +
+                         [("qwen2", p) for p in ("fp32", "int4", "bf16")] + [("qwen3", "int4")])
+def test_the_decoder_stack_gives_the_python_loops_floats(tiny_models, arch, precision):
+    """Every layer of a step in one C++ call (cpu_kernels.cpp's DecoderStack) runs the loop's kernels in its order:
+    the same tokens, logprobs and prompt logprobs, float for float, as the loop over the layers in Python; taken
+    wherever every projection runs on the engine's own kernel and the layer has no step it lacks (Qwen3's q and k
+    norms, fbgemm's w8a8)."""
+    llm = LLM(tiny_models[arch][0], max_model_len=256, **STACK_PRECISIONS[precision])
+    model = llm.engine.runner.model
+    layer_projections = model.projections()[:-1]
+    runs_here = model.cpu_ops is not None and arch != "qwen3" and all(p.cpp_plan() is not None
+                                                                      for p in layer_projections)
+    assert (model.decoder_stack is not None) == runs_here
+    if not runs_here:
+        return
+    model.decoder_stack = counting = CountingStack(model.decoder_stack)
+    prompts = [list(range(5, 5 + n)) for n in (3, 20, 41, 9)]
+    with_stack = outputs(llm, prompts)
+    assert counting.runs >= 12  # the decode steps at least (an int8 pool's prefills take the loop)
+    model.decoder_stack = None
+    assert outputs(llm, prompts) == with_stack

@@ -2096,6 +2096,120 @@ at::Tensor int4_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, int64
   return y;
 }
 
+// ---- A step's decoder layers in one call (models/llama.py's DecoderStack): where every step of a layer runs on the
+// kernels above (the C++ layer steps, a projection kernel of this file, the C++ KV write and attention over the
+// pool), the Python loop over the layers called them one by one, about fifteen Python calls and tensor views a layer;
+// here the same kernels run in the same order on the same tensors, so the floats are the same as the loop's (tested
+// bit for bit), with the calls' Python dispatch gone. Built once per model: the layers' weights, held here.
+namespace {
+enum ProjectionKind : int64_t { kProjectDense = 0, kProjectInt8Vnni = 1, kProjectInt4Vnni = 2 };
+}
+
+class DecoderStack {
+ public:
+  // per layer, in order: norms [input, post], projections [qkv, o, gate_up, down] each as kind, packed weight, its
+  // scale (int8) or an empty tensor, group (int4) or 0, output features, and whether the step before hands it bf16
+  // (the norm's or the activation's dtype argument); qkv_bias and o_bias empty where the model has none
+  DecoderStack(std::vector<at::Tensor> norms, std::vector<int64_t> kinds, std::vector<at::Tensor> packed,
+               std::vector<at::Tensor> scales, std::vector<int64_t> groups, std::vector<int64_t> outs,
+               std::vector<bool> bf16_in, std::vector<at::Tensor> qkv_bias, std::vector<at::Tensor> o_bias,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, at::ScalarType dtype)
+      : norms_(std::move(norms)), kinds_(std::move(kinds)), packed_(std::move(packed)), scales_(std::move(scales)),
+        groups_(std::move(groups)), outs_(std::move(outs)), bf16_in_(std::move(bf16_in)),
+        qkv_bias_(std::move(qkv_bias)), o_bias_(std::move(o_bias)), layers_(static_cast<int64_t>(qkv_bias_.size())),
+        heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), dtype_(dtype) {
+    const size_t n = static_cast<size_t>(layers_);
+    TORCH_CHECK(norms_.size() == 2 * n && kinds_.size() == 4 * n && packed_.size() == 4 * n &&
+                    scales_.size() == 4 * n && groups_.size() == 4 * n && outs_.size() == 4 * n &&
+                    bf16_in_.size() == 4 * n && o_bias_.size() == n,
+                "a DecoderStack takes 2 norms and 4 projections a layer");
+    for (int64_t kind : kinds_) TORCH_CHECK(kind >= kProjectDense && kind <= kProjectInt4Vnni, "unknown projection kind");
+  }
+
+  int64_t num_layers() const { return layers_; }
+
+  // x [T, hidden] (the embeddings, added to in place as the loop's norms add), positions [T], the model's RoPE
+  // tables; each layer's K and V pools (and an int8 pool's scales), this step's slot mapping and its attention's slot
+  // lists, lengths and (prefill rows) lists, as attention/sdpa.py's metadata holds them; per layer the key smoothing
+  // of an int8 pool (query and key_inverse) or none. Returns (x, the last MLP's output): what the final norm adds.
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                         const at::Tensor& positions, const std::vector<at::Tensor>& k_pools,
+                                         const std::vector<at::Tensor>& v_pools,
+                                         const std::vector<at::Tensor>& k_scales,
+                                         const std::vector<at::Tensor>& v_scales, const at::Tensor& slot_mapping,
+                                         const at::Tensor& slots, const at::Tensor& lens,
+                                         const c10::optional<at::Tensor>& lists,
+                                         const std::vector<at::Tensor>& query_scales,
+                                         const std::vector<at::Tensor>& key_inverses) const {
+    const size_t n = static_cast<size_t>(layers_);
+    const bool int8_pool = !k_scales.empty(), smoothed = !query_scales.empty();
+    TORCH_CHECK(k_pools.size() == n && v_pools.size() == n && (!int8_pool || (k_scales.size() == n &&
+                v_scales.size() == n)) && (!smoothed || (query_scales.size() == n && key_inverses.size() == n)),
+                "a pool (and an int8 pool's scales, and key scales where given) for each of the ", n, " layers");
+    const int64_t tokens = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    c10::optional<at::Tensor> residual;
+    for (int64_t i = 0; i < layers_; ++i) {
+      const int64_t p = 4 * i;
+      at::Tensor h = add_rms_norm(x, residual, norms_[2 * i], eps_, bf16_for(p));
+      at::Tensor qkv = project(p, h);
+      if (qkv_bias_[i].defined() && qkv_bias_[i].numel()) qkv = qkv + qkv_bias_[i];
+      const at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({tokens, heads_ + kv_heads_, head_dim_});
+      const at::Tensor v =
+          qkv.slice(1, q_size + kv_size).view({tokens, kv_heads_, head_dim_}).to(dtype_).contiguous();
+      const at::Tensor rotated = rope(qk, cos, sin, positions);
+      at::Tensor q = rotated.slice(1, 0, heads_), k = rotated.slice(1, heads_);
+      if (smoothed) {
+        q = q * query_scales[i];
+        k = k * key_inverses[i];
+      }
+      c10::optional<at::Tensor> ks, vs;
+      if (int8_pool) {
+        ks = k_scales[i];
+        vs = v_scales[i];
+      }
+      at::Tensor k_pool = k_pools[i], v_pool = v_pools[i];
+      write_kv(k, v, slot_mapping, k_pool, v_pool, ks, vs);
+      at::Tensor a = project(p + 1, decode_attention(q, k_pool, v_pool, slots, lens, ks, vs, lists));
+      if (o_bias_[i].defined() && o_bias_[i].numel()) a = a + o_bias_[i];
+      h = add_rms_norm(x, a, norms_[2 * i + 1], eps_, bf16_for(p + 2));
+      residual = project(p + 3, silu_mul(project(p + 2, h), dtype_, bf16_for(p + 3)));
+    }
+    return {x, residual.has_value() ? *residual : at::Tensor()};
+  }
+
+ private:
+  c10::optional<at::ScalarType> bf16_for(int64_t p) const {
+    return bf16_in_[p] ? c10::optional<at::ScalarType>(at::kBFloat16) : c10::nullopt;
+  }
+
+  // quant/linear.py's `raw`: the kernel's own output, cast to x's dtype only where x is not float32 (a weight-only
+  // kernel's float32 sums handed to a bf16 model); the dense kernel answers in x's dtype
+  at::Tensor project(int64_t p, const at::Tensor& x) const {
+    switch (kinds_[p]) {
+      case kProjectDense:
+        return dense_matmul(x.stride(-1) == 1 ? x : x.contiguous(), packed_[p], outs_[p]);
+      case kProjectInt8Vnni:
+        return as_input(x, int8_matmul_vnni(x.contiguous(), packed_[p], scales_[p], outs_[p]));
+      default:
+        return as_input(x, int4_matmul_vnni(x.contiguous(), packed_[p], groups_[p], outs_[p]));
+    }
+  }
+
+  static at::Tensor as_input(const at::Tensor& x, const at::Tensor& y) {
+    return x.scalar_type() == at::kFloat || y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  }
+
+  std::vector<at::Tensor> norms_;
+  std::vector<int64_t> kinds_;
+  std::vector<at::Tensor> packed_, scales_;
+  std::vector<int64_t> groups_, outs_;
+  std::vector<bool> bf16_in_;
+  std::vector<at::Tensor> qkv_bias_, o_bias_;
+  int64_t layers_, heads_, kv_heads_, head_dim_;
+  double eps_;
+  at::ScalarType dtype_;
+};
+
 // ---- The sampler's row work (engine/sampler.py) over a step's float32 logits [rows, vocabulary]: each row in one
 // or two passes, where torch's calls cost several full passes and fresh tensors each (a topk over 49k entries took
 // ~150 us a row on 2 cores; a softmax, a boolean mask and a masked fill each a few milliseconds for 32 rows).
@@ -2515,6 +2629,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_hold", &pool_hold, "tests: stop every worker between reading a job and claiming a chunk (or let go)");
   m.def("pool_count", &pool_count, nogil, "tests: how many times each of [0, items) ran through the pool",
         py::arg("items"), py::arg("grain"), py::arg("work_us") = 0);
+  py::class_<DecoderStack>(m, "DecoderStack", "a step's decoder layers in one call, over the layers' weights")
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<bool>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, at::ScalarType>(),
+           py::arg("norms"), py::arg("kinds"), py::arg("packed"), py::arg("scales"), py::arg("groups"),
+           py::arg("outs"), py::arg("bf16_in"), py::arg("qkv_bias"), py::arg("o_bias"), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("dtype"))
+      .def_property_readonly("num_layers", &DecoderStack::num_layers)
+      .def("run", &DecoderStack::run, nogil, "every layer of a step: (x, the last MLP's output)", py::arg("x"),
+           py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("k_pools"), py::arg("v_pools"),
+           py::arg("k_scales"), py::arg("v_scales"), py::arg("slot_mapping"), py::arg("slots"), py::arg("lens"),
+           py::arg("lists"), py::arg("query_scales"), py::arg("key_inverses"));
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up of a joined gate|up projection", py::arg("gate_up"),
         py::arg("dtype"), py::arg("out_dtype") = py::none());
 }

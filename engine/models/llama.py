@@ -2,7 +2,9 @@
 
 All tokens of a step are one flat [num_tokens, hidden] tensor; projections are fused (qkv, gate|up). The math
 follows transformers' step by step (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match it token for token;
-on CPU the elementwise steps run as the engine's C++ kernels (cpu_kernels.py), rounding where those formulas round.
+on CPU the elementwise steps run as the engine's C++ kernels (cpu_kernels.py), rounding where those formulas round,
+and where every step of a layer has one, a step's layers run as one C++ call (cpu_kernels.cpp's DecoderStack: the
+same kernels in the loop's order, the same floats).
 """
 from __future__ import annotations
 
@@ -91,6 +93,27 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
+def stack_attends(meta: AttentionMetadata, kv_cache: list[LayerKV] | None, num_tokens: int) -> bool:
+    """Whether every row of this step takes attention/sdpa.py's C++ path (this step's K and V written into the pool
+    in one call, every row attended over the pool in one call), the one the DecoderStack runs."""
+    return (kv_cache is not None and num_tokens > 0 and meta.write_kv is not None
+            and meta.decode_attention is not None and not (meta.kv_int8 and meta.prefills)
+            and (meta.decode_lists is not None or meta.num_decode == num_tokens))
+
+
+def pools_of(kv_cache: list[LayerKV], meta: AttentionMetadata) -> dict:
+    """The DecoderStack's per-step arguments besides x: each layer's pools, an int8 pool's scales and key smoothing,
+    the step's slots and lists."""
+    int8 = kv_cache[0].k_scale is not None
+    return {"k_pools": [c.k for c in kv_cache], "v_pools": [c.v for c in kv_cache],
+            "k_scales": [c.k_scale for c in kv_cache] if int8 else [],
+            "v_scales": [c.v_scale for c in kv_cache] if int8 else [],
+            "slot_mapping": meta.slot_mapping, "slots": meta.decode_slots, "lens": meta.decode_lens,
+            "lists": meta.decode_lists,
+            "query_scales": [] if meta.key_scales is None else [ks.query for ks in meta.key_scales],
+            "key_inverses": [] if meta.key_scales is None else [ks.key_inverse for ks in meta.key_scales]}
+
+
 class LlamaFamilyModel:
     DERIVED = ("cos", "signed_sin", "qk_norms")  # attributes computed at load (RoPE tables, joined norms): not weights
 
@@ -122,6 +145,30 @@ class LlamaFamilyModel:
         self.cpu_ops = cpu_kernels.compiled() if cpu_model else None
         # the projections' weights in 2 MB pages where the system gives them: a step streams them all
         self.huge_page_bytes = huge_pages.gather(self.streamed_tensors())
+        # every layer of a step in one C++ call where each of its steps has a C++ kernel (cpu_kernels.cpp's
+        # DecoderStack: the loop below, the same kernels in the same order); None: the loop runs
+        self.decoder_stack = self._decoder_stack()
+
+    def _decoder_stack(self):
+        """The C++ DecoderStack over this model's layers, or None where a layer has a step it does not run: no C++
+        layer steps here, Qwen3's q and k norms, or a projection whose kernel is not the engine's own."""
+        if self.cpu_ops is None or not hasattr(self.cpu_ops, "DecoderStack") or any(
+                n is not None for n in self.qk_norms):
+            return None
+        projections = [p for w in self.layers for p in (w.qkv, w.o, w.gate_up, w.down)]
+        plans = [p.cpp_plan() for p in projections]
+        if any(plan is None for plan in plans):
+            return None
+        s, none = self.shape, torch.empty(0, dtype=self.dtype)
+        return self.cpu_ops.DecoderStack(
+            norms=[n for w in self.layers for n in (w.input_norm, w.post_norm)],
+            kinds=[plan.kind for plan in plans], packed=[plan.packed for plan in plans],
+            scales=[plan.scale for plan in plans], groups=[plan.group for plan in plans],
+            outs=[p.out_features for p in projections],
+            bf16_in=[p.input_dtype == torch.bfloat16 and i % 4 != 1 for i, p in enumerate(projections)],
+            qkv_bias=[none if w.qkv_bias is None else w.qkv_bias for w in self.layers],
+            o_bias=[none if w.o_bias is None else w.o_bias for w in self.layers],
+            heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim, eps=s.rms_norm_eps, dtype=self.dtype)
 
     def projections(self) -> list[Projection]:
         """The projections one forward step runs, in order: each layer's qkv, o, gate|up, down, then the LM head."""
@@ -137,7 +184,8 @@ class LlamaFamilyModel:
         choice = self.layers[0].qkv.choice
         return {"weights": choice.describe(), "weights_kernel": choice.short, "weights_why": choice.why,
                 "lm_head": self.lm_head.choice.describe(),
-                "layer_ops": "C++ (RMSNorm, RoPE, SiLU fused)" if self.cpu_ops is not None else "torch calls"}
+                "layer_ops": ("torch calls" if self.cpu_ops is None else "C++ (RMSNorm, RoPE, SiLU fused)" +
+                              ("; a step's layers in one call" if self.decoder_stack is not None else ""))}
 
     @property
     def max_len(self) -> int:
@@ -195,6 +243,10 @@ class LlamaFamilyModel:
         x = F.embedding(input_ids, self.embed)
         num_tokens = x.shape[0]
         residual = None  # what the previous MLP adds to x, added as the next norm reads it
+        if ops is not None and self.decoder_stack is not None and stack_attends(meta, kv_cache, num_tokens):
+            x, residual = self.decoder_stack.run(x, self.cos, self.signed_sin, positions, **pools_of(kv_cache, meta))
+            _, h = add_norm(x[logits_rows], residual[logits_rows], self.norm)
+            return self.lm_head(h).float()
         # `proj.raw(h)` is the kernel's own output dtype (bf16 from the weight-only kernels on CPU) where the next
         # operation widens it exactly anyway (RoPE's multiply, a residual add, a cast): one cast fewer, same floats
         for i, w in enumerate(self.layers):

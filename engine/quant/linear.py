@@ -18,6 +18,7 @@ given 128 and each row's own is corrected after: y -= (zero - 128) * w_scale * s
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -60,6 +61,10 @@ class _Quantized:
         """The tensors each call streams (engine/huge_pages.py places them)."""
         return []
 
+    def cpp_plan(self) -> CppPlan | None:
+        """How the C++ DecoderStack (models/llama.py) runs this projection itself, or None where it cannot."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.in_features} -> {self.out_features}, {self.scheme}, {self.kernel})"
 
@@ -71,6 +76,19 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class CppPlan:
+    """A projection as cpu_kernels.cpp's DecoderStack calls its kernel: which one (CPP_DENSE, CPP_INT8_VNNI,
+    CPP_INT4_VNNI), the packed weight, int8's scales (else an empty tensor), int4's group (else 0)."""
+    kind: int
+    packed: torch.Tensor
+    scale: torch.Tensor
+    group: int = 0
+
+
+CPP_DENSE, CPP_INT8_VNNI, CPP_INT4_VNNI = 0, 1, 2  # cpu_kernels.cpp's ProjectionKind
 
 
 INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's returns garbage off it: measured)
@@ -131,6 +149,9 @@ class Int8Linear(_WeightOnly):
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.padded_scales] if self.vnni else [self._qweight, self._scales]
+
+    def cpp_plan(self) -> CppPlan | None:
+        return CppPlan(CPP_INT8_VNNI, self.packed, self.padded_scales) if self.vnni else None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni:
@@ -231,6 +252,9 @@ class Int4Linear(_WeightOnly):
     def weight_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scales_and_zeros) if t.numel()]
 
+    def cpp_plan(self) -> CppPlan | None:
+        return CppPlan(CPP_INT4_VNNI, self.packed, self.scales_and_zeros, self.group_size) if self.vnni else None
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni:
             return self._own(x.contiguous(), self.packed, self.group_size, self.out_features)
@@ -312,6 +336,10 @@ class Linear:
         return x @ self.weight_t
 
     raw = __call__  # already in the model's dtype (see _Quantized.raw)
+
+    def cpp_plan(self) -> CppPlan | None:
+        """How the C++ DecoderStack runs it (dense_matmul), or None where oneDNN or torch does."""
+        return None if self._own is None else CppPlan(CPP_DENSE, self.packed, self.packed.new_empty(0))
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The tensors each call streams (engine/huge_pages.py places them; oneDNN's opaque one stays put)."""
