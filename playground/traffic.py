@@ -134,6 +134,23 @@ class _Run:
                 self.recent.append((time.monotonic(), n))
 
 
+class _Reply:
+    """A simulated user's reply as the engine makes it: its tokens are counted on the engine's thread as they come,
+    and the user's own thread wakes once, when the reply has ended (a queue per reply woke 32 threads every step,
+    each taking the interpreter from the engine and the page's server)."""
+
+    def __init__(self, run: _Run):
+        self.run, self.seen, self.last = run, 0, None
+        self.ended = threading.Event()
+
+    def put(self, out) -> None:
+        self.run.add_tokens(len(out.token_ids) - self.seen)
+        self.seen = len(out.token_ids)
+        if out.finished:
+            self.last = out
+            self.ended.set()
+
+
 class TrafficGenerator:
     """start / stop / status over a run of simulated users; one run at a time."""
 
@@ -229,7 +246,9 @@ class TrafficGenerator:
                     return
                 service = self._service()
             try:
-                rid, q = service.submit(list(request.prompt_token_ids), request.params, priority=SIMULATED_PRIORITY)
+                reply = _Reply(run)
+                rid, _ = service.submit(list(request.prompt_token_ids), request.params, sink=reply,
+                                        priority=SIMULATED_PRIORITY)
             except EngineStopped as exc:  # sent as a restart or a rebuild stopped the engine: ended by it
                 run.count(sent=1)
                 run.problem("failed", str(exc))
@@ -239,29 +258,21 @@ class TrafficGenerator:
             else:
                 run.count(sent=1, waiting=1)
                 try:
-                    self._wait_for_reply(run, service, rid, q)
+                    self._wait_for_reply(run, service, rid, reply)
                 finally:
                     run.count(waiting=-1)
             if run.duration_s > 0:  # thinking; Stop, or the end of the run, cuts it short
                 left = run.duration_s - (time.monotonic() - run.started)
                 run.stop.wait(max(0.0, min(rng.uniform(*self.think_s), left)))
 
-    def _wait_for_reply(self, run: _Run, service: Service, rid: str, q: queue.Queue) -> None:
-        seen = 0
-        while True:
+    def _wait_for_reply(self, run: _Run, service: Service, rid: str, reply: _Reply) -> None:
+        while not reply.ended.wait(POLL_S):
             if run.stop.is_set():
                 service.abort(rid)  # on a stopped service this frees nothing and raises nothing
                 run.count(stopped=1)
                 return
-            try:
-                out = q.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            run.add_tokens(len(out.token_ids) - seen)
-            seen = len(out.token_ids)
-            if out.finished:
-                if out.error or out.finish_reason in ("error", "abort"):
-                    run.problem("failed", out.error or f"request {rid} was aborted")
-                else:
-                    run.count(done=1)
-                return
+        out = reply.last
+        if out.error or out.finish_reason in ("error", "abort"):
+            run.problem("failed", out.error or f"request {rid} was aborted")
+        else:
+            run.count(done=1)

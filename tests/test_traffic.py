@@ -46,7 +46,7 @@ class FakeService:
             rid = str(next(self._ids))
             self.submitted.append(rid)
             self.max_tokens.append(params.max_tokens)
-        q = self.streams[rid] = queue.Queue()
+        q = self.streams[rid] = sink if sink is not None else queue.Queue()  # as EngineService: the caller's sink
         if not self.hold:
             threading.Thread(target=self._answer, args=(rid, q, params.max_tokens), daemon=True).start()
         return rid, q
@@ -221,6 +221,16 @@ def test_watching_a_one_shot_run_ends_with_its_last_status(pg):
     assert seen[-1].requests_done == 5 and not seen[-1].running and seen[-1].fraction == 1.0
     assert all(a.elapsed_s <= b.elapsed_s for a, b in zip(seen, seen[1:]))
     assert pg.start_traffic("no-such-workload", 5, 0).startswith("⚠️ unknown workload")
+
+
+def test_a_live_runs_token_count_is_what_the_engine_generated(pg):
+    """The users' replies are counted on the engine's thread as they come (each user's thread wakes only when its
+    reply ends): every token the engine made for them is counted once."""
+    before = pg.service.engine.counters().generation_tokens_total
+    assert pg.start_traffic("mixed-lengths", 6, 0) == ""
+    status = pg.traffic.wait(timeout=120)
+    assert not status.running and status.requests_done == 6 and status.requests_failed == 0
+    assert status.tokens == pg.service.engine.counters().generation_tokens_total - before > 0
 
 
 def test_a_person_goes_before_the_simulated_users_on_the_live_engine(tiny_models, tmp_path):
