@@ -201,6 +201,31 @@ def test_notes_and_the_turns_they_answer_are_not_sent():
     assert conversation.for_model(cut)[-1] == {"role": "assistant", "content": "hel"}
 
 
+def test_a_visitor_s_turn_goes_to_the_page_as_markdown_that_shows_it_as_typed():
+    """gradio's Chatbot renders every message as Markdown: a visitor's own `<img onerror>`, `**bold**` and
+    `[link](javascript:)` rendered as such in their bubble. The page is sent their turns escaped and hands them back
+    as typed; the assistant's reply stays Markdown (tests/test_e2e_tabs.py looks at the bubble in Chromium)."""
+    import random
+
+    import gradio as gr
+
+    from playground.live_tabs import shows_visitors_text
+    typed = "<img src=x onerror=alert(1)> **bold** [link](javascript:alert(1)) `c` _u_ $$x$$ \\* &amp;\n    code\tx"
+    shown = conversation.as_typed(typed)
+    # no Markdown or HTML can start: every punctuation mark escaped, the indent and the tab character references
+    assert re.fullmatch(r"(\\[!-/:-@\[-`{-~]|&#(32|9);|[A-Za-z0-9 \n])*", shown)
+    assert "\n&#32;&#32;&#32;&#32;code&#9;x" in shown
+    chars = "ab \t\n\\*_`<>&#;329[]()!$~|-=+.:@"
+    for text in ["", *("".join(random.choices(chars, k=random.randint(1, 24))) for _ in range(2000))]:
+        assert conversation.typed_text(conversation.as_typed(text)) == text
+    chatbot = shows_visitors_text(gr.Chatbot())
+    history = [{"role": "user", "content": typed}, {"role": "assistant", "content": "**a reply** in Markdown"}]
+    sent = chatbot.postprocess(history)
+    assert [m.content[0].text for m in sent.root] == [shown, "**a reply** in Markdown"]
+    back = chatbot.preprocess(sent)  # what the next event's handler gets: the text as typed
+    assert [conversation.text_of(m["content"]) for m in back] == [typed, "**a reply** in Markdown"]
+
+
 def test_a_long_conversation_drops_its_oldest_turns_instead_of_being_refused(pg):
     turn = [{"role": "user", "content": "tell me more " * 20}, {"role": "assistant", "content": "well " * 60}]
     history = turn * 6  # ~600 tokens: more than max_model_len=512
