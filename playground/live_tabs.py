@@ -164,7 +164,7 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
         view, polling = pg.chat_view(s)
         return serialised.payload(view.blocks), view.summary, gr.skip() if polling else gr.Timer(active=False)
     live.tick(refresh_view, session, [live_blocks, live_summary, live], concurrency_limit=4, show_progress="hidden",
-              show_progress_on=session, api_name="chat_view", postprocess=False)
+              api_name="chat_view", postprocess=False)
     @audience
     def stopped(s: ChatSession):
         s.handled = s.sent  # a chat cancelled before it started never counts itself handled: the next may be sent

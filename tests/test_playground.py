@@ -139,13 +139,7 @@ def test_the_page_s_clocks_mark_only_states_pending_and_nothing_sits_among_the_t
             marked = (dep["show_progress_on"] or dep["outputs"]) + dep["inputs"]
             assert {kinds[i] for i in marked} <= {"state", "timer"}, dep["api_name"]  # neither draws anything
     assert {"dashboard", "settings_follow", "chat_view", "settings"} <= seen
-    # and on the main page every event that shows no progress, and every load, marks only states (app.quiet_progress)
-    main_page = set(config["page"][""]["dependencies"])
-    quiet = [dep for dep in config["dependencies"] if dep["id"] in main_page and dep["backend_fn"] and dep["outputs"]
-             and (dep["show_progress"] == "hidden" or all(event == "load" for _, event in dep["targets"]))]
-    assert len(quiet) > 10
-    for dep in quiet:
-        assert {kinds[i] for i in dep["show_progress_on"] or dep["outputs"]} <= {"state", "timer"}, dep["api_name"]
+    assert_one_quiet_marker_a_page(config, {"": 10, "projector": 2})
 
     def children(node):
         return node.get("children", [])
@@ -155,6 +149,32 @@ def test_the_page_s_clocks_mark_only_states_pending_and_nothing_sits_among_the_t
         if kinds.get(node["id"]) == "tabs":
             assert {kinds[c["id"]] for c in children(node)} == {"tabitem"}
         stack.extend(children(node))
+
+
+def assert_one_quiet_marker_a_page(config: dict, pages: dict[str, int]) -> None:
+    """On each page (path -> how many such events it has at least), every event that shows no progress, and every
+    load, marks one state pending, the same for all of them: the page's marker, set by page_events.quiet_progress
+    and by no event itself."""
+    kinds = {c["id"]: c["type"] for c in config["components"]}
+    for page, least in pages.items():
+        on_page = set(config["page"][page]["dependencies"])
+        deps = [dep for dep in config["dependencies"] if dep["id"] in on_page]
+        quiet = [dep for dep in deps if dep["backend_fn"] and dep["outputs"]
+                 and (dep["show_progress"] == "hidden" or all(event == "load" for _, event in dep["targets"]))]
+        assert len(quiet) >= least, page
+        marked = {tuple(dep["show_progress_on"] or dep["outputs"]) for dep in quiet}
+        assert len(marked) == 1, (page, [(dep["api_name"], dep["show_progress_on"]) for dep in quiet])
+        (marker,) = marked.pop()
+        assert kinds[marker] == "state" and marker in config["page"][page]["components"]
+
+
+def test_the_watch_only_page_s_events_follow_the_same_rule():
+    """build_watch_app (`--attach URL`) shares the chat tab and has a clock of its own."""
+    import app
+    from playground.remote import RemoteServer
+    from playground.watching import Watcher
+    config = app.build_watch_app(Watcher(RemoteServer("http://127.0.0.1:9"))).get_config_file()
+    assert_one_quiet_marker_a_page(config, {"": 3})
 
 
 def test_a_value_gradio_refuses_is_one_line_for_the_caller_not_a_traceback(pg):
