@@ -214,10 +214,8 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
                     period(every))
         refreshed = [status, *plots, *lesson["outputs"], bring, seen, back, header, shown, lesson["pick"],
                      lesson["record_output"], *join["outputs"], clock]
-        # a tick that comes while the last is on its way runs as soon as that one is back, not a period later (the
-        # default drops it): how soon a page agrees with the engine is one period plus one round trip at most
         clock.tick(refresh, [lesson["picked"], seen, shown, clock], refreshed, concurrency_limit=4,
-                   show_progress="hidden", api_name="dashboard", postprocess=False, trigger_mode="always_last")
+                   show_progress="hidden", api_name="dashboard", postprocess=False)
         bring.change(None, None, None, js=SHOW_LESSONS)
         back.click(None, None, None, js=SHOW_LESSONS)
         wire_roles(demo, access, role)

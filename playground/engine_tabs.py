@@ -134,7 +134,7 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         return (*fields, {**cfg, ROLE_KEY: steer}, form_notes(CHANGED, steer),
                 pg.weights_note() if moved_weights else gr.skip(), period(every))
     follow.tick(follow_engine, [loaded, follow], [*form, follow], show_progress="hidden", concurrency_limit=4,
-                api_name="settings_follow", trigger_mode="always_last")  # as the page's clock
+                api_name="settings_follow")
 
     # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
     def do_apply(progress=gr.Progress(), *args):

@@ -139,7 +139,7 @@ def test_the_page_s_clocks_mark_only_states_pending_and_nothing_sits_among_the_t
             marked = (dep["show_progress_on"] or dep["outputs"]) + dep["inputs"]
             assert {kinds[i] for i in marked} <= {"state", "timer"}, dep["api_name"]  # neither draws anything
     assert {"dashboard", "settings_follow", "chat_view", "settings"} <= seen
-    assert_one_quiet_marker_a_page(config, {"": 10, "projector": 2})
+    assert_one_quiet_marker_a_page_and_every_tick_always_last(config, {"": 10, "projector": 2})
 
     def children(node):
         return node.get("children", [])
@@ -151,10 +151,11 @@ def test_the_page_s_clocks_mark_only_states_pending_and_nothing_sits_among_the_t
         stack.extend(children(node))
 
 
-def assert_one_quiet_marker_a_page(config: dict, pages: dict[str, int]) -> None:
+def assert_one_quiet_marker_a_page_and_every_tick_always_last(config: dict, pages: dict[str, int]) -> None:
     """On each page (path -> how many such events it has at least), every event that shows no progress, and every
     load, marks one state pending, the same for all of them: the page's marker, set by page_events.quiet_progress
-    and by no event itself."""
+    and by no event itself. And every timer's tick on the page runs always_last (a tick arriving while the last is
+    pending runs when it is back; gradio's default drops it)."""
     kinds = {c["id"]: c["type"] for c in config["components"]}
     for page, least in pages.items():
         on_page = set(config["page"][page]["dependencies"])
@@ -166,6 +167,10 @@ def assert_one_quiet_marker_a_page(config: dict, pages: dict[str, int]) -> None:
         assert len(marked) == 1, (page, [(dep["api_name"], dep["show_progress_on"]) for dep in quiet])
         (marker,) = marked.pop()
         assert kinds[marker] == "state" and marker in config["page"][page]["components"]
+        ticks = [dep for dep in deps if any(event == "tick" for _, event in dep["targets"])]
+        assert ticks, page
+        assert {dep["trigger_mode"] for dep in ticks} == {"always_last"}, [(d["api_name"], d["trigger_mode"])
+                                                                           for d in ticks]
 
 
 def test_the_watch_only_page_s_events_follow_the_same_rule():
@@ -174,7 +179,9 @@ def test_the_watch_only_page_s_events_follow_the_same_rule():
     from playground.remote import RemoteServer
     from playground.watching import Watcher
     config = app.build_watch_app(Watcher(RemoteServer("http://127.0.0.1:9"))).get_config_file()
-    assert_one_quiet_marker_a_page(config, {"": 3})
+    ticks = {dep["api_name"] for dep in config["dependencies"] if any(e == "tick" for _, e in dep["targets"])}
+    assert {"dashboard", "chat_view"} <= ticks
+    assert_one_quiet_marker_a_page_and_every_tick_always_last(config, {"": 3})
 
 
 def test_a_value_gradio_refuses_is_one_line_for_the_caller_not_a_traceback(pg):
