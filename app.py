@@ -55,6 +55,7 @@ from playground.lesson_record import record_folder
 from playground.lessons_tab import TAB_ID as LESSONS_TAB
 from playground.lessons_tab import build_lessons_tab
 from playground.live_tabs import build_chat_tab, build_dashboard_tab, chart_updates, timer_period, track_shown_tab
+from playground.page_events import quiet_progress
 from playground.projector import build_projector, lesson_view
 from playground.remote_tab import build_remote_tab
 from playground.room import plain
@@ -139,19 +140,6 @@ def keep_charts_in_shape(demo: gr.Blocks, tabs: gr.Tabs) -> None:
     demo.load(None, None, None, js=QUIET_TRACKERS)
 
 
-def quiet_progress(demo: gr.Blocks, marker: gr.State) -> None:
-    """Every event registered so far that shows no progress marks only `marker` as pending. gradio's frontend keeps
-    each component any event ever marked and, at every status change of any event on the page (each tick's pending
-    and done), finds each of them in the page's tree and copies its properties: a page that had loaded the lesson
-    view, the remote tab and the tab trackers paid that for each of their outputs, twice a tick
-    (docs/measurements.md, "The room in Chromium"). The page's own loads go the same way (their outputs are on tabs
-    not shown yet); what a visitor starts (a button's spinner) keeps its progress."""
-    for fn in demo.fns.values():
-        loads = all(event == "load" for _, event in fn.targets)
-        if (fn.show_progress == "hidden" or loads) and fn.show_progress_on is None and fn.outputs:
-            fn.show_progress_on = [marker]
-
-
 def refuse(message: str) -> gr.Error:
     """A refused call as the visitor sees it (gradio's error toast); the server logs one line (access.py), not the
     traceback gradio prints for an error by default."""
@@ -226,15 +214,12 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
                     period(every))
         refreshed = [status, *plots, *lesson["outputs"], bring, seen, back, header, shown, lesson["pick"],
                      lesson["record_output"], *join["outputs"], clock]
-        # a tick that comes while the last is on its way runs as soon as that one is back, not a period later (the
-        # default drops it): how soon a page agrees with the engine is one period plus one round trip at most
         clock.tick(refresh, [lesson["picked"], seen, shown, clock], refreshed, concurrency_limit=4,
-                   show_progress="hidden", show_progress_on=seen, api_name="dashboard", postprocess=False,
-                   trigger_mode="always_last")
+                   show_progress="hidden", api_name="dashboard", postprocess=False)
         bring.change(None, None, None, js=SHOW_LESSONS)
         back.click(None, None, None, js=SHOW_LESSONS)
         wire_roles(demo, access, role)
-        quiet_progress(demo, quiet)
+        quiet_progress(demo, quiet)  # last on the page: how every event above runs (playground/page_events.py)
     # a page of its own, /projector, for a second window on the projector: the lesson in large type, nothing else
     build_projector(demo, lambda: lesson_view(pg.lessons))
     access.guard(demo, refuse)  # last: every event registered above, gated unless marked audience
@@ -251,6 +236,7 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
         role = build_presenter_box(access)
         status = gr.Markdown(watcher.status(), elem_id="status")
         clock = gr.Timer(1.0)
+        quiet = gr.State(None)  # what the events that show no progress mark as pending (quiet_progress)
         with gr.Tabs() as tabs:
             build_chat_tab(watcher, serialised, access)
             plots = build_dashboard_tab(watcher, serialised)
@@ -265,8 +251,9 @@ def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks
             return (same(watcher.status(presenter), "status", now), *chart_updates(serialised, f, now, on_tab),
                     same(intro(watcher, presenter), "header", now), now)
         clock.tick(refresh, [sent, shown], [status, *plots, header, sent], concurrency_limit=4,
-                   show_progress="hidden", show_progress_on=sent, api_name="dashboard", postprocess=False)
+                   show_progress="hidden", api_name="dashboard", postprocess=False)
         wire_roles(demo, access, role)
+        quiet_progress(demo, quiet)
     access.guard(demo, refuse)
     return demo
 

@@ -5,6 +5,9 @@ ended at max_model_len with every new message refused. Now notes are never sent,
 """
 from __future__ import annotations
 
+import re
+import string
+
 WARNING = "⚠️"  # the playground's message when the engine refused a turn or failed
 QUEUED = "⏳"  # the playground's placeholder while a reply waits for a paused engine
 NOTES = (WARNING, QUEUED)
@@ -37,6 +40,28 @@ def text_of(content) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
     return str(content)
+
+
+# A visitor's own words on the page are text, never Markdown (gradio's Chatbot renders every message as Markdown and
+# has no switch per message): CommonMark makes any ASCII punctuation literal after a backslash, and a character
+# reference is no whitespace to it, so with both nothing the visitor typed can start an emphasis, a link, code, HTML,
+# a heading, a list, a table, $$ maths or an indented code block, and gradio's cleandoc (which expands tabs and strips
+# a common indent) changes none of it
+_ESCAPED = {**{c: "\\" + c for c in string.punctuation}, "\t": "&#9;"}
+_LEADING_SPACES = re.compile(r"^ +", re.MULTILINE)
+_UNESCAPED = re.compile(r"\\([" + re.escape(string.punctuation) + r"])|&#(9|32);")
+
+
+def as_typed(text: str) -> str:
+    """Markdown that shows `text` exactly as typed (typed_text is its inverse)."""
+    escaped = "".join(_ESCAPED.get(c, c) for c in text)
+    return _LEADING_SPACES.sub(lambda m: "&#32;" * len(m.group()), escaped)
+
+
+def typed_text(shown: str) -> str:
+    """The text as_typed showed. A text that as_typed never made is left as it is, but for a backslash before a
+    punctuation mark (read as the mark) and the two character references above."""
+    return _UNESCAPED.sub(lambda m: m.group(1) or chr(int(m.group(2))), shown)
 
 
 def for_model(history: list[dict]) -> list[dict]:

@@ -133,8 +133,8 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         moved_weights = any(cfg[n] != shown.get(n) for n in weights)
         return (*fields, {**cfg, ROLE_KEY: steer}, form_notes(CHANGED, steer),
                 pg.weights_note() if moved_weights else gr.skip(), period(every))
-    follow.tick(follow_engine, [loaded, follow], [*form, follow], show_progress="hidden", show_progress_on=loaded,
-                concurrency_limit=4, api_name="settings_follow", trigger_mode="always_last")  # as the page's clock
+    follow.tick(follow_engine, [loaded, follow], [*form, follow], show_progress="hidden", concurrency_limit=4,
+                api_name="settings_follow")
 
     # gradio hands a gr.Progress only to a positional parameter: it comes first, the form's values after it
     def do_apply(progress=gr.Progress(), *args):
@@ -143,10 +143,9 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 
     def do_reset(progress=gr.Progress()):
         return pg.reset_settings(lambda f, d: progress(f, desc=d))
-    # a rebuild's bar over the weights' note, next to the controls (the empty message line shows none)
-    # the form's loads mark only `loaded` pending: a component once marked stays on gradio's list of markers, which
-    # the browser walks at every status change of every event on the page (a streamed reply's each chunk too)
-    quiet = {"show_progress": "hidden", "show_progress_on": loaded}
+    # a rebuild's bar over the weights' note, next to the controls (the empty message line shows none); the form's
+    # loads show none (the page marks a state pending for them: playground/page_events.py)
+    quiet = {"show_progress": "hidden"}
     apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings",
                 show_progress_on=weights_note).then(load_settings, None, form, **quiet)
     reset.click(do_reset, None, settings_out, show_progress_on=weights_note).then(load_settings, None, form, **quiet)

@@ -2,6 +2,8 @@
 Watcher) both show them. Layout and wiring only: what a chat does is playground/chat.py's, the figures viz's."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gradio as gr
 from gradio.components.plot import PlotData
 
@@ -9,6 +11,7 @@ from viz.figures import placeholder_figure, to_json
 
 from .access import OPEN, Access, audience
 from .chat import ChatSession
+from .conversation import as_typed, typed_text
 from .handlers import Playground, workloads
 from .identity import NOBODY
 from .serialised import SerialisedFigures
@@ -49,6 +52,37 @@ PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix
                "throughput": "throughput", "memory": "memory"}
 
 
+def shows_visitors_text(chatbot: gr.Chatbot) -> gr.Chatbot:
+    """chatbot, its visitors' turns shown as they typed them. gradio renders every message as Markdown, with no
+    switch per message: a visitor's `<img src=x onerror=...>` showed as an image, `**x**` in bold, `[a](javascript:..)`
+    as a link. The page is sent each user turn as Markdown that shows it literally (conversation.as_typed) and reads
+    it back as typed, so the handlers see the text itself; the assistant's replies are Markdown, as before. A
+    gradio_client caller of /chat gets the page's value: its user turns escaped so. (The instance's two methods are
+    wrapped: a subclass of a gradio component makes gradio write a .pyi file beside this one.)"""
+    postprocess, preprocess = chatbot.postprocess, chatbot.preprocess
+    chatbot.postprocess = lambda value: postprocess([_user_turn(m, as_typed) for m in value] if value else value)
+    chatbot.preprocess = lambda payload: [_user_turn(m, typed_text) for m in preprocess(payload)]
+    return chatbot
+
+
+def _user_turn(message, convert):
+    """message with its text converted if it is a user's turn (a dict, or gr.ChatMessage; its content a string or
+    gradio's list of parts)."""
+    is_dict = isinstance(message, dict)
+    role, content = (message.get("role"), message.get("content")) if is_dict else (
+        getattr(message, "role", None), getattr(message, "content", None))
+    if role != "user":
+        return message
+    if isinstance(content, str):
+        content = convert(content)
+    elif isinstance(content, list):
+        content = [{**p, "text": convert(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str)
+                   else p for p in content]
+    else:
+        return message
+    return {**message, "content": content} if is_dict else replace(message, content=content)
+
+
 WATCHED_CHATS = 64  # a watched server's seats are not known here: it is usually a bigger machine than this one
 
 
@@ -64,7 +98,7 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
         session = gr.State(ChatSession())
         with gr.Row():
             with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Chat with the engine", height=420)
+                chatbot = shows_visitors_text(gr.Chatbot(label="Chat with the engine", height=420))
                 with gr.Row():
                     # at most a few lines tall: a pasted page scrolls inside it, and the note under it stays in view
                     msg = gr.Textbox(placeholder="Type a message and press Enter", scale=5, show_label=False,
@@ -130,7 +164,7 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
         view, polling = pg.chat_view(s)
         return serialised.payload(view.blocks), view.summary, gr.skip() if polling else gr.Timer(active=False)
     live.tick(refresh_view, session, [live_blocks, live_summary, live], concurrency_limit=4, show_progress="hidden",
-              show_progress_on=session, api_name="chat_view", postprocess=False)
+              api_name="chat_view", postprocess=False)
     @audience
     def stopped(s: ChatSession):
         s.handled = s.sent  # a chat cancelled before it started never counts itself handled: the next may be sent

@@ -19,6 +19,7 @@ from gradio.context import get_blocks_context
 from viz.figures import to_json
 
 from .access import audience
+from .page_events import quiet_progress
 from .room import plain
 
 PROJECTOR_PATH = "projector"
@@ -127,8 +128,9 @@ def build_projector(demo: gr.Blocks, parts: Callable[[], ProjectorView | None], 
         # registered inside the route: an event belongs to the page it was registered on. At once when the window
         # opens, then with its own timer (the main page's clock is that page's)
         demo.load(show, sent, outputs, show_progress="hidden", postprocess=False, api_visibility="private")
-        timer.tick(show, sent, outputs, concurrency_limit=4, show_progress="hidden", show_progress_on=sent,
-                   postprocess=False, api_name="projector", api_visibility="private")
+        timer.tick(show, sent, outputs, concurrency_limit=4, show_progress="hidden", postprocess=False,
+                   api_name="projector", api_visibility="private")
+    quiet_progress(demo, sent)  # this page's events, as the main page's are
     return {"path": f"/{path}", "outputs": outputs, "timer": timer}
 
 

@@ -345,3 +345,44 @@ def test_attaching_to_an_address_where_nothing_answers_is_refused_in_the_page(se
         timeout=30_000)
     visit(page, "Remote server", shots)
     assert pg.remote is None
+
+
+# the last user bubble: what Markdown or HTML made in it (elements a plain text never has), and the text it shows
+LAST_USER_BUBBLE = """() => {
+  const bubble = Array.from(document.querySelectorAll('[data-testid="user"]')).pop();
+  if (!bubble) return null;
+  const made = bubble.querySelectorAll('img, strong, em, a, code, pre, h1, h2, h3, ul, ol, li, blockquote, table, del, '
+                                       + 'hr, script, iframe, svg, .katex');
+  return {made: Array.from(made).map(e => e.outerHTML), text: bubble.querySelector('.md, .prose')?.textContent
+          ?? bubble.textContent};
+}"""
+
+
+def test_a_visitor_s_own_message_shows_as_text_not_markdown(served, page, monkeypatch):
+    """The project's rule: a visitor's text renders as text, not Markdown. gradio's Chatbot renders every message as
+    Markdown (with some HTML): this message showed a broken image, bold text and a link in its own bubble. Now the
+    bubble holds none of it and shows every character typed, and the model is sent the text as typed."""
+    url, pg = served
+    sent = []
+    template = pg.llm.apply_chat_template
+    monkeypatch.setattr(pg.llm, "apply_chat_template", lambda messages, *a, **kw: (
+        sent.append([dict(m) for m in messages]), template(messages, *a, **kw))[1])
+    dialogs = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    page.goto(url)
+    page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=60_000)
+    typed = ("# <img src=x onerror=alert(1)> **bold** [link](javascript:alert(1)) `code` _under_ ~~gone~~ "
+             "$$x^2$$ a\\*b &amp; <b>tag</b> www.example.com | a | b |")
+    box = page.get_by_placeholder("Type a message and press Enter")
+    box.fill(typed)
+    box.press("Enter")
+    page.wait_for_function(f"() => ({LAST_USER_BUBBLE})() !== null", timeout=30_000)
+    page.get_by_text("finished:").wait_for(timeout=60_000)
+    shown = page.evaluate(LAST_USER_BUBBLE)
+    assert shown["made"] == [] and shown["text"].strip() == typed
+    assert not dialogs
+    # the next turn sends the conversation back from the page: the model reads the first message as it was typed
+    box.fill("And then?")
+    box.press("Enter")
+    wait_until(lambda: sent and sent[-1][-1]["content"] == "And then?")
+    assert sent[-1][0] == {"role": "user", "content": typed}

@@ -139,13 +139,7 @@ def test_the_page_s_clocks_mark_only_states_pending_and_nothing_sits_among_the_t
             marked = (dep["show_progress_on"] or dep["outputs"]) + dep["inputs"]
             assert {kinds[i] for i in marked} <= {"state", "timer"}, dep["api_name"]  # neither draws anything
     assert {"dashboard", "settings_follow", "chat_view", "settings"} <= seen
-    # and on the main page every event that shows no progress, and every load, marks only states (app.quiet_progress)
-    main_page = set(config["page"][""]["dependencies"])
-    quiet = [dep for dep in config["dependencies"] if dep["id"] in main_page and dep["backend_fn"] and dep["outputs"]
-             and (dep["show_progress"] == "hidden" or all(event == "load" for _, event in dep["targets"]))]
-    assert len(quiet) > 10
-    for dep in quiet:
-        assert {kinds[i] for i in dep["show_progress_on"] or dep["outputs"]} <= {"state", "timer"}, dep["api_name"]
+    assert_one_quiet_marker_a_page_and_every_tick_always_last(config, {"": 10, "projector": 2})
 
     def children(node):
         return node.get("children", [])
@@ -155,6 +149,39 @@ def test_the_page_s_clocks_mark_only_states_pending_and_nothing_sits_among_the_t
         if kinds.get(node["id"]) == "tabs":
             assert {kinds[c["id"]] for c in children(node)} == {"tabitem"}
         stack.extend(children(node))
+
+
+def assert_one_quiet_marker_a_page_and_every_tick_always_last(config: dict, pages: dict[str, int]) -> None:
+    """On each page (path -> how many such events it has at least), every event that shows no progress, and every
+    load, marks one state pending, the same for all of them: the page's marker, set by page_events.quiet_progress
+    and by no event itself. And every timer's tick on the page runs always_last (a tick arriving while the last is
+    pending runs when it is back; gradio's default drops it)."""
+    kinds = {c["id"]: c["type"] for c in config["components"]}
+    for page, least in pages.items():
+        on_page = set(config["page"][page]["dependencies"])
+        deps = [dep for dep in config["dependencies"] if dep["id"] in on_page]
+        quiet = [dep for dep in deps if dep["backend_fn"] and dep["outputs"]
+                 and (dep["show_progress"] == "hidden" or all(event == "load" for _, event in dep["targets"]))]
+        assert len(quiet) >= least, page
+        marked = {tuple(dep["show_progress_on"] or dep["outputs"]) for dep in quiet}
+        assert len(marked) == 1, (page, [(dep["api_name"], dep["show_progress_on"]) for dep in quiet])
+        (marker,) = marked.pop()
+        assert kinds[marker] == "state" and marker in config["page"][page]["components"]
+        ticks = [dep for dep in deps if any(event == "tick" for _, event in dep["targets"])]
+        assert ticks, page
+        assert {dep["trigger_mode"] for dep in ticks} == {"always_last"}, [(d["api_name"], d["trigger_mode"])
+                                                                           for d in ticks]
+
+
+def test_the_watch_only_page_s_events_follow_the_same_rule():
+    """build_watch_app (`--attach URL`) shares the chat tab and has a clock of its own."""
+    import app
+    from playground.remote import RemoteServer
+    from playground.watching import Watcher
+    config = app.build_watch_app(Watcher(RemoteServer("http://127.0.0.1:9"))).get_config_file()
+    ticks = {dep["api_name"] for dep in config["dependencies"] if any(e == "tick" for _, e in dep["targets"])}
+    assert {"dashboard", "chat_view"} <= ticks
+    assert_one_quiet_marker_a_page_and_every_tick_always_last(config, {"": 3})
 
 
 def test_a_value_gradio_refuses_is_one_line_for_the_caller_not_a_traceback(pg):
@@ -199,6 +226,31 @@ def test_notes_and_the_turns_they_answer_are_not_sent():
     cut = [{"role": "user", "content": "hi"},
            {"role": "assistant", "content": f"hel{conversation.ENGINE_ERROR}the engine was restarted]"}]
     assert conversation.for_model(cut)[-1] == {"role": "assistant", "content": "hel"}
+
+
+def test_a_visitor_s_turn_goes_to_the_page_as_markdown_that_shows_it_as_typed():
+    """gradio's Chatbot renders every message as Markdown: a visitor's own `<img onerror>`, `**bold**` and
+    `[link](javascript:)` rendered as such in their bubble. The page is sent their turns escaped and hands them back
+    as typed; the assistant's reply stays Markdown (tests/test_e2e_tabs.py looks at the bubble in Chromium)."""
+    import random
+
+    import gradio as gr
+
+    from playground.live_tabs import shows_visitors_text
+    typed = "<img src=x onerror=alert(1)> **bold** [link](javascript:alert(1)) `c` _u_ $$x$$ \\* &amp;\n    code\tx"
+    shown = conversation.as_typed(typed)
+    # no Markdown or HTML can start: every punctuation mark escaped, the indent and the tab character references
+    assert re.fullmatch(r"(\\[!-/:-@\[-`{-~]|&#(32|9);|[A-Za-z0-9 \n])*", shown)
+    assert "\n&#32;&#32;&#32;&#32;code&#9;x" in shown
+    chars = "ab \t\n\\*_`<>&#;329[]()!$~|-=+.:@"
+    for text in ["", *("".join(random.choices(chars, k=random.randint(1, 24))) for _ in range(2000))]:
+        assert conversation.typed_text(conversation.as_typed(text)) == text
+    chatbot = shows_visitors_text(gr.Chatbot())
+    history = [{"role": "user", "content": typed}, {"role": "assistant", "content": "**a reply** in Markdown"}]
+    sent = chatbot.postprocess(history)
+    assert [m.content[0].text for m in sent.root] == [shown, "**a reply** in Markdown"]
+    back = chatbot.preprocess(sent)  # what the next event's handler gets: the text as typed
+    assert [conversation.text_of(m["content"]) for m in back] == [typed, "**a reply** in Markdown"]
 
 
 def test_a_long_conversation_drops_its_oldest_turns_instead_of_being_refused(pg):

@@ -235,10 +235,13 @@ def test_int8_kernel_matches_the_dequantized_reference(dtype, rows, kernel, monk
 
 @NEEDS_VNNI
 def test_int8_vnni_needs_input_features_in_runs_of_32():
-    """Off a multiple of 32 (on one of 16) the projection takes the exact float kernel instead, saying so."""
+    """Off a multiple of 32 (on one of 16) the projection's one choice is the exact float kernel, saying why, and
+    that is the kernel it runs."""
     lin = Int8Linear(weight(40, 48))
     assert lin.kernel == "int8_matmul (C++)" and not lin.vnni
+    assert lin.choice.kernel == "int8_matmul (C++)" and "48 input features, not a multiple of 32" in lin.choice.why
     x = torch.randn(3, 48)
+    assert torch.equal(lin(x), cpu_kernels.compiled().int8_matmul(x, lin.qweight, lin.scales))
     assert rel_err(lin(x), x @ dequantize_int8(lin.qweight, lin.scales, torch.float32).t()) < FP32_ROUNDING
 
 

@@ -50,6 +50,11 @@ def test_weight_only_takes_the_vnni_kernel_where_the_cpu_and_the_build_have_it(s
     assert vnni.describe() == f"{scheme} weights · C++ AVX-512 VNNI kernel" and "two 8-bit parts" in vnni.why
     exact = choose_kernel(scheme, "cpu", features=AVX512 - {"avx512_vnni"}, extension=with_vnni)
     assert exact.kernel == f"{scheme}_matmul (C++)"  # an AVX-512 CPU without VNNI: the exact float kernel
+    # the VNNI kernels take K in runs of 32: a projection's own choice knows its K
+    assert choose_kernel(scheme, "cpu", features=AVX512, extension=with_vnni, in_features=64) == vnni
+    off_runs = choose_kernel(scheme, "cpu", features=AVX512, extension=with_vnni, in_features=48)
+    assert off_runs.own and off_runs.kernel == f"{scheme}_matmul (C++)"
+    assert off_runs.why.startswith("48 input features, not a multiple of 32")
 
 
 def test_refusals_name_the_problem():

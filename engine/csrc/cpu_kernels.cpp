@@ -1906,46 +1906,50 @@ void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* 
       _mm512_mask_storeu_ps(y + i * ldy + j * kQ4Block, j == NB - 1 ? last : __mmask16(0xFFFF), acc[i][j]);
 }
 
-template <typename X>
-void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, int64_t group, int64_t n, float* yp) {
-  const int64_t runs = k_len / kQ4Run, blocks = (n + kQ4Block - 1) / kQ4Block, groups = k_len / group;
-  const int64_t block_bytes = groups * 64 + runs * 256;
-  IntegerRows rows_as_integers(xp, m, k_len);
-  const std::vector<int8_t>& q = rows_as_integers.q;
-  const std::vector<float>&unit = rows_as_integers.unit, &unit_sum = rows_as_integers.unit_sum;
+// The loop int4's and int8's VNNI kernels share: the output blocks in groups of kQ4Blocks, a group to a thread; in
+// each, two rows share each weight vector two blocks at a time (more would spill), then an odd last row takes the
+// group's blocks at once. tile(mb, nb, i, block, mask) multiplies rows i.. (mb of them, a std::integral_constant)
+// by the blocks from `block` on (nb of them), the last block's outputs masked by `mask`.
+template <typename Tile>
+void vnni_tiles(int64_t m, int64_t n, Tile&& tile) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  const int64_t blocks = (n + kQ4Block - 1) / kQ4Block;
   const __mmask16 tail = n % kQ4Block ? __mmask16((1u << (n % kQ4Block)) - 1) : __mmask16(0xFFFF);
-  const int64_t ngroups = (blocks + kQ4Blocks - 1) / kQ4Blocks;
-  dense_groups(ngroups, [&](int64_t g) {
+  dense_groups((blocks + kQ4Blocks - 1) / kQ4Blocks, [&](int64_t g) {
     const int64_t first = g * kQ4Blocks, count = std::min<int64_t>(kQ4Blocks, blocks - first);
     const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
-    const uint8_t* w = wp + first * block_bytes;
     auto rows = [&](auto nb) {
       constexpr int NB = decltype(nb)::value;
       int64_t i = 0;
-      for (; i + 2 <= m; i += 2) {  // two rows share each weight vector, two blocks at a time (more would spill)
+      for (; i + 2 <= m; i += 2)
         for (int j = 0; j < NB; j += 2) {
-          const int64_t at = i * 2 * k_len;
-          if (j + 2 <= NB) {
-            q4_tile<2, 2>(q.data() + at, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs, runs,
-                          w + j * block_bytes, block_bytes, runs, group / kQ4Run, yp + i * n + (first + j) * kQ4Block,
-                          n, j + 2 == NB ? last : 0xFFFF);
-          } else {
-            q4_tile<2, 1>(q.data() + at, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs, runs,
-                          w + j * block_bytes, block_bytes, runs, group / kQ4Run, yp + i * n + (first + j) * kQ4Block,
-                          n, last);
-          }
+          if (j + 2 <= NB)
+            tile(Two{}, Two{}, i, first + j, j + 2 == NB ? last : __mmask16(0xFFFF));
+          else
+            tile(Two{}, One{}, i, first + j, last);
         }
-      }
-      if (i < m)
-        q4_tile<1, NB>(q.data() + i * 2 * k_len, 2 * k_len, unit.data() + i * runs, unit_sum.data() + i * runs,
-                       runs, w, block_bytes, runs, group / kQ4Run, yp + i * n + first * kQ4Block, n, last);
+      if (i < m) tile(One{}, nb, i, first, last);
     };
     switch (count) {
       case 4: rows(std::integral_constant<int, 4>{}); break;
       case 3: rows(std::integral_constant<int, 3>{}); break;
-      case 2: rows(std::integral_constant<int, 2>{}); break;
-      default: rows(std::integral_constant<int, 1>{}); break;
+      case 2: rows(Two{}); break;
+      default: rows(One{}); break;
     }
+  });
+}
+
+template <typename X>
+void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, int64_t group, int64_t n, float* yp) {
+  const int64_t runs = k_len / kQ4Run, groups = k_len / group, block_bytes = groups * 64 + runs * 256;
+  IntegerRows rows_as_integers(xp, m, k_len);
+  const int8_t* q = rows_as_integers.q.data();
+  const float *unit = rows_as_integers.unit.data(), *unit_sum = rows_as_integers.unit_sum.data();
+  vnni_tiles(m, n, [&](auto mb, auto nb, int64_t i, int64_t block, __mmask16 last) {
+    q4_tile<decltype(mb)::value, decltype(nb)::value>(
+        q + i * 2 * k_len, 2 * k_len, unit + i * runs, unit_sum + i * runs, runs, wp + block * block_bytes,
+        block_bytes, runs, group / kQ4Run, yp + i * n + block * kQ4Block, n, last);
   });
 }
 
@@ -1998,42 +2002,15 @@ void q8_tile(const int8_t* q, int64_t q_stride, const float* unit, const int32_t
 template <typename X>
 void int8_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, const float* scale, int64_t n,
                    float* yp) {
-  const int64_t runs = k_len / kQ4Run, blocks = (n + kQ4Block - 1) / kQ4Block, block_bytes = runs * 512;
+  const int64_t runs = k_len / kQ4Run, block_bytes = runs * 512;
   IntegerRows rows_as_integers(xp, m, k_len);
   const int8_t* q = rows_as_integers.q.data();
   const float* unit = rows_as_integers.unit.data();
   const int32_t* sums = rows_as_integers.sums.data();
-  const __mmask16 tail = n % kQ4Block ? __mmask16((1u << (n % kQ4Block)) - 1) : __mmask16(0xFFFF);
-  dense_groups((blocks + kQ4Blocks - 1) / kQ4Blocks, [&](int64_t g) {
-    const int64_t first = g * kQ4Blocks, count = std::min<int64_t>(kQ4Blocks, blocks - first);
-    const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
-    const uint8_t* w = wp + first * block_bytes;
-    const float* s = scale + first * kQ4Block;
-    auto rows = [&](auto nb) {
-      constexpr int NB = decltype(nb)::value;
-      int64_t i = 0;
-      for (; i + 2 <= m; i += 2) {  // two rows share each weight vector, two blocks at a time (more would spill)
-        for (int j = 0; j < NB; j += 2) {
-          float* y = yp + i * n + (first + j) * kQ4Block;
-          if (j + 2 <= NB) {
-            q8_tile<2, 2>(q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, w + j * block_bytes,
-                          block_bytes, s + j * kQ4Block, runs, y, n, j + 2 == NB ? last : 0xFFFF);
-          } else {
-            q8_tile<2, 1>(q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, w + j * block_bytes,
-                          block_bytes, s + j * kQ4Block, runs, y, n, last);
-          }
-        }
-      }
-      if (i < m)
-        q8_tile<1, NB>(q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, w, block_bytes, s, runs,
-                       yp + i * n + first * kQ4Block, n, last);
-    };
-    switch (count) {
-      case 4: rows(std::integral_constant<int, 4>{}); break;
-      case 3: rows(std::integral_constant<int, 3>{}); break;
-      case 2: rows(std::integral_constant<int, 2>{}); break;
-      default: rows(std::integral_constant<int, 1>{}); break;
-    }
+  vnni_tiles(m, n, [&](auto mb, auto nb, int64_t i, int64_t block, __mmask16 last) {
+    q8_tile<decltype(mb)::value, decltype(nb)::value>(
+        q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, wp + block * block_bytes, block_bytes,
+        scale + block * kQ4Block, runs, yp + i * n + block * kQ4Block, n, last);
   });
 }
 #else

@@ -9,12 +9,12 @@ engine's snapshot, the status line and the benchmarks all ask it, and none decid
           cpu     oneDNN's linear (weight reordered once)         otherwise: fp32; bf16 with AVX-512 BF16 / AMX
           cpu     x @ W                                           bf16 without them, a torch without oneDNN
           cuda    x @ W
-  int8    cpu     the engine's C++ int8_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built
-                  in two 8-bit parts, integer dot products)       (K a multiple of 32)
+  int8    cpu     the engine's C++ int8_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built,
+                  in two 8-bit parts, integer dot products)       K (in_features) a multiple of 32
           cpu     the engine's C++ int8_matmul (AVX-512)          AVX-512 here and the C++ kernels built
           cpu     torch._weight_int8pack_mm (bf16 activations)    otherwise
-  int4    cpu     the engine's C++ int4_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built
-                  in two 8-bit parts, integer dot products)
+  int4    cpu     the engine's C++ int4_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built,
+                  in two 8-bit parts, integer dot products)       K a multiple of 32 (its groups are)
           cpu     the engine's C++ int4_matmul (AVX-512)          AVX-512 here and the C++ kernels built
           cpu     torch._weight_int4pack_mm_for_cpu (bf16)        otherwise
           cuda    torch._weight_int4pack_mm (bf16)
@@ -50,6 +50,7 @@ FBGEMM_ENGINES = ("x86", "fbgemm")
 # fbgemm multiplies uint8 activations by int8 weights; on AVX2 it adds pairs of products in int16, which overflows
 # when both use 8 bits (measured: 52% error at full range), so weights get 7 bits there (see quant/linear.py)
 W8A8_WEIGHT_MAX_BY_SUMS = {"int32": 127, "int16 pairs": 63}
+VNNI_K_MULTIPLE = 32  # the VNNI kernels' input features: one scale of the activations per run of 32
 
 
 @cache
@@ -188,10 +189,12 @@ def _unquantized(device: str, dtype: torch.dtype, features: frozenset[str], ext)
 
 
 def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.dtype = torch.float32,
-                  features: frozenset[str] | None = None, extension=...) -> KernelChoice:
+                  features: frozenset[str] | None = None, extension=..., in_features: int | None = None
+                  ) -> KernelChoice:
     """The kernel for scheme's projections on device (a model of dtype), and why; ValueError when this engine has
     none there (never run unquantized instead). features: the CPU's flags (this one's by default); extension: the
-    engine's compiled C++ module or None (cpu_kernels.compiled() by default)."""
+    engine's compiled C++ module or None (cpu_kernels.compiled() by default); in_features: the projection's K, where
+    it is known (a projection's own choice), which the VNNI kernels need in runs of VNNI_K_MULTIPLE."""
     device, name = torch.device(device).type, str(dtype).removeprefix("torch.")
     if device == "cpu":
         features = cpu_features() if features is None else features
@@ -209,7 +212,9 @@ def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.d
                          f"{', '.join(TORCH_KERNELS[scheme])}{': ' + why if why else ''}); it is refused rather than "
                          f"run unquantized")
     if scheme in ("int8", "int4") and device == "cpu":
-        if ext is not None and "avx512_vnni" in features and getattr(ext, "vnni_available", lambda: False)():
+        vnni = ext is not None and "avx512_vnni" in features and getattr(ext, "vnni_available", lambda: False)()
+        off_runs = vnni and in_features is not None and in_features % VNNI_K_MULTIPLE != 0
+        if vnni and not off_runs:
             bits = "4" if scheme == "int4" else "8"
             return KernelChoice(scheme, device, f"{scheme}_matmul_vnni (C++)", f"AVX-512 VNNI here and the engine's "
                                 f"C++ kernels built: the weights stay {bits}-bit integers, multiplied by the "
@@ -218,9 +223,11 @@ def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.d
                                 f"which ran out of them before the memory ran out of bytes", own=True,
                                 model_dtype=name)
         if ext is not None and "avx512f" in features and ext.weight_only_available():
-            return KernelChoice(scheme, device, f"{scheme}_matmul (C++)", "AVX-512 here and the engine's C++ kernels "
-                                "built: its own kernel widens the weights in registers and takes the activations as "
-                                "they come (torch's takes bf16 only)", own=True, model_dtype=name)
+            off = (f"{in_features} input features, not a multiple of {VNNI_K_MULTIPLE} as the VNNI kernel needs, "
+                   f"so " if off_runs else "")
+            return KernelChoice(scheme, device, f"{scheme}_matmul (C++)", f"{off}AVX-512 here and the engine's C++ "
+                                "kernels built: its own kernel widens the weights in registers and takes the "
+                                "activations as they come (torch's takes bf16 only)", own=True, model_dtype=name)
         why = ("the engine's C++ kernels are not built here (make kernels)" if ext is None else
                f"{isa(features)} on this CPU: the engine's own {scheme} kernel is AVX-512 only")
     else:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import cpu_kernels
-from . import kernels as kernel_choice
 from .format import INT4_GROUP_SIZES, WeightFormat
 from .kernels import W8A8_OP, W8A8_ZERO_POINT, choose_kernel
 from .numerics import quantize_int4, quantize_int8
@@ -38,9 +37,10 @@ class _Quantized:
     scheme: str
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.choice = choose_kernel(self.scheme, weight.device, weight.dtype)  # ValueError where none runs here
-        self.kernel = self.choice.kernel.rsplit(".", 1)[-1]
         self.out_features, self.in_features = weight.shape
+        # ValueError where none runs here
+        self.choice = choose_kernel(self.scheme, weight.device, weight.dtype, in_features=self.in_features)
+        self.kernel = self.choice.kernel.rsplit(".", 1)[-1]
         self.dtype, self.device = weight.dtype, weight.device  # the model's: what comes in and goes out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,6 @@ CPP_DENSE, CPP_INT8_VNNI, CPP_INT4_VNNI = 0, 1, 2  # cpu_kernels.cpp's Projectio
 
 
 INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's returns garbage off it: measured)
-VNNI_K_MULTIPLE = 32  # the VNNI kernels': one scale of the activations per run of 32
 
 
 class _WeightOnly(_Quantized):
@@ -110,9 +109,9 @@ class _WeightOnly(_Quantized):
 
 class Int8Linear(_WeightOnly):
     """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T.
-    int8_matmul_vnni (AVX-512 VNNI, K a multiple of 32) keeps them in pack_int8_vnni's layout and multiplies integers;
-    int8_matmul widens the weights as it reads them. The C++ kernels keep the scales in fp32; torch's
-    _weight_int8pack_mm wants them in bf16, like its activations."""
+    int8_matmul_vnni (AVX-512 VNNI, K a multiple of 32: choose_kernel takes K) keeps them in pack_int8_vnni's layout
+    and multiplies integers; int8_matmul widens the weights as it reads them. The C++ kernels keep the scales in fp32;
+    torch's _weight_int8pack_mm wants them in bf16, like its activations."""
     scheme = "int8"
 
     def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
@@ -121,11 +120,6 @@ class Int8Linear(_WeightOnly):
             raise ValueError(f"int8 on CPU needs input features in multiples of {INT8_K_MULTIPLE} (its kernels step "
                              f"over them 16 at a time; torch's returns garbage otherwise), got {self.in_features}")
         self.vnni = self.choice.kernel.startswith("int8_matmul_vnni")
-        if self.vnni and self.in_features % VNNI_K_MULTIPLE:  # the exact float kernel, which steps over 16
-            self.choice = choose_kernel(self.scheme, self.device, self.dtype,
-                                        kernel_choice.cpu_features() - {"avx512_vnni"})
-            self.kernel, self.vnni = self.choice.kernel.rsplit(".", 1)[-1], False
-            self._own = cpu_kernels.compiled().int8_matmul
         scale_dtype = None if self._own is not None else self.activation_dtype
         q, scale = quantize_int8(weight, scale_dtype=scale_dtype, hessian=hessian)
         if self.vnni:
