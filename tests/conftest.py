@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 
 import pytest
@@ -163,6 +164,16 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
                                     do_sample=False, pad_token_id=hf_model.config.pad_token_id)
         known[key] = out[0, len(prompt_ids):].tolist()
     return list(known[key])
+
+
+def wait_until(condition, timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:
+    """Whether condition() came true within timeout_s (asked every poll_s): for what another thread does."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return condition()
 
 
 def assert_all_blocks_free(engine) -> None:

@@ -6,14 +6,13 @@ nothing of a job that has ended.
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from engine import cpu_kernels
 from engine.quant.linear import Int4Linear, Int8Linear, Linear
 from engine.threads import usable_cores
+from tests.conftest import wait_until
 
 ext = cpu_kernels.compiled()
 pytestmark = pytest.mark.skipif(ext is None or not hasattr(ext, "pool_count"), reason="the C++ kernels are not built")
@@ -26,16 +25,6 @@ def kernel_threads():
     yield ext.kernel_threads
     ext.pool_hold(False)
     ext.kernel_threads(0)
-
-
-def _wait_for(predicate, seconds: float = 30.0) -> bool:
-    """Whether predicate() came true within `seconds` (a loaded machine can keep a worker waiting)."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_every_chunk_runs_exactly_once_on_any_thread_count(kernel_threads):
@@ -51,8 +40,9 @@ def test_every_chunk_runs_exactly_once_on_any_thread_count(kernel_threads):
 def test_workers_take_chunks(kernel_threads):
     assert kernel_threads(2) == 2
     before = ext.pool_stats()["worker_chunks"]
-    assert _wait_for(lambda: bool((ext.pool_count(200, 1, 200) == 1).all())
-                     and ext.pool_stats()["worker_chunks"] > before)
+    # a loaded machine can keep a worker waiting
+    assert wait_until(lambda: bool((ext.pool_count(200, 1, 200) == 1).all())
+                      and ext.pool_stats()["worker_chunks"] > before, timeout_s=30.0, poll_s=0.01)
 
 
 @needs_two_cores
@@ -72,7 +62,7 @@ def test_a_call_returns_while_its_worker_is_stopped_before_claiming(kernel_threa
     assert ext.pool_stats()["worker_chunks"] == held["worker_chunks"]
     ext.pool_hold(False)
     # let go, the worker finds the job it read has ended: its claim is refused, it runs nothing of it
-    assert _wait_for(lambda: ext.pool_stats()["refused_claims"] > held["refused_claims"])
+    assert wait_until(lambda: ext.pool_stats()["refused_claims"] > held["refused_claims"], timeout_s=30.0, poll_s=0.01)
     assert ext.pool_stats()["worker_chunks"] == held["worker_chunks"]
     for _ in range(20):
         assert bool((ext.pool_count(500, 3, 20) == 1).all())

@@ -15,7 +15,7 @@ import pytest
 from engine import LLM
 from playground import page_client
 from playground.access import TOKEN, Access
-from tests.conftest import serve_app
+from tests.conftest import serve_app, wait_until
 
 pytestmark = [pytest.mark.served, pytest.mark.slow]
 
@@ -38,15 +38,6 @@ def join(http: httpx.Client, url: str, fn_index: int, data: list, session: str |
     return http.post(url + "gradio_api/queue/join", json={
         "data": data, "fn_index": fn_index, "session_hash": session or uuid.uuid4().hex[:11], "event_data": None,
         "trigger_id": None})
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def fn_ids(url: str) -> dict[str, int]:
