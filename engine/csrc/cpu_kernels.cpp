@@ -275,27 +275,6 @@ void run(int64_t n, Job& job, int threads) {
   if (error) std::rethrow_exception(error);
 }
 
-void nothing(void*) {}
-
-// f(begin, end) over [begin, end) in chunks of `grain` (the last shorter), as at::parallel_for's callable
-template <typename F>
-void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  if (end <= begin) return;
-  grain = std::max<int64_t>(1, grain);
-  struct Ctx {
-    const F* f;
-    int64_t begin, end, grain;
-  } ctx{&f, begin, end, grain};
-  Job job{&ctx,
-          [](void* p, int64_t c) {
-            const Ctx& x = *static_cast<const Ctx*>(p);
-            const int64_t b = x.begin + c * x.grain;
-            (*x.f)(b, std::min(x.end, b + x.grain));
-          },
-          nothing, nothing};
-  run((end - begin + grain - 1) / grain, job, threads_for_call());
-}
-
 // each of `chunks` chunks through run(chunk), each taking thread calling enter() before its first and leave() after
 // its last (AMX's tile configuration is a thread's)
 template <typename E, typename R, typename L>
@@ -308,6 +287,18 @@ void parallel_chunks(int64_t chunks, const E& enter, const R& run_chunk, const L
   Job job{&ctx, [](void* p, int64_t c) { (*static_cast<Ctx*>(p)->run)(c); },
           [](void* p) { (*static_cast<Ctx*>(p)->enter)(); }, [](void* p) { (*static_cast<Ctx*>(p)->leave)(); }};
   run(chunks, job, threads_for_call());
+}
+
+// f(begin, end) over [begin, end) in chunks of `grain` (the last shorter), as at::parallel_for's callable
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (end <= begin) return;
+  grain = std::max<int64_t>(1, grain);
+  const auto none = [] {};
+  parallel_chunks((end - begin + grain - 1) / grain, none, [&](int64_t c) {
+    const int64_t b = begin + c * grain;
+    f(b, std::min(end, b + grain));
+  }, none);
 }
 
 // Every fork's child starts without workers
