@@ -149,8 +149,10 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
         pg.chat_sent(s)
         return "", message, gr.Timer(active=True), ""
 
+    # a second Enter while the first one's take is on its way runs after it (gradio's default drops it, and the
+    # visitor's words sat in the box without the note saying why)
     taken = gr.on([msg.submit, send.click], take, [msg, session], [msg, pending, live, reply_info], queue=False,
-                  show_progress="hidden", api_visibility="private")
+                  show_progress="hidden", api_visibility="private", trigger_mode="always_last")
     chat_event = taken.then(chat, [pending, chatbot, temperature, max_tokens, session], [chatbot, reply_info],
                             concurrency_limit=seats, concurrency_id="chat", api_name="page_chat",
                             api_visibility="private")  # named, so that "chat" stays the API's
