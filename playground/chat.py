@@ -6,7 +6,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 
 from engine import SamplingParams
 from viz.dashboard import ChatView
@@ -17,6 +18,10 @@ from .identity import Who
 
 QUEUED_NOTE = f"{QUEUED} queued: the engine is paused (step mode). Press Step or Resume on the Step mode tab to run it."
 PENDING_S = 120.0  # a message sent this long ago whose chat never started (cancelled in gradio's queue) is given up
+# a message submitted as it left the box (ChatHandlers.presubmit) whose chat has not come for it by then is aborted:
+# the tab closed, or gradio's queue holds its chat (which then submits it again)
+UNCLAIMED_S = 30.0
+_PRESUBMITTED = threading.Lock()  # a tab's ChatSession.presubmitted: claimed once, by its chat or by a drop
 # a reply's text is sent to the page at most this often (the newest text each time, nothing dropped): each update
 # re-renders the whole reply in every browser that shows it, and a fast engine made hundreds a second
 FRAME_S = 0.05
@@ -57,14 +62,34 @@ class ChatSession:
     handled: int = 0  # chats that ended (replied, refused, stopped): while fewer than sent, a reply is on its way
     sent_at: float = 0.0
     refused: str = ""  # why the tab's latest message was refused ("" when it was not): its live view says so
+    presubmitted: Presubmitted | None = None  # the message the box gave up, already submitted; its chat claims it
 
     def expecting(self) -> bool:
         return self.handled < self.sent and time.monotonic() - self.sent_at < PENDING_S
 
 
 
+@dataclass
+class Submitted:
+    """A chat's message in the engine: its request, its stream, and the service that runs it."""
+    rid: str
+    stream: object
+    trimmed: str  # what the stats line says was left out of the conversation ("" when nothing was)
+    service: object
+
+
+@dataclass
+class Presubmitted:
+    """A page's message submitted by the event that took it out of the box, so that the engine reads the prompt
+    while the page's streaming event (the chat) is still on its way through gradio's queue; that chat claims it."""
+    message: str
+    audience: Who | None  # whose seat it holds (None: the presenter's or a desk's, which take none)
+    submitted: Future = field(default_factory=Future)  # -> Submitted, None (an empty turn), or what submit raised
+    timer: threading.Timer | None = None
+
+
 class ChatHandlers:
-    """chat, chat_sent, chat_view, queued_note: what a chat tab's events call."""
+    """chat, chat_sent, presubmit, chat_view, queued_note: what a chat tab's events call."""
 
     def chat(self, message: str, history: list[dict], temperature: float = 0.7, max_tokens: int = 256,
              session: ChatSession | None = None, audience: Who | None = None) -> Iterator[tuple[list[dict], str]]:
@@ -75,8 +100,13 @@ class ChatHandlers:
         request is submitted (the tab's live view highlights that request).
         `audience`: who the visitor is (identity.Who) when they are audience on a shared page: their share of the
         engine is bounded (self.seats: replies in flight, theirs and their address's; max_tokens)."""
+        claimed = self._claim(session, message)
         seated, priority = False, 0
         try:
+            if claimed is not None:  # submitted as it left the box: its seat is taken, its max_tokens capped
+                seated, audience = claimed.audience is not None, claimed.audience
+                yield from self._chat(message, history, temperature, max_tokens, session, claimed=claimed)
+                return
             if message and (why := self.message_refused(message)):
                 if session is not None:  # the live view stops showing the last reply as this tab's, and says why
                     session.request_id, session.refused = None, why
@@ -84,8 +114,7 @@ class ChatHandlers:
                                              {"role": "assistant", "content": f"{WARNING} {why}"}], ""
                 return
             if audience is not None and message and message.strip():
-                if int(max_tokens) > self.seats.max_tokens:
-                    max_tokens = self.seats.max_tokens
+                max_tokens = min(int(max_tokens), self.seats.max_tokens)
                 try:
                     priority = self.seats.take(audience)
                     seated = True
@@ -103,6 +132,68 @@ class ChatHandlers:
             if session is not None:
                 session.handled += 1
 
+    def presubmit(self, message: str, history: list[dict], temperature: float, max_tokens: int,
+                  session: ChatSession, audience: Who | None = None) -> None:
+        """Submit a page's message as the event that empties its box runs (at once, outside gradio's queue), for
+        the chat that follows to claim: the engine reads the prompt while the chat's own event is still on its way
+        through the queue. Nothing is submitted where the chat would first have something to say (a message
+        refused, no seat free, a watched server, a rebuild): that chat does it all, as an API call's does."""
+        if (self.remote is not None or self.rebuilding is not None or self.message_refused(message)
+                or (turn := conversation.next_turn(message, history)) is None):
+            return
+        priority = 0
+        if audience is not None:
+            max_tokens = min(int(max_tokens), self.seats.max_tokens)
+            try:
+                priority = self.seats.take(audience)
+            except ValueError:
+                return  # the chat asks again, and says why
+        pre = Presubmitted(message, audience)
+
+        def submit() -> None:
+            try:
+                sub = self._submit(*turn, temperature, max_tokens, priority)
+                session.request_id, session.refused = sub.rid, ""  # the tab's live view shows it from now on
+                pre.submitted.set_result(sub)
+            except BaseException as exc:  # the chat that claims it shows it, as its own submit's
+                pre.submitted.set_exception(exc)
+        self.drop_presubmitted(session)  # one never claimed (its chat cancelled in the queue)
+        session.presubmitted = pre
+        pre.timer = threading.Timer(UNCLAIMED_S, self.drop_presubmitted, (session, pre))
+        pre.timer.daemon = True
+        pre.timer.start()
+        threading.Thread(target=submit, daemon=True, name="presubmit").start()
+
+    def drop_presubmitted(self, session: ChatSession, only: Presubmitted | None = None) -> None:
+        """Abort the tab's message submitted as it left the box and not claimed by a chat (Stop, Clear, a closed
+        tab), and give its seat back, once its submit has returned."""
+        with _PRESUBMITTED:
+            pre = session.presubmitted
+            if pre is None or (only is not None and pre is not only):
+                return
+            session.presubmitted = None
+        if pre.timer is not None:
+            pre.timer.cancel()
+
+        def drop(done: Future) -> None:
+            sub = None if done.exception() else done.result()
+            if sub is not None and sub.service.is_streaming(sub.rid):
+                sub.service.abort(sub.rid)
+            if pre.audience is not None:
+                self.seats.give_back(pre.audience)
+        pre.submitted.add_done_callback(drop)
+
+    @staticmethod
+    def _claim(session: ChatSession | None, message: str) -> Presubmitted | None:
+        with _PRESUBMITTED:
+            pre = session.presubmitted if session is not None else None
+            if pre is None or pre.message != message:
+                return None
+            session.presubmitted = None
+        if pre.timer is not None:
+            pre.timer.cancel()
+        return pre
+
     def message_refused(self, message: str) -> str:
         """Why a chat message is refused unread ("" when it is not): one longer than the context could hold."""
         if (remote := self.remote) is not None:
@@ -117,26 +208,22 @@ class ChatHandlers:
         session.sent_at = time.monotonic()
 
     def _chat(self, message: str, history: list[dict], temperature: float, max_tokens: int,
-              session: ChatSession | None, priority: int = 0) -> Iterator[tuple[list[dict], str]]:
+              session: ChatSession | None, priority: int = 0,
+              claimed: Presubmitted | None = None) -> Iterator[tuple[list[dict], str]]:
         if (turn := conversation.next_turn(message, history)) is None:
             yield list(history or []), ""
             return
         messages, history = turn
-        if (rebuilding := self.rebuilding) is not None:  # the engine is being replaced: wait for the new one
+        if claimed is None and (rebuilding := self.rebuilding) is not None:  # wait for the new engine
             yield history + [{"role": "assistant", "content": f"{QUEUED} queued: {rebuilding}; the reply starts "
                                                                f"when the new engine is up"}], "queued"
             self._engine_up.wait(PENDING_S)
         try:
-            config = self.service.snapshot().config
-            prompt, dropped = conversation.fit(messages, self.llm.apply_chat_template,
-                                               conversation.prompt_budget(config, int(max_tokens)))
-            oldest = "the oldest turn" if dropped == 1 else f"the {dropped} oldest turns"
-            trimmed = f"too long for max_model_len {config['max_model_len']}: left out {oldest} · " if dropped else ""
-            service = self.service
-            rid, q = service.submit(prompt, SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
-                                                           seed=None), priority=priority)
+            sub = (claimed.submitted.result() if claimed is not None
+                   else self._submit(messages, history, temperature, max_tokens, priority))
             if session is not None:
-                session.request_id, session.refused = rid, ""
+                session.request_id, session.refused = sub.rid, ""
+            service, trimmed = sub.service, sub.trimmed
             try:
                 if note := self.queued_note():  # say so now rather than show an empty reply until the engine runs
                     yield history + [{"role": "assistant", "content": note}], trimmed + "queued"
@@ -144,16 +231,29 @@ class ChatHandlers:
                     yield history, trimmed + "sent, waiting for the first token"
                 history = history + [{"role": "assistant", "content": ""}]
                 with self.frames:
-                    yield from self._stream(service, rid, q, history, trimmed)
+                    yield from self._stream(service, sub.rid, sub.stream, history, trimmed)
             finally:  # Stop pressed or tab closed, even while queued: abort the request now, freeing its blocks
-                if service.is_streaming(rid):
-                    service.abort(rid)
+                if service.is_streaming(sub.rid):
+                    service.abort(sub.rid)
         except (ValueError, RuntimeError) as exc:  # too long, bad settings, engine down: say so in the chat
             if session is not None:  # and beside it: the live view no longer shows the previous reply as current
                 session.request_id, session.refused = None, str(exc)
             history = [m for m in history if m.get("content") != ""]
             history.append({"role": "assistant", "content": f"{WARNING} {exc}"})
             yield history, ""
+
+    def _submit(self, messages: list[dict], history: list[dict], temperature: float, max_tokens: int,
+                priority: int) -> Submitted:
+        """The conversation into the engine, its oldest turns left out where it no longer fits max_model_len."""
+        config = self.service.snapshot().config
+        prompt, dropped = conversation.fit(messages, self.llm.apply_chat_template,
+                                           conversation.prompt_budget(config, int(max_tokens)))
+        oldest = "the oldest turn" if dropped == 1 else f"the {dropped} oldest turns"
+        trimmed = f"too long for max_model_len {config['max_model_len']}: left out {oldest} · " if dropped else ""
+        service = self.service
+        rid, q = service.submit(prompt, SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
+                                                       seed=None), priority=priority)
+        return Submitted(rid, q, trimmed, service)
 
     def _stream(self, service, rid: str, q, history: list[dict], trimmed: str) -> Iterator[tuple[list[dict], str]]:
         """The reply's updates, the newest text at most once a frame (self.frames: slower while the room streams

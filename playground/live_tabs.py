@@ -13,7 +13,7 @@ from .access import OPEN, Access, audience
 from .chat import ChatSession
 from .conversation import as_typed, typed_text
 from .handlers import Playground, workloads
-from .identity import NOBODY
+from .identity import NOBODY, Who
 from .serialised import SerialisedFigures
 from .watching import Watcher
 
@@ -122,24 +122,29 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
         pending = gr.State("")  # the message sent, moved out of the box (below)
         api_chat = gr.Button(visible=False)  # the chat's API endpoint (below)
 
+    def seated_as() -> Who | None:
+        """Whose seat a chat takes: the audience's share of the engine is bounded; the presenter's is not."""
+        visitor = access.visitor()
+        return None if visitor.presenter else (visitor.who or NOBODY)
+
     @audience
     def chat(message, history, temperature_value, max_tokens_value, s: ChatSession):
         if not (message and message.strip()):  # an empty box sent (Enter pressed twice): nothing changes
             yield gr.skip(), gr.skip()
             return
-        visitor = access.visitor()  # the audience's share of the engine is bounded; the presenter's is not
-        who = None if visitor.presenter else (visitor.who or NOBODY)
-        yield from pg.chat(message, history, temperature_value, max_tokens_value, s, audience=who)
+        yield from pg.chat(message, history, temperature_value, max_tokens_value, s, audience=seated_as())
 
     seats = chat_seats(pg)
     # On the page (gradio's ChatInterface does the same): the message moves from the box to the tab's state at
     # once, so the box is empty while the reply streams and Enter again sends nothing; then the chat reads it from
-    # the state. A message typed while this tab's reply is still on its way stays in the box, unsent (one reply at
-    # a time per tab: two would stream into one history). The live view's timer starts here, before the chat: the
-    # page applies a trigger's updates in order, and a timer started beside the streaming chat only ran once the
-    # reply had ended.
+    # the state. The same event (it runs at once, outside gradio's queue) submits the message to the engine, so the
+    # engine reads the prompt while the chat's event is still on its way through the queue; the chat claims it
+    # (ChatHandlers.presubmit). A message typed while this tab's reply is still on its way stays in the box, unsent
+    # (one reply at a time per tab: two would stream into one history). The live view's timer starts here, before
+    # the chat: the page applies a trigger's updates in order, and a timer started beside the streaming chat only
+    # ran once the reply had ended.
     @audience
-    def take(message, s: ChatSession):
+    def take(message, history, temperature_value, max_tokens_value, s: ChatSession):
         if not (message and message.strip()):
             return gr.skip(), "", gr.skip(), gr.skip()
         if s.expecting():
@@ -147,12 +152,14 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
         if why := pg.message_refused(message):  # refused at once, and left in the box to shorten
             return gr.skip(), "", gr.skip(), f"⚠️ {why}"
         pg.chat_sent(s)
+        pg.presubmit(message, history, temperature_value, max_tokens_value, s, audience=seated_as())
         return "", message, gr.Timer(active=True), ""
 
     # a second Enter while the first one's take is on its way runs after it (gradio's default drops it, and the
     # visitor's words sat in the box without the note saying why)
-    taken = gr.on([msg.submit, send.click], take, [msg, session], [msg, pending, live, reply_info], queue=False,
-                  show_progress="hidden", api_visibility="private", trigger_mode="always_last")
+    taken = gr.on([msg.submit, send.click], take, [msg, chatbot, temperature, max_tokens, session],
+                  [msg, pending, live, reply_info], queue=False, show_progress="hidden", api_visibility="private",
+                  trigger_mode="always_last")
     chat_event = taken.then(chat, [pending, chatbot, temperature, max_tokens, session], [chatbot, reply_info],
                             concurrency_limit=seats, concurrency_id="chat", api_name="page_chat",
                             api_visibility="private")  # named, so that "chat" stays the API's
@@ -169,11 +176,13 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
               api_name="chat_view", postprocess=False)
     @audience
     def stopped(s: ChatSession):
+        pg.drop_presubmitted(s)  # Stop before the chat started: its message is not left running
         s.handled = s.sent  # a chat cancelled before it started never counts itself handled: the next may be sent
         return "⏹ stopped: the reply ends here, and its KV blocks went back to the pool"
 
     @audience
     def cleared(s: ChatSession):
+        pg.drop_presubmitted(s)
         s.handled = s.sent
         return [], ""
     # the reply keeps what had streamed; the chat's own cleanup aborts its request and frees its blocks

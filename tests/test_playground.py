@@ -13,6 +13,7 @@ from engine import LLM, EngineConfig, SamplingParams, measure
 from engine.config import WEIGHT_FIELDS
 from playground import Playground, conversation
 from playground.chat import ChatSession
+from playground.identity import Who
 from playground.measurements import Measurement
 from playground.serialised import SerialisedFigures
 from playground.stepmode import describe_step, plural
@@ -315,6 +316,64 @@ def test_a_chat_tells_its_tab_which_request_is_its_own(pg):
     list(pg.chat("Hello again", [], 0.0, 2, session))  # the next message that goes through clears the note
     view, _ = pg.chat_view(session)
     assert view.request_id == session.request_id != rid and "refused" not in view.summary
+
+
+def test_a_message_is_submitted_as_it_leaves_the_box_and_its_chat_streams_that_request(pg):
+    """The event that empties the box submits the message (presubmit); the chat that follows streams that very
+    request (no second one), holding the seat presubmit took until the reply ends; a chat for another message (an
+    API call) does not take it."""
+    from tests.conftest import wait_until
+    who = Who("v:presubmit", "192.0.2.9", True)
+    session = ChatSession()
+    pg.chat_sent(session)
+    pg.presubmit("Hello there", [], 0.0, 300, session, audience=who)
+    assert wait_until(lambda: session.request_id is not None, 30)  # in the engine before any chat ran
+    rid = session.request_id
+    assert pg.service.is_streaming(rid) and pg.seats.in_flight(who.key) == 1
+    other = list(pg.chat("Something else", [], 0.0, 2))  # not this tab's message: its own request
+    assert "finished" in other[-1][1] and session.presubmitted is not None
+    outputs = list(pg.chat("Hello there", [], 0.0, 300, session, audience=who))
+    assert session.request_id == rid and session.presubmitted is None  # the same request, claimed once
+    assert outputs[0][0] == [{"role": "user", "content": "Hello there"}]
+    assert outputs[-1][0][-1]["content"] == pg.replies[-1] and "finished" in outputs[-1][1]
+    assert pg.seats.in_flight(who.key) == 0 and session.handled == 1
+
+
+@pytest.mark.parametrize("how", ["stop", "never claimed"])
+def test_a_message_submitted_as_it_left_the_box_is_aborted_when_no_chat_comes(pg, how, monkeypatch):
+    """Stop (or Clear) before the chat started, or a chat that never comes for it (a closed tab): the request is
+    aborted, its blocks freed and its seat given back."""
+    from playground import chat as chat_module
+    from tests.conftest import wait_until
+    monkeypatch.setattr(chat_module, "UNCLAIMED_S", 0.5)
+    who = Who("v:dropped", "192.0.2.10", True)
+    session = ChatSession()
+    pg.presubmit("Tell me a long story", [], 0.0, 400, session, audience=who)
+    assert wait_until(lambda: session.request_id is not None, 30)
+    rid = session.request_id
+    if how == "stop":
+        pg.drop_presubmitted(session)
+    assert wait_until(lambda: not pg.service.is_streaming(rid), 30)
+    assert wait_until(lambda: pg.seats.in_flight(who.key) == 0, 5) and session.presubmitted is None
+    assert wait_until(lambda: pg.service.snapshot().kv_blocks_used == 0, 30)
+
+
+def test_a_message_the_chat_would_refuse_is_not_submitted_as_it_leaves_the_box(pg):
+    """Too long, or no seat left: nothing is submitted; the chat says why, as an API call's does."""
+    session = ChatSession()
+    pg.presubmit("x" * 20_000, [], 0.0, 8, session)
+    assert session.presubmitted is None
+    who = Who("v:full", "192.0.2.11", True)
+    for _ in range(pg.seats.per_visitor):
+        pg.seats.take(who)
+    try:
+        pg.presubmit("Hello", [], 0.0, 8, session, audience=who)
+        assert session.presubmitted is None and pg.seats.in_flight(who.key) == pg.seats.per_visitor
+        history, _ = list(pg.chat("Hello", [], 0.0, 8, session, audience=who))[-1]
+        assert "replies on their way" in history[-1]["content"]
+    finally:
+        for _ in range(pg.seats.per_visitor):
+            pg.seats.give_back(who)
 
 
 def test_the_live_view_polls_until_it_shows_the_reply_finished(pg):
