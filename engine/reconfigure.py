@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from .blocks import KVCache
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
-from .factory import CoreBuilder, Resolved
+from .factory import CoreBuilder, Resolved, decoder_in_features
 from .gpu import GpuMemoryPlan
 from .inputs import check_fits, checked_inputs
 from .runner import ModelRunner
@@ -53,7 +53,7 @@ class Reconfiguration(CoreBuilder):
     @property
     def resolved(self) -> Resolved:
         """What was asked and what runs: resolved.chosen() says what each "auto" came to."""
-        return Resolved(self.requested, self.current)
+        return Resolved(self.requested, self.current, decoder_in_features(self.model))
 
     # ---- changing -----------------------------------------------------------------------------------------
     def update(self, changes: dict, engine: LLMEngine | None = None) -> None:
