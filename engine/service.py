@@ -79,7 +79,8 @@ class IterationStats:
 
 @dataclass(slots=True)
 class HistorySample(StepCounters):
-    """One point of the dashboard's time series (taken after every step): the engine's counters then, and"""
+    """One point of the dashboard's time series (taken after every step): the engine's counters then, and the step's
+    own measures."""
     time: float  # when (time.time())
     step_ms: float  # how long the step took
     ttft_s: float | None  # of requests that got their first token in this step (mean)
@@ -414,14 +415,9 @@ class EngineService:
     @staticmethod
     def _add_counter_deltas(stats: IterationStats, prev: EngineCounters, now: EngineCounters) -> None:
         """The engine's own counters (preemptions, prefix cache, drafts), as what this step added to them."""
-        def delta(new: int, old: int) -> int:
-            return max(0, new - old)
-        stats.num_preemptions = delta(now.num_preemptions, prev.num_preemptions)
-        stats.prefix_cache_queries = delta(now.prefix_cache_queries, prev.prefix_cache_queries)
-        stats.prefix_cache_hits = delta(now.prefix_cache_hits, prev.prefix_cache_hits)
-        stats.spec_num_drafts = delta(now.spec_num_drafts, prev.spec_num_drafts)
-        stats.spec_num_draft_tokens = delta(now.spec_num_draft_tokens, prev.spec_num_draft_tokens)
-        stats.spec_num_accepted_tokens = delta(now.spec_num_accepted_tokens, prev.spec_num_accepted_tokens)
+        for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_num_drafts",
+                     "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+            setattr(stats, name, max(0, getattr(now, name) - getattr(prev, name)))
 
     def _note_reconfig(self, when: float) -> bool:
         """Record the last reconfiguration if it is new; whether it was."""
