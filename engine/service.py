@@ -30,7 +30,10 @@ from .snapshot import EngineCounters, EngineSnapshot, StepCounters
 # Requests allowed to wait for a seat before new ones are refused (ServiceBusy): a burst beyond it gets "retry
 # later" at once instead of growing the queue, and its memory, without limit.
 DEFAULT_MAX_WAITING_REQUESTS = 256
-# while the engine steps, its whole snapshot is taken at most this often (every step's counters go to the history)
+# while the engine steps, its whole snapshot (every block's state, every live request) is taken at most this often:
+# a reader polls it at most a few times a second, and taking it every step cost a share of a batch-1 step worth
+# saving (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every 50 ms"). Every step's counters
+# (engine.counters()) go to the history.
 SNAPSHOT_INTERVAL_S = 0.05
 # steps the time series keeps (one sample each, ~350 bytes: 21 MB at most). It must outlast the dashboard's 180 s
 # charts and a lesson's phases (30 s + 45 s, measured at its end) at the fastest step: 3,600 steps held only
@@ -371,10 +374,8 @@ class EngineService:
             step_ms=step_ms, ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
             tpot_s=sum(tpots) / len(tpots) if tpots else None, num_started=len(ttfts),
             num_finished=len(stats.finished), prompt_tokens=stats.num_prompt_tokens))
-        # the whole snapshot (every block's state, every live request) at most every SNAPSHOT_INTERVAL_S while
-        # stepping: a reader polls it at most a few times a second, and taking it every step cost a share of a
-        # batch-1 step worth saving (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every 50 ms");
-        # at once for step_once, a configuration change, or the last step before idling
+        # the whole snapshot at most every SNAPSHOT_INTERVAL_S while stepping; at once for step_once, a configuration
+        # change, or the last step before idling
         if (changed or self._step_waiters or not self._should_step()
                 or time.perf_counter() - self._snapshot_at >= SNAPSHOT_INTERVAL_S):
             self._refresh()
