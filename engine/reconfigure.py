@@ -105,14 +105,12 @@ class Reconfiguration(CoreBuilder):
 
     def record(self, change: Change, step: int, re_prefilled: list[str]) -> dict:
         """What was done, kept as the last change's record."""
+        action = ("not applied: the previous configuration keeps serving" if change.error else
+                  "re-prefill running requests" if change.built else "applied in place")
+        self.last = {"step": step, "changes": change.changes, "action": action,
+                     "requests_re_prefilled": [] if change.error else re_prefilled}
         if change.error:
-            self.last = {"step": step, "changes": change.changes,
-                         "action": "not applied: the previous configuration keeps serving",
-                         "requests_re_prefilled": [], "error": change.error}
-        else:
-            self.last = {"step": step, "changes": change.changes,
-                         "action": "re-prefill running requests" if change.built else "applied in place",
-                         "requests_re_prefilled": re_prefilled}
+            self.last["error"] = change.error
         return self.last
 
     def apply(self, engine: LLMEngine) -> dict | None:
