@@ -1,52 +1,12 @@
-"""The CPU engine's own kernels (csrc/cpu_kernels.cpp), built ahead by `make kernels` / `make install` (`python -m
-engine.cpu_kernels build`: torch's cpp_extension with gcc and ninja, -march=native, about a minute, ninja's output
-shown) into the cache, one folder per source, CPU, Python and torch install; Python's torch calls otherwise. Each
-replaces torch calls that spent most of their time outside the arithmetic for the few rows of a decode step:
-
-- w8a8's per-row work around fbgemm's matmul: quantizing each token's activations before it and scaling the int32
-  sums back after. As torch calls each is about a dozen small operations, which took longer than the matmul
-  itself at decode sizes (docs/measurements.md, "The engine's own weight-only kernels"). Both paths compute the
-  same floats, operation for operation (the test compares them bit for bit), so which one runs changes the speed
-  only.
-- decode attention straight over the paged KV pool (attention/sdpa.py): one query per row against its own slots,
-  without first gathering K and V into a padded batch for SDPA (an int8 pool dequantized as it is read). Its sums
-  run in another order than SDPA's, so it agrees with it to float rounding (tested), not bit for bit. With AVX-512
-  (head sizes 16-128) each query and its sums stay in vector registers, several times faster than the portable
-  loops and than SDPA over the gathered batch (docs/measurements.md, "int4 beats llama.cpp on the AMD CPU"). It
-  asks for each row's K and V some keys ahead (a row's slots are scattered over the pool, too few bytes in a row
-  for the hardware's prefetchers), scores a bf16 pool with AVX-512 BF16's dot products where the CPU has them, and
-  splits the rows between the threads by the slots they read (docs/measurements.md, "The attention kernel's
-  memory, and the table again").
-- writing a step's K and V into the pool, one call a layer: as they are (torch's two scatters), or into an int8
-  pool, each token and KV head quantized and stored, where quantize_int8's torch calls, their dequantization and
-  four scatters were ~26, a good share of an int4 token at batch 1; in one call the int8 cache costs a token
-  nothing (docs/measurements.md, "On a CPU"). The same integers and scales bit for bit (tested).
-- int8 and int4 weight-only matmuls (models/linear.py), the weights widened in registers as they are read, the
-  next block's prefetched, the activations taken as they come (fp32 or bf16) with fp32 sums: torch's kernels
-  take bf16 activations only and streamed the weights more slowly at one row (docs/measurements.md, "The engine's
-  own weight-only kernels"). Built with AVX-512 only (elsewhere torch's kernels run); a row's result is the same
-  in any batch (tested). With AVX-512 VNNI they run int4_matmul_vnni and int8_matmul_vnni instead: the weights
-  stay integers and each row's activations are made integers once per call, in two 8-bit parts per run of 32
-  features (about 15 bits), for VNNI's integer dot products: widening every weight to a float had run out of
-  instructions before the memory ran out of bytes (int4 most). A precision change, measured: the quality table's
-  int4 and int8 rows moved by at most 0.1 point of agreement (docs/measurements.md, "Against the machine's
-  limits").
-- float32 and bf16 matmuls for the unquantized projections (quant/linear.py's Linear), over a weight packed once
-  into blocks of 16 outputs, each k's (bf16: each pair's) weights of a block one 64-byte vector: one fused
-  multiply-add (bf16: one AVX-512 BF16 dot product) per block and k, no reduction across lanes, groups of blocks
-  taken from a shared counter so a thread the OS pauses leaves its share to the other. A decode step's
-  projections and LM head run faster than on oneDNN's linear (what ran before) at a few rows, and about as fast
-  at hundreds (docs/measurements.md, "The projections in C++, and the table again"). Built with
-  AVX-512 (bf16: AVX-512 BF16). On a CPU with AMX, bf16 runs on its tiles over the same packed weight (each block's
-  pairs are the tile's layout): as fast as the dot products at one row and as oneDNN's AMX linear at hundreds
-  (docs/measurements.md, "Against the machine's limits"), where the dot products alone fell far behind it. A row's
-  result is the same in any batch (tested).
-- a decoder layer's elementwise steps (models/llama.py): RMSNorm with the residual add before it, RoPE, and
-  silu(gate) * up, one call each where the torch formulas are 7, 6 and 4 calls, whose dispatch was a large share
-  of an int4 token's time at batch 1 (with the attention above, it took int4 past llama.cpp's speed in the same
-  runs: docs/measurements.md, "int4 beats llama.cpp on the AMD CPU"). Each rounds where transformers' formula
-  rounds; RoPE is bit for bit the same, the norm's sum of squares and silu's exp differ in the last bits (tested;
-  greedy tokens the same with and without).
+"""The CPU engine's own kernels (csrc/cpu_kernels.cpp), each where torch's calls spent most of their time outside the
+arithmetic for the few rows of a decode step: w8a8's per-row work around fbgemm's matmul, decode attention straight
+over the paged KV pool, a step's K and V written into the pool (int8 too), the int8 / int4 weight-only matmuls (on
+AVX-512 VNNI's integer dot products where the CPU has them), the float32 / bf16 matmuls of the unquantized projections
+(on AMX's tiles where it has them), a decoder layer's elementwise steps and the sampler's rows. Why each, and how
+closely it agrees with the torch calls it replaces (bit for bit, or to float rounding; tested), is said at its section
+of the C++ source; what each gained, in docs/measurements.md. Built ahead by `make kernels` / `make install` (`python
+-m engine.cpu_kernels build`: torch's cpp_extension with gcc and ninja, -march=native, ninja's output shown) into the
+cache, one folder per source, CPU, Python and torch install.
 
 At run time (compiled(): app.py, LLM(), the tests) nothing is compiled: a build present in its folder is imported as
 it is, and without one a single line on stderr says how to build it and torch's calls run (the same results, more

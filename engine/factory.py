@@ -109,16 +109,33 @@ def kv_bytes_per_block(config: EngineConfig, model) -> int:
     return model.kv_bytes_per_token(config.kv_cache_dtype) * config.block_size
 
 
+def decoder_in_features(model) -> tuple[int, ...]:
+    """The K (input features) of the decoder's projections: qkv and gate|up read the hidden state, o the heads'
+    outputs, down the MLP's. choose_kernel's answer can depend on K (the VNNI kernels take K in runs of 32)."""
+    s = model.shape
+    return tuple(sorted({s.hidden_size, s.num_heads * s.head_dim, s.intermediate_size}))
+
+
 @dataclass(frozen=True)
 class Resolved:
-    """A configuration as asked (`requested`: "auto" and None kept) and as it runs (`config`: every choice made)."""
+    """A configuration as asked (`requested`: "auto" and None kept) and as it runs (`config`: every choice made);
+    `in_features`: the model's decoder_in_features."""
     requested: EngineConfig
     config: EngineConfig
+    in_features: tuple[int, ...]
 
     def weights_kernel(self) -> str:
-        """The kernel this device runs the weights' precision with, and why (quant/kernels.py decides)."""
-        choice = choose_kernel(self.config.quantization, self.config.device, TORCH_DTYPES[self.config.dtype])
-        return f"{choice.kernel}: {choice.why}"
+        """The kernel the decoder's projections run the weights' precision with, and why (quant/kernels.py decides,
+        asked for each K): "kernel: why", or, where projections of different K get different kernels,
+        "kernel for K=a, b: why; ..." for each."""
+        by_choice: dict[tuple[str, str], list[int]] = {}
+        for k in self.in_features:
+            choice = choose_kernel(self.config.quantization, self.config.device, TORCH_DTYPES[self.config.dtype],
+                                   in_features=k)
+            by_choice.setdefault((choice.kernel, choice.why), []).append(k)
+        if len(by_choice) == 1:
+            return "{}: {}".format(*next(iter(by_choice)))
+        return "; ".join(f"{kernel} for K={', '.join(map(str, ks))}: {why}" for (kernel, why), ks in by_choice.items())
 
     def chosen(self) -> dict:
         """For each field left automatic, what it came to; and the weights' kernel."""
@@ -142,7 +159,7 @@ def resolve(requested: EngineConfig, model, plan_gpu_memory: PlanGpuMemory | Non
         device=device, max_model_len=requested.max_model_len or auto["max_model_len"],
         max_num_batched_tokens=requested.max_num_batched_tokens or auto["max_num_batched_tokens"],
         num_kv_blocks=requested.num_kv_blocks or auto["num_kv_blocks"], attention_backend=auto["attention_backend"])
-    return Resolved(requested, config)
+    return Resolved(requested, config, decoder_in_features(model))
 
 
 def stored_as(model) -> tuple[str, WeightFormat]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from .blocks import KVCache
 from .config import LOAD_TIME_FIELDS, STRUCTURAL_FIELDS, EngineConfig
-from .factory import CoreBuilder, Resolved
+from .factory import CoreBuilder, Resolved, decoder_in_features
 from .gpu import GpuMemoryPlan
 from .inputs import check_fits, checked_inputs
 from .runner import ModelRunner
@@ -53,7 +53,7 @@ class Reconfiguration(CoreBuilder):
     @property
     def resolved(self) -> Resolved:
         """What was asked and what runs: resolved.chosen() says what each "auto" came to."""
-        return Resolved(self.requested, self.current)
+        return Resolved(self.requested, self.current, decoder_in_features(self.model))
 
     # ---- changing -----------------------------------------------------------------------------------------
     def update(self, changes: dict, engine: LLMEngine | None = None) -> None:
@@ -105,14 +105,12 @@ class Reconfiguration(CoreBuilder):
 
     def record(self, change: Change, step: int, re_prefilled: list[str]) -> dict:
         """What was done, kept as the last change's record."""
+        action = ("not applied: the previous configuration keeps serving" if change.error else
+                  "re-prefill running requests" if change.built else "applied in place")
+        self.last = {"step": step, "changes": change.changes, "action": action,
+                     "requests_re_prefilled": [] if change.error else re_prefilled}
         if change.error:
-            self.last = {"step": step, "changes": change.changes,
-                         "action": "not applied: the previous configuration keeps serving",
-                         "requests_re_prefilled": [], "error": change.error}
-        else:
-            self.last = {"step": step, "changes": change.changes,
-                         "action": "re-prefill running requests" if change.built else "applied in place",
-                         "requests_re_prefilled": re_prefilled}
+            self.last["error"] = change.error
         return self.last
 
     def apply(self, engine: LLMEngine) -> dict | None:

@@ -50,7 +50,7 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def _native(logits: torch.Tensor):
     """The engine's C++ module where it takes these logits (float32 rows on a CPU, contiguous) and is built, else
-    None (torch's calls: the same tokens kept, ties at a boundary aside)."""
+    None (torch's calls)."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
         return None
     from engine import cpu_kernels

@@ -30,7 +30,10 @@ from .snapshot import EngineCounters, EngineSnapshot, StepCounters
 # Requests allowed to wait for a seat before new ones are refused (ServiceBusy): a burst beyond it gets "retry
 # later" at once instead of growing the queue, and its memory, without limit.
 DEFAULT_MAX_WAITING_REQUESTS = 256
-# while the engine steps, its whole snapshot is taken at most this often (every step's counters go to the history)
+# while the engine steps, its whole snapshot (every block's state, every live request) is taken at most this often:
+# a reader polls it at most a few times a second, and taking it every step cost a share of a batch-1 step worth
+# saving (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every 50 ms"). Every step's counters
+# (engine.counters()) go to the history.
 SNAPSHOT_INTERVAL_S = 0.05
 # steps the time series keeps (one sample each, ~350 bytes: 21 MB at most). It must outlast the dashboard's 180 s
 # charts and a lesson's phases (30 s + 45 s, measured at its end) at the fastest step: 3,600 steps held only
@@ -79,7 +82,8 @@ class IterationStats:
 
 @dataclass(slots=True)
 class HistorySample(StepCounters):
-    """One point of the dashboard's time series (taken after every step): the engine's counters then, and"""
+    """One point of the dashboard's time series (taken after every step): the engine's counters then, and the step's
+    own measures."""
     time: float  # when (time.time())
     step_ms: float  # how long the step took
     ttft_s: float | None  # of requests that got their first token in this step (mean)
@@ -370,10 +374,8 @@ class EngineService:
             step_ms=step_ms, ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
             tpot_s=sum(tpots) / len(tpots) if tpots else None, num_started=len(ttfts),
             num_finished=len(stats.finished), prompt_tokens=stats.num_prompt_tokens))
-        # the whole snapshot (every block's state, every live request) at most every SNAPSHOT_INTERVAL_S while
-        # stepping: a reader polls it at most a few times a second, and taking it every step cost a share of a
-        # batch-1 step worth saving (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every 50 ms");
-        # at once for step_once, a configuration change, or the last step before idling
+        # the whole snapshot at most every SNAPSHOT_INTERVAL_S while stepping; at once for step_once, a configuration
+        # change, or the last step before idling
         if (changed or self._step_waiters or not self._should_step()
                 or time.perf_counter() - self._snapshot_at >= SNAPSHOT_INTERVAL_S):
             self._refresh()
@@ -414,14 +416,9 @@ class EngineService:
     @staticmethod
     def _add_counter_deltas(stats: IterationStats, prev: EngineCounters, now: EngineCounters) -> None:
         """The engine's own counters (preemptions, prefix cache, drafts), as what this step added to them."""
-        def delta(new: int, old: int) -> int:
-            return max(0, new - old)
-        stats.num_preemptions = delta(now.num_preemptions, prev.num_preemptions)
-        stats.prefix_cache_queries = delta(now.prefix_cache_queries, prev.prefix_cache_queries)
-        stats.prefix_cache_hits = delta(now.prefix_cache_hits, prev.prefix_cache_hits)
-        stats.spec_num_drafts = delta(now.spec_num_drafts, prev.spec_num_drafts)
-        stats.spec_num_draft_tokens = delta(now.spec_num_draft_tokens, prev.spec_num_draft_tokens)
-        stats.spec_num_accepted_tokens = delta(now.spec_num_accepted_tokens, prev.spec_num_accepted_tokens)
+        for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_num_drafts",
+                     "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+            setattr(stats, name, max(0, getattr(now, name) - getattr(prev, name)))
 
     def _note_reconfig(self, when: float) -> bool:
         """Record the last reconfiguration if it is new; whether it was."""

@@ -120,8 +120,8 @@ class StepCounters:
 @dataclass(slots=True)
 class EngineCounters(StepCounters):
     """The engine's counters now, without the snapshot's per-block and per-request lists: cheap enough to read after
-    every step (the service's time series and its per-step deltas), where a whole snapshot cost a share of a batch-1
-    step worth saving (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every 50 ms")."""
+    every step (the service's time series and its per-step deltas), where the whole snapshot is taken less often
+    (service.py's SNAPSHOT_INTERVAL_S says why)."""
     spec_num_drafts: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int

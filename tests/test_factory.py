@@ -2,12 +2,17 @@
 an engine that runs only a decided configuration."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams, factory
 from engine.factory import resolve, resolve_attention_backend, resolve_dtype, resolve_weights
 from engine.llm import engine_for
+from engine.models.random_models import load_random_model
+from engine.quant.format import WeightFormat
+from engine.quant.kernels import choose_kernel
 from engine.reconfigure import Reconfiguration
 from engine.service import EngineService
 
@@ -102,3 +107,24 @@ def test_an_engine_built_through_the_factory_answers_as_one_built_with_the_decid
     assert through_factory.requested.dtype == "auto" and direct.requested.dtype == "float32"
     assert through_factory.config == direct.config
     assert greedy(through_factory) == greedy(direct) == [list(o.token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_the_weights_kernel_reported_is_the_one_each_projection_runs(monkeypatch):
+    # down's K (48, the MLP's width) is not a multiple of 32 where qkv's, o's and gate|up's (64) are: on a CPU with
+    # AVX-512 VNNI and the C++ kernels built, down runs int8_matmul and the others int8_matmul_vnni
+    requested = EngineConfig(model="random:smollm2-135m", quantization="int8", max_model_len=64, num_kv_blocks=8)
+    model = load_random_model(requested.model, torch.float32, torch.device("cpu"), 64,
+                              weight_format=WeightFormat.of(requested), num_hidden_layers=1, hidden_size=64,
+                              intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                              vocab_size=300)[0]
+    runs = {p.choice.kernel for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)}
+    reported = resolve(requested, model).chosen()["weights_kernel"]
+    assert {k for k in runs if k in reported} == runs
+    # the same, whatever this CPU: the factory asks choose_kernel for each K, as each projection does
+    with_vnni = type("WithVnni", (), {"vnni_available": staticmethod(lambda: True),
+                                       "weight_only_available": staticmethod(lambda: True)})
+    monkeypatch.setattr(factory, "choose_kernel", functools.partial(
+        choose_kernel, features=frozenset({"avx512f", "avx512_vnni"}), extension=with_vnni))
+    reported = resolve(requested, model).chosen()["weights_kernel"]
+    assert reported.startswith("int8_matmul (C++) for K=48: 48 input features, not a multiple of 32")
+    assert "; int8_matmul_vnni (C++) for K=64: " in reported

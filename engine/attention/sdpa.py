@@ -31,10 +31,9 @@ class PrefillSeq:
 
 
 class KeyScale(NamedTuple):
-    """One layer's key smoothing for an int8 KV cache (kv_cache_smoothing; the scales from engine/quant/calibrate.py):
-    each key channel divided by its scale s and each query channel multiplied by it, so q . k is unchanged while the
-    few large channels of a key (SmolLM2's reach 10x the rest) no longer take the whole int8 range its token's one
-    scale gives all of them. Applied after RoPE, to what the cache stores and every query that reads it."""
+    """One layer's key smoothing for an int8 KV cache (kv_cache_smoothing; why, and how the scales s are found:
+    engine/quant/calibrate.py): each key channel divided by s and each query channel multiplied by it, so q . k is
+    unchanged. Applied after RoPE, to what the cache stores and every query that reads it."""
     query: torch.Tensor  # [num_heads, head_dim]: s of each query head's KV head
     key_inverse: torch.Tensor  # [num_kv_heads, head_dim]: 1 / s
 

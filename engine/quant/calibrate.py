@@ -52,7 +52,7 @@ class Fake:
     """A scheme's rounding, in fp32: what its kernel will compute, for comparing candidate scales."""
     scheme: str
     group_size: int = 32
-    weight_max: int = 127  # w8a8 keeps weights to fewer levels (see linear.py)
+    weight_max: int = 127  # w8a8's may have fewer levels (kernels.py's W8A8_WEIGHT_MAX_BY_SUMS)
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         if self.scheme == "int4":

@@ -48,7 +48,7 @@ NO_KERNEL_BECAUSE = {("int8", "cuda"): "torch's _weight_int8pack_mm was 3-700x s
 TORCH_WEIGHT_ONLY_ACTIVATIONS = torch.bfloat16
 FBGEMM_ENGINES = ("x86", "fbgemm")
 # fbgemm multiplies uint8 activations by int8 weights; on AVX2 it adds pairs of products in int16, which overflows
-# when both use 8 bits (measured: 52% error at full range), so weights get 7 bits there (see quant/linear.py)
+# when both use 8 bits (measured: 52% error at full range), so weights get 7 bits there
 W8A8_WEIGHT_MAX_BY_SUMS = {"int32": 127, "int16 pairs": 63}
 VNNI_K_MULTIPLE = 32  # the VNNI kernels' input features: one scale of the activations per run of 32
 

@@ -1,19 +1,8 @@
-"""A projection's weight, stored once at load for the kernel quant/kernels.py's choose_kernel picks on this device
-(its docstring has the table, and docs/measurements.md, "Quantization on this CPU", the measurements behind it):
+"""A projection's weight, stored once at load for the kernel quant/kernels.py's choose_kernel picks on this device:
 `Linear(w)(x)` is x @ w.T, or one of its quantized siblings when the model's weight format asks for one
 (make_projection). Each gives a row the same result whatever else shares the call, so a request's tokens are the same
 whoever it is batched with: without the C++ kernels, fp32 and bf16 go through oneDNN's linear over a weight reordered
 once at load, whose rows do not depend on how many share the call (MKL's `x @ W` does for one or two rows).
-
-torch's two weight-only kernels are fast only with bf16 activations (with fp32 ones they take a slow path), so an
-fp32 model's activations enter them as bf16 and come back fp32.
-
-w8a8: fbgemm multiplies uint8 activations by int8 weights. On AVX2 it adds pairs of products in int16, which
-overflows when both use 8 bits; with AVX-512 VNNI the products go straight into int32 sums and 8 bits on both sides
-are exact. So the weights get all 8 bits, [-127, 127], where a probe at load finds the sums exact at full range
-(kernels.w8a8_weight_max), else 7, [-63, 63]. Activations: per token, asymmetric over all 256 uint8 levels
-(numerics.quantize_uint8; closer to fp32 than symmetric). fbgemm takes one zero point for the whole input, so it is
-given 128 and each row's own is corrected after: y -= (zero - 128) * w_scale * sum(w_q) per output channel.
 """
 from __future__ import annotations
 
@@ -96,8 +85,8 @@ INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's retu
 
 class _WeightOnly(_Quantized):
     """int8 and int4: the engine's own C++ kernel where choose_kernel picks it (the activations as they come, fp32
-    sums; speeds in cpu_kernels.py), else torch's, which takes the activations in bf16. One choice per machine,
-    whatever the rows: a row's result never depends on its batch."""
+    sums), else torch's, which is fast only with bf16 activations, so an fp32 model's enter it as bf16. One choice
+    per machine, whatever the rows: a row's result never depends on its batch."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
@@ -105,6 +94,10 @@ class _WeightOnly(_Quantized):
         self._own = getattr(cpu_kernels.compiled(), own) if self.choice.own else None
         self.activation_dtype = self.dtype if self.choice.own else self.choice.activations
         self.input_dtype = self.activation_dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(*self.weight_tensors())
 
 
 class Int8Linear(_WeightOnly):
@@ -136,10 +129,6 @@ class Int8Linear(_WeightOnly):
     @property
     def scales(self) -> torch.Tensor:
         return self.padded_scales[:self.out_features] if self.vnni else self._scales
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(*self.weight_tensors())
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.padded_scales] if self.vnni else [self._qweight, self._scales]
@@ -239,10 +228,6 @@ class Int4Linear(_WeightOnly):
         self.scales_and_zeros = torch.stack([scale.t(), mid.t()], dim=-1).to(self.activation_dtype).contiguous()
         self._kernel = getattr(torch, self.kernel)  # the device's, as KERNELS names it: looked up once, not per call
 
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.packed, self.scales_and_zeros)
-
     def weight_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scales_and_zeros) if t.numel()]
 
@@ -258,10 +243,12 @@ class Int4Linear(_WeightOnly):
 
 
 class W8A8Linear(_Quantized):
-    """int8 weights per output channel (8-bit values, or 7 where fbgemm's sums need it: w8a8_weight_max) and uint8
-    activations quantized per token on the fly (asymmetric, each with its zero point), multiplied in integers with
-    int32 sums by fbgemm, then scaled back: y = (x_q - zero) @ w_q.T * w_scale * x_scale. Integer sums are exact, so
-    a row's result is the same in any batch."""
+    """int8 weights per output channel (8-bit values, or 7 where fbgemm's sums need it: kernels.py's
+    W8A8_WEIGHT_MAX_BY_SUMS) and uint8 activations quantized per token on the fly (asymmetric over all 256 levels,
+    closer to fp32 than symmetric), multiplied in integers with int32 sums by fbgemm, then scaled back:
+    y = (x_q - zero) @ w_q.T * w_scale * x_scale. Integer sums are exact, so a row's result is the same in any batch.
+    fbgemm takes one zero point for the whole input, so it is given 128 and each row's own is corrected after:
+    y -= (zero - 128) * w_scale * sum(w_q) per output channel."""
     scheme = "w8a8"
     input_dtype = torch.float32  # each row is quantized from fp32
 
@@ -274,7 +261,6 @@ class W8A8Linear(_Quantized):
             qweight = torch._make_per_channel_quantized_tensor(q, scales.double(), zeros, 0)
             self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm's packed layout
         stored_q, stored_scales = self.int8_weight()
-        # what one unit of zero point adds to each output: the correction for a row's own zero point
         self.zero_point_unit = stored_q.double().sum(1).mul_(stored_scales.double()).float()
         self._quantize_rows, self._dequantize_rows, _ = cpu_kernels.row_helpers()
         # the op's one overload, called directly: the packet's Python dispatch checks cost time on every call
