@@ -61,6 +61,15 @@ def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(*TOKEN_RANGE) for _ in range(length)] for _ in range(n)]
 
 
+def run_to_end(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    """Each prompt's final output, in order: all added at once, the engine stepped until every one has finished."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
 def fixed_workload(prompts: list[list[int]], output_len: int) -> Workload:
     """Greedy requests that each generate exactly output_len tokens, all arriving at time 0."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
