@@ -86,7 +86,6 @@ class EngineMetrics:
             self.e2e_request_latency.observe(finished.e2e_latency)
 
     def exposition(self) -> tuple[bytes, str]:
-        """The text a scrape gets, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
