@@ -60,7 +60,6 @@ ABLATIONS: tuple[tuple[str, str], ...] = tuple((f.off_label, f.switch) for f in 
 
 
 def features_fields(on: Callable[[Feature], bool]) -> dict[str, Any]:
-    """The config fields with each feature on or off as `on` says."""
     return {k: v for f in FEATURES for k, v in f.fields(on(f)).items()}
 
 

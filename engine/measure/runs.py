@@ -267,7 +267,6 @@ def _run_result(engine: LLMEngine, workload: Workload, outputs: list[RequestOutp
 
 def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], should_stop: StopCheck | None = None,
                track_efficiency: bool = False) -> RunResult:
-    """A fresh, warmed-up engine with these fields, run through the workload."""
     engine = llm.build_engine(fields)
     warm_up(engine)
     return run_workload(engine, workload, should_stop, track_efficiency)
