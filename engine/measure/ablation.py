@@ -1,7 +1,5 @@
 """What each feature is worth: ablate (the full engine, then each switch off in turn; --cumulative;
---concurrency) and memory (where requests stop fitting). Each returns dataclasses a UI can use; only the CLI prints.
-The other experiments are in experiments.py.
-"""
+--concurrency) and memory (where requests stop fitting)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

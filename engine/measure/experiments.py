@@ -1,5 +1,5 @@
-"""Experiments: each returns dataclasses a UI can use; only the CLI prints. What each feature is worth (ablate,
-memory) is ablation.py's; what each precision costs (kernels, decode, quality) precision.py's."""
+"""The other experiments: the reference table, a comparison, HF's static batches, the closed loop (beside busy
+neighbours). What each feature is worth is ablation.py's; what each precision costs, precision.py's."""
 from __future__ import annotations
 
 import math

@@ -1,6 +1,5 @@
 """What each precision costs, in speed and in quality: `decode` (the whole engine's batch-1 time per token, beside
-llama.cpp's), `quality` (a quantized or bf16 engine against the fp32 one over a fixed text).
-Each returns dataclasses a UI can use; only the CLI prints."""
+llama.cpp's), `quality` (a quantized or bf16 engine against the fp32 one over a fixed text)."""
 from __future__ import annotations
 
 import math

@@ -4,8 +4,7 @@ A batch-1 decode step reads every projection's weights once to compute one row: 
 read bandwidth. A batch of B rows reads them once for B rows, 2 x params x B flops: its floor is those flops over
 the matmul peak. Both limits are measured here, in the engine's process and on its threads, and the bytes are
 counted from the loaded model's own buffers, never from a parameter count. What each part measures and how to read
-the ratios: docs/measurements.md, "Against the machine's limits (the roofline)". Returns dataclasses; only the CLI
-prints.
+the ratios: docs/measurements.md, "Against the machine's limits (the roofline)".
 """
 from __future__ import annotations
 

@@ -113,8 +113,7 @@ class StepBreakdown:
 def summarize_steps(records: Sequence[StepRecord]) -> StepBreakdown:
     active = [r for r in records if r.num_batched_tokens > 0]
     if not active:
-        zeros = dict.fromkeys(PHASES, 0.0)
-        return StepBreakdown(0, zeros, 0.0)
+        return StepBreakdown(0, dict.fromkeys(PHASES, 0.0), 0.0)
     n = len(active)
     return StepBreakdown(
         num_steps=n,
