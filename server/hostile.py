@@ -21,9 +21,10 @@ import httpx
 
 from engine import sse
 
+from .limits import MB
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-MB = 1 << 20
 
 
 @dataclass

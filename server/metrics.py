@@ -21,6 +21,18 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values, present (at 0) from the start
 LABELS = ["model_name", "engine"]  # vLLM's labels; one engine here, index 0
+# (vLLM's counter, its help text, the IterationStats field each step adds to it)
+COUNTERS = (
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed.", "num_prompt_tokens"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.", "num_generation_tokens"),
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_num_accepted_tokens"),
+)
 
 
 class EngineMetrics:
@@ -33,9 +45,6 @@ class EngineMetrics:
         def gauge(name: str, doc: str, read: Callable[[EngineSnapshot], float]) -> None:
             Gauge(name, doc, LABELS, registry=r).labels(*self._labels).set_function(lambda: read(snapshot()))
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=r).labels(*self._labels)
-
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*self._labels)
 
@@ -43,13 +52,8 @@ class EngineMetrics:
         gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda s: s.num_waiting)
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
               lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
-                                            "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
-                                         "Prefix cache hits, in terms of number of cached tokens.")
-        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._counters = [(Counter(name, doc, LABELS, registry=r).labels(*self._labels), field)
+                          for name, doc, field in COUNTERS]
         self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                         [*LABELS, "finished_reason"], registry=r)
         for reason in FINISH_REASONS:
@@ -60,23 +64,13 @@ class EngineMetrics:
                                              "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
-        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
-                                                       "Number of accepted tokens.")
 
         r.register(CacheConfigInfo(self._labels, snapshot))
 
     def record(self, stats: IterationStats) -> None:
         """One engine step (called on the engine thread; prometheus_client's metrics are thread-safe)."""
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
-        self.num_preemptions.inc(stats.num_preemptions)
-        self.prompt_tokens.inc(stats.num_prompt_tokens)
-        self.generation_tokens.inc(stats.num_generation_tokens)
-        self.spec_decode_num_drafts.inc(stats.spec_num_drafts)
-        self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens)
-        self.spec_decode_num_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+        for counter, field in self._counters:
+            counter.inc(getattr(stats, field))
         for ttft in stats.time_to_first_tokens:
             self.time_to_first_token.observe(ttft)
         for itl in stats.inter_token_latencies:
@@ -86,7 +80,6 @@ class EngineMetrics:
             self.e2e_request_latency.observe(finished.e2e_latency)
 
     def exposition(self) -> tuple[bytes, str]:
-        """The text a scrape gets, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -165,9 +165,7 @@ def _generation(body: dict, model_name: str, chat: bool, prompt, max_param: str 
         if value is not None and value != off and not off_too:
             raise bad_request(f"{name} is not supported by this engine (got {excerpt(value)})", name,
                               "unsupported_parameter")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise bad_request(f"stream must be true or false, got {excerpt(stream)}", "stream")
     options = body.get("stream_options")
@@ -182,9 +180,8 @@ def _generation(body: dict, model_name: str, chat: bool, prompt, max_param: str 
     sampling = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     if max_param is not None:
         sampling["max_tokens"] = body[max_param]
-    priority = body.get("priority", 0)  # vLLM's extra field: lower goes first under the priority policy
-    if priority is None:
-        priority = 0
+    # vLLM's extra field: lower goes first under the priority policy
+    priority = 0 if body.get("priority") is None else body["priority"]
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
         raise bad_request(f"priority must be an integer from -{MAX_PRIORITY:,} to {MAX_PRIORITY:,}, got "
                           f"{excerpt(priority)}", "priority")

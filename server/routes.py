@@ -293,12 +293,8 @@ class OpenAIApi:
         return {"id": req.id, "object": kind, "created": req.created, "model": self.model_name}
 
     def _chunk(self, req: GenerationRequest, delta: str | dict, logprobs: dict | None, finish: str | None) -> dict:
-        if req.chat:
-            choice = {"index": 0, "delta": delta if isinstance(delta, dict) else {"content": delta},
-                      "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish}
-        body = {**self._envelope(req, chunk=True), "choices": [choice]}
+        text = {"delta": delta if isinstance(delta, dict) else {"content": delta}} if req.chat else {"text": delta}
+        body = {**self._envelope(req, chunk=True), "choices": [choice(text, logprobs, finish)]}
         if req.include_usage:
             body["usage"] = None  # OpenAI: every chunk but the last has usage null when usage was asked for
         return body
@@ -315,13 +311,15 @@ class OpenAIApi:
         return body
 
     def _response(self, req: GenerationRequest, out: RequestOutput) -> dict:
+        text = {"message": {"role": "assistant", "content": out.text}} if req.chat else {"text": out.text}
         logprobs = self._logprobs(req, out.logprobs or [])
-        if req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason}
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-        return {**self._envelope(req, chunk=False), "choices": [choice], "usage": protocol.usage(out)}
+        return {**self._envelope(req, chunk=False), "choices": [choice(text, logprobs, out.finish_reason)],
+                "usage": protocol.usage(out)}
+
+
+def choice(text: dict, logprobs: dict | None, finish: str | None) -> dict:
+    """The one choice of a response or a chunk (this engine returns n=1), its text as the API names it."""
+    return {"index": 0, **text, "logprobs": logprobs, "finish_reason": finish}
 
 
 def prompt_text(req: GenerationRequest) -> str:

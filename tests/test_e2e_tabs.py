@@ -10,14 +10,13 @@ import contextlib
 import json
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
 
 from engine.measure import QUALITY_SPECS
 from playground.results import SHIPPED_RESULTS
-from tests.conftest import serve_app
+from tests.conftest import serve_app, wait_until
 from tests.test_e2e_browser import BROWSER_MARKS, CHROMIUM, DOCS, FLAGS
 
 pytestmark = BROWSER_MARKS
@@ -103,13 +102,6 @@ def visit(page, tab: str, shots: Path, min_charts: int = 0, name: str | None = N
     assert page.evaluate(OVERFLOWING_TEXT) == [], f"chart text overflows on the {tab} tab (see {path})"
 
 
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 # a visible chart whose box would shrink when gradio mounts its next figure: [title, chart px, box min-height]
 CHART_BOXES_KEEP_HEIGHT = """() => Array.from(document.querySelectorAll('.js-plotly-plot'))
   .filter(p => p.offsetHeight > 0 && p.querySelector('.main-svg'))
@@ -184,7 +176,8 @@ def test_every_tab_readable_at_1600x1200(served, page, shots):
     page.get_by_text("Paused: the engine waits").wait_for(timeout=30_000)
     page.get_by_role("tab", name="Dashboard").click()
     page.get_by_role("button", name="Launch users").click()  # 16 users for 120 s (its section is open)
-    wait_until(lambda: len(pg.service.engine.requests) >= 16)
+    assert wait_until(lambda: len(pg.service.engine.requests) >= 16, timeout_s=30.0,
+                      poll_s=0.1), "the 16 launched users' requests never reached the engine"
     page.get_by_text("16 users from 'shared-system-prompt'").wait_for(timeout=30_000)
     assert re.search(r"[█░]{30} \d+%", page.inner_text("body"))  # the run's progress bar
     page.get_by_role("tab", name="Step mode").click()
@@ -384,5 +377,6 @@ def test_a_visitor_s_own_message_shows_as_text_not_markdown(served, page, monkey
     # the next turn sends the conversation back from the page: the model reads the first message as it was typed
     box.fill("And then?")
     box.press("Enter")
-    wait_until(lambda: sent and sent[-1][-1]["content"] == "And then?")
+    assert wait_until(lambda: sent and sent[-1][-1]["content"] == "And then?", timeout_s=30.0,
+                      poll_s=0.1), f"the second turn never reached the model (last sent: {sent[-1:]})"
     assert sent[-1][0] == {"role": "user", "content": typed}

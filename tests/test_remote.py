@@ -17,7 +17,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.llm import chat_token_ids
 from playground.room import plain
-from tests.conftest import serve_app
+from tests.conftest import serve_app, wait_until
 
 pytestmark = pytest.mark.served  # the app on a local port: `make test` runs it beside the rest
 
@@ -63,16 +63,9 @@ def scraped(url: str) -> dict[str, float]:
     return out
 
 
-def wait_for(predicate, timeout_s: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def wait_idle(pg, timeout_s: float = 60.0) -> None:
-    wait_for(lambda: not pg.service.snapshot().num_running and not pg.service.snapshot().num_waiting, timeout_s,
-             "the watched engine to go idle")
+def wait_idle(pg) -> None:
+    assert wait_until(lambda: not pg.service.snapshot().num_running and not pg.service.snapshot().num_waiting,
+                      timeout_s=60.0, poll_s=0.1), "timed out waiting for the watched engine to go idle"
 
 
 def trace(fig: dict, name: str) -> dict:
@@ -207,9 +200,11 @@ def test_the_dashboard_attached_to_a_second_app_draws_its_metrics_and_they_move(
         sender = threading.Thread(target=lambda: reply.append(httpx.post(url + "/v1/completions", json=body,
                                                                          timeout=120)))
         sender.start()
-        wait_for(lambda: remote_pg.service.engine.has_unfinished(), what="the request to arrive")
+        assert wait_until(lambda: remote_pg.service.engine.has_unfinished(), timeout_s=30.0,
+                          poll_s=0.1), "timed out waiting for the request to arrive"
         remote_pg.service.step_once()  # its prefill: now it runs and holds blocks, until the engine resumes
-        wait_for(lambda: watcher.remote.latest.num_running == 1, what="a scrape that sees it running")
+        assert wait_until(lambda: watcher.remote.latest.num_running == 1, timeout_s=30.0,
+                          poll_s=0.1), "timed out waiting for a scrape that sees it running"
         assert watcher.remote.latest.kv_usage > 0
     finally:
         remote_pg.service.resume()
@@ -217,7 +212,8 @@ def test_the_dashboard_attached_to_a_second_app_draws_its_metrics_and_they_move(
     assert reply[0].json()["usage"]["completion_tokens"] == 40
     wait_idle(remote_pg)
     polls = watcher.remote.polls
-    wait_for(lambda: watcher.remote.polls >= polls + 2, what="two scrapes after the request")
+    assert wait_until(lambda: watcher.remote.polls >= polls + 2, timeout_s=30.0,
+                      poll_s=0.1), "timed out waiting for two scrapes after the request"
     latest = watcher.remote.history[-1]
     assert latest.generation_tokens_total - before == 40  # the watched app's count, over HTTP
     assert latest.generation_tokens_total == remote_pg.service.snapshot().generation_tokens_total
@@ -248,7 +244,8 @@ def test_the_chat_through_an_attached_app_streams_its_reply(watched, watcher, re
     assert len(set(replies)) > 2  # it arrived piece by piece
     assert all(a == b[:len(a)] for a, b in zip(replies, replies[1:]))  # each update extends the last
     assert plain(url) in updates[-1][2] and "12 tokens" in updates[-1][2]
-    wait_for(lambda: scraped(url).get("vllm:request_success_total", 0) == finished + 1, what="the remote's count")
+    assert wait_until(lambda: scraped(url).get("vllm:request_success_total", 0) == finished + 1, timeout_s=30.0,
+                      poll_s=0.1), "timed out waiting for the remote's count"
     view, polling = watcher.chat_view(None)
     assert "not available when attached" in json.dumps(view.blocks).replace("<br>", " ") and not polling
 
@@ -348,7 +345,8 @@ def test_a_watched_server_that_goes_away_is_reported_and_the_page_keeps_running(
     finally:
         demo.close()
         pg.service.shutdown()
-    wait_for(lambda: watcher.remote.error is not None, what="a failed scrape")
+    assert wait_until(lambda: watcher.remote.error is not None, timeout_s=30.0,
+                      poll_s=0.1), "timed out waiting for a failed scrape"
     assert "no answer from" in watcher.status()
     assert watcher.dashboard().queues  # the charts still draw what was scraped
     history, _ = list(watcher.chat("still there?", [], 0.0, 4))[-1]

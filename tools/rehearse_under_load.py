@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -31,34 +30,33 @@ def main() -> int:
     args = parser.parse_args()
 
     from engine import LLM
+    from engine.measure.experiments import busy_processes
     from playground import Playground
     from playground.lesson_record import machine_name, write_record
     from playground.rehearse import rehearsal_table, rehearse
 
     pg = Playground(LLM(args.model))
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     stop, demo, pollers = threading.Event(), None, []
     try:
-        if args.watchers:
-            import app
-            from playground import page_client
-            from playground.access import TOKEN, Access
-            from playground.loadtest import Tally, poll
-            port = page_client.free_port()
-            demo = app.launch(pg, "rehearsal", access=Access(TOKEN, "rehearsal-presenter"), server_name="127.0.0.1",
-                              server_port=port, prevent_thread_lock=True, quiet=True)
-            tally = Tally()
-            for session in page_client.open_sessions(f"http://127.0.0.1:{port}/", args.watchers):
-                pollers.append(threading.Thread(target=poll, args=(session, "/dashboard", "dashboard_polls", stop,
-                                                                   tally), daemon=True))
-                pollers[-1].start()
-        started = time.monotonic()
-        records = rehearse(pg, args.slugs or None, args.seconds, lambda line: print(line, flush=True))
-        took = time.monotonic() - started
+        with busy_processes(args.busy):  # started, and spinning, before the first lesson
+            if args.watchers:
+                import app
+                from playground import page_client
+                from playground.access import TOKEN, Access
+                from playground.loadtest import Tally, poll
+                port = page_client.free_port()
+                demo = app.launch(pg, "rehearsal", access=Access(TOKEN, "rehearsal-presenter"),
+                                  server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+                tally = Tally()
+                for session in page_client.open_sessions(f"http://127.0.0.1:{port}/", args.watchers):
+                    pollers.append(threading.Thread(target=poll, args=(session, "/dashboard", "dashboard_polls",
+                                                                       stop, tally), daemon=True))
+                    pollers[-1].start()
+            started = time.monotonic()
+            records = rehearse(pg, args.slugs or None, args.seconds, lambda line: print(line, flush=True))
+            took = time.monotonic() - started
     finally:
         stop.set()
-        for p in busy:
-            p.kill()
         pg.traffic.stop()
         if demo is not None:
             demo.close()

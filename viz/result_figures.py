@@ -14,8 +14,9 @@ def _axis(i: int) -> str:
 
 
 def _panels(titles: Sequence[str], xgap: float) -> dict:
-    """Layout keys for one row of independent panels, each titled above."""
+    """Layout keys for one row of independent panels, each titled above, each panel's axes styled as the first's."""
     return {"grid": {"rows": 1, "columns": len(titles), "pattern": "independent", "xgap": xgap},
+            **{f"{xy}axis{_axis(i)}": dict(AXIS) for i in range(1, len(titles)) for xy in "xy"},
             "annotations": [{"text": title, "showarrow": False, "xref": f"x{_axis(i)} domain",
                              "yref": f"y{_axis(i)} domain", "x": 0.5, "y": 1.0, "yanchor": "bottom"}
                             for i, title in enumerate(titles)]}
@@ -36,11 +37,8 @@ def compare_figure(result) -> dict:
                      "yaxis": f"y{axis}", "text": ["" if v is None else amount(v) for v in values],
                      "textposition": "auto", "marker": {"color": _better_green(values, higher)},
                      "showlegend": False})
-    layout = _panels([label for _, label, _, _ in metrics], 0.15)
-    for i in range(2, len(metrics) + 1):
-        layout[f"xaxis{i}"] = dict(AXIS)
-        layout[f"yaxis{i}"] = dict(AXIS)
-    return figure(data, title="A vs B on the same workload", margin=dict(l=50, r=20, t=80, b=40), **layout)
+    return figure(data, title="A vs B on the same workload", margin=dict(l=50, r=20, t=80, b=40),
+                  **_panels([label for _, label, _, _ in metrics], 0.15))
 
 
 def ablation_figure(rows: Sequence) -> dict:
@@ -77,8 +75,7 @@ def _two_lines(label: str) -> str:
 
 
 def cumulative_figure(rows: Sequence) -> dict:
-    """The course's "engine, feature by feature", measured (AblationRows of a cumulative ablation): everything off,
-    then each feature added back. Each bar says what its feature added (step_ratio, bold) and the total against
+    """measure.ablate_cumulative's rows, a bar each: what its feature added (step_ratio, bold) and the total against
     the naive loop (ratio); a configuration that could not run keeps its place, marked."""
     cats = [_two_lines(r.feature) for r in rows]
     ran = [r for r in rows if r.throughput_tok_s]

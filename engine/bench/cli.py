@@ -172,16 +172,11 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--workload", default="mixed-lengths", help="preset name or TOML path (presets/workloads/)")
     serve.add_argument("--max-tokens", type=_positive, default=None, help="every request's max_tokens (default: the "
                                                                           "workload's own)")
-    serve.add_argument("--api", choices=("chat", "completions"), default="chat",
-                       help="stream /v1/chat/completions (default) or /v1/completions")
-    serve.add_argument("--tokenizer", default=None, help="turns random-token prompts into text (default: the "
-                                                         "embedded model's)")
+    _over_http(serve, api="chat")
     serve.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
     serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                        help="send vLLM's ignore_eos (default: as the workload says: random-token prompts do)")
     serve.add_argument("--temperature", type=float, default=0.0)
-    serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    serve.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
 
 
 def _versus_parser(sub) -> None:
@@ -192,16 +187,22 @@ def _versus_parser(sub) -> None:
     vs.add_argument("--temperature", type=_float_list, default=[0.0, 1.0])
     vs.add_argument("--rounds", type=_positive, default=2, help="alternating rounds per cell (order swapped each)")
     _sizes(vs, requests=32, prompt_len=128, output_len=64)
-    vs.add_argument("--api", choices=("chat", "completions"), default="completions")
+    _over_http(vs, api="completions")
     vs.add_argument("--tag", default="", help="what both servers run, e.g. fp32 or bf16 (they choose it)")
     vs.add_argument("--seed", type=int, default=None, help="replay an earlier run's prompts (default: fresh ones, "
                                                             "never served from a prefix cache)")
-    vs.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     vs.add_argument("--settle", type=float, default=None, metavar="SECONDS",
                     help="quiet before each run, so the other server has wound down (default: versus.SETTLE_S)")
-    vs.add_argument("--tokenizer", default=None, help="turns the random tokens into text (default: the embedded "
-                                                      "model's)")
-    vs.add_argument("--json", type=Path, default=None, metavar="PATH")
+
+
+def _over_http(p: argparse.ArgumentParser, api: str) -> None:
+    """What `serve` and `versus` share: they stream an OpenAI API and load no weights, a tokenizer at most."""
+    p.add_argument("--api", choices=("chat", "completions"), default=api,
+                   help=f"stream /v1/chat/completions or /v1/completions (default: {api})")
+    p.add_argument("--tokenizer", default=None, help="turns random-token prompts into text (default: the embedded "
+                                                     "model's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
 
 
 def _positive(text: str) -> int:

@@ -69,15 +69,10 @@ def random_engine(model: str, dtype: str, device: str, overrides: dict, fields: 
 
 
 def _greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from ..measure.runs import run_to_end
     from ..sampling_params import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return [done[i] for i in ids]
+    return [o.token_ids for o in run_to_end(engine, prompts, SamplingParams(temperature=0, max_tokens=n,
+                                                                             ignore_eos=True))]
 
 
 def _hf_model(model: str, dtype: str, device: str, overrides: dict):
@@ -191,9 +186,9 @@ def hf_ratio(plan: Plan, rows: list[dict]) -> dict:
     import torch
 
     from ..measure.experiments import table_prompts
-    from ..measure.hf import hf_generate
+    from ..measure.hf import hf_generate, hf_warm_up
     hf = _hf_model(plan.model, plan.dtype, plan.device, plan.overrides)
-    hf_generate(hf, table_prompts(1, 8, 0), 2, 0)  # warm-up
+    hf_warm_up(hf, 0)
     seconds = hf_generate(hf, table_prompts(plan.hf_batch, plan.input_len, 0), plan.output_len, 0)
     del hf
     _free(torch.device(plan.device))

@@ -198,7 +198,6 @@ def error_message(response: httpx.Response) -> str:
 
 async def stream_request(client: httpx.AsyncClient, endpoint: str, body: dict, chat: bool,
                          run_start: float) -> RequestRecord:
-    """Send one streaming request and time its chunks."""
     rec = RequestRecord(ok=False)
     start = time.perf_counter()
     rec.start_s = start - run_start
@@ -259,8 +258,7 @@ async def stream_request(client: httpx.AsyncClient, endpoint: str, body: dict, c
 
 async def run_serve_async(url: str, requests: Sequence[ServeRequest], concurrency: int, api: str = "chat",
                           model: str | None = None, temperature: float = 0.0, timeout_s: float = 600.0,
-                          workload: str = "", progress: Callable[[int, int, int], None] | None = None,
-                          headers: dict[str, str] | None = None) -> ServeResult:
+                          workload: str = "", progress: Callable[[int, int, int], None] | None = None) -> ServeResult:
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
     if not requests:
@@ -269,7 +267,7 @@ async def run_serve_async(url: str, requests: Sequence[ServeRequest], concurrenc
         raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
     url = base_url(url)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, headers=headers,
+    async with httpx.AsyncClient(base_url=url, limits=limits,
                                  timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))) as client:
         model = model or await served_model(client)
         gate = asyncio.Semaphore(concurrency)

@@ -75,11 +75,6 @@ class VersusResult:
                           for c in self.cells]}
 
 
-def fresh_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[str]:
-    """n random-token prompts as text (the server tokenizes them again, as vLLM's random dataset does)."""
-    return [tokenizer.decode(prompt) for prompt in random_prompts(n, length, seed)]
-
-
 def versus(servers: Sequence[Server], tokenizer: Any, concurrencies: Sequence[int], temperatures: Sequence[float],
            rounds: int = 2, num_requests: int = 32, prompt_len: int = 128, output_len: int = 64,
            api: str = "completions", tag: str = "", seed: int | None = None, timeout_s: float = 600.0,
@@ -102,7 +97,8 @@ def versus(servers: Sequence[Server], tokenizer: Any, concurrencies: Sequence[in
             cell = Cell(c, t)
             for r in range(rounds):
                 draw += 1
-                texts = fresh_prompts(tokenizer, num_requests, prompt_len, seed=draw)
+                # as text: each server tokenizes it again, as vLLM's random dataset does
+                texts = [tokenizer.decode(p) for p in random_prompts(num_requests, prompt_len, seed=draw)]
                 requests = [ServeRequest(text, output_len, True) for text in texts]
                 order = servers if r % 2 == 0 else list(reversed(servers))
                 summaries = {}

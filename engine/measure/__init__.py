@@ -1,5 +1,5 @@
 """Measuring the engine, as a library: what the playground and `python -m engine.bench` both call (docs/engine.md
-lists its modules)."""
+lists its modules). Each experiment returns dataclasses a UI can use; only the CLI prints."""
 from .ablation import (
                           ABLATIONS,
                           FEATURES,

@@ -1,7 +1,5 @@
 """What each feature is worth: ablate (the full engine, then each switch off in turn; --cumulative;
---concurrency) and memory (where requests stop fitting). Each returns dataclasses a UI can use; only the CLI prints.
-The other experiments are in experiments.py.
-"""
+--concurrency) and memory (where requests stop fitting)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -60,7 +58,6 @@ ABLATIONS: tuple[tuple[str, str], ...] = tuple((f.off_label, f.switch) for f in 
 
 
 def features_fields(on: Callable[[Feature], bool]) -> dict[str, Any]:
-    """The config fields with each feature on or off as `on` says."""
     return {k: v for f in FEATURES for k, v in f.fields(on(f)).items()}
 
 

@@ -1,5 +1,5 @@
-"""Experiments: each returns dataclasses a UI can use; only the CLI prints. What each feature is worth (ablate,
-memory) is ablation.py's; what each precision costs (kernels, decode, quality) precision.py's."""
+"""The other experiments: the reference table, a comparison, HF's static batches, the closed loop (beside busy
+neighbours). What each feature is worth is ablation.py's; what each precision costs, precision.py's."""
 from __future__ import annotations
 
 import math
@@ -19,7 +19,7 @@ from ..llm import LLM, warm_up
 from ..sampling_params import SamplingParams
 from ..threads import usable_cores
 from ..workloads import Workload
-from .hf import hf_generate, hf_pad_id, hf_static_batches, hf_warm_up, load_hf_model
+from .hf import hf_generate, hf_static_batches, load_hf_model
 from .runs import (
     GIB,
     Progress,
@@ -82,9 +82,7 @@ def run_table_row(llm: LLM, batch: int, input_len: int, output_len: int, setting
 
 def add_hf_to_rows(llm: LLM, rows: list[TableRow], input_len: int, output_len: int, seed: int = 0) -> None:
     """Time transformers' generate on each row's prompts (loaded after the engine runs, so CUDA peaks stay apart)."""
-    hf = load_hf_model(llm)
-    pad = hf_pad_id(hf, llm.tokenizer)
-    hf_warm_up(hf, pad)
+    hf, pad = load_hf_model(llm)
     for row in rows:
         row.hf_time_s = hf_generate(hf, table_prompts(row.batch, input_len, seed), output_len, pad)
         row.hf_tps = row.batch * output_len / row.hf_time_s
@@ -147,9 +145,7 @@ class HFStaticResult:
 def hf_static(llm: LLM, workload: Workload, batch_size: int = 8,
               settings: dict[str, Any] | None = None) -> HFStaticResult:
     engine_run = run_config(llm, workload, config_fields(workload, settings or {}, {}))
-    hf = load_hf_model(llm)
-    pad = hf_pad_id(hf, llm.tokenizer)
-    hf_warm_up(hf, pad)
+    hf, pad = load_hf_model(llm)
     seconds, generated, useful = hf_static_batches(hf, workload, batch_size, pad)
     del hf
     hf_tps = useful / seconds if seconds > 0 else 0.0

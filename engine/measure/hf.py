@@ -12,11 +12,15 @@ from ..workloads import Workload
 from .runs import random_prompts
 
 
-def load_hf_model(llm: LLM) -> Any:
-    """transformers' model over the same weights, in the engine's dtype (float32 by default) and device."""
+def load_hf_model(llm: LLM) -> tuple[Any, int]:
+    """transformers' model over the same weights, in the engine's dtype (float32 by default) and device, warmed up;
+    and the pad id its batches use."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=TORCH_DTYPES[llm.config.dtype])
-    return hf.to(llm.engine.model.device).eval()
+    hf = hf.to(llm.engine.model.device).eval()
+    pad = hf_pad_id(hf, llm.tokenizer)
+    hf_warm_up(hf, pad)
+    return hf, pad
 
 
 def hf_pad_id(hf_model: Any, tokenizer: Any) -> int:

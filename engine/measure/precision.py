@@ -1,6 +1,5 @@
 """What each precision costs, in speed and in quality: `decode` (the whole engine's batch-1 time per token, beside
-llama.cpp's), `quality` (a quantized or bf16 engine against the fp32 one over a fixed text).
-Each returns dataclasses a UI can use; only the CLI prints."""
+llama.cpp's), `quality` (a quantized or bf16 engine against the fp32 one over a fixed text)."""
 from __future__ import annotations
 
 import math
@@ -19,7 +18,7 @@ from ..llm import LLM, engine_for
 from ..quant.format import WeightFormat
 from ..quant.speed import model_speeds
 from ..sampling_params import SamplingParams
-from .runs import Progress, random_prompts, tell
+from .runs import Progress, random_prompts, run_to_end, tell
 from .specs import FEATURE_DIR, resolve_spec
 
 
@@ -163,11 +162,7 @@ def text_windows(llm: LLM, text: str, window: int) -> list[list[int]]:
 def teacher_forced(engine: LLMEngine, windows: list[list[int]]) -> list[list[dict[int, float] | None]]:
     """Each window's prompt logprobs (the text's token and the most likely one at every position after the first)."""
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    ids = [engine.add_request(w, params) for w in windows]
-    done = {}
-    while engine.has_unfinished():
-        done.update((o.request_id, o.prompt_logprobs) for o in engine.step() if o.finished)
-    return [done[i] for i in ids]
+    return [o.prompt_logprobs for o in run_to_end(engine, windows, params)]
 
 
 def compare_logprobs(windows: list[list[int]], ref: list[list], got: list[list]) -> dict[str, float]:

@@ -95,6 +95,11 @@ def format_cell(value: Any) -> str:
     return f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}" if abs(value) >= 1 else f"{value:.4f}"
 
 
+def rounds_text(values: list[float], digits: int = 2) -> str:
+    """A measurement's rounds in one cell: "1.23, 1.25, 1.31"."""
+    return ", ".join(f"{v:.{digits}f}" for v in values)
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
@@ -170,8 +175,7 @@ def kernel_worth_report(rows: list, tokens: int) -> Report:
                     f"ms per decode step ({tokens} steps a round), the rounds alternating in one process", rows=rows)
     report.tables["ms per decode step, on / off"] = [
         {"weights": r.spec, "kernel": r.kernel, "rows": r.rows,
-         "on: ms (rounds)": ", ".join(f"{x:.1f}" for x in r.on_ms),
-         "off: ms (rounds)": ", ".join(f"{x:.1f}" for x in r.off_ms),
+         "on: ms (rounds)": rounds_text(r.on_ms, 1), "off: ms (rounds)": rounds_text(r.off_ms, 1),
          "off / on (median)": round(r.speedup, 3)} for r in rows]
     report.notes.append("off: a kernel on its torch path; huge pages: the weights in ordinary 4 KB pages")
     report.notes.append("> 1: it pays end to end here; near 1: it buys nothing measurable on this CPU")
@@ -224,10 +228,10 @@ def closed_loop_report(rows, concurrency: int, requests: int, prompt_len: int, o
     report.tables["per condition"] = [
         {**({"busy neighbours": r.neighbours} if beside else {}),
          "output tok/s (median)": statistics.median(r.tok_s),
-         "output tok/s (runs)": ", ".join(f"{x:.1f}" for x in r.tok_s),
+         "output tok/s (runs)": rounds_text(r.tok_s, 1),
          **({"vs quiet (median)": statistics.median(r.vs_quiet), "fair share": r.fair_share,
              "of fair share (median)": statistics.median(r.of_fair_share),
-             "of fair share (runs)": ", ".join(f"{x:.2f}" for x in r.of_fair_share),
+             "of fair share (runs)": rounds_text(r.of_fair_share),
              "threads (runs)": ", ".join(str(t) for t in r.threads)} if beside else {}),
          "decode step ms (median)": statistics.median(r.decode_step_ms),
          "mixed step ms (median)": statistics.median(r.mixed_step_ms)} for r in rows]

@@ -1,20 +1,10 @@
 """The roofline: how close the engine's decode comes to what this machine's memory and arithmetic allow.
 
-A batch-1 decode step reads every projection's weights once (and the request's K and V) to compute one row: its
-floor is those bytes over the machine's read bandwidth. A batch of B rows reads the same weights once for B rows,
-2 x params x B flops: its floor is those flops over the machine's peak matmul rate (or the bytes, if more). Both
-limits are measured here, in the same process and on the same threads as the engine:
-
-  read bandwidth   STREAM-style reads of a buffer far larger than the last-level cache (sums, a matrix-vector
-                   product: the best of them), GB/s
-  matmul peak      a large square fp32 GEMM and a bf16 one (oneDNN, AMX where the CPU has it), GFLOP/s
-
-and each precision's engine is timed against them: batch-1 ms a token against the bandwidth floor, batch-B ms a step
-against the compute floor. The bytes are counted from the loaded model's own buffers (each projection's stored
-weights and scales as its kernel reads them, the norms, an embedding row a token), never from a parameter count.
-A ratio of 1 is the machine's limit; what is above it is the engine's to find.
-
-`python -m engine.bench roofline` (--quick: seconds, for a test). Returns dataclasses; only the CLI prints.
+A batch-1 decode step reads every projection's weights once to compute one row: its floor is those bytes over the
+read bandwidth. A batch of B rows reads them once for B rows, 2 x params x B flops: its floor is those flops over
+the matmul peak. Both limits are measured here, in the engine's process and on its threads, and the bytes are
+counted from the loaded model's own buffers, never from a parameter count. What each part measures and how to read
+the ratios: docs/measurements.md, "Against the machine's limits (the roofline)".
 """
 from __future__ import annotations
 
@@ -36,13 +26,12 @@ from ..sampling_params import SamplingParams
 from ..threads import usable_cores
 from ..utils import cdiv
 from .precision import load_each
-from .report import Report
-from .runs import Progress, random_prompts
+from .report import Report, rounds_text
+from .runs import GIB, Progress, random_prompts, tell
 from .specs import resolve_spec
 
 # each precision the engine runs on a CPU, every projection in it (the LM head too)
 SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "quantization=int4")
-GIB = 2**30
 MIN_READ_BYTES = GIB  # the read buffer: at least this, and at least READ_OVER_LLC x the last-level cache
 READ_OVER_LLC = 4
 
@@ -263,8 +252,7 @@ def roofline(llm: LLM, specs: Sequence[str] = SPECS, sizes: Sizes | None = None,
         raise ValueError("roofline measures a CPU's bandwidth and matmul peak: load the model on the CPU")
     settings = {k: v for k, v in (settings or {}).items() if k != "model"}
     total = len(specs) + 1 + sizes.rounds
-    if progress is not None:
-        progress(0, total, "the machine: read bandwidth, GEMM peaks")
+    tell(progress, 0, total, "the machine: read bandwidth, GEMM peaks")
     machine = measure_machine(sizes.read_bytes, sizes.gemm_n, sizes.repeats)
     configs, models = load_each(llm, specs, sizes.rounds, None)
     engines = [_engine(llm, spec, c, m, settings, sizes) for spec, c, m in zip(specs, configs, models, strict=True)]
@@ -273,15 +261,13 @@ def roofline(llm: LLM, specs: Sequence[str] = SPECS, sizes: Sizes | None = None,
         for engine in engines:
             warm_up(engine)
         for r in range(sizes.rounds):
-            if progress is not None:
-                progress(len(specs) + 1 + r, total, f"round {r + 1} of {sizes.rounds}")
+            tell(progress, len(specs) + 1 + r, total, f"round {r + 1} of {sizes.rounds}")
             for engine, (one, many) in zip(engines, times, strict=True):
                 one.append(decode_ms(engine, 1, sizes.prompt_len, sizes.tokens, seed=2 * r))
                 many.append(decode_ms(engine, sizes.batch, sizes.prompt_len, sizes.tokens, seed=2 * r + 1))
     finally:
         torch.set_num_threads(machine.threads)  # as found: each engine's count follows the machine's other work
-    if progress is not None:
-        progress(total, total, "done")
+    tell(progress, total, total, "done")
     result = Roofline(machine, sizes)
     context = sizes.prompt_len + sizes.tokens // 2  # the timed steps' mean context, near enough
     for spec, config, engine, (one, many) in zip(specs, configs, engines, times, strict=True):
@@ -303,10 +289,6 @@ def fill_floors(row: RooflineRow, machine: Machine, batch: int) -> None:
     row.batch_ratio = statistics.median(row.batch_ms) / row.compute_floor_ms
 
 
-def _runs(values: list[float], digits: int = 2) -> str:
-    return ", ".join(f"{v:.{digits}f}" for v in values)
-
-
 def roofline_report(result: Roofline) -> Report:
     m, s = result.machine, result.sizes
     report = Report(f"the roofline: decode against this machine's read bandwidth and matmul peak ({m.cpu}, "
@@ -314,21 +296,21 @@ def roofline_report(result: Roofline) -> Report:
     llc = f"{m.llc_bytes / 2**20:.0f} MiB" if m.llc_bytes else "unknown"
     report.tables["this machine (best of each)"] = [
         *({"measure": f"read bandwidth: {name} over {m.read_bytes / 2**20:.0f} MiB (last-level cache {llc})",
-           "best": f"{max(runs):.1f} GB/s", "runs": _runs(runs, 1)} for name, runs in m.read_gb_s.items()),
+           "best": f"{max(runs):.1f} GB/s", "runs": rounds_text(runs, 1)} for name, runs in m.read_gb_s.items()),
         {"measure": f"fp32 GEMM, {m.gemm_n} x {m.gemm_n} x {m.gemm_n}", "best": f"{max(m.fp32_gflops):.0f} GFLOP/s",
-         "runs": _runs(m.fp32_gflops, 0)},
+         "runs": rounds_text(m.fp32_gflops, 0)},
         {"measure": f"bf16 GEMM, {m.gemm_n} x {m.gemm_n} x {m.gemm_n}", "best": f"{max(m.bf16_gflops):.0f} GFLOP/s",
-         "runs": _runs(m.bf16_gflops, 0)}]
+         "runs": rounds_text(m.bf16_gflops, 0)}]
     report.tables["batch 1: ms a token against the bandwidth floor"] = [
         {"spec": r.spec, "precision": r.precision, "weights MB a step": r.weight_bytes / 1e6,
          "K, V and embedding MB": r.row_bytes / 1e6, "floor ms": r.bandwidth_floor_ms,
-         "measured ms (median)": statistics.median(r.batch1_ms), "measured ms (runs)": _runs(r.batch1_ms),
+         "measured ms (median)": statistics.median(r.batch1_ms), "measured ms (runs)": rounds_text(r.batch1_ms),
          "measured / floor": r.batch1_ratio, "threads": r.threads} for r in result.rows]
     report.tables[f"batch {s.batch}: ms a step against the compute floor"] = [
         {"spec": r.spec, "kernel": r.kernel, "matmul params (M)": r.matmul_params / 1e6,
          "GFLOP a step": 2 * r.matmul_params * s.batch / 1e9, "peak": r.peak,
          "compute floor ms": r.compute_floor_ms, "bandwidth floor ms": r.batch_bandwidth_floor_ms,
-         "measured ms (median)": statistics.median(r.batch_ms), "measured ms (runs)": _runs(r.batch_ms),
+         "measured ms (median)": statistics.median(r.batch_ms), "measured ms (runs)": rounds_text(r.batch_ms),
          "measured / compute floor": r.batch_ratio} for r in result.rows]
     report.notes.append(f"decode steps: prompts of {s.prompt_len} random tokens, {s.tokens} steps timed a round "
                         f"after untimed prefills, {s.rounds} rounds going round every precision; the floors use the "

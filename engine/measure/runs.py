@@ -61,6 +61,15 @@ def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(*TOKEN_RANGE) for _ in range(length)] for _ in range(n)]
 
 
+def run_to_end(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    """Each prompt's final output, in order: all added at once, the engine stepped until every one has finished."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
 def fixed_workload(prompts: list[list[int]], output_len: int) -> Workload:
     """Greedy requests that each generate exactly output_len tokens, all arriving at time 0."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -104,8 +113,7 @@ class StepBreakdown:
 def summarize_steps(records: Sequence[StepRecord]) -> StepBreakdown:
     active = [r for r in records if r.num_batched_tokens > 0]
     if not active:
-        zeros = dict.fromkeys(PHASES, 0.0)
-        return StepBreakdown(0, zeros, 0.0)
+        return StepBreakdown(0, dict.fromkeys(PHASES, 0.0), 0.0)
     n = len(active)
     return StepBreakdown(
         num_steps=n,
@@ -258,7 +266,6 @@ def _run_result(engine: LLMEngine, workload: Workload, outputs: list[RequestOutp
 
 def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], should_stop: StopCheck | None = None,
                track_efficiency: bool = False) -> RunResult:
-    """A fresh, warmed-up engine with these fields, run through the workload."""
     engine = llm.build_engine(fields)
     warm_up(engine)
     return run_workload(engine, workload, should_stop, track_efficiency)
