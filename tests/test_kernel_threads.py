@@ -45,6 +45,24 @@ def test_workers_take_chunks(kernel_threads):
                       and ext.pool_stats()["worker_chunks"] > before, timeout_s=30.0, poll_s=0.01)
 
 
+def test_idle_workers_that_yield_before_sleeping_still_run_every_chunk_once(kernel_threads):
+    """kernel_yield_us (off by default): an idle worker checks for work between sched_yield calls before it sleeps;
+    the regions' chunks still run exactly once, and the pool counts its regions."""
+    assert ext.kernel_yield_us() == 0
+    kernel_threads(min(2, usable_cores()))
+    before = ext.pool_stats()
+    try:
+        assert ext.kernel_yield_us(2000) == 2000
+        for items, grain in [(2, 1), (64, 1), (1000, 7)]:
+            for _ in range(20):
+                assert bool((ext.pool_count(items, grain, 0) == 1).all()), (items, grain)
+    finally:
+        ext.kernel_yield_us(0)
+    after = ext.pool_stats()
+    assert after["regions"] + after["alone"] >= before["regions"] + before["alone"] + 60
+    assert after["wait_ns"] >= before["wait_ns"] and after["region_ns"] + after["alone_ns"] > 0
+
+
 @needs_two_cores
 def test_a_call_returns_while_its_worker_is_stopped_before_claiming(kernel_threads):
     kernel_threads(2)

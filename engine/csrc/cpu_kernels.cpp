@@ -101,12 +101,17 @@ struct State {
   std::atomic<int> threads{0};    // what the engine asked for; 0: at::get_num_threads() of the caller
   std::atomic<int64_t> spin_ns{200000};
   bool spin_yield = std::getenv("WATCHLLM_SPIN_YIELD") && std::string(std::getenv("WATCHLLM_SPIN_YIELD")) == "1";
+  std::atomic<int64_t> yield_ns{0};  // after spin_ns, how long to check between sched_yield calls before sleeping
   std::atomic<int> hold{0};       // test hook: 1 stops a worker between reading a job and claiming a chunk
   std::mutex mutex;               // starting workers; the first error
   std::vector<std::thread::id> started;
   std::exception_ptr error;
   // what happened, for the tests
   std::atomic<int64_t> worker_chunks{0}, refused_claims{0}, holds{0};
+  // where a caller's time goes (bench probes): regions run on several threads and alone, the time inside them,
+  // the time it waited at their ends for a worker's chunks, and how many such waits passed 50 us / 1 ms
+  std::atomic<int64_t> regions{0}, alone{0}, region_ns{0}, alone_ns{0}, wait_ns{0}, waits_50us{0}, waits_1ms{0},
+      wait_max_ns{0}, worker_sleeps{0};
 };
 
 // never destroyed: a worker may still be asleep on it when the process exits
@@ -214,7 +219,18 @@ void worker_main(State* s, int index) {
       if (!found && s->spin_yield) sched_yield();
     }
     if (found) continue;
+    // then, if asked (kernel_yield_us), yield between checks a while before sleeping: beside one busy process it
+    // kept the worker off the caller's core, beside four or six it cost more than it gave (docs/measurements.md)
+    if (const int64_t yield_ns = s->yield_ns.load(); yield_ns > 0) {
+      const auto until2 = std::chrono::steady_clock::now() + std::chrono::nanoseconds(yield_ns);
+      while (!found && std::chrono::steady_clock::now() < until2) {
+        for (int i = 0; i < 64 && !(found = claimable(*s, index)); ++i) cpu_relax();
+        if (!found) sched_yield();
+      }
+      if (found) continue;
+    }
     s->sleepers.fetch_add(1);
+    s->worker_sleeps.fetch_add(1, std::memory_order_relaxed);
     const uint32_t seen = s->wake.load();
     if (!claimable(*s, index)) futex_wait(&s->wake, seen);
     s->sleepers.fetch_sub(1);
@@ -240,10 +256,15 @@ void run(int64_t n, Job& job, int threads) {
   if (n <= 0) return;
   State& s = *state;
   threads = static_cast<int>(std::min<int64_t>(threads, n));
+  const auto t0 = std::chrono::steady_clock::now();
   if (threads <= 1 || in_worker || s.busy.exchange(true)) {  // alone: one thread, a nested call, a second caller
     job.enter(job.ctx);
     for (int64_t c = 0; c < n; ++c) job.run(job.ctx, c);
     job.leave(job.ctx);
+    if (!in_worker) {
+      s.alone.fetch_add(1, std::memory_order_relaxed);
+      s.alone_ns.fetch_add((std::chrono::steady_clock::now() - t0).count(), std::memory_order_relaxed);
+    }
     return;
   }
   start_workers(s, threads - 1);
@@ -258,12 +279,24 @@ void run(int64_t n, Job& job, int threads) {
   const int64_t first = claim(s, seq, n);
   if (first >= 0) run_claimed(s, &job, seq, n, first, false);
   // only chunks a worker has claimed are left: wait for those (yielding, in case it is off its core)
+  const auto t1 = std::chrono::steady_clock::now();
+  const bool waited = s.done.load() < n;
   for (int spins = 0; s.done.load() < n; ++spins) {
     if (spins < 4096) {
       cpu_relax();
     } else {
       sched_yield();
     }
+  }
+  const auto t2 = std::chrono::steady_clock::now();
+  s.regions.fetch_add(1, std::memory_order_relaxed);
+  s.region_ns.fetch_add((t2 - t0).count(), std::memory_order_relaxed);
+  if (waited) {
+    const int64_t w = (t2 - t1).count();
+    s.wait_ns.fetch_add(w, std::memory_order_relaxed);
+    if (w > 50000) s.waits_50us.fetch_add(1, std::memory_order_relaxed);
+    if (w > 1000000) s.waits_1ms.fetch_add(1, std::memory_order_relaxed);
+    if (w > s.wait_max_ns.load(std::memory_order_relaxed)) s.wait_max_ns.store(w, std::memory_order_relaxed);
   }
   s.word.store((seq + 1) << 32);  // even: ended; a late claim fails
   std::exception_ptr error;
@@ -319,13 +352,23 @@ int64_t kernel_spin_us(int64_t us) {
   return pool::state->spin_ns.load() / 1000;
 }
 
+// How long (microseconds) an idle worker goes on checking for work between sched_yield calls after its spin, before
+// it sleeps (default 0: it sleeps); negative: leave it. Returns it.
+int64_t kernel_yield_us(int64_t us) {
+  if (us >= 0) pool::state->yield_ns.store(us * 1000);
+  return pool::state->yield_ns.load() / 1000;
+}
+
 // The tests' view of the pool: counters, and a hook that stops every worker between reading a job and claiming
 std::map<std::string, int64_t> pool_stats() {
   pool::State& s = *pool::state;
   std::lock_guard<std::mutex> lock(s.mutex);
   return {{"workers", static_cast<int64_t>(s.started.size())}, {"worker_chunks", s.worker_chunks.load()},
           {"refused_claims", s.refused_claims.load()}, {"holds", s.holds.load()}, {"hold", s.hold.load()},
-          {"threads_set", s.threads.load()}};
+          {"threads_set", s.threads.load()}, {"regions", s.regions.load()}, {"alone", s.alone.load()},
+          {"region_ns", s.region_ns.load()}, {"alone_ns", s.alone_ns.load()}, {"wait_ns", s.wait_ns.load()},
+          {"waits_50us", s.waits_50us.load()}, {"waits_1ms", s.waits_1ms.load()},
+          {"wait_max_ns", s.wait_max_ns.exchange(0)}, {"worker_sleeps", s.worker_sleeps.load()}};
 }
 
 void pool_hold(bool hold) { pool::state->hold.store(hold ? 1 : 0); }
@@ -2592,8 +2635,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "follows torch.get_num_threads(), negative leaves it; returns the count a call uses", py::arg("n") = -1);
   m.def("kernel_spin_us", &kernel_spin_us, "how long an idle kernel thread waits for work before it sleeps "
         "(microseconds; negative: unchanged); returns it", py::arg("us") = -1);
+  m.def("kernel_yield_us", &kernel_yield_us, "after that spin, how long an idle kernel thread goes on checking "
+        "between sched_yield calls before it sleeps (microseconds; default 0; negative: unchanged); returns it",
+        py::arg("us") = -1);
   m.def("pool_stats", &pool_stats, "the kernels' threads: workers started, chunks they ran, claims refused, holds, "
-        "the count set");
+        "the count set; regions run on several threads and alone, ns in each, the callers' ns waiting at their "
+        "ends for a worker's chunk (waits over 50 us and 1 ms, the longest since the last call), worker sleeps");
   m.def("pool_hold", &pool_hold, "tests: stop every worker between reading a job and claiming a chunk (or let go)");
   m.def("pool_count", &pool_count, nogil, "tests: how many times each of [0, items) ran through the pool",
         py::arg("items"), py::arg("grain"), py::arg("work_us") = 0);
