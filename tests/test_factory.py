@@ -120,6 +120,9 @@ def test_the_weights_kernel_reported_is_the_one_each_projection_runs(monkeypatch
     runs = {p.choice.kernel for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)}
     reported = resolve(requested, model).chosen()["weights_kernel"]
     assert {k for k in runs if k in reported} == runs
+    shown = model.kernels()  # the status line's and the Weights tab's words name each kernel that runs too
+    shorts = {p.choice.short for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)}
+    assert all(k in shown["weights_kernel"] and k in shown["weights"] for k in shorts)
     # the same, whatever this CPU: the factory asks choose_kernel for each K, as each projection does
     with_vnni = type("WithVnni", (), {"vnni_available": staticmethod(lambda: True),
                                        "weight_only_available": staticmethod(lambda: True)})

@@ -181,8 +181,16 @@ class LlamaFamilyModel:
     def kernels(self) -> dict[str, str]:
         """What runs this model's steps here, in words (each projection's choice is quant/kernels.py's): the
         decoder's projections, the LM head's, and the layers' elementwise steps."""
-        choice = self.layers[0].qkv.choice
-        return {"weights": choice.describe(), "weights_kernel": choice.short, "weights_why": choice.why,
+        first = self.layers[0]
+        runs: dict[str, list[str]] = {}  # each kernel, and the projections that run it (their K decides)
+        whys: dict[str, None] = {}
+        for name, p in (("qkv", first.qkv), ("o", first.o), ("gate|up", first.gate_up), ("down", first.down)):
+            runs.setdefault(p.choice.short, []).append(name)
+            whys[p.choice.why] = None
+        kernel = next(iter(runs)) if len(runs) == 1 else ", ".join(f"{k} ({'/'.join(n)})" for k, n in runs.items())
+        choice = first.qkv.choice
+        return {"weights": f"{choice.scheme or choice.model_dtype} weights · {kernel}", "weights_kernel": kernel,
+                "weights_why": "; ".join(whys),
                 "lm_head": self.lm_head.choice.describe(),
                 "layer_ops": ("torch calls" if self.cpu_ops is None else "C++ (RMSNorm, RoPE, SiLU fused)" +
                               ("; a step's layers in one call" if self.decoder_stack is not None else ""))}
