@@ -10,11 +10,8 @@ from dataclasses import dataclass
 
 from .quant.format import WeightFormat, check_scheme
 
-# Switches declared now and built by later issues: asking for one is an error, never a silent no-op.
-NOT_YET_BUILT: tuple[str, ...] = ()
 FEATURE_SWITCHES = ("kv_cache", "paged_kv", "continuous_batching", "prefix_caching", "chunked_prefill",
-                    "speculative_decoding") + NOT_YET_BUILT
-BUILT_SWITCHES = tuple(s for s in FEATURE_SWITCHES if s not in NOT_YET_BUILT)
+                    "speculative_decoding")
 # Changing one of these rebuilds the KV pool: running requests are preempted and re-prefilled.
 STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv", "kv_cache_dtype",
                      "kv_cache_smoothing",
@@ -97,12 +94,6 @@ class EngineConfig:
                      "kv_cache_smoothing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in NOT_YET_BUILT:
-            value = getattr(self, name)
-            if value not in (False, None):
-                raise ValueError(
-                    f"{name}={value!r} is declared but not built yet in this engine; leave it off "
-                    f"(it is never silently ignored)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from engine.config import BUILT_SWITCHES, KV_CACHE_DTYPES, NOT_YET_BUILT, WEIGHT_FIELDS
+from engine.config import FEATURE_SWITCHES, KV_CACHE_DTYPES, WEIGHT_FIELDS
 from engine.measure import Cancelled, compare_report
 from engine.quant.format import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES
 from viz.figures import placeholder_figure
@@ -44,10 +44,7 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
                     "empty size is chosen by the engine. Each change applied is marked on the Dashboard's "
                     "time-series charts.")
         with gr.Row():
-            switches = {s: gr.Checkbox(label=s) for s in BUILT_SWITCHES}
-        with gr.Row():
-            for s in NOT_YET_BUILT:
-                gr.Checkbox(label=f"{s} (not built yet)", value=False, interactive=False)
+            switches = {s: gr.Checkbox(label=s) for s in FEATURE_SWITCHES}
         with gr.Row():
             sizes = {"block_size": gr.Dropdown([1, 2, 4, 8, 16, 32, 64, 128, 256], label="block_size"),
                      "num_kv_blocks": gr.Number(label="num_kv_blocks (pool size)", precision=0),

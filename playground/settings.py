@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from engine import EngineConfig
-from engine.config import BUILT_SWITCHES, WEIGHT_FIELDS
+from engine.config import FEATURE_SWITCHES, WEIGHT_FIELDS
 from engine.factory import resolve_dtype, resolve_weights
 from engine.llm import warm_up
 from engine.quant.format import WeightFormat
@@ -38,7 +38,7 @@ class SettingsHandlers:
         back never undoes one), with None for a size left automatic and for no quantization."""
         cfg = self.service.config_view().requested  # dtype as this device resolves it: the form offers no "auto"
         return {k: self._config_value(k, cfg[k]) if k == "dtype" else cfg[k]
-                for k in (*BUILT_SWITCHES, *SIZE_FIELDS, *KV_DTYPE_FIELDS, *WEIGHT_FIELDS)}
+                for k in (*FEATURE_SWITCHES, *SIZE_FIELDS, *KV_DTYPE_FIELDS, *WEIGHT_FIELDS)}
 
     def weights_note(self) -> str:
         """What the weights are now, what runs them here, whether each scheme is faster than fp32 on this CPU at all,
@@ -243,7 +243,7 @@ def _coerce(name: str, value):
     if name == "quantize_lm_head":  # a bool or a scheme: the form's words (or an API caller's true/false) back
         words = {w: v for v, w in LM_HEAD_WORDS.items()} | {"true": True, "false": False}
         return words.get(value.lower(), value) if isinstance(value, str) else value  # else EngineConfig refuses
-    if name in BUILT_SWITCHES or isinstance(getattr(EngineConfig, name, None), bool):  # a switch: a checkbox's
+    if name in FEATURE_SWITCHES or isinstance(getattr(EngineConfig, name, None), bool):  # a switch: a checkbox's
         return bool(value)
     if name == "quantization" and value in (NO_QUANTIZATION, ""):
         return None

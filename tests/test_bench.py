@@ -290,10 +290,10 @@ def test_compare_repeats_side_by_side_and_reports_token_gaps(tiny_llm):
 
 
 def test_every_built_switch_has_an_ablation_row(tiny_llm):
-    from engine.config import BUILT_SWITCHES
+    from engine.config import FEATURE_SWITCHES
     rows = measure.ablate(tiny_llm, tiny_workload(), FEW_SEATS)
     assert [r.switch for r in rows] == [None, *[f.switch for f in measure.FEATURES]]
-    assert set(BUILT_SWITCHES) < {r.switch for r in rows}
+    assert set(FEATURE_SWITCHES) < {r.switch for r in rows}
     # within the full engine's precision (int4 weights, int8 KV) no switch changes greedy output; the unquantized
     # row computes in another precision and is reported as such, never claimed identical
     full, asked = rows[0].precision, tiny_llm.config_for(measure.FULL_FIELDS)

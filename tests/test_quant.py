@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams, cpu_kernels
 from engine.attention import AttentionMetadata, KeyScale, LayerKV, PrefillSeq, attention
-from engine.config import BUILT_SWITCHES
+from engine.config import FEATURE_SWITCHES
 from engine.engine import LLMEngine
 from engine.measure import weight_bytes
 from engine.quant import (
@@ -657,7 +657,7 @@ def test_kv_cache_dtype_changes_while_serving_and_nothing_is_lost(fp32, tiny_mod
 
 
 # ---- the engine's invariants, within one precision -------------------------------------------------------
-SWITCHES_OFF = [{s: False} for s in BUILT_SWITCHES if s != "speculative_decoding"] + [{"speculative_decoding": True}]
+SWITCHES_OFF = [{s: False} for s in FEATURE_SWITCHES if s != "speculative_decoding"] + [{"speculative_decoding": True}]
 # Activations in fp32: greedy output identical token for token. In bf16, SDPA's rounding depends on the shape of
 # the call (a row computed in a decode and in a prefill differ in 8 of 46 lengths tried, by one bf16 step; in
 # fp32 by ~1e-7, below the gap between greedy tokens), so turning a cache feature off can move a near-tie: there

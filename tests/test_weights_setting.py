@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import BUILT_SWITCHES
+from engine.config import FEATURE_SWITCHES
 from engine.quant.linear import Int4Linear, Int8Linear, Linear
 from playground import Playground
 from playground.settings import LM_HEAD_WORDS, NO_QUANTIZATION, REBUILD_STAGES, form_value
@@ -192,7 +192,7 @@ def test_the_settings_api_shows_and_changes_the_weights(folder):
         form = [f["value"] if isinstance(f, dict) else f for f in form]  # each field with whether it may be edited
         # the form's fields in order: the switches, the six sizes and the keys' smoothing, then the weights
         # (quantization, group size, LM head, dtype, and any weight switch EngineConfig has beyond them)
-        w = len(BUILT_SWITCHES) + 7
+        w = len(FEATURE_SWITCHES) + 7
 
         def fields(*weights):
             return [*form[:w], *weights, *form[w + len(weights):]]

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import BUILT_SWITCHES, EngineConfig
+from ..config import FEATURE_SWITCHES, EngineConfig
 from ..llm import LLM, warm_up
 from ..quant.speed import model_speeds
 from ..workloads import Workload
@@ -51,7 +51,7 @@ FEATURES = (
     Feature("chunked_prefill", "chunked prefill", "no chunked prefill"),
     Feature("speculative_decoding", "speculative decoding", "no speculative decoding"),
 )
-assert {f.switch for f in FEATURES} == {*BUILT_SWITCHES, "quantization"}, "every built switch has its row"
+assert {f.switch for f in FEATURES} == {*FEATURE_SWITCHES, "quantization"}, "every built switch has its row"
 FULL_ENGINE = "full engine"
 NAIVE_LOOP = "naive loop (everything off)"
 ABLATIONS: tuple[tuple[str, str], ...] = tuple((f.off_label, f.switch) for f in FEATURES)
