@@ -54,7 +54,14 @@ from playground.join import build_join_panel, launched_address
 from playground.lesson_record import record_folder
 from playground.lessons_tab import TAB_ID as LESSONS_TAB
 from playground.lessons_tab import build_lessons_tab
-from playground.live_tabs import build_chat_tab, build_dashboard_tab, chart_updates, timer_period, track_shown_tab
+from playground.live_tabs import (
+    VISITORS_TEXT_CSS,
+    build_chat_tab,
+    build_dashboard_tab,
+    chart_updates,
+    timer_period,
+    track_shown_tab,
+)
 from playground.page_events import quiet_progress
 from playground.projector import build_projector, lesson_view
 from playground.remote_tab import build_remote_tab
@@ -352,7 +359,8 @@ def serve(demo: gr.Blocks, access: Access, launch_kwargs: dict) -> None:
     quiet_input_refusals(demo)
     if access.shared:
         QueueBound(access).install(demo)
-    demo.launch(**launch_kwargs)
+    css = VISITORS_TEXT_CSS + (launch_kwargs.pop("css", None) or "")
+    demo.launch(**launch_kwargs, css=css)
 
 
 def quiet_input_refusals(demo: gr.Blocks) -> None:

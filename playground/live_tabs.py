@@ -52,6 +52,11 @@ PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix
                "throughput": "throughput", "memory": "memory"}
 
 
+# the page's CSS (app.serve): a visitor's turn keeps the spaces, tabs and line breaks typed (HTML folds each run of
+# them into one space; the Markdown sent keeps them, shows_visitors_text)
+VISITORS_TEXT_CSS = '[data-testid="user"] p { white-space: pre-wrap; }'
+
+
 def shows_visitors_text(chatbot: gr.Chatbot) -> gr.Chatbot:
     """chatbot, its visitors' turns shown as they typed them. gradio renders every message as Markdown, with no
     switch per message: a visitor's `<img src=x onerror=...>` showed as an image, `**x**` in bold, `[a](javascript:..)`

@@ -374,9 +374,15 @@ def test_a_visitor_s_own_message_shows_as_text_not_markdown(served, page, monkey
     shown = page.evaluate(LAST_USER_BUBBLE)
     assert shown["made"] == [] and shown["text"].strip() == typed
     assert not dialogs
-    # the next turn sends the conversation back from the page: the model reads the first message as it was typed
-    box.fill("And then?")
+    # the next turn sends the conversation back from the page: the model reads the first message as it was typed;
+    # and the spaces, tabs and line breaks typed show as typed (HTML would fold each run into one space)
+    spaced = "And   then?\n    indented\tafter a tab\n\nA new paragraph"
+    box.fill(spaced)
     box.press("Enter")
-    assert wait_until(lambda: sent and sent[-1][-1]["content"] == "And then?", timeout_s=30.0,
+    assert wait_until(lambda: sent and sent[-1][-1]["content"] == spaced, timeout_s=30.0,
                       poll_s=0.1), f"the second turn never reached the model (last sent: {sent[-1:]})"
     assert sent[-1][0] == {"role": "user", "content": typed}
+    page.wait_for_function("() => document.querySelectorAll('[data-testid=\"user\"]').length >= 2", timeout=30_000)
+    shown = page.evaluate("() => Array.from(document.querySelectorAll('[data-testid=\"user\"]')).pop()"
+                          ".querySelector('.md, .prose').innerText")
+    assert shown.strip() == spaced
