@@ -84,7 +84,7 @@ class Presubmitted:
     while the page's streaming event (the chat) is still on its way through gradio's queue; that chat claims it."""
     message: str
     audience: Who | None  # whose seat it holds (None: the presenter's or a desk's, which take none)
-    submitted: Future = field(default_factory=Future)  # -> Submitted, None (an empty turn), or what submit raised
+    submitted: Future = field(default_factory=Future)  # -> Submitted, or what the submit raised
     timer: threading.Timer | None = None
 
 
@@ -152,7 +152,7 @@ class ChatHandlers:
 
         def submit() -> None:
             try:
-                sub = self._submit(*turn, temperature, max_tokens, priority)
+                sub = self._submit(turn[0], temperature, max_tokens, priority)
                 session.request_id, session.refused = sub.rid, ""  # the tab's live view shows it from now on
                 pre.submitted.set_result(sub)
             except BaseException as exc:  # the chat that claims it shows it, as its own submit's
@@ -220,7 +220,7 @@ class ChatHandlers:
             self._engine_up.wait(PENDING_S)
         try:
             sub = (claimed.submitted.result() if claimed is not None
-                   else self._submit(messages, history, temperature, max_tokens, priority))
+                   else self._submit(messages, temperature, max_tokens, priority))
             if session is not None:
                 session.request_id, session.refused = sub.rid, ""
             service, trimmed = sub.service, sub.trimmed
@@ -242,8 +242,7 @@ class ChatHandlers:
             history.append({"role": "assistant", "content": f"{WARNING} {exc}"})
             yield history, ""
 
-    def _submit(self, messages: list[dict], history: list[dict], temperature: float, max_tokens: int,
-                priority: int) -> Submitted:
+    def _submit(self, messages: list[dict], temperature: float, max_tokens: int, priority: int) -> Submitted:
         """The conversation into the engine, its oldest turns left out where it no longer fits max_model_len."""
         config = self.service.snapshot().config
         prompt, dropped = conversation.fit(messages, self.llm.apply_chat_template,
