@@ -23,6 +23,7 @@ from . import cpu_kernels
 
 EVERY_S = 0.5
 DROP_AFTER, RISE_AFTER = 2, 4
+YIELD_US = 2000  # KernelThreads' idle workers yield this long before sleeping while a few others want a core
 
 
 def _running_threads_of_this_process() -> int:
@@ -108,8 +109,10 @@ _given: int | None = None  # torch's threads when the process's first engine sta
 
 class KernelThreads:
     """The C++ kernels on `most` threads (torch's count when the first engine started, a user's OMP_NUM_THREADS or a
-    test lane's 1), at most a usable core each, and torch's own calls in a step on one: CoreShare's interface, with
-    nothing to follow."""
+    test lane's 1), at most a usable core each, and torch's own calls in a step on one: CoreShare's interface. What
+    it follows: while other threads want some of the cores but fewer than all (0 < others < usable cores, DROP_AFTER
+    readings in a row), an idle worker yields YIELD_US before it sleeps (kernel_yield_us); beside 1 busy process
+    that gained, beside 4 or 6 it cost (docs/measurements.md, "Where the share goes"); otherwise it sleeps as quiet."""
 
     def __init__(self, kernels, most: int | None = None) -> None:
         global _given
@@ -118,14 +121,27 @@ class KernelThreads:
         self.most = max(1, min(most or _given, usable_cores()))
         self.threads = kernels.kernel_threads(self.most)
         self.others = 0
+        self._kernels, self.yield_us, self._due, self._differ = kernels, 0, 0.0, 0
 
     def adjust(self, now: float | None = None) -> None:
-        pass
+        now = time.monotonic() if now is None else now
+        if self.threads <= 1 or now < self._due:
+            return
+        self._due = now + EVERY_S
+        others = others_running()
+        if others is None:
+            return
+        self.others = others
+        want = YIELD_US if 0 < others < usable_cores() else 0
+        self._differ = self._differ + 1 if want != self.yield_us else 0
+        if self._differ >= DROP_AFTER:
+            self.yield_us, self._differ = self._kernels.kernel_yield_us(want), 0
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
         """Around a step: the stepping thread's torch calls on one thread (an OpenMP setting is that thread's), its
         count put back after, for whatever else that thread runs."""
+        self.adjust()
         before = torch.get_num_threads()
         if before != 1:
             torch.set_num_threads(1)
@@ -136,10 +152,16 @@ class KernelThreads:
                 torch.set_num_threads(before)
 
     def settle(self, gap_s: float = 0.02) -> None:
-        pass
+        """CoreShare.settle's: the readings a change of the workers' yield waits for, taken now."""
+        for _ in range(DROP_AFTER):
+            self._due = 0.0
+            self.adjust()
+            time.sleep(gap_s)
 
     def describe(self) -> str:
-        return f"{self.threads} threads (C++ kernels; torch's calls on 1)"
+        return (f"{self.threads} threads (C++ kernels; torch's calls on 1)"
+                + (f"; idle workers yield {self.yield_us} us ({self.others} other threads want a core)"
+                   if self.yield_us else ""))
 
 
 def compute_threads(device: torch.device) -> CoreShare | KernelThreads:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import cpu_kernels
+from engine import threads as engine_threads
 from engine.quant.linear import Int4Linear, Int8Linear, Linear
 from engine.threads import usable_cores
 from tests.conftest import wait_until
@@ -61,6 +62,39 @@ def test_idle_workers_that_yield_before_sleeping_still_run_every_chunk_once(kern
     after = ext.pool_stats()
     assert after["regions"] + after["alone"] >= before["regions"] + before["alone"] + 60
     assert after["wait_ns"] >= before["wait_ns"] and after["region_ns"] + after["alone_ns"] > 0
+
+
+def test_idle_workers_yield_only_while_a_few_others_want_a_core(kernel_threads, monkeypatch):
+    """KernelThreads turns the workers' yield on while 0 < other running threads < usable cores (beside one busy
+    process on two cores), after DROP_AFTER readings in a row, and off again when quiet or crowded; settle() takes
+    the readings at once."""
+    seen = {"others": 0}
+    monkeypatch.setattr(engine_threads, "others_running", lambda: seen["others"])
+    monkeypatch.setattr(engine_threads, "usable_cores", lambda: 2)
+    clock = iter(range(1, 1000))
+    try:
+        cores = engine_threads.KernelThreads(ext, most=2)
+
+        def tick(others: int, times: int = 1) -> int:
+            seen["others"] = others
+            for _ in range(times):
+                cores.adjust(now=next(clock) * engine_threads.EVERY_S)
+            assert cores.yield_us == ext.kernel_yield_us()
+            return ext.kernel_yield_us()
+        assert tick(0, 3) == 0  # quiet: as without it
+        assert tick(1) == 0  # one reading is a passing process
+        assert tick(1) == engine_threads.YIELD_US and "yield" in cores.describe()
+        assert tick(0) == engine_threads.YIELD_US and tick(1) == engine_threads.YIELD_US  # not two readings in a row
+        assert tick(2) == engine_threads.YIELD_US and tick(2) == 0  # as many others as cores: it sleeps again
+        assert tick(6, 3) == 0 and "yield" not in cores.describe()
+        seen["others"] = 1
+        cores.settle(gap_s=0)
+        assert ext.kernel_yield_us() == engine_threads.YIELD_US
+        seen["others"] = 0
+        cores.settle(gap_s=0)
+        assert ext.kernel_yield_us() == 0
+    finally:
+        ext.kernel_yield_us(0)
 
 
 @needs_two_cores
