@@ -49,6 +49,11 @@ def others_running() -> int | None:
     return None
 
 
+def wanting(others: int) -> str:
+    """"3 other threads want a core", as the status line says it."""
+    return f"{others} other thread{'s want' if others != 1 else ' wants'} a core"
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -100,7 +105,7 @@ class CoreShare:
             time.sleep(gap_s)
 
     def describe(self) -> str:
-        return (f"{self.threads} of {self.most} threads" + (f" ({self.others} other threads want a core)"
+        return (f"{self.threads} of {self.most} threads" + (f" ({wanting(self.others)})"
                                                             if self.threads < self.most else ""))
 
 
@@ -160,7 +165,7 @@ class KernelThreads:
 
     def describe(self) -> str:
         return (f"{self.threads} threads (C++ kernels; torch's calls on 1)"
-                + (f"; idle workers yield {self.yield_us} us ({self.others} other threads want a core)"
+                + (f"; idle workers yield {self.yield_us} us ({wanting(self.others)})"
                    if self.yield_us else ""))
 
 

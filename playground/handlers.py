@@ -100,7 +100,7 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
                  if traffic is not None and traffic.running else "")
         kernel = snap.kernels.get("weights_kernel")
         shared = snap.kernels.get("threads", "")  # said only when another process has taken a core from it
-        kernel = (kernel or "") + (f" on {shared}" if "want a core" in shared else "")
+        kernel = (kernel or "") + (f" on {shared}" if "other thread" in shared else "")
         return (f"**{state}** · {snap.precision}" + (f" · {kernel}" if kernel else "")
                 + f" · steps done{since_rebuild(self.service.replaced_at)}: {snap.step} · running {snap.num_running} · "
                 f"waiting {snap.num_waiting} · preemptions {snap.num_preemptions} · "

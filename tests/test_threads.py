@@ -28,6 +28,7 @@ def test_threads_drop_beside_a_busy_process_and_come_back(monkeypatch):
         assert "1 of 4 threads (3 other threads want a core)" == share.describe()
         assert tick(1, 3) == 1  # fewer others: back up only after four readings in a row
         assert tick(1) == 3
+        assert "3 of 4 threads (1 other thread wants a core)" == share.describe()
         assert tick(0, 4) == 4 and torch.get_num_threads() == 4
         assert tick(9, 2) == 1  # never fewer than one
         torch.set_num_threads(2)  # someone else (a test's fixture) chose a count: left alone while nothing changes
