@@ -61,28 +61,50 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-class CoreShare:
+class FollowsOthers:
+    """The other threads that want a core, read at most every EVERY_S (`others`: the last reading); a subclass's
+    adjust() acts on them before each step."""
+
+    def __init__(self) -> None:
+        self.others = 0  # the other threads wanting a CPU, at the last reading
+        self._due = 0.0
+
+    def _reading(self, now: float | None) -> int | None:
+        """A new reading when one is due, else None (None too where the system does not say)."""
+        now = time.monotonic() if now is None else now
+        if now < self._due:
+            return None
+        self._due = now + EVERY_S
+        others = others_running()
+        if others is not None:
+            self.others = others
+        return others
+
+    def adjust(self, now: float | None = None) -> None:
+        raise NotImplementedError
+
+    def settle(self, gap_s: float = 0.02) -> None:
+        """Take now, gap_s apart, the readings a change waits for: a measurement beside a set number of busy
+        processes (bench closed-loop) then times their effect, not the engine's time to see them come."""
+        for _ in range(max(DROP_AFTER, RISE_AFTER)):
+            self._due = 0.0
+            self.adjust()
+            time.sleep(gap_s)
+
+
+class CoreShare(FollowsOthers):
     """Sets torch's thread count (from the thread that steps: an OpenMP setting is that thread's) to the cores left
     over by everyone else. `adjust()` before each step; it reads the system at most every EVERY_S."""
 
     def __init__(self, most: int | None = None) -> None:
+        super().__init__()
         self.most = most or torch.get_num_threads()  # what it was given (a test lane's 1, a user's OMP_NUM_THREADS)
         self.threads = self.most
-        self.others = 0  # the other threads wanting a CPU, at the last reading
-        self._due = 0.0
         self._fewer = self._more = 0
 
     def adjust(self, now: float | None = None) -> None:
-        if self.most <= 1:
+        if self.most <= 1 or (others := self._reading(now)) is None:
             return
-        now = time.monotonic() if now is None else now
-        if now < self._due:
-            return
-        self._due = now + EVERY_S
-        others = others_running()
-        if others is None:
-            return
-        self.others = others
         want = max(1, min(self.most, usable_cores() - others))
         self._fewer = self._fewer + 1 if want < self.threads else 0
         self._more = self._more + 1 if want > self.threads else 0
@@ -96,14 +118,6 @@ class CoreShare:
         self.adjust()
         yield
 
-    def settle(self, gap_s: float = 0.02) -> None:
-        """Take now, gap_s apart, the readings a change of thread count waits for: a measurement beside a set number
-        of busy processes (bench closed-loop) then times their effect, not the engine's time to see them come."""
-        for _ in range(max(DROP_AFTER, RISE_AFTER)):
-            self._due = 0.0
-            self.adjust()
-            time.sleep(gap_s)
-
     def describe(self) -> str:
         return (f"{self.threads} of {self.most} threads" + (f" ({wanting(self.others)})"
                                                             if self.threads < self.most else ""))
@@ -112,7 +126,7 @@ class CoreShare:
 _given: int | None = None  # torch's threads when the process's first engine started: what the engine was given
 
 
-class KernelThreads:
+class KernelThreads(FollowsOthers):
     """The C++ kernels on `most` threads (torch's count when the first engine started, a user's OMP_NUM_THREADS or a
     test lane's 1), at most a usable core each, and torch's own calls in a step on one: CoreShare's interface. What
     it follows: while other threads want some of the cores but fewer than all (0 < others < usable cores, DROP_AFTER
@@ -120,23 +134,17 @@ class KernelThreads:
     that gained, beside 4 or 6 it cost (docs/measurements.md, "Where the share goes"); otherwise it sleeps as quiet."""
 
     def __init__(self, kernels, most: int | None = None) -> None:
+        super().__init__()
         global _given
         if _given is None:
             _given = torch.get_num_threads()
         self.most = max(1, min(most or _given, usable_cores()))
         self.threads = kernels.kernel_threads(self.most)
-        self.others = 0
-        self._kernels, self.yield_us, self._due, self._differ = kernels, 0, 0.0, 0
+        self._kernels, self.yield_us, self._differ = kernels, 0, 0
 
     def adjust(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        if self.threads <= 1 or now < self._due:
+        if self.threads <= 1 or (others := self._reading(now)) is None:
             return
-        self._due = now + EVERY_S
-        others = others_running()
-        if others is None:
-            return
-        self.others = others
         want = YIELD_US if 0 < others < usable_cores() else 0
         self._differ = self._differ + 1 if want != self.yield_us else 0
         if self._differ >= DROP_AFTER:
@@ -155,13 +163,6 @@ class KernelThreads:
         finally:
             if before != 1:
                 torch.set_num_threads(before)
-
-    def settle(self, gap_s: float = 0.02) -> None:
-        """CoreShare.settle's: the readings a change of the workers' yield waits for, taken now."""
-        for _ in range(DROP_AFTER):
-            self._due = 0.0
-            self.adjust()
-            time.sleep(gap_s)
 
     def describe(self) -> str:
         return (f"{self.threads} threads (C++ kernels; torch's calls on 1)"
