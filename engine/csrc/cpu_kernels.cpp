@@ -100,7 +100,6 @@ struct State {
   std::atomic<bool> busy{false};  // one caller at a time; a second one runs its work alone
   std::atomic<int> threads{0};    // what the engine asked for; 0: at::get_num_threads() of the caller
   std::atomic<int64_t> spin_ns{200000};
-  bool spin_yield = std::getenv("WATCHLLM_SPIN_YIELD") && std::string(std::getenv("WATCHLLM_SPIN_YIELD")) == "1";
   std::atomic<int64_t> yield_ns{0};  // after spin_ns, how long to check between sched_yield calls before sleeping
   std::atomic<int> hold{0};       // test hook: 1 stops a worker between reading a job and claiming a chunk
   std::mutex mutex;               // starting workers; the first error
@@ -204,31 +203,30 @@ bool claimable(const State& s, int index) {
          static_cast<int64_t>(w & kChunkMask) < s.chunks.load(std::memory_order_relaxed);
 }
 
+// Checks for work to claim for `ns`, with sched_yield between checks when `yielding`: true once some is found
+bool look_for_work(const State& s, int index, int64_t ns, bool yielding) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
+  while (std::chrono::steady_clock::now() < until) {
+    for (int i = 0; i < 64; ++i) {
+      if (claimable(s, index)) return true;
+      cpu_relax();
+    }
+    if (yielding) sched_yield();
+  }
+  return false;
+}
+
 void worker_main(State* s, int index) {
   in_worker = true;
   for (;;) {
     if (work(*s, index)) continue;
     // spin a while: a step's next region comes within microseconds, and waking a sleeper costs more than that.
     // Shorter spins (tried: 5, 20 us) slowed the quiet machine, longer ones (1 ms) the engine beside busy
-    // neighbours; spinning with sched_yield between checks (WATCHLLM_SPIN_YIELD=1, kept to measure it again) did
-    // no better (docs/measurements.md, "Beside a busy neighbour")
-    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(s->spin_ns.load());
-    bool found = false;
-    while (!found && std::chrono::steady_clock::now() < until) {
-      for (int i = 0; i < 64 && !(found = claimable(*s, index)); ++i) cpu_relax();
-      if (!found && s->spin_yield) sched_yield();
-    }
-    if (found) continue;
-    // then, if asked (kernel_yield_us), yield between checks a while before sleeping: beside one busy process it
-    // kept the worker off the caller's core, beside four or six it cost more than it gave (docs/measurements.md)
-    if (const int64_t yield_ns = s->yield_ns.load(); yield_ns > 0) {
-      const auto until2 = std::chrono::steady_clock::now() + std::chrono::nanoseconds(yield_ns);
-      while (!found && std::chrono::steady_clock::now() < until2) {
-        for (int i = 0; i < 64 && !(found = claimable(*s, index)); ++i) cpu_relax();
-        if (!found) sched_yield();
-      }
-      if (found) continue;
-    }
+    // neighbours. Then, if asked (kernel_yield_us), check between sched_yield calls a while before sleeping: beside
+    // one busy process it kept the worker off the caller's core, beside four or six it cost more than it gave
+    // (docs/measurements.md, "Beside a busy neighbour")
+    if (look_for_work(*s, index, s->spin_ns.load(), false) || look_for_work(*s, index, s->yield_ns.load(), true))
+      continue;
     s->sleepers.fetch_add(1);
     s->worker_sleeps.fetch_add(1, std::memory_order_relaxed);
     const uint32_t seen = s->wake.load();
