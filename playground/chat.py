@@ -101,11 +101,20 @@ class ChatHandlers:
         `audience`: who the visitor is (identity.Who) when they are audience on a shared page: their share of the
         engine is bounded (self.seats: replies in flight, theirs and their address's; max_tokens)."""
         claimed = self._claim(session, message)
-        seated, priority = False, 0
+        seated, priority, ended = False, 0, False
+
+        def end() -> None:  # the chat is over for its tab: said as its last output goes, once (again in finally)
+            nonlocal seated, ended
+            if seated:
+                seated = False
+                self.seats.give_back(audience)
+            if session is not None and not ended:
+                ended = True
+                session.handled += 1
         try:
             if claimed is not None:  # submitted as it left the box: its seat is taken, its max_tokens capped
                 seated, audience = claimed.audience is not None, claimed.audience
-                yield from self._chat(message, history, temperature, max_tokens, session, claimed=claimed)
+                yield from self._chat(message, history, temperature, max_tokens, session, claimed=claimed, end=end)
                 return
             if message and (why := self.message_refused(message)):
                 if session is not None:  # the live view stops showing the last reply as this tab's, and says why
@@ -125,12 +134,9 @@ class ChatHandlers:
             if (remote := self.remote) is not None:
                 yield from remote.chat(message, history, temperature, max_tokens)
             else:
-                yield from self._chat(message, history, temperature, max_tokens, session, priority)
+                yield from self._chat(message, history, temperature, max_tokens, session, priority, end=end)
         finally:
-            if seated:
-                self.seats.give_back(audience)
-            if session is not None:
-                session.handled += 1
+            end()
 
     def presubmit(self, message: str, history: list[dict], temperature: float, max_tokens: int,
                   session: ChatSession, audience: Who | None = None) -> None:
@@ -208,8 +214,8 @@ class ChatHandlers:
         session.sent_at = time.monotonic()
 
     def _chat(self, message: str, history: list[dict], temperature: float, max_tokens: int,
-              session: ChatSession | None, priority: int = 0,
-              claimed: Presubmitted | None = None) -> Iterator[tuple[list[dict], str]]:
+              session: ChatSession | None, priority: int = 0, claimed: Presubmitted | None = None,
+              end=lambda: None) -> Iterator[tuple[list[dict], str]]:
         if (turn := conversation.next_turn(message, history)) is None:
             yield list(history or []), ""
             return
@@ -231,7 +237,7 @@ class ChatHandlers:
                     yield history, trimmed + "sent, waiting for the first token"
                 history = history + [{"role": "assistant", "content": ""}]
                 with self.frames:
-                    yield from self._stream(service, sub.rid, sub.stream, history, trimmed)
+                    yield from self._stream(service, sub.rid, sub.stream, history, trimmed, end)
             finally:  # Stop pressed or tab closed, even while queued: abort the request now, freeing its blocks
                 if service.is_streaming(sub.rid):
                     service.abort(sub.rid)
@@ -254,9 +260,11 @@ class ChatHandlers:
                                                        seed=None), priority=priority)
         return Submitted(rid, q, trimmed, service)
 
-    def _stream(self, service, rid: str, q, history: list[dict], trimmed: str) -> Iterator[tuple[list[dict], str]]:
+    def _stream(self, service, rid: str, q, history: list[dict], trimmed: str,
+                end=lambda: None) -> Iterator[tuple[list[dict], str]]:
         """The reply's updates, the newest text at most once a frame (self.frames: slower while the room streams
-        many); the first and the last never wait."""
+        many); the first and the last never wait. `end()` runs before the last is sent: a page that shows the reply
+        finished may send its next message at once (gradio closes this generator only after the page has it)."""
         for out in service.follow(rid, q, latest=True):
             if out.error:
                 history[-1]["content"] += f"{conversation.ENGINE_ERROR}{out.error}]"
@@ -267,6 +275,7 @@ class ChatHandlers:
             history[-1]["content"] = out.text
             if out.finished:
                 self.replies.append(out.text)
+                end()
             shown = time.monotonic()
             yield history, trimmed + reply_stats(out)
             if not out.finished:  # what arrives meanwhile is taken as one update, the newest

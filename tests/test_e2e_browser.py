@@ -91,7 +91,9 @@ def test_chat_dashboard_and_toggle_in_a_real_browser(app_url, page, tmp_path_fac
     before = page.evaluate(POOL_TITLE)
     page.get_by_role("tab", name="Chat").click()
     box.fill("Name three colours.")
-    box.press("Enter")
+    box.press("Enter")  # sent at once, the previous reply shown finished: the box gives it up (not "still on its way")
+    page.wait_for_function("() => document.querySelector('textarea[placeholder^=\"Type a message\"]')?.value === ''",
+                           timeout=30_000)
     page.get_by_role("tab", name="Dashboard").click()
     page.wait_for_function(f"(before) => ({POOL_TITLE})() !== before", arg=before, timeout=60_000)
     shot(page, "dashboard.png", tmp_path_factory)

@@ -318,6 +318,23 @@ def test_a_chat_tells_its_tab_which_request_is_its_own(pg):
     assert view.request_id == session.request_id != rid and "refused" not in view.summary
 
 
+def test_a_reply_shown_finished_frees_its_tab_and_seat_before_its_chat_closes(pg):
+    """gradio closes a streaming chat only after the page has its last output: a page that shows "finished" and
+    sends its next message at once must find the tab free (not "your reply is still on its way") and its seat back."""
+    who, neighbour = Who("v:finished", "192.0.2.10", True), Who("v:finished-2", "192.0.2.10", True)
+    pg.seats.take(neighbour)  # another tab from the same address holds a seat throughout
+    session = ChatSession()
+    pg.chat_sent(session)
+    chat = pg.chat("Hello there", [], 0.0, 8, session, audience=who)
+    for history, stats in chat:  # as gradio does: the generator stays open while its last output goes out
+        if "finished" in stats:
+            break
+    assert not session.expecting() and pg.seats.in_flight(who.key) == 0
+    chat.close()  # then gradio closes it: nothing is given back twice
+    assert session.handled == 1 and pg.seats.in_flight(who.key) == 0 and pg.seats.from_address(who.address) == 1
+    pg.seats.give_back(neighbour)
+
+
 def test_a_message_is_submitted_as_it_leaves_the_box_and_its_chat_streams_that_request(pg):
     """The event that empties the box submits the message (presubmit); the chat that follows streams that very
     request (no second one), holding the seat presubmit took until the reply ends; a chat for another message (an
