@@ -103,6 +103,9 @@ def test_chat_dashboard_and_toggle_in_a_real_browser(app_url, page, tmp_path_fac
     page.get_by_label("num_kv_blocks (pool size)").fill("10000000")  # terabytes: refused on any machine
     page.get_by_role("button", name="Apply").click()
     page.get_by_text(re.compile("Not applied.*GB of (RAM|GPU memory).* is available")).wait_for(timeout=30_000)
+    # then the form is drawn again as the engine runs (the refused size gone): a box ticked before that is redrawn
+    page.wait_for_function("() => [document.querySelector('#setting-num_kv_blocks input')?.value]"
+                           ".every(v => v !== undefined && v !== '10000000')", timeout=30_000)
     assert pg.service.alive
     checkbox = page.get_by_label("prefix_caching")
     assert checkbox.is_checked()  # the controls show the engine's actual state on load
