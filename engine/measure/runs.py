@@ -264,11 +264,10 @@ def _run_result(engine: LLMEngine, workload: Workload, outputs: list[RequestOutp
     )
 
 
-def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], should_stop: StopCheck | None = None,
-               track_efficiency: bool = False) -> RunResult:
+def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], should_stop: StopCheck | None = None) -> RunResult:
     engine = llm.build_engine(fields)
     warm_up(engine)
-    return run_workload(engine, workload, should_stop, track_efficiency)
+    return run_workload(engine, workload, should_stop)
 
 
 def config_fields(workload: Workload, settings: dict[str, Any], spec_fields: dict[str, Any]) -> dict[str, Any]:
