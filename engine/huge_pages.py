@@ -106,38 +106,3 @@ def scatter(tensors: Iterable[torch.Tensor]) -> None:
             if t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn:
                 t.set_(t.clone())
 
-
-def huge_bytes(t: torch.Tensor) -> int:
-    """How many bytes of the mappings under t's own bytes this process has in 2 MB pages now (/proc/self/smaps'
-    AnonHugePages; 0 where it does not say). The kernel gives them as it can: a fragmented machine may give fewer
-    than asked."""
-    return sum(huge for huge, _ in _mappings(t))
-
-
-def advised(t: torch.Tensor) -> bool:
-    """Whether the memory where t starts is marked for huge pages (madvise'd: VmFlags "hg" in /proc/self/smaps)."""
-    spans = _mappings(t)
-    return bool(spans) and "hg" in spans[0][1]
-
-
-def _mappings(t: torch.Tensor) -> list[tuple[int, set[str]]]:
-    """(AnonHugePages bytes, VmFlags) of each mapping t's bytes span, in address order."""
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return []
-    lo = t.data_ptr()
-    hi = lo + max(1, t.numel() * t.element_size())
-    out, inside = [], False
-    for line in lines:
-        head = line.split(None, 1)[0] if line else ""
-        if "-" in head and not head.endswith(":"):
-            a, b = (int(x, 16) for x in head.split("-"))
-            inside = a < hi and b > lo
-            if inside:
-                out.append([0, set()])
-        elif inside and head == "AnonHugePages:":
-            out[-1][0] = int(line.split()[1]) * 1024
-        elif inside and head == "VmFlags:":
-            out[-1][1] = set(line.split()[1:])
-    return [(huge, flags) for huge, flags in out]

@@ -14,9 +14,6 @@ class TokenLogprobs(dict):
         super().__init__(((token_id, logprob), *top))
         self.token_id, self.logprob, self.top = token_id, logprob, top
 
-    def as_dict(self) -> dict[int, float]:
-        return dict(self)
-
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | None]) -> list[TokenLogprobs | None]:
     """Per row of the model's logits: the log probability of its token and the num_top most likely tokens; None

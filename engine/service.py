@@ -35,9 +35,7 @@ DEFAULT_MAX_WAITING_REQUESTS = 256
 # saving (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every 50 ms"). Every step's counters
 # (engine.counters()) go to the history.
 SNAPSHOT_INTERVAL_S = 0.05
-# steps the time series keeps (one sample each, ~350 bytes: 21 MB at most). It must outlast the dashboard's 180 s
-# charts and a lesson's phases (30 s + 45 s, measured at its end) at the fastest step: 3,600 steps held only
-# seconds of a tiny model's, which had evicted a before phase by the time the lesson measured it
+# steps the time series keeps: it must outlast the dashboard's 180 s charts and a lesson's phases at the fastest step
 # (docs/measurements.md, "The lessons, rehearsed")
 HISTORY_LEN = 60_000
 

@@ -164,14 +164,6 @@ class EngineSnapshot:
     # every switch as asked for and as it runs, and why they differ (feature_states)
     features: dict[str, FeatureState] = field(default_factory=dict)
 
-    @property
-    def block_owners(self) -> dict[int, list[str]]:
-        owners: dict[int, list[str]] = {}
-        for rid, table in self.block_tables.items():
-            for b in table:
-                owners.setdefault(b, []).append(rid)
-        return owners
-
 
 def snapshot_of(engine, num_steps: int = 64) -> EngineSnapshot:
     """A plain-data picture of the engine now; no tensors, cheap enough for every refresh."""

@@ -389,7 +389,10 @@ def check_engine(eng: LLMEngine, after_step: bool, sharing_needs_hash: bool = Tr
     assert snap.kv_blocks_used == kv.num_used == sum(1 for rc in snap.block_ref_counts if rc > 0)
     assert snap.kv_blocks_total == kv.num_blocks == len(snap.block_ref_counts)
     assert snap.kv_blocks_cached_free == sum(1 for b in kv.pool.free_queue if kv.pool.blocks[b].hash_key is not None)
-    owners = snap.block_owners
+    owners = {}
+    for rid, table in snap.block_tables.items():
+        for b in table:
+            owners.setdefault(b, []).append(rid)
     assert all(len(owners.get(b, [])) == rc for b, rc in enumerate(snap.block_ref_counts))
 
 

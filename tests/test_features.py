@@ -232,7 +232,10 @@ def test_snapshot_has_the_fields_the_playground_draws(tiny):
     cached = [r.num_cached_tokens for r in snap.requests.values()]
     assert cached == [0, 24, 24]  # admitted in one step, the later two share the first one's 3 blocks
     assert snap.prefill_tokens_total == sum(len(p) for p in shared_prefix_prompts(3, 24)) - sum(cached)
-    owners = snap.block_owners
+    owners = {}
+    for rid, table in snap.block_tables.items():
+        for b in table:
+            owners.setdefault(b, []).append(rid)
     assert all(len(owners[b]) == snap.block_ref_counts[b] for b in owners)
 
 

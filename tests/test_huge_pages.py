@@ -2,10 +2,49 @@
 only what may move, and really in huge pages where the system gives them."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine import huge_pages
+
+
+def huge_bytes(t: torch.Tensor) -> int:
+    """How many bytes of the mappings under t's own bytes this process has in 2 MB pages now (/proc/self/smaps'
+    AnonHugePages; 0 where it does not say). The kernel gives them as it can: a fragmented machine may give fewer
+    than asked."""
+    return sum(huge for huge, _ in _mappings(t))
+
+
+def advised(t: torch.Tensor) -> bool:
+    """Whether the memory where t starts is marked for huge pages (madvise'd: VmFlags "hg" in /proc/self/smaps)."""
+    spans = _mappings(t)
+    return bool(spans) and "hg" in spans[0][1]
+
+
+def _mappings(t: torch.Tensor) -> list[tuple[int, set[str]]]:
+    """(AnonHugePages bytes, VmFlags) of each mapping t's bytes span, in address order."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return []
+    lo = t.data_ptr()
+    hi = lo + max(1, t.numel() * t.element_size())
+    out, inside = [], False
+    for line in lines:
+        head = line.split(None, 1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = a < hi and b > lo
+            if inside:
+                out.append([0, set()])
+        elif inside and head == "AnonHugePages:":
+            out[-1][0] = int(line.split()[1]) * 1024
+        elif inside and head == "VmFlags:":
+            out[-1][1] = set(line.split()[1:])
+    return [(huge, flags) for huge, flags in out]
+
 
 MB = 1 << 20
 THP = huge_pages.thp_mode() in ("always", "madvise") and huge_pages._libc() is not None
@@ -35,11 +74,11 @@ def test_gather_moves_in_place_into_huge_pages():
     assert torch.equal(big[1], before[1] + 1) and torch.equal(big[0], before[0]) and torch.equal(big[2], before[2])
     # the buffer is marked for 2 MB pages; how many the kernel gives depends on how fragmented memory is (under a
     # full test run: 6 of 14 MB), so only that it gave some is asserted
-    assert huge_pages.advised(big[0])  # (not `small`'s absence: the heap may reuse memory an earlier buffer marked)
-    if huge_pages.huge_bytes(big[0]) == 0 and not kernel_gives_huge_pages():
+    assert advised(big[0])  # (not `small`'s absence: the heap may reuse memory an earlier buffer marked)
+    if huge_bytes(big[0]) == 0 and not kernel_gives_huge_pages():
         pytest.skip("this kernel marks the buffer but gives no 2 MB page even to a fresh probe (seen in a "
                     "Firecracker VM whose THP setting says madvise): the move itself is checked above")
-    assert huge_pages.huge_bytes(big[0]) > 0
+    assert huge_bytes(big[0]) > 0
 
 
 def kernel_gives_huge_pages() -> bool:
@@ -47,7 +86,7 @@ def kernel_gives_huge_pages() -> bool:
     probe = torch.randn(2 * MB)  # 8 MB of float32, moved by gather into its own advised buffer
     huge_pages.gather([probe])
     probe.fill_(1.0)
-    return huge_pages.huge_bytes(probe) > 0
+    return huge_bytes(probe) > 0
 
 
 def test_gather_leaves_what_cannot_move(monkeypatch):
@@ -87,4 +126,4 @@ def test_the_default_model_streams_from_huge_pages(default_llm):
     assert model.huge_page_bytes == sum(t.numel() * t.element_size() for t in tensors)
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(storages) == 1
-    assert huge_pages.advised(tensors[0]) and huge_pages.huge_bytes(tensors[0]) > 0
+    assert advised(tensors[0]) and huge_bytes(tensors[0]) > 0

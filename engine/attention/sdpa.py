@@ -89,9 +89,8 @@ class AttentionMetadata:
 class LayerKV(NamedTuple):
     """One layer's slice of the pool: k, v [slots, kv_heads, head_dim]; an int8 pool's scales [slots, kv_heads].
     pair (and scale_pair): k and v as one [2 * slots, ...] tensor, K's slots then V's, when they are the two halves
-    of one (the runner's pool), so that a read gathers both in one call over the first dimension: faster than two
-    calls at every pool size measured, where index_select over the second dimension of [2, slots, ...] won at a
-    small pool and lost badly at a large one (docs/measurements.md, "Reading K and V for SDPA")."""
+    of one (the runner's pool), so that a read gathers both in one call over the first dimension (why this layout:
+    docs/measurements.md, "Reading K and V for SDPA")."""
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None

@@ -13,7 +13,7 @@ import torch
 
 from .. import cpu_kernels, huge_pages
 from ..llm import warm_up
-from ..measure.roofline import decode_ms
+from ..measure.runs import decode_ms
 from ..measure.specs import resolve_spec
 from ..quant import kernels as quant_kernels
 

@@ -18,7 +18,7 @@ from ..llm import LLM, engine_for
 from ..quant.format import WeightFormat
 from ..quant.speed import model_speeds
 from ..sampling_params import SamplingParams
-from .runs import Progress, random_prompts, run_to_end, tell
+from .runs import Progress, decode_ms, random_prompts, run_to_end, tell
 from .specs import FEATURE_DIR, resolve_spec
 
 
@@ -93,8 +93,7 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
     moment hits each alike. llama_cpp: a GGUF file llama.cpp decodes in the same rounds, as a last row."""
     other = None if llama_cpp is None else LlamaCppDecoder(llama_cpp)
     configs, models = load_each(llm, specs, rounds, progress)
-    prompt = random_prompts(1, prompt_len, seed=5)[0]
-    params = SamplingParams(temperature=0, max_tokens=tokens + 4, ignore_eos=True)
+    prompt = random_prompts(1, prompt_len, seed=5)[0]  # llama.cpp's: decode_ms draws the same
     times: list[list[float]] = [[] for _ in specs]
     other_times: list[float] = []
     for r in range(rounds):
@@ -102,13 +101,8 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
         for i, (config, model) in enumerate(zip(configs, models, strict=True)):
             fields = {**(settings or {}), **config.to_dict(), "speculative_decoding": False}
             engine = engine_for(llm.config_for(fields), model, llm.tokenizer, llm.engine.hf_config)
-            engine.add_request(prompt, params)
-            for _ in range(4):  # the prefill and a few decodes: first-call costs stay out
-                engine.step()
-            start = time.perf_counter()
-            for _ in range(tokens):
-                engine.step()
-            times[i].append((time.perf_counter() - start) / tokens * 1e3)
+            decode_ms(engine, 1, prompt_len, 3, seed=5)  # a few decodes first: first-call costs stay out
+            times[i].append(decode_ms(engine, 1, prompt_len, tokens, seed=5))
         if other is not None:
             other_times.append(other.ms_per_token(prompt, tokens))
     tell(progress, len(specs) + rounds, len(specs) + rounds, "done")

@@ -22,12 +22,11 @@ from ..config import WEIGHT_FIELDS
 from ..llm import LLM, engine_for, warm_up
 from ..memory import available_bytes
 from ..quant.kernels import cpu_features, cpu_name, isa
-from ..sampling_params import SamplingParams
 from ..threads import usable_cores
 from ..utils import cdiv
 from .precision import load_each
 from .report import Report, rounds_text
-from .runs import GIB, Progress, random_prompts, tell
+from .runs import GIB, Progress, decode_ms, tell
 from .specs import resolve_spec
 
 # each precision the engine runs on a CPU, every projection in it (the LM head too)
@@ -212,25 +211,6 @@ def matmul_params(model: Any) -> int:
 
 
 # ---- the engine against the floors -------------------------------------------------------------------------
-def decode_ms(engine, rows: int, prompt_len: int, tokens: int, seed: int) -> float:
-    """Mean ms of a decode step with `rows` requests, every one of them in each timed step (their prefills first,
-    untimed; each may decode well past the window, and is aborted after it: with max_tokens just past `tokens`, the
-    first to start ended inside the window). The roofline and the kernels' worth both time it."""
-    params = SamplingParams(temperature=0, max_tokens=tokens + rows + 8, ignore_eos=True)
-    ids = [engine.add_request(prompt, params) for prompt in random_prompts(rows, prompt_len, seed=seed)]
-    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
-        engine.step()
-    start = time.perf_counter()
-    for _ in range(tokens):
-        engine.step()
-    elapsed = time.perf_counter() - start
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    return elapsed * 1e3 / tokens
-
-
 def _engine(llm: LLM, spec: str, config, model, settings: dict[str, Any], sizes: Sizes):
     """An engine over `model` (loaded for `config`'s weight fields), the spec's other fields (a preset's int8 KV
     cache) over the --set settings; a pool with room for the batch's longest requests, no prefix cache (fresh

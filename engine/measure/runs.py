@@ -61,6 +61,25 @@ def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(*TOKEN_RANGE) for _ in range(length)] for _ in range(n)]
 
 
+def decode_ms(engine, rows: int, prompt_len: int, tokens: int, seed: int) -> float:
+    """Mean ms of a decode step with `rows` requests, every one of them in each timed step (their prefills first,
+    untimed; each may decode well past the window, and is aborted after it: with max_tokens just past `tokens`, the
+    first to start ended inside the window). The roofline, the kernels' worth and `decode` all time it."""
+    params = SamplingParams(temperature=0, max_tokens=tokens + rows + 8, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for prompt in random_prompts(rows, prompt_len, seed=seed)]
+    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(tokens):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed * 1e3 / tokens
+
+
 def run_to_end(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams) -> list[RequestOutput]:
     """Each prompt's final output, in order: all added at once, the engine stepped until every one has finished."""
     ids = [engine.add_request(p, params) for p in prompts]
@@ -264,11 +283,10 @@ def _run_result(engine: LLMEngine, workload: Workload, outputs: list[RequestOutp
     )
 
 
-def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], should_stop: StopCheck | None = None,
-               track_efficiency: bool = False) -> RunResult:
+def run_config(llm: LLM, workload: Workload, fields: dict[str, Any], should_stop: StopCheck | None = None) -> RunResult:
     engine = llm.build_engine(fields)
     warm_up(engine)
-    return run_workload(engine, workload, should_stop, track_efficiency)
+    return run_workload(engine, workload, should_stop)
 
 
 def config_fields(workload: Workload, settings: dict[str, Any], spec_fields: dict[str, Any]) -> dict[str, Any]:

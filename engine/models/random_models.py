@@ -60,18 +60,6 @@ def hf_config(name: str, **overrides):
     return config
 
 
-def num_parameters(config) -> int:
-    """Parameters of the architecture (a tied head counted once), from the config alone."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    h, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    layer = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * inter
-    if type(config).__name__.startswith("Qwen3"):
-        layer += 2 * head_dim
-    head = 0 if config.tie_word_embeddings else config.vocab_size * h
-    return config.vocab_size * h + config.num_hidden_layers * layer + h + head
-
-
 def random_state_dict(config, seed: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """HF-named weights: normal(0, 0.02) matrices, norms at 1 (as a freshly initialised transformers model)."""
     gen = torch.Generator(device=device).manual_seed(seed)

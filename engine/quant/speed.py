@@ -66,22 +66,21 @@ def _time(projections, x: torch.Tensor, calls: int = CALLS) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def measure(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, rows=ROWS,
-            dtype: torch.dtype = torch.float32) -> dict[str, SchemeSpeed]:
+def measure(shapes: list[tuple[int, int]]) -> dict[str, SchemeSpeed]:
     """Each scheme's speed against fp32 over projections of these shapes, on this CPU now (no cache)."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen).to(dtype) * 0.02 for n, k in shapes]
+    weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
     fp32 = [make_projection(WeightFormat(), w, "speed") for w in weights]
     out = {}
-    for scheme in schemes:
+    for scheme in QUANTIZATION_SCHEMES:
         fmt = WeightFormat(scheme)
         try:
             quantized = [make_projection(fmt, w, "speed") for w in weights]
         except ValueError:  # no kernel here for this scheme or these shapes: nothing to time
             continue
         ratios = []
-        for n in rows:
-            x = torch.randn(n, max(k for _, k in shapes), generator=gen).to(dtype)
+        for n in ROWS:
+            x = torch.randn(n, max(k for _, k in shapes), generator=gen)
             _time(fp32, x), _time(quantized, x)  # warm both (oneDNN's first call plans)
             calls = max(CALLS, int(TIMING_S / max(_time(fp32, x), 1e-6)))  # each timing long enough to trust
             base, mine = [], []
@@ -89,31 +88,29 @@ def measure(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, rows=RO
                 base.append(_time(fp32, x, calls))
                 mine.append(_time(quantized, x, calls))
             ratios.append(round(min(base) / min(mine), 3))
-        choice = choose_kernel(scheme, "cpu", dtype)
-        out[scheme] = SchemeSpeed(scheme, choice.short, tuple(rows), tuple(ratios),
+        out[scheme] = SchemeSpeed(scheme, choose_kernel(scheme, "cpu").short, ROWS, tuple(ratios),
                                   f"{cpu_name()} ({isa(cpu_features())})")
     return out
 
 
-def _key(shapes, schemes, rows, dtype) -> str:
-    kernels = [choose_kernel(None, "cpu", dtype).kernel]  # the fp32 projections' own, which each is timed against
-    for scheme in schemes:
+def _key(shapes) -> str:
+    kernels = [choose_kernel(None, "cpu").kernel]  # the fp32 projections' own, which each is timed against
+    for scheme in QUANTIZATION_SCHEMES:
         try:
-            kernels.append(choose_kernel(scheme, "cpu", dtype).kernel)
+            kernels.append(choose_kernel(scheme, "cpu").kernel)
         except ValueError as exc:
             kernels.append(str(exc))
     build = cpu_kernels.module_name() if cpu_kernels.compiled() is not None else None  # its source, flags, CPU
-    text = json.dumps([sorted(cpu_features()), torch.__version__, kernels, build, shapes, list(schemes), list(rows),
-                       str(dtype), os.cpu_count()])
+    text = json.dumps([sorted(cpu_features()), torch.__version__, kernels, build, shapes, QUANTIZATION_SCHEMES, ROWS,
+                       os.cpu_count()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def scheme_speeds(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, rows=ROWS,
-                  dtype: torch.dtype = torch.float32, refresh: bool = False) -> dict[str, SchemeSpeed]:
+def scheme_speeds(shapes: list[tuple[int, int]], refresh: bool = False) -> dict[str, SchemeSpeed]:
     """measure()'s result, from the cache when this machine measured the same thing before (refresh: measure
     again). A cache that cannot be read or written only costs the measurement."""
     shapes = [tuple(s) for s in shapes]
-    key = _key(shapes, schemes, rows, dtype)
+    key = _key(shapes)
     path = cache_dir() / CACHE_FILE
     try:
         known = json.loads(path.read_text())
@@ -127,7 +124,7 @@ def scheme_speeds(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, r
                     for s, v in known[key].items()}
         except (TypeError, KeyError):
             pass  # an older layout: measure again
-    speeds = measure(shapes, schemes, rows, dtype)
+    speeds = measure(shapes)
     known[key] = {s: asdict(v) for s, v in speeds.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,8 +136,8 @@ def scheme_speeds(shapes: list[tuple[int, int]], schemes=QUANTIZATION_SCHEMES, r
     return speeds
 
 
-def model_speeds(model, refresh: bool = False) -> dict[str, SchemeSpeed]:
+def model_speeds(model) -> dict[str, SchemeSpeed]:
     """scheme_speeds over a loaded model's layer shapes; empty off the CPU (measured only where the CPU runs it)."""
     if model.device.type != "cpu":
         return {}
-    return scheme_speeds(layer_shapes(model), refresh=refresh)
+    return scheme_speeds(layer_shapes(model))
