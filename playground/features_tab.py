@@ -8,10 +8,11 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from engine.measure import FEATURES, QUALITY_SPECS, Cancelled
+from engine.workloads import list_workloads
 
 from .access import audience
 from .features import CONCURRENCY_LEVELS, DEFAULT_WORKLOADS, EXPERIMENTS, NAMES, FeatureExperiments
-from .handlers import Playground, workloads
+from .handlers import Playground
 
 TAB = "The engine, feature by feature"
 INTRO = """The course draws these with illustrative numbers; here every bar is **measured on the real engine**.
@@ -65,7 +66,7 @@ def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotD
                     inputs[kind] = [gr.CheckboxGroup(list(QUALITY_SPECS), value=list(QUALITY_SPECS), scale=4,
                                                      label="precisions to score against fp32 (fewer: quicker)")]
                 else:
-                    inputs[kind] = [gr.Dropdown(workloads(), value=DEFAULT_WORKLOADS[kind], label="workload"),
+                    inputs[kind] = [gr.Dropdown(list_workloads(), value=DEFAULT_WORKLOADS[kind], label="workload"),
                                     gr.Checkbox(value=True, label="quick (a quarter of the requests)")]
                 go = gr.Button(f"Run {NAMES[kind]}", variant="primary")
                 cancel = gr.Button("Cancel")

@@ -7,12 +7,13 @@ from dataclasses import replace
 import gradio as gr
 from gradio.components.plot import PlotData
 
+from engine.workloads import list_workloads
 from viz.figures import placeholder_figure, to_json
 
 from .access import OPEN, Access, audience
 from .chat import ChatSession
 from .conversation import as_typed, typed_text
-from .handlers import Playground, workloads
+from .handlers import Playground
 from .identity import NOBODY, Who
 from .serialised import SerialisedFigures
 from .watching import Watcher
@@ -217,7 +218,7 @@ def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures)
                         "moment (0.5-3 s) and send the next, until the time is up or you press Stop. Flip switches "
                         "in Engine settings meanwhile and watch the charts' markers. Duration 0: each user once.")
             with gr.Row():
-                workload = gr.Dropdown(workloads(), value="shared-system-prompt", label="workload")
+                workload = gr.Dropdown(list_workloads(), value="shared-system-prompt", label="workload")
                 users = gr.Slider(1, 64, value=16, step=1, label="concurrent users")
                 duration = gr.Slider(0, 600, value=120, step=10, label="duration (s), 0 = each user once")
                 go = gr.Button("Launch users", variant="primary")
