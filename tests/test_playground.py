@@ -326,7 +326,7 @@ def test_a_reply_shown_finished_frees_its_tab_and_seat_before_its_chat_closes(pg
     session = ChatSession()
     pg.chat_sent(session)
     chat = pg.chat("Hello there", [], 0.0, 8, session, audience=who)
-    for history, stats in chat:  # as gradio does: the generator stays open while its last output goes out
+    for _history, stats in chat:  # as gradio does: the generator stays open while its last output goes out
         if "finished" in stats:
             break
     assert not session.expecting() and pg.seats.in_flight(who.key) == 0
