@@ -25,7 +25,7 @@ from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # gradio's queue recomputes its monitoring summary (a pandas groupby over its last 10,000 events) after every event
-# by default: with 30 tabs polling, a quarter of the server's GIL time, growing with the events recorded. Nothing
+# by default, under the GIL the engine needs (docs/measurements.md, "Does the page stay responsive?"). Nothing
 # reads it unless the monitoring page is on; it is then refreshed every 1,000 events.
 os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
 
