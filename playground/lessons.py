@@ -82,8 +82,7 @@ class LessonRun:
         return self.phase in ("setting up", "before", "flipping", "after")
 
 
-# How often every page asks for news (Playground.page_period): twice a second while a lesson runs, so that each page
-# agrees with a change the lesson makes within a second; once otherwise
+# how often every page asks for news, and while a lesson runs (Playground.page_period says why)
 PAGE_PERIOD_S, LESSON_PERIOD_S = 1.0, 0.5
 
 

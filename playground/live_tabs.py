@@ -143,12 +143,10 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
     seats = chat_seats(pg)
     # On the page (gradio's ChatInterface does the same): the message moves from the box to the tab's state at
     # once, so the box is empty while the reply streams and Enter again sends nothing; then the chat reads it from
-    # the state. The same event (it runs at once, outside gradio's queue) submits the message to the engine, so the
-    # engine reads the prompt while the chat's event is still on its way through the queue; the chat claims it
-    # (ChatHandlers.presubmit). A message typed while this tab's reply is still on its way stays in the box, unsent
-    # (one reply at a time per tab: two would stream into one history). The live view's timer starts here, before
-    # the chat: the page applies a trigger's updates in order, and a timer started beside the streaming chat only
-    # ran once the reply had ended.
+    # the state. The same event submits it to the engine (ChatHandlers.presubmit says why). A message typed while
+    # this tab's reply is still on its way stays in the box, unsent (one reply at a time per tab: two would stream
+    # into one history). The live view's timer starts here, before the chat: the page applies a trigger's updates
+    # in order, and a timer started beside the streaming chat only ran once the reply had ended.
     @audience
     def take(message, history, temperature_value, max_tokens_value, s: ChatSession):
         if not (message and message.strip()):
