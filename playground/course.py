@@ -12,11 +12,11 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.measure import load_feature_preset
 from engine.workloads import list_workloads
+from viz.dashboard import CHARTS
 
 from .lesson_numbers import Evidence
 
 LESSON_DIR = Path(__file__).resolve().parent.parent / "presets" / "lessons"
-CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # the dashboard's figures (DashboardFigures)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from engine.workloads import list_workloads
+from viz.dashboard import CHARTS as DASHBOARD_CHARTS
 from viz.figures import placeholder_figure, to_json
 
 from .access import OPEN, Access, audience
@@ -48,7 +49,6 @@ def chart(label: str, empty: str | None = None) -> gr.Plot:
 
 NO_CHAT_VIEW = "Send a message: your request's KV blocks light up here"
 DASHBOARD_TAB = "dashboard"  # its id, and what track_shown_tab records while a page shows it
-DASHBOARD_CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # the clock refreshes them in this order
 PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix": "prefix cache",
                "throughput": "throughput", "memory": "memory"}
 

@@ -23,6 +23,9 @@ class DashboardFigures:
     memory: dict  # plotly figure spec
 
 
+CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # its figures, in the order the page refreshes them
+
+
 @dataclass
 class ChatView:
     """What a chat tab shows beside its conversation while its reply streams."""
