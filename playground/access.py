@@ -268,9 +268,6 @@ class Access:
         return "**Audience**: chat and watch live. The controls that change the shared engine are locked: " \
                + self.how_to_unlock()
 
-    def refusal(self, what: str) -> str:
-        return f"Only the presenter may {what}: {self.how_to_unlock()}"
-
     # ---- the gate --------------------------------------------------------------------------------------------
     def require_presenter(self, what: str, request=None) -> Visitor:
         visitor = self.visitor(request)
@@ -278,7 +275,7 @@ class Access:
             self.refusals += 1
             log.info("refused: %s asked to %s", visitor.who.describe() if visitor.who else "a caller", what)
             held = visitor.note if visitor.note.startswith("after a wrong") else ""
-            raise Refused(self.refusal(what) + (f" ({held})" if held else ""))
+            raise Refused(f"Only the presenter may {what}: {self.how_to_unlock()}" + (f" ({held})" if held else ""))
         return visitor
 
     def gated(self, fn: Callable, what: str, refuse: Callable[[str], Exception]) -> Callable:
