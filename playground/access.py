@@ -38,6 +38,9 @@ TOKEN_HEADER = "x-presenter-token"  # gradio_client(url, headers={"X-Presenter-T
 OWNER_ENV = "WATCH_LLM_SPACE_OWNER_PRESENTS"  # "1" on a Space with `hf_oauth: true`: its owner, logged in, presents
 MAX_PERSON_PRIORITY = 999  # people's priorities stay ahead of simulated users' (traffic.SIMULATED_PRIORITY)
 MAX_UNLOCKED = 64  # presenter visitors remembered (oldest forgotten first)
+MODE_LINES = {OPEN: "everyone at this page may change the engine (it listens on this machine only)",
+              TOKEN: "presenter mode: whoever enters the presenter token steers; everyone else chats and watches",
+              PUBLIC: "public mode: nobody may change the shared engine (give --presenter-token to steer it)"}
 
 
 def audience(fn: Callable) -> Callable:
@@ -218,7 +221,7 @@ class Access:
         """The page's "become presenter": right -> this visitor is the presenter from now on (every page that
         holds its visitor id, until the last of them closes)."""
         if self.mode == OPEN:
-            return "Everyone at this page may change the engine (it listens on this machine only)."
+            return MODE_LINES[OPEN].capitalize() + "."
         if self.mode == PUBLIC:
             return f"Public mode: {self.how_to_unlock()}"
         request = request if request is not None else current_request()
@@ -265,9 +268,6 @@ class Access:
         return "**Audience**: chat and watch live. The controls that change the shared engine are locked: " \
                + self.how_to_unlock()
 
-    def refusal(self, what: str) -> str:
-        return f"Only the presenter may {what}: {self.how_to_unlock()}"
-
     # ---- the gate --------------------------------------------------------------------------------------------
     def require_presenter(self, what: str, request=None) -> Visitor:
         visitor = self.visitor(request)
@@ -275,7 +275,7 @@ class Access:
             self.refusals += 1
             log.info("refused: %s asked to %s", visitor.who.describe() if visitor.who else "a caller", what)
             held = visitor.note if visitor.note.startswith("after a wrong") else ""
-            raise Refused(self.refusal(what) + (f" ({held})" if held else ""))
+            raise Refused(f"Only the presenter may {what}: {self.how_to_unlock()}" + (f" ({held})" if held else ""))
         return visitor
 
     def gated(self, fn: Callable, what: str, refuse: Callable[[str], Exception]) -> Callable:

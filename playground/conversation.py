@@ -19,14 +19,9 @@ MAX_REMOTE_CHARS = 200_000  # a watched server's context is not known here: a ge
 CHARS_PER_TOKEN = 4  # a message longer than the context at this many characters a token cannot fit: refused unread
 
 
-def message_limit(config: dict) -> int:
-    """The longest message the chat takes, in characters: the context's tokens at CHARS_PER_TOKEN."""
-    return int(config["max_model_len"]) * CHARS_PER_TOKEN
-
-
 def too_long(message: str, config: dict) -> str:
     """Why a message is refused before anything reads it ("" when it is not)."""
-    limit = message_limit(config)
+    limit = int(config["max_model_len"]) * CHARS_PER_TOKEN
     if len(message) <= limit:
         return ""
     return (f"your message is {len(message):,} characters: this engine's context holds {config['max_model_len']:,} "

@@ -12,32 +12,31 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.measure import load_feature_preset
 from engine.workloads import list_workloads
+from viz.dashboard import CHARTS
 
 from .lesson_numbers import Evidence
 
 LESSON_DIR = Path(__file__).resolve().parent.parent / "presets" / "lessons"
-CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # the dashboard's figures (DashboardFigures)
 
 
 @dataclass(frozen=True)
 class Metric:
     label: str
     unit: str
-    better: str  # "up" or "down": which way is better, for the record's wording
     fmt: str = "{:.1f}"
 
 
 METRICS = {
-    "tokens_per_s": Metric("tokens/s", "tok/s", "up"),
-    "ttft_s": Metric("mean time to first token", "s", "down", "{:.2f}"),
-    "tpot_s": Metric("time per output token (mean step)", "s", "down", "{:.3f}"),
-    "time_per_token_ms": Metric("engine time per generated token (busy time / tokens)", "ms", "down", "{:.1f}"),
-    "max_step_ms": Metric("longest step (the longest gap between two tokens)", "ms", "down", "{:.0f}"),
-    "prefix_hit_rate": Metric("prefix-cache hit rate", "", "up", "{:.0%}"),
-    "kv_blocks_used": Metric("KV blocks in use (mean)", "blocks", "down", "{:.0f}"),
-    "peak_kv_blocks": Metric("KV blocks in use (peak)", "blocks", "down", "{:.0f}"),
-    "preemptions": Metric("preemptions", "", "down", "{:.0f}"),
-    "running": Metric("requests running at once (mean)", "", "up", "{:.1f}"),
+    "tokens_per_s": Metric("tokens/s", "tok/s"),
+    "ttft_s": Metric("mean time to first token", "s", "{:.2f}"),
+    "tpot_s": Metric("time per output token (mean step)", "s", "{:.3f}"),
+    "time_per_token_ms": Metric("engine time per generated token (busy time / tokens)", "ms", "{:.1f}"),
+    "max_step_ms": Metric("longest step (the longest gap between two tokens)", "ms", "{:.0f}"),
+    "prefix_hit_rate": Metric("prefix-cache hit rate", "", "{:.0%}"),
+    "kv_blocks_used": Metric("KV blocks in use (mean)", "blocks", "{:.0f}"),
+    "peak_kv_blocks": Metric("KV blocks in use (peak)", "blocks", "{:.0f}"),
+    "preemptions": Metric("preemptions", "", "{:.0f}"),
+    "running": Metric("requests running at once (mean)", "", "{:.1f}"),
 }
 
 

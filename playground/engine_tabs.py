@@ -6,13 +6,14 @@ from __future__ import annotations
 import gradio as gr
 
 from engine.config import FEATURE_SWITCHES, KV_CACHE_DTYPES, WEIGHT_FIELDS
-from engine.measure import Cancelled, compare_report
+from engine.measure import Cancelled, compare_report, list_feature_presets
 from engine.quant.format import INT4_GROUP_SIZES, QUANTIZATION_SCHEMES
+from engine.workloads import list_workloads
 from viz.figures import placeholder_figure
 from viz.result_figures import ablation_figure, compare_figure
 
 from .access import audience
-from .handlers import PAGE_PERIOD_S, Playground, feature_presets, workloads
+from .handlers import PAGE_PERIOD_S, Playground
 from .live_tabs import chart, timer_period
 from .serialised import SerialisedFigures
 from .settings import LM_HEAD_WORDS, NO_QUANTIZATION, form_value
@@ -158,7 +159,7 @@ def build_ablation_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         gr.Markdown("Runs a workload through the full engine, then with each switch off in turn, on this "
                     "machine. The live engine pauses meanwhile so the numbers are clean.")
         with gr.Row():
-            workload = gr.Dropdown(workloads(), value="ablation", label="workload")
+            workload = gr.Dropdown(list_workloads(), value="ablation", label="workload")
             quick = gr.Checkbox(value=True, label="quick (a quarter of the requests)")
             go = gr.Button("Run ablation", variant="primary")
             cancel = gr.Button("Cancel")
@@ -188,10 +189,10 @@ def build_ablation_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 def build_compare_tab(pg: Playground, serialised: SerialisedFigures) -> None:
     with gr.Tab("Compare two configurations"):
         with gr.Row():
-            workload = gr.Dropdown(workloads(), value="mixed-lengths", label="workload")
-            a = gr.Dropdown(feature_presets(), value="naive", label="A (preset, or type flags)",
+            workload = gr.Dropdown(list_workloads(), value="mixed-lengths", label="workload")
+            a = gr.Dropdown(list_feature_presets(), value="naive", label="A (preset, or type flags)",
                             allow_custom_value=True)
-            b = gr.Dropdown(feature_presets(), value="full", label="B (preset, or type flags)",
+            b = gr.Dropdown(list_feature_presets(), value="full", label="B (preset, or type flags)",
                             allow_custom_value=True)
             quick = gr.Checkbox(value=True, label="quick")
             go = gr.Button("Compare", variant="primary")

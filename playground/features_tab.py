@@ -8,10 +8,12 @@ import gradio as gr
 from gradio.components.plot import PlotData
 
 from engine.measure import FEATURES, QUALITY_SPECS, Cancelled
+from engine.workloads import list_workloads
 
 from .access import audience
 from .features import CONCURRENCY_LEVELS, DEFAULT_WORKLOADS, EXPERIMENTS, NAMES, FeatureExperiments
-from .handlers import Playground, workloads
+from .handlers import Playground
+from .quality import KV_GOAL, WEIGHT_GOALS
 
 TAB = "The engine, feature by feature"
 INTRO = """The course draws these with illustrative numbers; here every bar is **measured on the real engine**.
@@ -28,9 +30,9 @@ SECTIONS = {
                 "Quantization's row above is what a smaller precision buys in tokens/s; this is its price. Each "
                 "precision's engine reads the same text (prose, code and dialogue) as the fp32 engine, teacher-"
                 "forced: how often both pick the same next token (top-1 agreement), how far the text's own token "
-                "logprobs move, and its perplexity. The project's goals: int8 weights ≥ 97% "
-                "top-1 and perplexity within +2%, w8a8 ≥ 95% and +4%, int4 ≥ 90% and +10%, an int8 KV cache ≥ 98%; "
-                "a combination has none. Cancel stops it between two precisions."),
+                "logprobs move, and its perplexity. The project's goals: "
+                + "; ".join(f"{g.what}: {g.describe()}" for g in (*WEIGHT_GOALS.values(), KV_GOAL))
+                + "; a combination has none. Cancel stops it between two precisions."),
     "concurrency": ("3. What each feature is worth under load",
                     "The full engine, then each feature off in turn, at 1, 8 and 32 requests at a time. A bar is "
                     "the full engine's tokens/s over the engine's without that feature: above 1x it helps."),
@@ -65,7 +67,7 @@ def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotD
                     inputs[kind] = [gr.CheckboxGroup(list(QUALITY_SPECS), value=list(QUALITY_SPECS), scale=4,
                                                      label="precisions to score against fp32 (fewer: quicker)")]
                 else:
-                    inputs[kind] = [gr.Dropdown(workloads(), value=DEFAULT_WORKLOADS[kind], label="workload"),
+                    inputs[kind] = [gr.Dropdown(list_workloads(), value=DEFAULT_WORKLOADS[kind], label="workload"),
                                     gr.Checkbox(value=True, label="quick (a quarter of the requests)")]
                 go = gr.Button(f"Run {NAMES[kind]}", variant="primary")
                 cancel = gr.Button("Cancel")
@@ -100,9 +102,12 @@ def build_features_tab(pg: Playground, serialised: Callable[[dict | None], PlotD
 
 def _runner(experiments: FeatureExperiments, serialised: Callable, kind: str) -> Callable:
     """The Run button's handler for one experiment (gradio finds gr.Progress by its default, so one per shape)."""
-    def run(workload: str, quick: bool, choice: str | None, progress: gr.Progress) -> tuple:
+    def run(progress: gr.Progress, choice: str | None, *asked) -> tuple:
         try:
-            experiments.run(kind, workload, bool(quick), lambda f, d: progress(f, desc=d))
+            if kind == "quality":  # asked: the precisions to score
+                experiments.run_quality(asked[0], lambda f, d: progress(f, desc=d))
+            else:  # asked: the workload, and quick
+                experiments.run(kind, asked[0], bool(asked[1]), lambda f, d: progress(f, desc=d))
         except (ValueError, Cancelled) as exc:
             return gr.skip(), gr.skip(), gr.skip(), f"⚠️ {exc}"
         view = experiments.view(kind, _level(choice))
@@ -110,19 +115,14 @@ def _runner(experiments: FeatureExperiments, serialised: Callable, kind: str) ->
 
     if kind == "concurrency":
         def run_at(workload: str, quick: bool, choice: str, progress=gr.Progress()) -> tuple:
-            return run(workload, quick, choice, progress)
+            return run(progress, choice, workload, quick)
         return run_at
 
     if kind == "quality":
         def run_specs(specs: list[str], progress=gr.Progress()) -> tuple:
-            try:
-                experiments.run_quality(specs, lambda f, d: progress(f, desc=d))
-            except (ValueError, Cancelled) as exc:
-                return gr.skip(), gr.skip(), gr.skip(), f"⚠️ {exc}"
-            view = experiments.view(kind)
-            return serialised(view.figure), view.table, view.source, ""
+            return run(progress, None, specs)
         return run_specs
 
     def run_one(workload: str, quick: bool, progress=gr.Progress()) -> tuple:
-        return run(workload, quick, None, progress)
+        return run(progress, None, workload, quick)
     return run_one

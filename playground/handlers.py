@@ -11,10 +11,10 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine import LLM, measure
+from engine import LLM
 from engine.host import EngineLoop, on_its_own_thread
 from engine.service import DEFAULT_MAX_WAITING_REQUESTS, EngineService, IterationStats
-from engine.workloads import list_workloads, load_workload
+from engine.workloads import load_workload
 from viz.dashboard import DashboardFigures, FigureCache, since_rebuild
 
 from .access import Access, Seats
@@ -177,12 +177,4 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
             self.service.pause()
         snap = self.service.step_once()
         return describe_step(snap, self.llm.tokenizer)
-
-
-def feature_presets() -> list[str]:
-    return measure.list_feature_presets()
-
-
-def workloads() -> list[str]:
-    return list_workloads()
 

@@ -20,13 +20,12 @@ import re
 import statistics
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .page_client import Session, launch, reply_text
+from .page_client import Session, fn_ids, launch, page_config, reply_text
 
 VISITOR, FLOODER, GUESSER = "127.0.0.1", "127.0.0.7", "127.0.0.9"
 REFUSED_WORDS = ("replies on their way", "replies are already on their way", "at most")
@@ -53,12 +52,6 @@ class Tally:
             now += d
             most = max(most, now)
         return most
-
-
-def fn_ids(url: str) -> dict[str, int]:
-    with urllib.request.urlopen(url + "config", timeout=30) as r:
-        config = json.load(r)
-    return {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")}
 
 
 def chat_ttft(session: Session, message: str, max_tokens: int = 16) -> tuple[float | None, str, float | None]:
@@ -185,7 +178,7 @@ def guess(url: str, ids: dict[str, int], token: str, n: int = 50) -> tuple[int, 
 
 
 def run(url: str, token: str, seconds: float = 30.0, n: int = 8) -> dict:
-    ids = fn_ids(url)
+    ids = fn_ids(page_config(url))
     quiet, quiet_engine = visitor_ttfts(url, ids, n)
     tally, stop = Tally(), threading.Event()
     flooder = threading.Thread(target=flood, args=(url, ids, tally, stop), daemon=True)

@@ -142,6 +142,14 @@ def forwarded_hops(headers) -> list[str]:
     return hops
 
 
+def _keep(table: OrderedDict, key: str, value) -> None:
+    """table[key] = value as its newest entry; past MAX_TRACKED entries the oldest is forgotten."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > MAX_TRACKED:
+        table.popitem(last=False)
+
+
 class Buckets:
     """A token bucket per key (an address): `burst` at once, then `per_s` a second."""
 
@@ -164,10 +172,7 @@ class Buckets:
         tokens = self._tokens(key, now)
         if tokens < 1:
             return False
-        self._state[key] = (tokens - 1, now)
-        self._state.move_to_end(key)
-        while len(self._state) > MAX_TRACKED:
-            self._state.popitem(last=False)
+        _keep(self._state, key, (tokens - 1, now))
         return True
 
 
@@ -212,10 +217,7 @@ class VisitorIds:
                 vid = secrets.token_hex(12)
                 issued = int(time.time())
                 token = f"{vid}.{issued}.{self._sign(vid, issued)}"
-            self._sessions[session] = (vid, address)
-            self._sessions.move_to_end(session)
-            while len(self._sessions) > MAX_TRACKED:
-                self._sessions.popitem(last=False)
+            _keep(self._sessions, session, (vid, address))
         return token
 
     def new_ids_wait(self, address: str) -> float:
@@ -296,17 +298,11 @@ class Guesses:
             state[0] += 1
             state[1] = now
             state[2] = now + self.delay(int(state[0]))
-            self._sources[who.key] = state
-            self._sources.move_to_end(who.key)
-            while len(self._sources) > MAX_TRACKED:
-                self._sources.popitem(last=False)
+            _keep(self._sources, who.key, state)
             self._addresses.take(who.address, now)
             failures = int(state[0])
             new_burst = now - self._bursts.get(who.address, -BURST_GAP_S) >= BURST_GAP_S
-            self._bursts[who.address] = now
-            self._bursts.move_to_end(who.address)
-            while len(self._bursts) > MAX_TRACKED:
-                self._bursts.popitem(last=False)
+            _keep(self._bursts, who.address, now)
         # one log line a burst: when wrong guesses start coming from an address, and when one locks a source out
         if new_burst:
             log.warning("presenter token: wrong guesses from %s (first from %s); each source's next ones are slowed",

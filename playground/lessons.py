@@ -82,8 +82,7 @@ class LessonRun:
         return self.phase in ("setting up", "before", "flipping", "after")
 
 
-# How often every page asks for news (Playground.page_period): twice a second while a lesson runs, so that each page
-# agrees with a change the lesson makes within a second; once otherwise
+# how often every page asks for news, and while a lesson runs (Playground.page_period says why)
 PAGE_PERIOD_S, LESSON_PERIOD_S = 1.0, 0.5
 
 
@@ -112,9 +111,6 @@ class LessonRunner:
             if lesson.slug == slug:
                 return i
         raise ValueError(f"no lesson {slug!r}; lessons: {', '.join(x.slug for x in self.lessons)}")
-
-    def durations(self, lesson: Lesson) -> tuple[float, float]:
-        return (self.seconds, self.seconds) if self.seconds else (lesson.before_s, lesson.after_s)
 
     # ---- the presenter's -------------------------------------------------------------------------------
     def start(self, slug: str) -> str:
@@ -237,7 +233,7 @@ class LessonRunner:
     def limits(self, lesson: Lesson) -> tuple[tuple[float, float], tuple[float, float]]:
         """Each phase's (shortest, longest) time: its own length, and MAX_FACTOR times that while its number still
         lacks the evidence it needs."""
-        before_s, after_s = self.durations(lesson)
+        before_s, after_s = (self.seconds, self.seconds) if self.seconds else (lesson.before_s, lesson.after_s)
         return (before_s, MAX_FACTOR * before_s), (after_s, MAX_FACTOR * after_s)
 
     def need(self, lesson: Lesson, longest_prompt: int = 0) -> Evidence:
@@ -435,31 +431,29 @@ class LessonRunner:
         if run is not None and run.lesson is lesson and run.t_before is not None:
             live = run.active
             key = (run.run_id, run.phase, int(time.time()) if live else None)
-            if self._chart is None or self._chart[0] != key:
-                history = timed(self.pg.service.history)
-                now = time.time() if live else (run.t_end or time.time())
-                flip = run.t_after - run.t_before if run.t_after else None
-                self._chart = (key, lesson_figure(self._lesson_chart(
-                    lesson, series(history, lesson.metric, run.t_before, now), flip, now - run.t_before,
-                    run.result or {})))
-            return self._chart[1]
-        if lesson is None:
-            return None
-        record = next((r for r in reversed(self.records) if r["lesson"] == lesson.slug), None)
-        key = ("record", id(record), lesson.slug)
-        if self._chart is None or self._chart[0] != key:
-            points = [tuple(p) for p in record["chart"]] if record else []
-            self._chart = (key, lesson_figure(self._lesson_chart(
-                lesson, points, record["flip_at_s"] if record else None,
-                points[-1][0] if points else 0.0, record or {})))
-        return self._chart[1]
 
-    @staticmethod
-    def _lesson_chart(lesson: Lesson, points, flip_at_s, now_s: float, result: dict) -> LessonChart:
-        metric = METRICS[lesson.metric]
-        return LessonChart(lesson.title, metric.label, metric.unit, "%" in metric.fmt, lesson.describe_switch(),
-                           points, flip_at_s, now_s, (result.get("before") or {}).get(lesson.metric),
-                           (result.get("after") or {}).get(lesson.metric))
+            def drawn() -> tuple:  # (points, flip at, now, result)
+                now = time.time() if live else (run.t_end or time.time())
+                return (series(timed(self.pg.service.history), lesson.metric, run.t_before, now),
+                        run.t_after - run.t_before if run.t_after else None, now - run.t_before, run.result or {})
+        elif lesson is None:
+            return None
+        else:
+            record = next((r for r in reversed(self.records) if r["lesson"] == lesson.slug), None)
+            key = ("record", id(record), lesson.slug)
+
+            def drawn() -> tuple:
+                points = [tuple(p) for p in record["chart"]] if record else []
+                return (points, record["flip_at_s"] if record else None, points[-1][0] if points else 0.0,
+                        record or {})
+        if self._chart is None or self._chart[0] != key:
+            points, flip_at_s, now_s, result = drawn()
+            metric = METRICS[lesson.metric]
+            self._chart = (key, lesson_figure(LessonChart(
+                lesson.title, metric.label, metric.unit, "%" in metric.fmt, lesson.describe_switch(), points,
+                flip_at_s, now_s, (result.get("before") or {}).get(lesson.metric),
+                (result.get("after") or {}).get(lesson.metric))))
+        return self._chart[1]
 
     def result_table(self, result: dict | None) -> str:
         if not result:

@@ -26,13 +26,16 @@ lesson in large type, nothing else), and **Join this session** at the top has th
 LONG = 2000  # a lesson's texts are the project's own files, shown whole (and still escaped)
 
 
+def look_for(lesson: Lesson) -> str:
+    """What to look for and the question for the room: the Lessons tab's and the projector's."""
+    return f"**Look for:** {plain(lesson.look_for, LONG)}\n\n**Question for the room:** {plain(lesson.question, LONG)}"
+
+
 def lesson_text(lesson: Lesson) -> str:
-    metric = METRICS[lesson.metric]
     parts = [f"### {plain(lesson.title)}", plain(lesson.idea, LONG),
              f"**Workload:** {plain(lesson.workload)}, {lesson.users} simulated users · **the switch:** "
              f"{plain(lesson.describe_switch())} · **watch:** the {plain(lesson.chart)} chart",
-             f"**Look for:** {plain(lesson.look_for, LONG)}",
-             f"**Question for the room:** {plain(lesson.question, LONG)} (the number: {plain(metric.label)})"]
+             f"{look_for(lesson)} (the number: {plain(METRICS[lesson.metric].label)})"]
     if lesson.needs:
         measured = plain(lesson.measured, LONG)
         parts.append(f"**Needs a {lesson.needs.upper()} GPU.** Last measured: {measured}")

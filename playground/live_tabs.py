@@ -7,12 +7,14 @@ from dataclasses import replace
 import gradio as gr
 from gradio.components.plot import PlotData
 
+from engine.workloads import list_workloads
+from viz.dashboard import CHARTS as DASHBOARD_CHARTS
 from viz.figures import placeholder_figure, to_json
 
 from .access import OPEN, Access, audience
 from .chat import ChatSession
 from .conversation import as_typed, typed_text
-from .handlers import Playground, workloads
+from .handlers import Playground
 from .identity import NOBODY, Who
 from .serialised import SerialisedFigures
 from .watching import Watcher
@@ -47,7 +49,6 @@ def chart(label: str, empty: str | None = None) -> gr.Plot:
 
 NO_CHAT_VIEW = "Send a message: your request's KV blocks light up here"
 DASHBOARD_TAB = "dashboard"  # its id, and what track_shown_tab records while a page shows it
-DASHBOARD_CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # the clock refreshes them in this order
 PLOT_LABELS = {"blocks": "KV block table", "queues": "scheduler queues", "prefix": "prefix cache",
                "throughput": "throughput", "memory": "memory"}
 
@@ -142,12 +143,10 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
     seats = chat_seats(pg)
     # On the page (gradio's ChatInterface does the same): the message moves from the box to the tab's state at
     # once, so the box is empty while the reply streams and Enter again sends nothing; then the chat reads it from
-    # the state. The same event (it runs at once, outside gradio's queue) submits the message to the engine, so the
-    # engine reads the prompt while the chat's event is still on its way through the queue; the chat claims it
-    # (ChatHandlers.presubmit). A message typed while this tab's reply is still on its way stays in the box, unsent
-    # (one reply at a time per tab: two would stream into one history). The live view's timer starts here, before
-    # the chat: the page applies a trigger's updates in order, and a timer started beside the streaming chat only
-    # ran once the reply had ended.
+    # the state. The same event submits it to the engine (ChatHandlers.presubmit says why). A message typed while
+    # this tab's reply is still on its way stays in the box, unsent (one reply at a time per tab: two would stream
+    # into one history). The live view's timer starts here, before the chat: the page applies a trigger's updates
+    # in order, and a timer started beside the streaming chat only ran once the reply had ended.
     @audience
     def take(message, history, temperature_value, max_tokens_value, s: ChatSession):
         if not (message and message.strip()):
@@ -217,7 +216,7 @@ def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures)
                         "moment (0.5-3 s) and send the next, until the time is up or you press Stop. Flip switches "
                         "in Engine settings meanwhile and watch the charts' markers. Duration 0: each user once.")
             with gr.Row():
-                workload = gr.Dropdown(workloads(), value="shared-system-prompt", label="workload")
+                workload = gr.Dropdown(list_workloads(), value="shared-system-prompt", label="workload")
                 users = gr.Slider(1, 64, value=16, step=1, label="concurrent users")
                 duration = gr.Slider(0, 600, value=120, step=10, label="duration (s), 0 = each user once")
                 go = gr.Button("Launch users", variant="primary")

@@ -20,17 +20,15 @@ every --toggle-s seconds, as a presenter in front of a room would.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import threading
 import time
-import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .page_client import Session, launch, open_sessions, reply_text
+from .page_client import Session, fn_ids, launch, open_sessions, page_config, reply_text
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -170,10 +168,8 @@ class Presenter:
     field as the engine has it, read from the page's own settings endpoint; one changed)."""
 
     def __init__(self, url: str, token: str) -> None:
-        with urllib.request.urlopen(url + "config", timeout=30) as r:
-            config = json.load(r)
-        self.session = Session(url, {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")},
-                               headers={"X-Presenter-Token": token})
+        config = page_config(url)
+        self.session = Session(url, fn_ids(config), headers={"X-Presenter-Token": token})
         self.session.load()
         fields = {c["id"]: (c.get("props") or {}).get("elem_id") or "" for c in config["components"]}
         deps = {d.get("api_name"): d for d in config["dependencies"]}

@@ -41,7 +41,7 @@ class Measurement:
 
     def describe(self) -> str:
         """The time left: the configurations still to run at the mean time of those done, less what the one
-        running has already taken (elapsed / done alone grew while a long configuration ran: 82 s -> 789 s)."""
+        running has already taken (elapsed / done alone grew while a long configuration ran)."""
         if not self.done or self.reported is None:
             left = "estimating time left"
         else:

@@ -19,15 +19,14 @@ from pathlib import Path
 
 from engine import sse
 
+from .conversation import text_of
+
 
 class Session:
-    """One browser tab, talking to gradio as the page's own script does: an event joins the queue (POST
-    queue/join with the tab's session hash, so gr.State is the tab's own) and its updates come back over the
-    session's one event stream (GET queue/data, server-sent events), which a reader thread routes to the event
-    by its id and reopens while events are pending. Plain HTTP rather than gradio_client: its jobs are read in a
-    1 ms sleep loop each, and with 8 chats and 30 polling sessions in one process that loop, not the server,
-    decided when the tokens were seen (the same chats read over plain SSE waited far less: docs/measurements.md,
-    "Does the page stay responsive?")."""
+    """One browser tab: an event joins the queue (POST queue/join with the tab's session hash, so gr.State is the
+    tab's own) and its updates come back over the session's one event stream (GET queue/data, server-sent events),
+    which a reader thread routes to the event by its id and reopens while events are pending (why not
+    gradio_client: the module's docstring, and docs/measurements.md, "Does the page stay responsive?")."""
 
     def __init__(self, url: str, fn_ids: dict[str, int], headers: dict | None = None, source: str | None = None
                  ) -> None:
@@ -113,14 +112,7 @@ def reply_text(history: list[dict]) -> str:
     """The assistant's reply so far: "" while the history ends with the user's message."""
     if not history or history[-1].get("role") != "assistant":
         return ""
-    return _text(history[-1].get("content"))
-
-
-def _text(content) -> str:
-    """An assistant message's content comes back as [{"type": "text", "text": ...}]."""
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return "" if content is None else str(content)
+    return text_of(history[-1].get("content") or "")  # it comes back as [{"type": "text", "text": ...}]
 
 
 def free_port() -> int:
@@ -156,12 +148,21 @@ def launch(model: str | None, timeout_s: float = 180.0, presenter_token: str | N
     raise RuntimeError(f"app.py did not serve {url} within {timeout_s:.0f} s")
 
 
+def page_config(url: str) -> dict:
+    """The page's components and events, as the page's own script reads them."""
+    with urllib.request.urlopen(url + "config", timeout=30) as r:
+        return json.load(r)
+
+
+def fn_ids(config: dict) -> dict[str, int]:
+    """Each named event's id, which a Session joins the queue with."""
+    return {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")}
+
+
 def open_sessions(url: str, n: int) -> list[Session]:
     """n sessions, each its own tab."""
-    with urllib.request.urlopen(url + "config", timeout=30) as r:
-        config = json.load(r)
-    fn_ids = {d["api_name"]: d["id"] for d in config["dependencies"] if d.get("api_name")}
-    sessions = [Session(url, fn_ids) for _ in range(n)]
+    ids = fn_ids(page_config(url))
+    sessions = [Session(url, ids) for _ in range(n)]
     for session in sessions:
         session.load()
     return sessions

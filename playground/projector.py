@@ -19,14 +19,13 @@ from gradio.context import get_blocks_context
 from viz.figures import to_json
 
 from .access import audience
+from .lessons_tab import look_for
 from .page_events import quiet_progress
-from .room import plain
 
 PROJECTOR_PATH = "projector"
 PLOT_HEIGHT = 560  # px: a chart read from the back of a room; the figure's own height when that is larger
 PLOT_FONT = 18  # px, every label of the chart without a size of its own (plotly's default is 12)
 PLOT_TITLE_FONT = 26
-LONG = 2000  # a lesson's texts are the project's own files: shown whole (and still escaped)
 
 # Scoped by gradio to the wrapper gr.HTML (its css_template is nested under the component's own id), so none of
 # it reaches another page. In rem, so the browser's zoom (Ctrl +) still scales it for a bigger room. Plotly's zoom
@@ -140,9 +139,6 @@ def lesson_view(runner) -> ProjectorView | None:
     run = runner.run
     if run is None:
         return None
-    lesson = run.lesson
-    text = (f"**Look for:** {plain(lesson.look_for, LONG)}\n\n"
-            f"**Question for the room:** {plain(lesson.question, LONG)}")
-    return ProjectorView(title=lesson.title, text=text,
+    return ProjectorView(title=run.lesson.title, text=look_for(run.lesson),
                          numbers=runner.result_table(run.result) if run.result else "",
-                         chart=runner.chart(lesson), phase=runner.phase_line())
+                         chart=runner.chart(run.lesson), phase=runner.phase_line())

@@ -219,11 +219,10 @@ def error_text(response: httpx.Response) -> str:
 class RemoteServer:
     """A server being watched: its metrics polled in the background, its chat API streamed from."""
 
-    def __init__(self, url: str, poll_s: float = POLL_S, history_len: int = 3600, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, poll_s: float = POLL_S, history_len: int = 3600) -> None:
         self._target = base_url(url)  # what is fetched (credentials in it go to the server, and nowhere else)
         self.url = display_url(self._target)  # what anyone is shown, and the log: scheme://host:port
         self.poll_s = poll_s
-        self.timeout_s = timeout_s
         self.history: deque[HistorySample] = deque(maxlen=history_len)
         self.latest: MetricsReading | None = None
         self.model: str | None = None
@@ -239,7 +238,7 @@ class RemoteServer:
     # ---- metrics -------------------------------------------------------------------------------------------
     def scrape(self) -> MetricsReading:
         """One GET /metrics, parsed; ValueError saying what went wrong, never what the server sent."""
-        status, body = fetch(self._target + "/metrics", MAX_METRICS_BYTES, self.timeout_s)
+        status, body = fetch(self._target + "/metrics", MAX_METRICS_BYTES)
         if status != 200:
             raise ValueError(f"{self.url}/metrics answered {status}")
         try:
@@ -253,7 +252,7 @@ class RemoteServer:
         no vLLM metrics, so attaching to a wrong address says so at once."""
         first = self.scrape()  # before the models: a server that is not there is refused after one deadline
         try:
-            status, body = fetch(self._target + "/v1/models", MAX_SMALL_BYTES, self.timeout_s)
+            status, body = fetch(self._target + "/v1/models", MAX_SMALL_BYTES)
             entry = json.loads(body)["data"][0] if status == 200 else {}
             model = entry.get("id")
             self.model = model if isinstance(model, str) and len(model) <= 256 else None
@@ -336,7 +335,7 @@ class RemoteServer:
         return built
 
     def chat_view(self) -> ChatView:
-        return ChatView(None, False, figures.placeholder_figure(f"Your request in the KV pool: {NOT_REMOTE}"),
+        return ChatView(None, figures.placeholder_figure(f"Your request in the KV pool: {NOT_REMOTE}"),
                         f"The chat goes to {plain(self.url + '/v1/chat/completions')}.")
 
     # ---- chat ----------------------------------------------------------------------------------------------
@@ -356,7 +355,7 @@ class RemoteServer:
         start, first, usage, reply = time.perf_counter(), None, None, ""
         try:
             with httpx.stream("POST", self._target + "/v1/chat/completions", json=body,
-                              timeout=httpx.Timeout(600.0, connect=self.timeout_s)) as response:
+                              timeout=httpx.Timeout(600.0, connect=DEADLINE_S)) as response:
                 if response.status_code != 200:
                     busy = response.status_code == 429
                     note = "the server is busy, retry in a moment" if busy else "the remote server refused it"

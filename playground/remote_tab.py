@@ -38,10 +38,8 @@ def build_remote_tab(pg: Playground | Watcher, serialised: Callable[[dict | None
             detach = gr.Button("Detach", scale=1, min_width=80)
         note = gr.Markdown()
 
-    def attach_to(address: str) -> str:
-        return pg.attach(address)
-    attach.click(attach_to, url, note, api_name="attach")
-    url.submit(attach_to, url, note, api_visibility="private")
+    attach.click(pg.attach, url, note, api_name="attach")
+    url.submit(pg.attach, url, note, api_visibility="private")
     detach.click(pg.detach, None, note, api_name="detach")
     @audience
     def on_load() -> tuple:

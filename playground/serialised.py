@@ -2,7 +2,7 @@
 
 Every open tab's timer asks for the same cached specs each second; gradio would otherwise turn each into JSON
 again per tab. And a page is sent a figure only once (unless_sent): gradio's plot mounts a fresh plotly chart for
-every value it is sent, so under load a page on the Chat tab redrew the hidden dashboard's charts 3-5 times a
+every value it is sent, so under load a page on the Chat tab redrew the hidden dashboard's charts several times a
 second (docs/measurements.md, "What one open page costs its browser"). This is the one playground module that
 knows gradio's plot payload.
 """

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 MAX_DECODES_SHOWN = 16  # a batch of 64 decodes would bury the rest of the description
 
 
-def plural(count: int, word: str, many: str | None = None) -> str:
-    """'1 token', '2 tokens' ('many' for irregular plurals)."""
-    return f"{count} {word if count == 1 else many or word + 's'}"
+def plural(count: int, word: str) -> str:
+    """'1 token', '2 tokens'."""
+    return f"{count} {word if count == 1 else word + 's'}"
 
 
 def token_text(tokenizer, token_ids: Sequence[int]) -> str:

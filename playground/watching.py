@@ -123,7 +123,3 @@ class Watcher(Watching, ChatHandlers):
 
     def dashboard(self) -> DashboardFigures:
         return self.remote.figures()
-
-    def _chat(self, message, history, temperature, max_tokens, session, priority=0):  # ChatHandlers' local path:
-        # never here
-        raise AssertionError("a watch-only page always has a remote server")

@@ -23,11 +23,13 @@ class DashboardFigures:
     memory: dict  # plotly figure spec
 
 
+CHARTS = ("blocks", "queues", "prefix", "throughput", "memory")  # its figures, in the order the page refreshes them
+
+
 @dataclass
 class ChatView:
     """What a chat tab shows beside its conversation while its reply streams."""
     request_id: str | None
-    live: bool  # the request still streams (it may not be in the snapshot yet)
     blocks: dict  # plotly figure spec: the block table with this request highlighted
     summary: str  # markdown: running / waiting / tokens/s, as of the same snapshot
     # the request is still in the snapshot drawn (figures are rebuilt at most once a second, so the view drawn just
@@ -127,7 +129,7 @@ class FigureCache:
             if view is None:
                 source = self._source
                 view = self._views[key] = ChatView(
-                    request_id, live, figures.highlighted_block_figure(source, request_id, live, self._cells),
+                    request_id, figures.highlighted_block_figure(source, request_id, live, self._cells),
                     chat_summary(source, self._tokens_per_s, replaced_at), request_id in source.requests)
                 self.view_builds += 1
             return view

@@ -149,18 +149,13 @@ def block_table_figure(snap, cols: int | None = None, cells: list[dict] | None =
         rest = [c for rid in others for c in by_owner[rid]]
         colours = [owner_colour(c["owners"][0][0]) for c in rest]  # each still in its own colour
         data.append(_cells_trace(rest, f"{len(others)} other requests", colours, pitch))
-    for state, colour in (("free", FREE), ("cached-free", CACHED_FREE)):  # always in the legend, even when empty
-        data.append(_cells_trace([c for c in cells if c["state"] == state], state, colour, pitch))
+    data += _free_traces(cells, pitch)
     data.append(scatter(x=[None], y=[None], mode="markers", name="shared (number = ref count)", hoverinfo="skip",
                         marker=dict(symbol="square", color="white", line=dict(width=2, color="black"))))
-    rows = max(1, -(-len(cells) // cols))
-    top, bottom = 50, 90  # the title; the legend (3-4 lines of fixed-width entries at most, see LEGEND_OWNERS)
-    return figure(data, height=round(pitch * rows) + top + bottom, margin=dict(l=10, r=10, t=top, b=bottom),
-                  legend=dict(orientation="h", x=0, y=0, yanchor="top", entrywidth=170, itemsizing="constant"),
-                  title=f"KV pool: {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks used, "
-                        f"{snap.kv_blocks_cached_free} cached-free (block = {snap.block_size} tokens)",
-                  xaxis=dict(visible=False, range=[-0.6, cols - 0.4], fixedrange=True),
-                  yaxis=dict(visible=False, range=[rows - 0.5, -0.5], fixedrange=True))
+    # below the grid, the legend: 3-4 lines of fixed-width entries at most (LEGEND_OWNERS)
+    return _grid_figure(data, len(cells), cols, pitch, 90, 170,
+                        f"KV pool: {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks used, "
+                        f"{snap.kv_blocks_cached_free} cached-free (block = {snap.block_size} tokens)")
 
 
 def highlighted_block_figure(snap, request_id: str | None, live: bool = False, cells: list[dict] | None = None) -> dict:
@@ -179,19 +174,28 @@ def highlighted_block_figure(snap, request_id: str | None, live: bool = False, c
         dim = DIMMED_OPACITY if mine else 1.0
         trace["marker"]["opacity"] = [o * dim for o in trace["marker"]["opacity"]]
         data.append(trace)
-    for state, colour in (("free", FREE), ("cached-free", CACHED_FREE)):
-        data.append(_cells_trace([c for c in cells if c["state"] == state], state, colour, pitch))
+    data += _free_traces(cells, pitch)
     if request_id is not None:  # drawn last: on top of the others, with a thick outline
         trace = _cells_trace(mine, f"your request {request_id}", owner_colour(request_id), pitch)
         trace["marker"]["line"] = dict(width=2.5 if pitch >= 12 else 1.5, color="black")
         trace["marker"]["size"] = max(5, round(pitch * 0.9))  # a little larger than the others: it stands out
         data.append(trace)
-    rows = max(1, -(-len(cells) // cols))
-    top, bottom = 50, 60  # the title; two rows of legend
-    return figure(data, height=round(pitch * rows) + top + bottom, margin=dict(l=10, r=10, t=top, b=bottom),
-                  legend=dict(orientation="h", x=0, y=0, yanchor="top", entrywidth=140, itemsizing="constant"),
-                  title=_highlight_title(snap, request_id, live, len(mine)),
-                  xaxis=dict(visible=False, range=[-0.6, cols - 0.4], fixedrange=True),
+    return _grid_figure(data, len(cells), cols, pitch, 60, 140, _highlight_title(snap, request_id, live, len(mine)))
+
+
+def _free_traces(cells: list[dict], pitch: float) -> list[dict]:
+    """The free and cached-free blocks: always in the legend, even when there are none."""
+    return [_cells_trace([c for c in cells if c["state"] == state], state, colour, pitch)
+            for state, colour in (("free", FREE), ("cached-free", CACHED_FREE))]
+
+
+def _grid_figure(data: list[dict], num_blocks: int, cols: int, pitch: float, legend_px: int, entry_px: int,
+                 title: str) -> dict:
+    """A block grid `pitch` pixels a row, its title above it and `legend_px` of legend below it."""
+    rows, top = max(1, -(-num_blocks // cols)), 50
+    return figure(data, height=round(pitch * rows) + top + legend_px, margin=dict(l=10, r=10, t=top, b=legend_px),
+                  legend=dict(orientation="h", x=0, y=0, yanchor="top", entrywidth=entry_px, itemsizing="constant"),
+                  title=title, xaxis=dict(visible=False, range=[-0.6, cols - 0.4], fixedrange=True),
                   yaxis=dict(visible=False, range=[rows - 0.5, -0.5], fixedrange=True))
 
 
