@@ -66,6 +66,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--one-page", action="store_true", help="one attendee's page, the TTFT part only")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--replies", type=int, default=3, help="replies timed each side, idle and with the users "
+                        "(a median of 3 moves a lot from run to run; the tables in docs/measurements.md say which)")
     args = parser.parse_args()
 
     from playwright.sync_api import sync_playwright
@@ -102,7 +104,7 @@ def main() -> int:
                 page.get_by_text("Watch an LLM inference engine work").wait_for(timeout=120_000)
                 pages.append(page)
             person = pages[0] if args.one_page else pages[1]
-            idle = [ttft(person, f"Name a colour, one word. ({i})") for i in range(3)]
+            idle = [ttft(person, f"Name a colour, one word. ({i})") for i in range(args.replies)]
             if not args.one_page:
                 presenter, attendees = pages[0], pages[1:]
                 presenter.get_by_text("Presenter", exact=True).first.click()
@@ -145,7 +147,7 @@ def main() -> int:
             assert why == "", why
             time.sleep(10)
             cpu0, own0, wall0 = chromium_cpu_s(), time.process_time(), time.monotonic()
-            busy = [ttft(person, f"Name an animal, one word. ({i})") for i in range(3)]
+            busy = [ttft(person, f"Name an animal, one word. ({i})") for i in range(args.replies)]
             wall = time.monotonic() - wall0
             print(f"meanwhile, of the machine's {os.cpu_count()} cores: Chromium used "
                   f"{(chromium_cpu_s() - cpu0) / wall:.2f}, the app's process (engine and server) "
