@@ -33,12 +33,16 @@ def result(tiny_llm):
 def test_the_machine_is_measured_on_the_engines_threads(result):
     m = result.machine
     assert m.threads == torch.get_num_threads() and m.cores >= 1 and m.cpu
-    assert set(m.read_gb_s) == {"fp32 sum", "bf16 sum", "fp32 matrix-vector"}
+    assert set(m.read_gb_s) - {"fp32 sum", "bf16 sum", "fp32 matrix-vector"} == {
+        f"fp32 matrix-vector by the engine's {rf.Linear(torch.ones(2, 2)).choice.kernel}"} and len(m.read_gb_s) == 4
     assert all(len(runs) == TINY.repeats and min(runs) > 0 for runs in m.read_gb_s.values())
     assert m.bandwidth == max(max(runs) for runs in m.read_gb_s.values()) * 1e9 > 0
     assert m.read_bytes == TINY.read_bytes  # a whole number of the matrix-vector read's rows
-    assert len(m.fp32_gflops) == len(m.bf16_gflops) == TINY.repeats and min(m.fp32_gflops + m.bf16_gflops) > 0
-    assert m.peak_flops("bf16") == max(m.bf16_gflops) * 1e9 and m.peak_flops("fp32") == max(m.fp32_gflops) * 1e9
+    # each precision by torch.mm and by the engine's own kernel; the peak is the better of the two
+    assert len(m.gemm_gflops) == 4 and all(len(r) == TINY.repeats and min(r) > 0 for r in m.gemm_gflops.values())
+    for p in ("fp32", "bf16"):
+        runs = [r for name, r in m.gemm_gflops.items() if name.startswith(p)]
+        assert len(runs) == 2 and m.peak_flops(p) == max(max(runs[0]), max(runs[1])) * 1e9
 
 
 def test_the_read_buffer_outgrows_the_cache():
@@ -113,7 +117,9 @@ def test_the_floors_are_bytes_over_bandwidth_and_flops_over_peak(result):
 def test_the_report_has_the_machine_and_both_floors(result):
     report = rf.roofline_report(result)
     machine, one, many = report.tables.values()
-    assert len(machine) == 5 and all("GB/s" in row["best"] for row in machine[:3])
+    # four reads, then two GEMMs (torch.mm and the engine's own kernel) in each of fp32 and bf16
+    assert len(machine) == 8 and all("GB/s" in row["best"] for row in machine[:4])
+    assert all("GFLOP/s" in row["best"] and "GEMM" in row["measure"] for row in machine[4:])
     assert [row["spec"] for row in one] == [row["spec"] for row in many] == list(rf.SPECS)
     assert {"weights MB a step", "floor ms", "measured / floor"} <= set(one[0])
     assert {"compute floor ms", "peak", "measured / compute floor"} <= set(many[0])

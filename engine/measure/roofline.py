@@ -22,6 +22,7 @@ from ..config import WEIGHT_FIELDS
 from ..llm import LLM, engine_for, warm_up
 from ..memory import available_bytes
 from ..quant.kernels import cpu_features, cpu_name, isa
+from ..quant.linear import Linear
 from ..threads import usable_cores
 from ..utils import cdiv
 from .precision import load_each
@@ -59,8 +60,7 @@ class Machine:
     read_bytes: int  # the buffer read
     read_gb_s: dict[str, list[float]]  # each read (read_bandwidth) -> GB/s, one per repeat
     gemm_n: int
-    fp32_gflops: list[float]
-    bf16_gflops: list[float]
+    gemm_gflops: dict[str, list[float]]  # "fp32 by torch.mm", "fp32 by the engine's kernel", ... -> one per repeat
 
     @property
     def bandwidth(self) -> float:
@@ -69,7 +69,8 @@ class Machine:
         return max(max(runs) for runs in self.read_gb_s.values()) * 1e9
 
     def peak_flops(self, precision: str) -> float:
-        return max(self.bf16_gflops if precision == "bf16" else self.fp32_gflops) * 1e9
+        """The best rate either kernel reached in `precision` ("fp32" or "bf16")."""
+        return max(max(runs) for name, runs in self.gemm_gflops.items() if name.startswith(precision)) * 1e9
 
 
 @dataclass
@@ -135,15 +136,18 @@ GEMV_COLS = 4096  # the read buffer as a [rows, 4096] fp32 matrix for the matrix
 
 
 def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, list[float]]:
-    """GB/s of reading a buffer of about nbytes whole, one per repeat, by each of three reads on torch's threads:
-    a float32 sum, a bf16 sum (the same bytes), and a float32 matrix-vector product (what a batch-1 projection
-    does). Each touches every byte once; no one of them is fastest on every machine (or every minute of a shared
-    one), so the machine's bandwidth is the best of all. Each page is touched before any timing."""
+    """GB/s of reading a buffer of about nbytes whole, one per repeat, by each of four reads on the engine's
+    threads: a float32 sum, a bf16 sum (the same bytes), a float32 matrix-vector product by torch and one by the
+    engine's own fp32 kernel (what a batch-1 projection does; over a packed copy). Each touches every byte once; no
+    one of them is fastest on every machine (or every minute of a shared one), so the machine's bandwidth is the
+    best of all. Each page is touched before any timing."""
     buffer = torch.empty(max(1, nbytes // (4 * GEMV_COLS)) * GEMV_COLS, dtype=torch.float32)
     buffer.fill_(1.0)  # as bf16: pairs of 0 and 1, finite
     ones = torch.ones(GEMV_COLS)
+    own = Linear(buffer.view(-1, GEMV_COLS))
     reads = {"fp32 sum": buffer.sum, "bf16 sum": buffer.view(torch.bfloat16).sum,
-             "fp32 matrix-vector": lambda: torch.mv(buffer.view(-1, GEMV_COLS), ones)}
+             "fp32 matrix-vector": lambda: torch.mv(buffer.view(-1, GEMV_COLS), ones),
+             f"fp32 matrix-vector by the engine's {own.choice.kernel}": lambda: own(ones[None])}
     out: dict[str, list[float]] = {name: [] for name in reads}
     for read in reads.values():  # untimed: each call's first-time costs
         read()
@@ -155,16 +159,21 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, list[float]]:
     return out
 
 
-def gemm_rate(n: int, dtype: torch.dtype, repeats: int = 3) -> list[float]:
-    """GFLOP/s of an n x n x n matmul in dtype (2 n^3 flops), one per repeat."""
+def gemm_rate(n: int, dtype: torch.dtype, repeats: int = 3) -> dict[str, list[float]]:
+    """GFLOP/s of an n x n x n matmul in dtype (2 n^3 flops), one per repeat, by torch.mm and by the kernel the
+    engine's projections use for dtype: the peak is the better of them (torch's may not be the machine's best)."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
-    torch.mm(a, b)  # untimed: oneDNN's first call picks and builds its kernel
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        out.append(2 * n**3 / (time.perf_counter() - start) / 1e9)
+    own = Linear(b)
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    out: dict[str, list[float]] = {}
+    for label, mm in ((f"{name} by torch.mm", lambda: torch.mm(a, b)),
+                      (f"{name} by the engine's {own.choice.kernel}", lambda: own(a))):
+        mm()  # untimed: oneDNN's first call picks and builds its kernel
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mm()
+            out.setdefault(label, []).append(2 * n**3 / (time.perf_counter() - start) / 1e9)
     return out
 
 
@@ -176,8 +185,8 @@ def measure_machine(read_bytes: int | None = None, gemm_n: int = 2048, repeats: 
     return Machine(cpu=f"{cpu_name()} ({', '.join([isa(flags), *extras])})", threads=torch.get_num_threads(),
                    cores=usable_cores(), llc_bytes=llc, read_bytes=read_bytes,
                    read_gb_s=read_bandwidth(read_bytes, repeats), gemm_n=gemm_n,
-                   fp32_gflops=gemm_rate(gemm_n, torch.float32, repeats),
-                   bf16_gflops=gemm_rate(gemm_n, torch.bfloat16, repeats))
+                   gemm_gflops={**gemm_rate(gemm_n, torch.float32, repeats),
+                                **gemm_rate(gemm_n, torch.bfloat16, repeats)})
 
 
 # ---- what a decode step reads and computes -----------------------------------------------------------------
@@ -277,10 +286,8 @@ def roofline_report(result: Roofline) -> Report:
     report.tables["this machine (best of each)"] = [
         *({"measure": f"read bandwidth: {name} over {m.read_bytes / 2**20:.0f} MiB (last-level cache {llc})",
            "best": f"{max(runs):.1f} GB/s", "runs": rounds_text(runs, 1)} for name, runs in m.read_gb_s.items()),
-        {"measure": f"fp32 GEMM, {m.gemm_n} x {m.gemm_n} x {m.gemm_n}", "best": f"{max(m.fp32_gflops):.0f} GFLOP/s",
-         "runs": rounds_text(m.fp32_gflops, 0)},
-        {"measure": f"bf16 GEMM, {m.gemm_n} x {m.gemm_n} x {m.gemm_n}", "best": f"{max(m.bf16_gflops):.0f} GFLOP/s",
-         "runs": rounds_text(m.bf16_gflops, 0)}]
+        *({"measure": f"{name.replace(' by', f' GEMM, {m.gemm_n} x {m.gemm_n} x {m.gemm_n}, by')}",
+           "best": f"{max(runs):.0f} GFLOP/s", "runs": rounds_text(runs, 0)} for name, runs in m.gemm_gflops.items())]
     report.tables["batch 1: ms a token against the bandwidth floor"] = [
         {"spec": r.spec, "precision": r.precision, "weights MB a step": r.weight_bytes / 1e6,
          "K, V and embedding MB": r.row_bytes / 1e6, "floor ms": r.bandwidth_floor_ms,
