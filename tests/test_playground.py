@@ -29,10 +29,13 @@ def pg(tiny_models, tmp_path_factory):
     playground.service.shutdown()
 
 
-def test_chat_streams_a_reply_with_its_stats(pg):
+def test_chat_streams_a_reply_with_its_stats(pg, monkeypatch):
+    # streamed as the tokens come: several updates. Tokens made within one frame (FRAME_S) go out together, and a
+    # fast CPU makes this tiny model's 12 tokens within one, so each step here takes at least half a frame
+    from playground.chat import FRAME_S
+    engine, step = pg.service.engine, pg.service.engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(FRAME_S / 2), step())[1])
     updates = list(pg.chat("Hello there", [], temperature=0.0, max_tokens=12))
-    # streamed as the tokens come: several updates (tokens made between two reads of the stream arrive together,
-    # so how many depends on the machine's speed, not a fixed one per token)
     assert len(updates) >= 3
     history, stats = updates[-1]
     assert history[0] == {"role": "user", "content": "Hello there"}
