@@ -60,7 +60,7 @@ class Machine:
     read_bytes: int  # the buffer read
     read_gb_s: dict[str, list[float]]  # each read (read_bandwidth) -> GB/s, one per repeat
     gemm_n: int
-    gemm_gflops: dict[str, list[float]]  # "fp32 by torch.mm", "fp32 by the engine's kernel", ... -> one per repeat
+    gemm_gflops: dict[str, list[float]]  # "fp32 GEMM by torch.mm", "fp32 GEMM by the engine's ...", ... -> per repeat
 
     @property
     def bandwidth(self) -> float:
@@ -167,8 +167,8 @@ def gemm_rate(n: int, dtype: torch.dtype, repeats: int = 3) -> dict[str, list[fl
     own = Linear(b)
     name = "fp32" if dtype == torch.float32 else "bf16"
     out: dict[str, list[float]] = {}
-    for label, mm in ((f"{name} by torch.mm", lambda: torch.mm(a, b)),
-                      (f"{name} by the engine's {own.choice.kernel}", lambda: own(a))):
+    for label, mm in ((f"{name} GEMM by torch.mm", lambda: torch.mm(a, b)),
+                      (f"{name} GEMM by the engine's {own.choice.kernel}", lambda: own(a))):
         mm()  # untimed: oneDNN's first call picks and builds its kernel
         for _ in range(repeats):
             start = time.perf_counter()
@@ -286,7 +286,7 @@ def roofline_report(result: Roofline) -> Report:
     report.tables["this machine (best of each)"] = [
         *({"measure": f"read bandwidth: {name} over {m.read_bytes / 2**20:.0f} MiB (last-level cache {llc})",
            "best": f"{max(runs):.1f} GB/s", "runs": rounds_text(runs, 1)} for name, runs in m.read_gb_s.items()),
-        *({"measure": f"{name.replace(' by', f' GEMM, {m.gemm_n} x {m.gemm_n} x {m.gemm_n}, by')}",
+        *({"measure": f"{name}, {m.gemm_n} x {m.gemm_n} x {m.gemm_n}",
            "best": f"{max(runs):.0f} GFLOP/s", "runs": rounds_text(runs, 0)} for name, runs in m.gemm_gflops.items())]
     report.tables["batch 1: ms a token against the bandwidth floor"] = [
         {"spec": r.spec, "precision": r.precision, "weights MB a step": r.weight_bytes / 1e6,
