@@ -23,15 +23,7 @@ trap 'stop_busy; stop_server' EXIT; trap 'exit 130' INT TERM
 # Linux's autogroup sharing the CPU between sessions before threads
 set -m
 
-start() {  # LABEL -> a server on 127.0.0.1:$port answering to the name "smollm2"
-  case $1 in
-    engine) cd "$engine" && GRADIO_SERVER_PORT=$port exec "${PYTHON:-python3}" app.py --served-model-name smollm2 \
-              --set max_num_seqs=32 --set "dtype=$dtype" ;;
-    vllm) VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 exec "$venv/bin/vllm" serve "$model" --port $port \
-            --host 127.0.0.1 --dtype "$dtype" --served-model-name smollm2 ;;
-    vllm-2cores) VLLM_CPU_OMP_THREADS_BIND=0-1 start vllm ;;
-  esac
-}
+source "$(dirname "$0")/peer_servers.sh"  # start LABEL PORT
 bench() {  # OUT.json CONCURRENCY PROMPTS SEED
   timeout "${TIMEOUT:-600}" "$venv/bin/vllm" bench serve --backend openai --endpoint /v1/completions \
     --base-url http://127.0.0.1:$port --model smollm2 --tokenizer "$model" --dataset-name random \
@@ -41,7 +33,7 @@ bench() {  # OUT.json CONCURRENCY PROMPTS SEED
 }
 
 for s in $servers; do
-  start "$s" > "$out/$s-server.log" 2>&1 & group=$!
+  start "$s" "$port" > "$out/$s-server.log" 2>&1 & group=$!
   for _ in $(seq 300); do curl -sf http://127.0.0.1:$port/v1/models > /dev/null && break; sleep 2; done
   bench "$s-warmup.json" 8 16 "$RANDOM" || echo "$s: warm-up failed (see $out/$s-server.log)"
   for r in $(seq "$rounds"); do for k in $ks; do

@@ -21,15 +21,7 @@ stop_all() { local x g; for x in "${servers[@]}"; do g=${group[$x]}; [ -n "$g" ]
 trap stop_all EXIT; trap 'exit 130' INT TERM
 set -m  # job control: each server its own process group, to pause and stop it whole (in this session's autogroup)
 
-start() {  # LABEL PORT
-  case $1 in
-    engine) cd "$engine" && GRADIO_SERVER_PORT=$2 exec "${PYTHON:-python3}" app.py --served-model-name smollm2 \
-              --set max_num_seqs=32 --set "dtype=$dtype" ;;
-    vllm) VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 exec "$venv/bin/vllm" serve "$model" --port "$2" \
-            --host 127.0.0.1 --dtype "$dtype" --served-model-name smollm2 ;;
-    vllm-2cores) VLLM_CPU_OMP_THREADS_BIND=0-1 start vllm "$2" ;;
-  esac
-}
+source "$(dirname "$0")/peer_servers.sh"  # start LABEL PORT
 bench() {  # SERVER OUT.json CONCURRENCY TEMPERATURE SEED [OUTPUT_LEN]
   local c=$3; timeout "${TIMEOUT:-600}" "$venv/bin/vllm" bench serve --backend openai --endpoint /v1/completions \
     --base-url "http://127.0.0.1:${pport[$1]}" --model smollm2 --tokenizer "$model" --dataset-name random \
