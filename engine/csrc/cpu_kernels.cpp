@@ -1480,15 +1480,42 @@ inline void dense_prefetch(const T* w, int64_t steps, int64_t step) {
     _mm_prefetch(reinterpret_cast<const char*>(w + (j * steps + step + kDensePrefetch) * kVector), _MM_HINT_T0);
 }
 
+// A row tile after a group's first computes from weights the first left in the cache, while the memory idles: it
+// fetches a slice of the group that comes next (Ahead) into the cache meanwhile, spread over its steps, so that
+// group's first tile does not wait on memory either. Measured with 32 rows (a batch-32 decode step's projections,
+// docs/measurements.md "Against the machine's limits").
+constexpr int64_t kAheadTiles = 8;  // the most row tiles a call fetches ahead in (64 rows)
+
+struct Ahead {
+  const char* lines = nullptr;  // the slice's first cache line; nullptr: none
+  int64_t count = 0;            // its lines
+};
+
+// the lines of `ahead` due by the end of step `step` of `steps`, one prefetch each, as the steps go
+struct AheadCursor {
+  Ahead ahead;
+  int64_t steps, owed = 0, next = 0;
+  inline void at_step() {
+    if (ahead.lines == nullptr) return;
+    for (owed += ahead.count; owed >= steps && next < ahead.count; owed -= steps, ++next)
+      _mm_prefetch(ahead.lines + next * 64, _MM_HINT_T1);
+  }
+};
+
 template <int MB, int NB>
 void dense_tile_f32(const float* x, int64_t ldx, const float* w, int64_t k_len, float* y, int64_t ldy,
-                    __mmask16 last) {
+                    __mmask16 last, Ahead ahead) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  AheadCursor next{ahead, k_len};
   for (int64_t k = 0; k < k_len; ++k) {
     __m512 wv[NB];
-    if constexpr (MB > 1) dense_prefetch<NB>(w, k_len, k);
+    if (ahead.lines != nullptr) {
+      next.at_step();
+    } else if constexpr (MB > 1) {
+      dense_prefetch<NB>(w, k_len, k);
+    }
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + (j * k_len + k) * kDenseBlock);
     for (int i = 0; i < MB; ++i) {
       const __m512 xb = _mm512_set1_ps(x[i * ldx + k]);
@@ -1504,14 +1531,19 @@ void dense_tile_f32(const float* x, int64_t ldx, const float* w, int64_t k_len, 
 #if defined(__AVX512BF16__)
 template <int MB, int NB>
 void dense_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t k_len, c10::BFloat16* y,
-                     int64_t ldy, __mmask16 last) {
+                     int64_t ldy, __mmask16 last, Ahead ahead) {
   const int64_t pairs = (k_len + 1) / 2, whole = k_len / 2;
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  AheadCursor next{ahead, pairs};
   auto step = [&](int64_t p, const int32_t* xs) {
     __m512i wv[NB];
-    if constexpr (MB > 1) dense_prefetch<NB>(w, pairs, p);
+    if (ahead.lines != nullptr) {
+      next.at_step();
+    } else if constexpr (MB > 1) {
+      dense_prefetch<NB>(w, pairs, p);
+    }
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + (j * pairs + p) * 2 * kDenseBlock);
     for (int i = 0; i < MB; ++i) {
       const __m512i xb = _mm512_set1_epi32(xs[i]);
@@ -1686,15 +1718,22 @@ void dense_rows(int64_t m, F&& tile) {
   }
 }
 
-// groups [0, groups) run by the pool's threads, `chunk` groups a claim: about 8 claims a thread, so a thread the OS
-// stops mid-claim leaves the caller little to wait for
+// groups [0, groups) run by the pool's threads, `chunk` groups a claim: about `claims` claims a thread, so a thread
+// the OS stops mid-claim leaves the caller little to wait for. run(g, more): `more` when the same thread runs g + 1
+// next (in the same claim)
+template <typename F>
+void dense_claims(int64_t groups, int64_t claims, F&& run) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool::threads_for_call(), groups));
+  const int64_t chunk = std::max<int64_t>(1, groups / (threads * claims));
+  pool::parallel_for(0, groups, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) run(g, g + 1 < end);
+  });
+}
+
+// dense_claims with about 8 claims a thread, each group on its own
 template <typename F>
 void dense_groups(int64_t groups, F&& run) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool::threads_for_call(), groups));
-  const int64_t chunk = std::max<int64_t>(1, groups / (threads * 8));
-  pool::parallel_for(0, groups, chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) run(g);
-  });
+  dense_claims(groups, 8, [&](int64_t g, bool) { run(g); });
 }
 
 template <typename T, int NB>
@@ -1702,21 +1741,34 @@ void dense_matmul_nb(const T* xp, int64_t ldx, const T* wp, int64_t m, int64_t k
   const int64_t blocks = (n + kDenseBlock - 1) / kDenseBlock, groups = (blocks + NB - 1) / NB;
   const int64_t block_elems = std::is_same<T, float>::value ? k_len * kDenseBlock : (k_len + 1) / 2 * 2 * kDenseBlock;
   const __mmask16 tail = n % kDenseBlock ? __mmask16((1u << (n % kDenseBlock)) - 1) : __mmask16(0xFFFF);
-  dense_groups(groups, [&](int64_t g) {
+  // with 2-8 row tiles (a decode step's batch), the later tiles fetch the next group ahead (Ahead): fewer, longer
+  // claims then, so most groups have their next in the same claim. With more (a prefill's), the first tile's wait
+  // is a small part of a group's time, and the engine's prefill steps measured no faster
+  const int64_t tiles = (m + kDenseRows - 1) / kDenseRows;
+  const bool fetch_ahead = tiles > 1 && tiles <= kAheadTiles;
+  dense_claims(groups, fetch_ahead ? 2 : 8, [&](int64_t g, bool more) {
     const int64_t first = g * NB, count = std::min<int64_t>(NB, blocks - first);
     const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
     const T* w = wp + first * block_elems;
     T* y = yp + first * kDenseBlock;
+    const int64_t next_lines = fetch_ahead && more ? std::min<int64_t>(NB, blocks - first - NB) * block_elems * sizeof(T) / 64 : 0;
+    const char* next = reinterpret_cast<const char*>(w + count * block_elems);
     auto with = [&](auto nb) {
       dense_rows<decltype(nb)::value>(m, [&](auto mb, int64_t i) {
         constexpr int MB = decltype(mb)::value, B = decltype(nb)::value;
+        Ahead ahead;  // tile t of the later ones: its share of the next group's lines
+        if (i > 0 && next_lines > 0) {
+          const int64_t t = i / kDenseRows - 1, later = tiles - 1;
+          const int64_t lo = next_lines * t / later, hi = next_lines * (t + 1) / later;
+          ahead = Ahead{next + lo * 64, hi - lo};
+        }
         if constexpr (std::is_same<T, float>::value) {
 #if defined(__AVX512F__)
-          dense_tile_f32<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last);
+          dense_tile_f32<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
 #endif
         } else {
 #if defined(__AVX512BF16__)
-          dense_tile_bf16<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last);
+          dense_tile_bf16<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
 #endif
         }
       });
