@@ -1502,7 +1502,7 @@ struct AheadCursor {
   }
 };
 
-template <int MB, int NB>
+template <int MB, int NB, bool AHEAD = false>
 void dense_tile_f32(const float* x, int64_t ldx, const float* w, int64_t k_len, float* y, int64_t ldy,
                     __mmask16 last, Ahead ahead) {
   __m512 acc[MB][NB];
@@ -1511,7 +1511,7 @@ void dense_tile_f32(const float* x, int64_t ldx, const float* w, int64_t k_len, 
   AheadCursor next{ahead, k_len};
   for (int64_t k = 0; k < k_len; ++k) {
     __m512 wv[NB];
-    if (ahead.lines != nullptr) {
+    if constexpr (AHEAD) {
       next.at_step();
     } else if constexpr (MB > 1) {
       dense_prefetch<NB>(w, k_len, k);
@@ -1529,7 +1529,7 @@ void dense_tile_f32(const float* x, int64_t ldx, const float* w, int64_t k_len, 
 #endif
 
 #if defined(__AVX512BF16__)
-template <int MB, int NB>
+template <int MB, int NB, bool AHEAD = false>
 void dense_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t k_len, c10::BFloat16* y,
                      int64_t ldy, __mmask16 last, Ahead ahead) {
   const int64_t pairs = (k_len + 1) / 2, whole = k_len / 2;
@@ -1539,7 +1539,7 @@ void dense_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w
   AheadCursor next{ahead, pairs};
   auto step = [&](int64_t p, const int32_t* xs) {
     __m512i wv[NB];
-    if (ahead.lines != nullptr) {
+    if constexpr (AHEAD) {
       next.at_step();
     } else if constexpr (MB > 1) {
       dense_prefetch<NB>(w, pairs, p);
@@ -1762,13 +1762,22 @@ void dense_matmul_nb(const T* xp, int64_t ldx, const T* wp, int64_t m, int64_t k
           const int64_t lo = next_lines * t / later, hi = next_lines * (t + 1) / later;
           ahead = Ahead{next + lo * 64, hi - lo};
         }
+        // a tile of its own for fetching ahead: the plain one's loop stays as it was, its registers all its sums'
         if constexpr (std::is_same<T, float>::value) {
 #if defined(__AVX512F__)
-          dense_tile_f32<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
+          if (ahead.lines != nullptr) {
+            dense_tile_f32<MB, B, true>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
+          } else {
+            dense_tile_f32<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
+          }
 #endif
         } else {
 #if defined(__AVX512BF16__)
-          dense_tile_bf16<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
+          if (ahead.lines != nullptr) {
+            dense_tile_bf16<MB, B, true>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
+          } else {
+            dense_tile_bf16<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
+          }
 #endif
         }
       });
