@@ -1483,7 +1483,7 @@ inline void dense_prefetch(const T* w, int64_t steps, int64_t step) {
 // A row tile after a group's first computes from weights the first left in the cache, while the memory idles: it
 // fetches a slice of the group that comes next (Ahead) into the cache meanwhile, spread over its steps, so that
 // group's first tile does not wait on memory either. Measured with 32 rows (a batch-32 decode step's projections,
-// docs/measurements.md "Against the machine's limits").
+// docs/measurements.md, "The next weights fetched ahead, and this CPU's ceilings").
 constexpr int64_t kAheadTiles = 8;  // the most row tiles a call fetches ahead in (64 rows)
 
 struct Ahead {
