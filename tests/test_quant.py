@@ -313,7 +313,8 @@ DENSE_DTYPES = [pytest.param(d, marks=pytest.mark.skipif(not dense_built(d), rea
 @pytest.mark.usefixtures("two_threads")
 def test_the_dense_kernel_matches_float64_and_a_row_is_the_same_in_any_batch(dtype, m, k, n):
     """Odd K (a bf16 pair half zero), N off the 16-output blocks and off the 3- and 4-block groups, 70 rows across
-    the 8-row tiles, 33 rows over 14 groups (claims of several, the later tiles fetching the next group ahead): the product near float64's (bf16: its output rounding), each row bit for bit as alone."""
+    the 8-row tiles, 33 rows over 14 groups (claims of several, the later tiles fetching the next group ahead): the
+    product near float64's (bf16: its output rounding), each row bit for bit as alone."""
     ext = cpu_kernels.compiled()
     w, x = torch.randn(n, k).to(dtype), torch.randn(m, k).to(dtype)
     packed = ext.pack_dense(w)
