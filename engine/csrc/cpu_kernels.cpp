@@ -1491,12 +1491,12 @@ struct Ahead {
   int64_t count = 0;            // its lines
 };
 
-// the lines of `ahead` due by the end of step `step` of `steps`, one prefetch each, as the steps go
+// `ahead`'s lines spread evenly over a tile's `steps` steps: each step asks for the ones due by its end, a prefetch
+// a line
 struct AheadCursor {
   Ahead ahead;
   int64_t steps, owed = 0, next = 0;
   inline void at_step() {
-    if (ahead.lines == nullptr) return;
     for (owed += ahead.count; owed >= steps && next < ahead.count; owed -= steps, ++next)
       _mm_prefetch(ahead.lines + next * 64, _MM_HINT_T1);
   }
@@ -1751,7 +1751,8 @@ void dense_matmul_nb(const T* xp, int64_t ldx, const T* wp, int64_t m, int64_t k
     const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
     const T* w = wp + first * block_elems;
     T* y = yp + first * kDenseBlock;
-    const int64_t next_lines = fetch_ahead && more ? std::min<int64_t>(NB, blocks - first - NB) * block_elems * sizeof(T) / 64 : 0;
+    const int64_t next_blocks = fetch_ahead && more ? std::min<int64_t>(NB, blocks - first - NB) : 0;
+    const int64_t next_lines = next_blocks * block_elems * static_cast<int64_t>(sizeof(T)) / 64;  // whole lines
     const char* next = reinterpret_cast<const char*>(w + count * block_elems);
     auto with = [&](auto nb) {
       dense_rows<decltype(nb)::value>(m, [&](auto mb, int64_t i) {
