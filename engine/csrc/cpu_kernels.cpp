@@ -1763,23 +1763,23 @@ void dense_matmul_nb(const T* xp, int64_t ldx, const T* wp, int64_t m, int64_t k
           const int64_t lo = next_lines * t / later, hi = next_lines * (t + 1) / later;
           ahead = Ahead{next + lo * 64, hi - lo};
         }
-        // a tile of its own for fetching ahead: the plain one's loop stays as it was, its registers all its sums'
-        if constexpr (std::is_same<T, float>::value) {
+        auto tile = [&](auto fetch) {  // fetch: std::bool_constant, whether this tile fetches ahead
+          constexpr bool F = decltype(fetch)::value;
+          if constexpr (std::is_same<T, float>::value) {
 #if defined(__AVX512F__)
-          if (ahead.lines != nullptr) {
-            dense_tile_f32<MB, B, true>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
-          } else {
-            dense_tile_f32<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
-          }
+            dense_tile_f32<MB, B, F>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
 #endif
-        } else {
+          } else {
 #if defined(__AVX512BF16__)
-          if (ahead.lines != nullptr) {
-            dense_tile_bf16<MB, B, true>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
-          } else {
-            dense_tile_bf16<MB, B>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
-          }
+            dense_tile_bf16<MB, B, F>(xp + i * ldx, ldx, w, k_len, y + i * n, n, last, ahead);
 #endif
+          }
+        };
+        // a tile of its own for fetching ahead: the plain one's loop stays as it was, its registers all its sums'
+        if (ahead.lines != nullptr) {
+          tile(std::true_type{});
+        } else {
+          tile(std::false_type{});
         }
       });
     };
