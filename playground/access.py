@@ -1,18 +1,13 @@
 """Who may change the one shared engine: the presenter gate every page event passes through.
 
 Every Gradio event is callable by name (gradio_client, or a raw POST to the queue), so hiding a button protects
-nothing: `Access.guard(demo)` wraps every event function of the built page and refuses, on the server, each one
-not marked `audience` unless the visitor is the presenter. Default-deny: a handler added later is the presenter's
-until someone decides the audience may call it.
+nothing: `Access.guard(demo)` refuses, on the server, every event function not marked `audience` unless the
+visitor is the presenter. Default-deny: a handler added later is the presenter's until someone decides otherwise.
 
-Modes (`decide_mode`): "open" (a desk: loopback, no token, everyone is presenter, as before), "token" (the
-presenter is whoever entered the secret on the page, or sends it as the X-Presenter-Token header), "public"
-(no secret configured off loopback, with --share or on Spaces: nobody changes shared state).
-
-Who is asking is identity.py's to say (a server-issued visitor id, or the client's address behind trusted
-proxies); this file turns it into a role, the audience's fair shares (Seats) and a bound on what each visitor may
-have waiting in gradio's queue (QueueBound). Wrong token guesses, through any path, are slowed and locked out per
-source (identity.Guesses).
+Modes: "open" (a desk: loopback, no token, everyone is presenter), "token" (the presenter is whoever entered the
+secret on the page, or sends it as the X-Presenter-Token header), "public" (no secret off loopback, with --share
+or on Spaces: nobody changes shared state). Who is asking is identity.py's to say; this file turns it into a role,
+the audience's fair shares (Seats) and a bound on what each visitor may have in gradio's queue (QueueBound).
 """
 from __future__ import annotations
 
@@ -64,12 +59,11 @@ def on_spaces() -> bool:
 
 
 def space_owner() -> str | None:
-    """The Space's owner, as Spaces names it (SPACE_AUTHOR_NAME, or the first part of SPACE_ID)."""
     return os.environ.get("SPACE_AUTHOR_NAME") or (os.environ.get("SPACE_ID") or "").split("/")[0] or None
 
 
 def logged_in_as(request) -> str | None:
-    """The Hugging Face user logged in through gradio's OAuth (gr.LoginButton) behind a gr.Request, or None."""
+    """The Hugging Face user logged in through gradio's OAuth (gr.LoginButton), or None."""
     raw = getattr(request, "request", None)
     try:
         info = raw.session.get("oauth_info") if raw is not None else None
@@ -82,7 +76,6 @@ def logged_in_as(request) -> str | None:
 
 
 def decide_mode(server_name: str | None, share: bool, token: str | None, spaces: bool | None = None) -> str:
-    """token when a secret is given; open on a loopback address, without --share, off Spaces; public otherwise."""
     if token:
         return TOKEN
     spaces = on_spaces() if spaces is None else spaces
@@ -105,9 +98,7 @@ class Access:
     def __init__(self, mode: str = OPEN, token: str | None = None, owner: str | None = None,
                  proxies: Proxies | None = None, ids: VisitorIds | None = None,
                  guesses: Guesses | None = None) -> None:
-        """`owner`: a Hugging Face user who is the presenter once logged in (the Space's owner), or None.
-        `proxies`: which peers may say who their client is (default: none). `ids`: the visitor ids this server
-        issues; `guesses`: how wrong token guesses are slowed (defaults: identity.py's)."""
+        """`owner`: a Hugging Face user who is the presenter once logged in (the Space's owner), or None."""
         if mode not in (OPEN, TOKEN, PUBLIC):
             raise ValueError(f"access mode must be open, token or public, got {mode!r}")
         if mode == TOKEN and not token:
@@ -124,39 +115,36 @@ class Access:
 
     @classmethod
     def for_launch(cls, server_name: str | None, share: bool, token: str | None = None,
-                   owner_presents: bool | None = None, forwarded_allow_ips: str | None = None,
-                   ids: VisitorIds | None = None) -> Access:
+                   owner_presents: bool | None = None, forwarded_allow_ips: str | None = None) -> Access:
         token = token or os.environ.get(TOKEN_ENV) or None
         if owner_presents is None:
             owner_presents = os.environ.get(OWNER_ENV, "").strip().lower() in ("1", "true", "yes")
         owner = space_owner() if owner_presents and on_spaces() else None
         return cls(decide_mode(server_name, share, token), token, owner,
-                   Proxies.for_launch(forwarded_allow_ips, on_spaces()), ids)
+                   Proxies.for_launch(forwarded_allow_ips, on_spaces()))
 
     @property
     def shared(self) -> bool:
-        """Whether the engine is shared with an audience (token and public modes): shares and bounds apply."""
+        """Token and public modes: shares and bounds apply."""
         return self.mode != OPEN
 
     # ---- who is asking ---------------------------------------------------------------------------------------
     def who(self, request=None, session: str | None = None) -> Who:
-        """Who the server says sent `request` (a gr.Request or a Starlette request; None: the event's own):
-        its issued visitor id when its session holds one, else its address."""
+        """Who sent `request` (None: the event's own): its issued visitor id when its session holds one, else its
+        address."""
         request = request if request is not None else current_request()
         client = getattr(request, "client", None)
         address = self.proxies.address(getattr(client, "host", None), getattr(request, "headers", None))
         return self.ids.who(session if session is not None else getattr(request, "session_hash", None), address)
 
     def admit(self, presented, request=None) -> str | None:
-        """A page loaded: its visitor id (the one it kept, if this server signed it, or a new one). None when its
-        address has been issued too many lately: the page then counts as its address."""
+        """A page loaded: its visitor id (VisitorIds.admit)."""
         request = request if request is not None else current_request()
         who = self.who(request)
         return self.ids.admit(getattr(request, "session_hash", None), who.address, presented)
 
     def visitor(self, request=None) -> Visitor:
-        """The visitor behind `request` (a gr.Request; None: the event's own, from gradio's context). Decided once
-        per request: a wrong X-Presenter-Token counts as one guess, however often the event asks."""
+        """Decided once per request: a wrong X-Presenter-Token counts as one guess, however often the event asks."""
         request = request if request is not None else current_request()
         session = getattr(request, "session_hash", None)
         if self.mode == OPEN:
@@ -183,7 +171,7 @@ class Access:
         return visitor
 
     def _header_token(self, request, who: Who) -> tuple[bool, str]:
-        """Whether the call carries the right X-Presenter-Token: a guess like any other, slowed per source."""
+        """A header token is a guess like any other, slowed per source."""
         headers = getattr(request, "headers", None) or {}
         sent = headers.get(TOKEN_HEADER) if hasattr(headers, "get") else None
         if not sent:
@@ -203,8 +191,8 @@ class Access:
         return False, "That is not the presenter token."
 
     def api_share(self, request) -> Who | None:
-        """Who an API request's share is counted against, or None when it is uncapped: everyone at a desk (open
-        mode), and in token mode a request that sends the presenter token in the same header the page uses."""
+        """Who an API request's share is counted against, or None when it is uncapped: open mode, and in token mode
+        a request that sends the presenter token in the same header the page uses."""
         if self.mode == OPEN:
             return None
         who = self.who(request, session="")
@@ -241,7 +229,7 @@ class Access:
                 "change you make is shown to the room.")
 
     def forget(self, request=None) -> None:
-        """A tab closed: its session's visitor id goes, and with the last tab of a presenter, its rights."""
+        """A tab closed: its session's visitor id goes, and with a presenter's last tab, its rights."""
         request = request if request is not None else current_request()
         who = self.who(request)
         self.ids.forget(getattr(request, "session_hash", None))
@@ -260,7 +248,6 @@ class Access:
                 f"Space) or start it with --presenter-token (or the {TOKEN_ENV} secret).")
 
     def banner(self, visitor: Visitor) -> str:
-        """One line for the top of the page: the visitor's role and, when locked, how to unlock."""
         if self.mode == OPEN:
             return ""
         if visitor.presenter:
@@ -280,7 +267,7 @@ class Access:
 
     def gated(self, fn: Callable, what: str, refuse: Callable[[str], Exception]) -> Callable:
         """`fn` behind the presenter check, the same shape to gradio (signature, generator or not); a refusal is
-        raised as refuse(message) before fn runs, so nothing it would change is touched."""
+        raised before fn runs, so nothing it would change is touched."""
         def check() -> None:
             try:
                 self.require_presenter(what)
@@ -305,8 +292,7 @@ class Access:
         return wrapped
 
     def guard(self, demo, refuse: Callable[[str], Exception]) -> list[str]:
-        """Put every event function of `demo` not marked `audience` behind the presenter check. Returns the
-        names of the functions gated (the tests enumerate them)."""
+        """Every event function of `demo` not marked `audience` behind the presenter check; their names."""
         gated = []
         for block_fn in presenter_functions(demo):
             name = block_fn.api_name or block_fn.name or "fn"
@@ -316,8 +302,8 @@ class Access:
 
 
 def presenter_functions(demo) -> list:
-    """The event functions of a built gradio page that only the presenter may call: all but those marked
-    `audience` (and those with no server function: a JavaScript-only event, a Stop that only cancels)."""
+    """All but those marked `audience` (and those with no server function: a JavaScript-only event, a Stop that
+    only cancels)."""
     return [block_fn for block_fn in demo.fns.values()
             if block_fn.fn is not None and not getattr(block_fn.fn, "audience", False)
             and not getattr(block_fn.fn, "presenter_only", False)]
@@ -349,7 +335,6 @@ def _remember(request, visitor: Visitor) -> None:
 
 
 def current_request():
-    """The gr.Request of the event being handled (gradio keeps it in a context variable while an event runs)."""
     try:
         from gradio.context import LocalContext
     except ImportError:
@@ -358,10 +343,9 @@ def current_request():
 
 
 class Seats:
-    """Fair shares of the engine for the audience: at most `per_visitor` replies in flight per visitor, at most
+    """The audience's fair shares: at most `per_visitor` replies in flight per visitor (a Who), at most
     `per_address` from one address in all (a classroom behind one NAT shares it; 0: no such bound), and replies of
-    at most `max_tokens`. The presenter and a desk (open mode) are not limited. A visitor is a Who (identity.py):
-    an issued visitor id, or the address's unidentified calls, which share one visitor's share."""
+    at most `max_tokens`. The presenter and open mode are not limited."""
 
     def __init__(self, per_visitor: int = 2, max_tokens: int = 256, per_address: int = 16) -> None:
         if per_visitor < 1 or max_tokens < 1 or per_address < 0:
@@ -375,9 +359,9 @@ class Seats:
         self._lock = threading.Lock()
 
     def take(self, who: Who) -> int:
-        """One more reply for `who`; ValueError (said in the chat, a 429 on the API) past either share. Returns how
-        many its address already had on their way: the reply's priority (engine/policies.py), so the first reply
-        of an address is served before a flood's sixteenth."""
+        """One more reply for `who`; ValueError (a 429 on the API) past either share. Returns how many its address
+        already had on their way: the reply's priority (engine/policies.py), so an address's first reply is served
+        before a flood's sixteenth."""
         with self._lock:
             held = self._in_flight.get(who.key, 0)
             if held >= self.per_visitor:
@@ -402,7 +386,6 @@ class Seats:
                     table.pop(key, None)
 
     def in_flight(self, key: str) -> int:
-        """Replies in flight for a visitor's key (Who.key)."""
         with self._lock:
             return self._in_flight.get(key, 0)
 
@@ -412,10 +395,9 @@ class Seats:
 
 
 class QueueBound:
-    """What each visitor may have waiting or running in gradio's queue (every page event: chats and views alike),
-    and what one address may have in all; more are refused when they join, before anything else is spent on them.
-    gradio's own `max_size` bounds the room's queue as a whole. Page-load events are counted only against the
-    address (a room arriving behind one NAT loads its pages at once, before any has its visitor id)."""
+    """What each visitor, and each address in all, may have waiting or running in gradio's queue (its max_size
+    bounds the whole); more are refused when they join, before anything is spent on them. Page loads count only
+    against the address (a room behind one NAT loads its pages at once, before any has its visitor id)."""
 
     def __init__(self, access: Access, per_visitor: int = 8, per_address: int = 128) -> None:
         self.access, self.per_visitor, self.per_address = access, per_visitor, per_address
@@ -424,7 +406,7 @@ class QueueBound:
         self.refused = 0
 
     def install(self, demo) -> None:
-        """Wrap the built page's queue: its push is where every event joins (the page, gradio_client, /call)."""
+        """Wraps the queue's push: where every event joins (the page, gradio_client, /call)."""
         queue = demo._queue
         push = queue.push
         loads = {fn_id for fn_id, fn in demo.fns.items() if any(t[1] == "load" for t in fn.targets)}

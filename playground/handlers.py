@@ -177,4 +177,3 @@ class Playground(Watching, ChatHandlers, SettingsHandlers, MeasurementHandlers):
             self.service.pause()
         snap = self.service.step_once()
         return describe_step(snap, self.llm.tokenizer)
-

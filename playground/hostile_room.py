@@ -54,11 +54,12 @@ class Tally:
         return most
 
 
-def chat_ttft(session: Session, message: str, max_tokens: int = 16) -> tuple[float | None, str, float | None]:
+def chat_ttft(session: Session, message: str, max_tokens: int = 16,
+              temperature: float = 0.0) -> tuple[float | None, str, float | None]:
     """Send one chat from a page; (seconds to its first reply text or None, the reply, the engine's own TTFT from
     the reply's stats line: the rest of the page's wait is the server's delivery)."""
     start, first, text, stats = time.perf_counter(), None, "", ""
-    for outputs in session.stream("chat", [message, [], 0.0, max_tokens, None]):
+    for outputs in session.stream("chat", [message, [], temperature, max_tokens, None]):
         text = reply_text(outputs[0]) if outputs and outputs[0] else ""
         stats = outputs[1] if outputs and len(outputs) > 1 and isinstance(outputs[1], str) else stats
         if text and first is None:
@@ -93,18 +94,14 @@ def flood(url: str, ids: dict[str, int], tally: Tally, stop: threading.Event, ma
         try:
             if load:
                 session.load()
-            first = None
-            text = ""
-            for outputs in session.stream("chat", ["Write a long story about the sea.", [], 1.0, 256, None]):
-                text = reply_text(outputs[0]) if outputs and outputs[0] else ""
-                if text and first is None:
-                    first = time.perf_counter()
+            sent = time.perf_counter()
+            ttft, text, _ = chat_ttft(session, "Write a long story about the sea.", 256, temperature=1.0)
             if text.startswith("⚠️") and any(w in text for w in REFUSED_WORDS):
                 with tally.lock:
                     tally.refused_replies += 1
-            elif first is not None:
+            elif ttft is not None:
                 with tally.lock:
-                    tally.streaming.append((first, time.perf_counter()))
+                    tally.streaming.append((sent + ttft, time.perf_counter()))
             tally.status(200, time.perf_counter() - t0)
         except Exception as exc:  # a join refused (the queue's bound), or the stream cut
             code = 429 if "429" in str(exc) else 503 if "503" in str(exc) else 0

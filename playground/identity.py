@@ -62,7 +62,6 @@ def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
 
 
 def address_key(ip) -> str:
-    """What one client is counted as: an IPv4 address, or an IPv6 address's /64."""
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             return str(ip.ipv4_mapped)
@@ -101,7 +100,6 @@ class Proxies:
                                                         net.version == ip.version))
 
     def address(self, peer: str | None, headers) -> str:
-        """The client behind a request from `peer` with these headers."""
         ip = _ip(peer)
         if ip is None:
             return (peer or "unknown")[:64]
@@ -143,7 +141,6 @@ def forwarded_hops(headers) -> list[str]:
 
 
 def _keep(table: OrderedDict, key: str, value) -> None:
-    """table[key] = value as its newest entry; past MAX_TRACKED entries the oldest is forgotten."""
     table[key] = value
     table.move_to_end(key)
     while len(table) > MAX_TRACKED:
@@ -221,7 +218,6 @@ class VisitorIds:
         return token
 
     def new_ids_wait(self, address: str) -> float:
-        """Seconds until this address may be issued another id."""
         with self._lock:
             return self._buckets.wait(address)
 

@@ -1,8 +1,6 @@
 """How a room joins the session: the address to give attendees (and who can open it), its QR code, and a panel
 that shows both with how many people are here. The panel only reads: every visitor may see it.
-
-The address is decided from how the app was launched (`join_address`); the panel's builder lays it out and hands
-back a `refresh()` for the page's existing clock, so nothing here runs a timer of its own.
+The panel hands back a `refresh()` for the page's existing clock: nothing here runs a timer of its own.
 """
 from __future__ import annotations
 
@@ -22,8 +20,8 @@ import segno
 from .access import is_loopback
 
 ALL_INTERFACES = ("0.0.0.0", "::", "")
-# The UDP socket is connected to this address only for the kernel to pick the interface its default route leaves
-# by (a UDP connect() sends nothing). Any address off this machine would do: a documentation one (TEST-NET-1).
+# A UDP connect() to it sends nothing: the kernel only picks the interface its default route leaves by. Any address
+# off this machine would do: a documentation one (TEST-NET-1).
 ROUTE_PROBE = ("192.0.2.1", 80)
 HOW_TO_OPEN = ("To open it to the room, start it as GRADIO_SERVER_NAME=0.0.0.0 python app.py --presenter-token "
                "SECRET (people on this network can then open it), or with --share (a public link).")
@@ -79,7 +77,6 @@ def launched_address(demo, env: Mapping[str, str] = os.environ) -> JoinAddress:
 
 
 def host_in_url(name: str) -> str:
-    """An IPv6 address goes in brackets in a URL; a host name or an IPv4 address as it is."""
     try:
         return f"[{name}]" if ipaddress.ip_address(name.strip("[]")).version == 6 else name
     except ValueError:
@@ -87,14 +84,13 @@ def host_in_url(name: str) -> str:
 
 
 def lan_ipv4() -> str | None:
-    """This machine's IPv4 address on the interface its default route uses, found without sending anything; else
-    (a room's own router with no way out: no default route) the first on a network interface, else the first its
-    host name resolves to. Never a loopback, unspecified or link-local address: no other machine reaches those
-    (None when there is no other)."""
+    """This machine's IPv4 address on the interface its default route uses; else (a room's own router with no way
+    out) the first on a network interface, else the first its host name resolves to. Never a loopback, unspecified
+    or link-local address: no other machine reaches those."""
     candidates: list[str] = []
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(ROUTE_PROBE)  # no packet: a UDP connect only picks the route and the source address
+            probe.connect(ROUTE_PROBE)
             candidates.append(probe.getsockname()[0])
     except OSError:  # no default route
         pass
@@ -149,8 +145,7 @@ def qr_svg(text: str, size_px: int = 240) -> str:
     modules = code.symbol_size(scale=1, border=QR_BORDER)[0]
     side = modules * max(1, round(size_px / modules))
     out = io.BytesIO()
-    # in module units (a viewBox), sized here: white behind everything (a dark page's background must not show
-    # through the quiet zone), black modules
+    # white behind everything: a dark page's background must not show through the quiet zone
     code.save(out, kind="svg", scale=1, border=QR_BORDER, dark="#000", light="#fff", xmldecl=False, svgns=True,
               omitsize=True, svgclass=None, lineclass=None, nl=False)
     svg = out.getvalue().decode("ascii")
@@ -178,11 +173,10 @@ def join_parts(address: JoinAddress, count: int) -> tuple[str, str, str, str]:
 
 def build_join_panel(get_address: Callable[[], JoinAddress], count_people: Callable[[], int],
                      open: bool = True) -> dict:
-    """Inside the caller's gr.Blocks (or a gr.Tab): the "Join this session" accordion. Returns its components and
-    `refresh`: `"outputs"`, the four components, and `"refresh"(sent=None)`, their new values in that order.
-    `sent`: the page's own record of what it was sent last (a dict, updated); what has not changed since comes
-    back as gr.skip(), so the page's 1 s clock sends the QR code again only when the address changes (once, when
-    a share link comes up). `get_address` and `count_people` are called on every refresh: keep them cheap."""
+    """The "Join this session" accordion. Returns its components, `"outputs"` (the four) and `"refresh"(sent=None)`,
+    their new values: with `sent`, the page's record of what it was sent last (updated), what has not changed comes
+    back as gr.skip(), so the page's clock sends the QR code again only when the address changes. `get_address`
+    and `count_people` are called on every refresh: keep them cheap."""
     url, qr, how, people = join_parts(get_address(), count_people())
     with gr.Accordion("Join this session", open=open, elem_id="join-panel") as accordion:
         with gr.Row(equal_height=False):

@@ -45,10 +45,7 @@ def timed(history: Iterable) -> list:
 
 def window_metrics(history: Iterable, t0: float, t1: float, phase: bool = True) -> dict[str, float | None]:
     """Every METRIC over the engine's history samples in [t0, t1] (wall times). The sample just before t0 is the
-    counters' baseline; a number with nothing to say in the window (no request got its first token) is None.
-    `phase`: the window is a whole phase, whose requests were all looked up in the prefix cache if it was on: one
-    that served requests and looked nothing up had caching off, and reused nothing (0%). A part of a phase (a
-    chart's bin, a part of the spread) may just have had no request arrive: its rate is None."""
+    counters' baseline; a number with nothing to say in the window (no request got its first token) is None."""
     before, inside = _window(timed(history), t0, t1)
     span = max(t1 - t0, 1e-9)
     counted = before + inside
@@ -61,8 +58,8 @@ def window_metrics(history: Iterable, t0: float, t1: float, phase: bool = True) 
         return sum(values) / len(values) if values else None
 
     queries, generated = grew("prefix_cache_queries"), grew("generation_tokens_total")
-    # with prefix caching off nothing is looked up: an engine that served requests then hit nothing (0), and
-    # one that served none has no rate to give (None)
+    # nothing looked up: a whole phase (`phase`) that served requests had caching off and reused nothing (0); a
+    # part of one (a chart's bin, a part of the spread) may just have had no request arrive (None)
     hit_rate = grew("prefix_cache_hits") / queries if queries else 0.0 if generated and phase else None
     return {
         "tokens_per_s": generated / span if counted else None,
@@ -138,8 +135,7 @@ def moved_beyond_noise(before: float | None, after: float | None, noise_before: 
 
 
 def series(history: Iterable, metric: str, t0: float, t1: float, bin_s: float = 2.0) -> list[tuple[float, float]]:
-    """(seconds since t0, the metric over that bin): what the lesson's charts draw. The same numbers as the
-    table's, bin by bin (window_metrics), so chart and table never disagree."""
+    """(seconds since t0, the metric over that bin): what the lesson's charts draw."""
     samples = timed(history)
     out, t = [], t0
     while t < t1:

@@ -1,5 +1,5 @@
 """The session's record: every finished lesson's before/after table and chart, written as one self-contained HTML
-page (no script, no link out, every text escaped) and as JSON, for the presenter to keep."""
+page (no script, no link out, charts as inline SVG, every text escaped) and as JSON, for the presenter to keep."""
 from __future__ import annotations
 
 import html
@@ -21,8 +21,6 @@ def record_json(records: list[dict], machine: str) -> str:
 
 
 def record_html(records: list[dict], machine: str) -> str:
-    """One self-contained page (no script, no link out): each lesson's before/after table and its chart as
-    inline SVG, every text escaped."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Lessons: what the room measured</title>"
              f"<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}table{{border-collapse:collapse}}"
              f"td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:right}}td:first-child{{text-align:left}}"

@@ -1,14 +1,9 @@
-"""Lessons: the course taught live on the real engine. The content is data (presets/lessons/*.toml, one lesson a
-file, in the course's order), which course.py loads and checks; this file runs a lesson on the live engine;
-lesson_numbers.py measures its before and after from the engine's own time series; lesson_record.py keeps the
-session's record (HTML and JSON).
+"""Lessons: the course (course.py) taught live on the real engine. No gradio here: lessons_tab.py lays it out.
 
-A lesson run: the engine is set to the lesson's configuration (the defaults, its feature preset and its own fields;
-the weights stay as they are unless the lesson names them), its simulated users start, "before" runs for
+A lesson run: the engine is set to the lesson's configuration, its simulated users start, "before" runs for
 `before_s`, then the switch flips (on time, or when the presenter presses Flip), "after" runs for `after_s`, and
-the numbers of both phases (each phase's first quarter left out: the engine settling) are set side by side with
-the direction the lesson expected. Leaving a lesson (Stop, Next, Previous, another lesson) stops its users and
-puts the engine back as it was before the lesson began. No gradio here: lessons_tab.py lays it out.
+the numbers of both phases (lesson_numbers.py) are set side by side with the direction the lesson expected.
+Leaving a lesson (Stop, Next, Previous, another lesson) stops its users and puts the engine back as it was.
 """
 from __future__ import annotations
 
@@ -199,30 +194,28 @@ class LessonRunner:
         saved, self._saved = self._saved, None  # taken once: the lesson's thread at its end, or Stop / Next
         if saved is None:
             return ""
-        now = self._current()
-        back = {k: v for k, v in saved.items() if now.get(k) != v}
+        back, outcome = self._change(saved)
         if not back:
             return ""
-        outcome = self.pg._update(back)
         return (f" The engine is back as it was before the lesson ({', '.join(back)})." if not outcome.startswith("⚠️")
                 else f" {outcome}")
 
-    def _apply(self, run: LessonRun, changes: dict) -> bool:
-        changes = {k: self.pg._config_value(k, v) for k, v in from_toml(changes).items()}
+    def _change(self, changes: dict) -> tuple[dict, str]:
+        """(the fields the engine does not run yet, what applying them said)."""
         now = self._current()
         changes = {k: v for k, v in changes.items() if now.get(k) != v}
-        if not changes:
-            return True
-        outcome = self.pg._update(changes)
+        return changes, self.pg._update(changes) if changes else ""
+
+    def _apply(self, run: LessonRun, changes: dict) -> bool:
+        outcome = self._change({k: self.pg._config_value(k, v) for k, v in from_toml(changes).items()})[1]
         if outcome.startswith("⚠️"):
             run.phase, run.note = "failed", outcome
             return False
         return True
 
     def _wait_for_traffic(self, run: LessonRun, since: float, timeout_s: float = 30.0) -> None:
-        """Until the engine has stepped on the lesson's traffic, so that the before phase's clock measures an engine
-        at work rather than how long its first step took to come (a busy machine; a cold start). Bounded: a lesson
-        whose traffic never runs still ends, with no number to show."""
+        """Until the engine steps on the lesson's traffic, so the before phase's clock measures an engine at work
+        rather than a slow first step (a busy machine; a cold start). Bounded: traffic that never runs still ends."""
         deadline = time.time() + timeout_s
         while not run.stop.is_set() and time.time() < deadline:
             history = self.pg.service.history
@@ -231,15 +224,13 @@ class LessonRunner:
             time.sleep(0.05)
 
     def limits(self, lesson: Lesson) -> tuple[tuple[float, float], tuple[float, float]]:
-        """Each phase's (shortest, longest) time: its own length, and MAX_FACTOR times that while its number still
-        lacks the evidence it needs."""
+        """Each phase's (shortest, longest) time: its own length, and MAX_FACTOR times that."""
         before_s, after_s = (self.seconds, self.seconds) if self.seconds else (lesson.before_s, lesson.after_s)
         return (before_s, MAX_FACTOR * before_s), (after_s, MAX_FACTOR * after_s)
 
     def need(self, lesson: Lesson, longest_prompt: int = 0) -> Evidence:
-        """What the lesson's number must rest on in each phase's measured part: requests that started (most of the
-        users' first round), and for a speed enough tokens and steps, for the longest step the longest prompt read,
-        for a count of preemptions requests that finished. A lesson file may ask for more (`evidence`)."""
+        """What the lesson's number must rest on in each phase's measured part: most of the users' first round of
+        requests, and what its metric is made of. A lesson file may ask for more (`evidence`)."""
         metric, users = lesson.metric, lesson.users
         requests = max(3, min(users, 8))
         need = Evidence(requests=requests,
@@ -251,10 +242,9 @@ class LessonRunner:
         return dataclasses.replace(need, **lesson.evidence)
 
     def _size_traffic(self, run: LessonRun, requests: list, phase_s: float) -> None:
-        """Measure the engine's speed on one short reply (this machine, now, in the lesson's configuration, with
-        whatever else runs beside it) and shorten the workload's replies so that one takes at most a quarter of a
-        phase among the lesson's users: on a machine too slow for the replies as written, a 30 s phase would
-        otherwise end before a single one finished."""
+        """Shorten the workload's replies so one takes at most a quarter of a phase among the lesson's users, at the
+        speed the engine makes now on one short reply: on a slow machine a 30 s phase would otherwise end before
+        a single reply finished."""
         service = self.pg.service
         prompt = list(requests[0].prompt_token_ids)
         params = SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True)
@@ -286,9 +276,8 @@ class LessonRunner:
         run.scale = 1.0 if scale > KEEP_AS_WRITTEN else scale  # a reply a little long is no reason to change it
 
     def _phase(self, run: LessonRun, name: str, limits: tuple[float, float], flip_ends_it: bool = False) -> None:
-        """Run a phase until its number rests on the evidence it needs (within its shortest and longest time), or
-        the presenter flips or stops. Says when and why it goes on past its length; what is still short when its
-        longest time runs out is kept for the verdict."""
+        """Until the phase's number rests on the evidence it needs (within its shortest and longest time), or a flip
+        or a stop; what is still short at its longest time is kept for the verdict."""
         shortest, longest = limits
         started = time.time()
         run.extended = ""
@@ -361,8 +350,7 @@ class LessonRunner:
             run.phase, run.note = "failed", f"⚠️ the lesson stopped: {exc}"
 
     def measure(self, run: LessonRun) -> dict:
-        """Before and after, each phase's settled part, from the engine's own history; how much each varies over
-        its parts (the noise a change must beat); what each rested on; and the record's chart."""
+        """The run's record: each phase's settled part, its noise (spread) and what it rested on, and the chart."""
         history = timed(self.pg.service.history)
         b0, b1 = run.t_before, run.t_flip
         a0, a1 = run.t_after, run.t_end

@@ -1,9 +1,7 @@
-"""The Lessons tab: layout and wiring only (the lessons, their runs and the record: playground/lessons.py).
+"""The Lessons tab: layout and wiring only (the lessons and their runs: playground/lessons.py).
 
-Everyone sees the lesson the presenter runs: its text, where it is (before / after the switch), the chart it
-watches and, once done, its numbers. The presenter's buttons (Start, Flip now, Stop, Previous, Next) change the
-shared engine, so they are not marked `audience` (access.guard refuses them to anyone else); reading a lesson
-and downloading the session's record are everyone's.
+Everyone sees the lesson the presenter runs. The presenter's buttons (Start, Flip now, Stop, Previous, Next)
+change the shared engine, so they are not marked `audience`; reading a lesson and its record are everyone's.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The projector: the lesson the room is watching, alone and in large type, for a second window the presenter
 puts on the room's screen (its title, what to look for and the question, its chart, its before/after numbers).
 
-It is a page of its own on the same app (gradio's Blocks.route, at /projector): the same server, queue, share link
-and gate as the main page, none of the main page's tabs, controls or chat, and a window opened by its URL. What it
-shows is the caller's (`ProjectorView`); this file lays it out and refreshes it. It only reads.
+A page of its own on the same app (gradio's Blocks.route, at /projector): the same server, queue, share link and
+gate as the main page, none of its tabs, controls or chat; it only reads what the caller gives (`ProjectorView`).
 """
 from __future__ import annotations
 
@@ -90,16 +89,14 @@ def projector_values(view: ProjectorView | None, sent: dict) -> tuple:
 
 def build_projector(demo: gr.Blocks, parts: Callable[[], ProjectorView | None], every_s: float = 1.0,
                     path: str = PROJECTOR_PATH) -> dict:
-    """Adds the projector page to the built page `demo`, at /`path` (on a share link or a Space too: same app).
-    Call it after the `with gr.Blocks() as demo:` block (gradio adds a page only outside it) and before
-    access.guard, last: components made after it would land on the projector's page. `parts()`: what to show,
-    asked every `every_s` seconds by each open projector window (None: the waiting line). The main page gets a
-    hidden navbar: with a second page, gradio would otherwise put a "Home" bar on top of it."""
+    """Adds the projector page to the built page `demo`, at /`path`. Call it before access.guard, last: components
+    made after it would land on the projector's page. `parts()`: what to show, asked every `every_s` seconds by
+    each open projector window (None: the waiting line)."""
     if get_blocks_context() is not None:
         raise ValueError("build_projector(demo, ...) goes after the `with gr.Blocks() as demo:` block: gradio adds "
                          "a page (Blocks.route) only outside it")
-    # "hidden", not False: a component that is not visible is never mounted, and only a mounted Navbar tells the
-    # page's bar to stay away
+    # with a second page, gradio puts a "Home" bar on top of the main page unless a mounted Navbar tells it not to:
+    # "hidden", not False (a component that is not visible is never mounted)
     with demo:
         gr.Navbar(visible="hidden")
     with demo.route("Projector", path, show_in_navbar=False):
@@ -134,8 +131,7 @@ def build_projector(demo: gr.Blocks, parts: Callable[[], ProjectorView | None], 
 
 
 def lesson_view(runner) -> ProjectorView | None:
-    """The running lesson as the projector shows it (None while none runs), from a LessonRunner
-    (playground/lessons.py): its chart is the lesson's own (runner.chart), the one the Lessons tab shows."""
+    """The running lesson of a LessonRunner as the projector shows it (None while none runs)."""
     run = runner.run
     if run is None:
         return None

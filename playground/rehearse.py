@@ -16,8 +16,7 @@ if TYPE_CHECKING:
     from .handlers import Playground
 def rehearse(pg: Playground, slugs: Sequence[str] | None = None, seconds: float | None = None,
              say: Callable[[str], None] = print) -> list[dict]:
-    """Every lesson (or those named) run in turn on the playground's engine, as Start would run it; the engine
-    is put back after each. Returns the records of those that finished."""
+    """Every lesson (or those named) run in turn, as Start would; the records of those that finished."""
     runner = LessonRunner(pg, seconds=seconds)
     pg.lessons = runner
     for lesson in runner.lessons:

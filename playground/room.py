@@ -1,9 +1,6 @@
-"""What every visitor of the page sees alike: who changed what on the shared engine, and when.
-
-Apart from each visitor's own session (their chat, their role): one Room per playground, written by the
-presenter's handlers, read by every tab's status line. Text from outside (a URL someone typed, a remote server's
-model name) goes through `plain` before it reaches a Markdown component, so it shows as text, never as a
-heading or a link.
+"""What every visitor of the page sees alike: who changed what on the shared engine, and when. One Room per
+playground, written by the presenter's handlers, read by every tab's status line. Text from outside (a URL someone
+typed, a remote server's model name) goes through `plain` before it reaches a Markdown component.
 """
 from __future__ import annotations
 

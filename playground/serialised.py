@@ -38,8 +38,7 @@ class SerialisedFigures:
     @staticmethod
     def unless_same(value, key: str, sent: dict):
         """`value` for one page's output `key` (a status line, a lesson's text), or gr.skip() where that page was
-        sent this very value last time: each update re-renders its Markdown in every browser showing it. (What an
-        idle page costs is mostly the tick itself, every output marked pending and done: docs/measurements.md.)"""
+        sent this very value last time: each update re-renders its Markdown in every browser showing it."""
         if key in sent and sent[key] == value:
             return gr.skip()
         sent[key] = value

@@ -11,7 +11,6 @@ MAX_DECODES_SHOWN = 16  # a batch of 64 decodes would bury the rest of the descr
 
 
 def plural(count: int, word: str) -> str:
-    """'1 token', '2 tokens'."""
     return f"{count} {word if count == 1 else word + 's'}"
 
 
