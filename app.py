@@ -182,8 +182,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             f = pg.dashboard()
             presenter = access.visitor().presenter
             run = pg.lessons.run
-            # a lesson the presenter started brings every page to it, once; a visitor may then step away, and
-            # "Back to the lesson" (shown while one is open) brings them back
+            # a lesson the presenter started brings every page to it, once; "Back to the lesson" brings them back
             follow = run is not None and run.run_id != followed["run"]
             show_back = run is not None
             sent = dict(followed.get("sent", {}))  # the charts this page has: each is sent again only once changed

@@ -140,8 +140,7 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 
     def do_reset(progress=gr.Progress()):
         return pg.reset_settings(lambda f, d: progress(f, desc=d))
-    # a rebuild's bar over the weights' note, next to the controls (the empty message line shows none); the form's
-    # loads show none (the page marks a state pending for them: playground/page_events.py)
+    # a rebuild's bar over the weights' note (the empty message line shows none); the form's loads show none
     quiet = {"show_progress": "hidden"}
     apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings",
                 show_progress_on=weights_note).then(load_settings, None, form, **quiet)
