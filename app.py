@@ -3,12 +3,8 @@
     python app.py [--model PATH_OR_ID] [--preset NAME] [--set KEY=VALUE] [--attach URL] [--share]
                   [--presenter-token SECRET] [--public] [--api-key KEY]
 
-Layout and wiring only: the page's frame (header, role, status line, the clock) and the command line. Each tab is a
-builder of its own in playground/ (live_tabs.py: Chat and Dashboard; engine_tabs.py: settings, the measurements,
-step mode; lessons_tab.py, features_tab.py, remote_tab.py), what each control does in playground/, the charts in
-viz/. Adding a tab is one line in build_app. `--attach URL` builds a watch-only page instead (build_watch_app).
-The same server answers OpenAI's API (/v1/models, /v1/completions, /v1/chat/completions) and Prometheus
-(/metrics) from server/, on the same engine.
+Layout and wiring only: each tab is a builder in playground/, the charts are viz/'s. The same server answers
+OpenAI's API (/v1/...) and Prometheus (/metrics) from server/, on the same engine.
 Respects GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (Hugging Face Spaces binds 0.0.0.0:7860).
 
 Who may change the engine (playground/access.py): on 127.0.0.1 with no token, everyone (a desk). With
@@ -24,9 +20,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-# gradio's queue recomputes its monitoring summary (a pandas groupby over its last 10,000 events) after every event
-# by default, under the GIL the engine needs (docs/measurements.md, "Does the page stay responsive?"). Nothing
-# reads it unless the monitoring page is on; it is then refreshed every 1,000 events.
+# gradio's queue recomputes its monitoring summary (a pandas groupby) after every event, under the GIL the engine
+# needs (docs/measurements.md, "Does the page stay responsive?"); nothing reads it unless the monitoring page is on
 os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "1000")
 
 import gradio as gr
@@ -84,9 +79,7 @@ prefix cache and throughput live. No model runs on this machine."""
 
 
 def intro(pg: Playground | Watcher, presenter: bool = False) -> str:
-    """The page's header: which model this machine's engine runs, and, while the page is attached to another
-    server, that the chat and the dashboard show that server instead (the model name that server gives is its
-    own words: only the presenter's header shows it)."""
+    """The page's header. The model name a watched server gives is its own words: only the presenter's shows it."""
     remote = pg.remote
     named = remote is not None and remote.model and presenter
     if not pg.local:
@@ -107,10 +100,8 @@ def model_label(model: str | None) -> str:
 # A chart drawn while its tab was hidden keeps plotly's default width (700 px) until the window resizes: resize
 # when a tab opens. A shown label makes gradio force a 100 px top margin; each chart carries its own title.
 RESIZE_CHARTS = "() => { setTimeout(() => window.dispatchEvent(new Event('resize')), 50); }"
-# gradio mounts a fresh, empty plot for every new figure: with the page's charts refreshed each second, the page
-# was for a moment as short as the window, and the browser scrolled it back to the top (a presenter scrolled down to
-# "Stop users" saw the page jump up, under load every few seconds). Each chart's box keeps the height its figure was
-# last drawn at, so an update never shortens the page; a smaller figure lowers it when it is drawn.
+# gradio mounts a fresh, empty plot for every new figure: the page shrank for a moment and the browser scrolled it
+# back to the top. Each chart's box keeps the height its figure was last drawn at, so an update never shortens it.
 KEEP_CHART_HEIGHTS = """() => {
   let pending = false;
   const keep = () => {
@@ -140,46 +131,37 @@ QUIET_TRACKERS = ("() => { const style = document.createElement('style'); style.
 
 
 def keep_charts_in_shape(demo: gr.Blocks, tabs: gr.Tabs) -> None:
-    """The page's browser-only scripts (nothing runs on the server): a resize when a tab opens, every chart's box
-    held at its drawn height, and no progress tracker over the texts the clock refreshes."""
+    """The page's browser-only scripts (nothing runs on the server)."""
     tabs.select(None, None, None, js=RESIZE_CHARTS)
     demo.load(None, None, None, js=KEEP_CHART_HEIGHTS)
     demo.load(None, None, None, js=QUIET_TRACKERS)
 
 
 def refuse(message: str) -> gr.Error:
-    """A refused call as the visitor sees it (gradio's error toast); the server logs one line (access.py), not the
-    traceback gradio prints for an error by default."""
+    """gradio's error toast, without the traceback gradio logs by default (access.py logs one line)."""
     return gr.Error(message, print_exception=False)
 
 
-# The page's own script opens the Lessons tab (its tab button's click, as the visitor's would be; the tab's select
-# event then tells the server). A gr.Tabs as an event's output costs every page far more: gradio's frontend, at each
-# status change of any event on the page (each streamed chunk of a reply too), walks every component under an
-# output that is a layout and copies its properties, which for the page's tabs is all of it
+# The page's own script opens the Lessons tab (a click on its tab button). A gr.Tabs as an event's output costs far
+# more: at each status change of any event on the page, gradio's frontend copies every component under it
 SHOW_LESSONS = f"() => {{ document.querySelector('[role=tab][data-tab-id=\"{LESSONS_TAB}\"]')?.click(); }}"
 
 
 def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
-    """Each tab is one builder, `build_x_tab(pg, serialised)`, that puts every component it makes (states too)
-    inside its own gr.Tab: one placed among the tabs themselves shifts their labels. A timer inside a tab ticks
-    only once that tab has been opened, so the page's clock (status line and dashboard) lives out here.
-    `access`: who may change the engine (default: everyone, a desk); every event not marked `audience` is the
-    presenter's, checked on the server (access.guard, last)."""
+    """Each tab builder keeps every component it makes (states too) inside its gr.Tab: one placed among the tabs
+    shifts their labels. A timer inside a tab ticks only once the tab is opened, so the page's clock lives here.
+    Every event not marked `audience` is the presenter's, checked on the server (access.guard, last)."""
     access = access or Access()
     serialised = SerialisedFigures()  # every figure turned into JSON once, for every tab
     with gr.Blocks(title="watch-llm playground") as demo:
         header = gr.Markdown(intro(pg))
         role = build_presenter_box(access)
-        # how the room joins (the address and its QR code) and how many are here; open it for the room to see
         join = build_join_panel(lambda: launched_address(demo), access.ids.count, open=False)
         status = gr.Markdown(pg.status(), elem_id="status")
         back = gr.Button("Back to the lesson", visible=False, size="sm", elem_id="lesson-back")
         clock = gr.Timer(PAGE_PERIOD_S)  # faster while a lesson runs (Playground.page_period)
         period = timer_period(pg)
-        # the lesson run this visitor's page last followed to the Lessons tab, and whether its back button shows
         seen = gr.State({"run": 0, "back": False})
-        # a lesson run to bring this page to: the page's own script opens the tab (see SHOW_LESSONS)
         bring = gr.State(0)
         quiet = gr.State(None)  # what the events that show no progress mark as pending (quiet_progress)
         with gr.Tabs() as tabs:
@@ -200,8 +182,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
             f = pg.dashboard()
             presenter = access.visitor().presenter
             run = pg.lessons.run
-            # a lesson the presenter started brings every page to it, once; a visitor may then step away, and
-            # "Back to the lesson" (shown while one is open) brings them back
+            # a lesson the presenter started brings every page to it, once; "Back to the lesson" brings them back
             follow = run is not None and run.run_id != followed["run"]
             show_back = run is not None
             sent = dict(followed.get("sent", {}))  # the charts this page has: each is sent again only once changed
@@ -234,8 +215,7 @@ def build_app(pg: Playground, access: Access | None = None) -> gr.Blocks:
 
 
 def build_watch_app(watcher: Watcher, access: Access | None = None) -> gr.Blocks:
-    """A page that only watches another server (`--attach URL`): the chat, the dashboard and the Remote server
-    tab, with the same roles as build_app (attaching it elsewhere is the presenter's)."""
+    """A page that only watches another server (`--attach URL`), with build_app's roles."""
     access = access or Access()
     serialised = SerialisedFigures()
     with gr.Blocks(title="watch-llm: watching a server") as demo:
@@ -284,8 +264,8 @@ def build_presenter_box(access: Access) -> dict:
 
 
 def welcome_visitors(demo: gr.Blocks, access: Access) -> None:
-    """Each page's visitor id, issued as it loads and kept in the browser (a reload is the same visitor): what its
-    shares, its queue bound and its unlock are keyed by (playground/identity.py), and how many are here."""
+    """Each page's visitor id, kept in the browser (a reload is the same visitor): its shares, queue bound and
+    unlock are keyed by it (playground/identity.py)."""
     kept = gr.BrowserState(None, storage_key=VISITOR_STORAGE_KEY)
     demo.load(audience(lambda token: access.admit(token) or gr.skip()), kept, kept, api_name="visitor",
               api_visibility="private", show_progress="hidden")
@@ -311,9 +291,8 @@ def wire_roles(demo: gr.Blocks, access: Access, role: dict) -> None:
         def unlock(token: str):
             return (*view(access.unlock(token)), "")  # the token never stays in the box
         # A wrong guess answers at once; the next from the same source is refused unchecked until its delay has
-        # passed (identity.Guesses), so guessing is slow without making anyone wait in line: strangers' guesses
-        # never hold up the presenter's Unlock. The box is emptied in the same answer: a chained event emptied it
-        # a round trip later, over a token typed since
+        # passed (identity.Guesses), so strangers' guesses never hold up the presenter's Unlock. The box is emptied
+        # in the same answer: a chained event emptied it a round trip later, over a token typed since
         role["unlock"].click(audience(unlock), role["token"], [*outputs, role["token"]], concurrency_limit=16,
                              concurrency_id="unlock", api_name="unlock")
         role["token"].submit(audience(unlock), role["token"], [*outputs, role["token"]], concurrency_limit=16,
@@ -323,10 +302,8 @@ def wire_roles(demo: gr.Blocks, access: Access, role: dict) -> None:
 def launch(pg: Playground | Watcher, model_name: str, access: Access | None = None, api_key: str | None = None,
            **launch_kwargs) -> gr.Blocks:
     """The page and the OpenAI-compatible API on one server: the API's routes go into gradio's own FastAPI app,
-    ahead of gradio's, so `share`, the queue and everything else of gradio's launch() keep working.
-    `access`: who may change the engine (default: decided from where it listens, as main() does).
-    `api_key`: required as `Authorization: Bearer` on /v1/* (None: the API is open).
-    A Watcher's page has no API of its own: the watched server serves it."""
+    ahead of gradio's, so `share`, the queue and the rest of gradio's launch() keep working. A Watcher's page has
+    no API of its own. `api_key`: required as `Authorization: Bearer` on /v1/* (None: the API is open)."""
     if access is None:
         access = Access.for_launch(launch_kwargs.get("server_name"), bool(launch_kwargs.get("share")))
     # who a client is, access.py decides (behind the proxies it was told to trust): uvicorn must not rewrite the
@@ -364,10 +341,8 @@ def serve(demo: gr.Blocks, access: Access, launch_kwargs: dict) -> None:
 
 
 def quiet_input_refusals(demo: gr.Blocks) -> None:
-    """gradio checks a call's inputs against their components (a slider's range, a dropdown's choices, a chat
-    history's shape) before the event's function runs, and prints a full traceback for each value it refuses: a
-    client sending hostile values filled the log. Each such refusal is now one log line, and the caller is told
-    gradio's reason, shortened."""
+    """gradio prints a full traceback for each input value its components refuse: hostile values filled the log.
+    Each refusal is one log line, and the caller is told gradio's reason, shortened."""
     check = demo.preprocess_data
 
     async def preprocess_data(block_fn, *args, **kwargs):
@@ -385,10 +360,8 @@ QUEUE_POLL_S = 0.02  # gradio's queue checks for work every 1 ms (progress every
 
 
 def calm_queue(demo: gr.Blocks) -> None:
-    """Let gradio's queue poll every 20 ms instead of every 1 ms. Each wake-up takes the GIL from the engine
-    thread and a core from its matmul threads: the HTTP API streamed fewer tokens/s than LLM.generate with the same
-    engine (docs/measurements.md, "What the HTTP path costs"). A page event
-    starts <= 20 ms later; gradio itself polls every 50 ms on Windows."""
+    """Each of the queue's wake-ups takes the GIL from the engine thread and a core from its matmul threads
+    (docs/measurements.md, "What the HTTP path costs"); gradio itself polls every 50 ms on Windows."""
     queue = getattr(demo, "_queue", None)
     if queue is not None and hasattr(queue, "sleep_when_free"):
         queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
@@ -494,8 +467,7 @@ def main() -> None:
 
 
 def watch(args, parser: argparse.ArgumentParser, access: Access, seats: Seats, where: dict) -> None:
-    """`--attach URL`: a page that only watches that server; no model is loaded (a server still starting is asked
-    again until it answers). `where`: gradio's launch arguments, as main() serves the engine's page."""
+    """`--attach URL`: a page that only watches that server (asked again until it answers); no model is loaded."""
     local = [flag for flag, given in (("--model", args.model), ("--preset", args.preset), ("--set", args.settings),
                                        ("--api-key", args.api_key), ("--lesson-seconds", args.lesson_seconds))
              if given]

@@ -1,6 +1,5 @@
 """The chat tab's side of the playground: a conversation streamed from the engine, the tab's live view of its own
-request, and why a reply waits. A mixin of Playground (playground/handlers.py), which holds the shared state.
-"""
+request, and why a reply waits. A mixin of Playground (playground/handlers.py), which holds the shared state."""
 from __future__ import annotations
 
 import threading
@@ -25,15 +24,13 @@ _PRESUBMITTED = threading.Lock()  # a tab's ChatSession.presubmitted: claimed on
 # a reply's text is sent to the page at most this often (the newest text each time, nothing dropped): each update
 # re-renders the whole reply in every browser that shows it, and a fast engine made hundreds a second
 FRAME_S = 0.05
-# and the room's streaming replies together at most this often a second: each update is the server's work too
-# (the history diffed, encoded and sent), done on the cores and under the lock the engine's step needs, and a flood
-# of replies sent every token kept the server busy while a newcomer waited for their first. The first is never held.
+# and the room's streaming replies together at most this often a second: each update is the server's work too,
+# under the lock the engine's step needs, and a flood of them kept a newcomer waiting. The first is never held.
 ROOM_FRAMES_PER_S = 80.0
 
 
 class FrameRate:
-    """How often each streaming reply is sent to its page: FRAME_S, or slower while many stream at once so that
-    the room's updates stay within ROOM_FRAMES_PER_S."""
+    """How often each streaming reply is sent: FRAME_S, slower while many stream (ROOM_FRAMES_PER_S in all)."""
 
     def __init__(self, room_per_s: float = ROOM_FRAMES_PER_S, fastest_s: float = FRAME_S) -> None:
         self.room_per_s, self.fastest_s = room_per_s, fastest_s
@@ -68,7 +65,6 @@ class ChatSession:
         return self.handled < self.sent and time.monotonic() - self.sent_at < PENDING_S
 
 
-
 @dataclass
 class Submitted:
     """A chat's message in the engine: its request, its stream, and the service that runs it."""
@@ -94,12 +90,8 @@ class ChatHandlers:
     def chat(self, message: str, history: list[dict], temperature: float = 0.7, max_tokens: int = 256,
              session: ChatSession | None = None, audience: Who | None = None) -> Iterator[tuple[list[dict], str]]:
         """Stream the assistant's reply into the history; the second value is the reply's stats line.
-        The model sees the conversation without the playground's notes (warnings, "queued"), and without its
-        oldest turns when it no longer fits max_model_len (the stats line says so).
-        `session`: the tab's ChatSession; its request_id becomes the engine's id for this reply as soon as the
-        request is submitted (the tab's live view highlights that request).
-        `audience`: who the visitor is (identity.Who) when they are audience on a shared page: their share of the
-        engine is bounded (self.seats: replies in flight, theirs and their address's; max_tokens)."""
+        `audience`: the visitor when they are audience on a shared page, whose share of the engine is bounded
+        (self.seats: replies in flight, theirs and their address's; max_tokens)."""
         claimed = self._claim(session, message)
         seated, priority, ended = False, 0, False
 
@@ -140,10 +132,9 @@ class ChatHandlers:
 
     def presubmit(self, message: str, history: list[dict], temperature: float, max_tokens: int,
                   session: ChatSession, audience: Who | None = None) -> None:
-        """Submit a page's message as the event that empties its box runs (at once, outside gradio's queue), for
-        the chat that follows to claim: the engine reads the prompt while the chat's own event is still on its way
-        through the queue. Nothing is submitted where the chat would first have something to say (a message
-        refused, no seat free, a watched server, a rebuild): that chat does it all, as an API call's does."""
+        """Submit a page's message as its box empties (outside gradio's queue), for the chat that follows to claim:
+        the engine reads the prompt while the chat's own event is still in the queue. Nothing is submitted where
+        the chat would first have something to say (refused, no seat free, a watched server, a rebuild)."""
         if (self.remote is not None or self.rebuilding is not None or self.message_refused(message)
                 or (turn := conversation.next_turn(message, history)) is None):
             return

@@ -1,8 +1,5 @@
-"""What of a chat the model sees: the playground's own notes left out, the oldest turns trimmed to fit.
-
-A refused message used to stay in what was sent, so every later message was refused too; and a long chat
-ended at max_model_len with every new message refused. Now notes are never sent, and old turns make room.
-"""
+"""What of a chat the model sees: the playground's own notes left out (a refused message kept in got every later
+one refused too), the oldest turns trimmed to fit max_model_len."""
 from __future__ import annotations
 
 import re
@@ -37,11 +34,9 @@ def text_of(content) -> str:
     return str(content)
 
 
-# A visitor's own words on the page are text, never Markdown (gradio's Chatbot renders every message as Markdown and
-# has no switch per message): CommonMark makes any ASCII punctuation literal after a backslash, and a character
-# reference is no whitespace to it, so with both nothing the visitor typed can start an emphasis, a link, code, HTML,
-# a heading, a list, a table, $$ maths or an indented code block, and gradio's cleandoc (which expands tabs and strips
-# a common indent) changes none of it
+# A visitor's own words on the page are text, never Markdown (gradio's Chatbot renders every message as Markdown):
+# CommonMark makes any ASCII punctuation literal after a backslash, and a character reference is no whitespace to it,
+# so nothing typed can start any Markdown construct, and gradio's cleandoc (tabs, common indent) changes none of it
 _ESCAPED = {**{c: "\\" + c for c in string.punctuation}, "\t": "&#9;"}
 _LEADING_SPACES = re.compile(r"^ +", re.MULTILINE)
 _UNESCAPED = re.compile(r"\\([" + re.escape(string.punctuation) + r"])|&#(9|32);")

@@ -79,9 +79,8 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
         settings_out = gr.Markdown()
         settings_note = gr.Markdown()
         loaded = gr.State({})  # what this tab's form was loaded with: Apply sends only what differs
-        # in the tab: it ticks once the tab has been opened, once a second as the page's clock does (the status line
-        # that says who changed what comes with that clock), faster while a lesson runs. Each tick costs every
-        # browser showing the form something (docs/measurements.md, "The room in Chromium")
+        # in the tab, so it ticks only once the tab is opened: each tick costs every browser showing the form
+        # something (docs/measurements.md, "The room in Chromium")
         follow = gr.Timer(PAGE_PERIOD_S)
 
     inputs = list(switches.values()) + list(sizes.values()) + list(weights.values())
@@ -141,8 +140,7 @@ def build_settings_tab(pg: Playground, serialised: SerialisedFigures) -> None:
 
     def do_reset(progress=gr.Progress()):
         return pg.reset_settings(lambda f, d: progress(f, desc=d))
-    # a rebuild's bar over the weights' note, next to the controls (the empty message line shows none); the form's
-    # loads show none (the page marks a state pending for them: playground/page_events.py)
+    # a rebuild's bar over the weights' note (the empty message line shows none); the form's loads show none
     quiet = {"show_progress": "hidden"}
     apply.click(do_apply, [loaded, *inputs], settings_out, api_name="apply_settings",
                 show_progress_on=weights_note).then(load_settings, None, form, **quiet)
@@ -198,8 +196,7 @@ def build_compare_tab(pg: Playground, serialised: SerialisedFigures) -> None:
             go = gr.Button("Compare", variant="primary")
             cancel = gr.Button("Cancel")
         plot = chart("side by side", "Press Compare: both configurations run the workload, side by side")
-        # shown once there are numbers: twelve empty columns squeezed their headers out of sight; wrapped, so that
-        # all twelve fit the page's width instead of the last ones scrolling out of view
+        # shown once there are numbers (empty columns squeezed their headers out of sight), wrapped to fit the page
         table = gr.Dataframe({"headers": COMPARE_HEADERS, "data": []}, headers=COMPARE_HEADERS, label="the numbers",
                              visible=False, wrap=True)
         note = gr.Markdown()

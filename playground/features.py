@@ -1,13 +1,10 @@
-"""The engine, feature by feature: the cumulative ablation, what each precision costs in quality, each feature's
-worth at each concurrency and the memory sweep, run from the page through the playground's measurement (the live
-engine pauses, every tab says so with progress and time left, Cancel stops it), kept per experiment across
-restarts, and what the tab shows of them: this machine's results when it has some, else the repository's shipped
-ones (playground/results.py).
-"""
+"""The engine, feature by feature: each experiment run from the page through the playground's measurement, kept
+across restarts, and what the tab shows of it: this machine's results, else the shipped ones (results.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from engine import measure
@@ -80,20 +77,17 @@ class FeatureExperiments:
         if kind == "memory":
             total = 2 * len(pool_sizes) * len(measure.KV_CACHE_DTYPES_SWEPT)
             command = f"python -m engine.bench memory --workload {name} --blocks {_csv(pool_sizes)}{quick_flag}"
+            sweep = partial(measure.memory_sweep, llm, workload, pool_sizes)
         elif kind == "concurrency":
             total = len(levels) * (len(measure.FEATURES) + 1)
             command = f"python -m engine.bench ablate --concurrency {_csv(levels)} --workload {name}{quick_flag}"
+            sweep = partial(measure.ablate_concurrency, llm, workload, levels)
         else:
             total = len(measure.FEATURES) + 1
             command = f"python -m engine.bench ablate --cumulative --workload {name}{quick_flag}"
+            sweep = partial(measure.ablate_cumulative, llm, workload)
         with self.pg.measuring(NAMES[kind], total, progress) as m:
-            stop = m.cancel.is_set
-            if kind == "memory":
-                rows = measure.memory_sweep(llm, workload, pool_sizes, progress=m.report, should_stop=stop)
-            elif kind == "concurrency":
-                rows = measure.ablate_concurrency(llm, workload, levels, progress=m.report, should_stop=stop)
-            else:
-                rows = measure.ablate_cumulative(llm, workload, progress=m.report, should_stop=stop)
+            rows = sweep(progress=m.report, should_stop=m.cancel.is_set)
         save_local(self.store, kind, Measured(
             rows, machine_description(llm), now(), command,
             kv_bytes_per_token=llm.engine.model.kv_bytes_per_token() if kind == "memory" else None,
@@ -165,8 +159,7 @@ class FeatureExperiments:
                            "\n\n".join(line for line in lines if line))
 
     def kv_note(self, workload_name: str = DEFAULT_WORKLOADS["memory"]) -> str:
-        """Why memory is the constraint, in the loaded model's numbers: KV bytes per token, per request, and per
-        contiguous reservation."""
+        """Why memory is the constraint, in the loaded model's KV bytes per token, per request and per reservation."""
         model = self.pg.llm.engine.model
         per_token, per_token_int8, s = model.kv_bytes_per_token(), model.kv_bytes_per_token("int8"), model.shape
         element = per_token // (2 * s.num_layers * s.num_kv_heads * s.head_dim)

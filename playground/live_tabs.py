@@ -40,7 +40,6 @@ HELP = {
 }
 
 
-
 def chart(label: str, empty: str | None = None) -> gr.Plot:
     """`empty`: what the chart says before it has anything to show."""
     value = PlotData(type="plotly", plot=to_json(placeholder_figure(empty))) if empty else None
@@ -59,12 +58,9 @@ VISITORS_TEXT_CSS = '[data-testid="user"] p { white-space: pre-wrap; }'
 
 
 def shows_visitors_text(chatbot: gr.Chatbot) -> gr.Chatbot:
-    """chatbot, its visitors' turns shown as they typed them. gradio renders every message as Markdown, with no
-    switch per message: a visitor's `<img src=x onerror=...>` showed as an image, `**x**` in bold, `[a](javascript:..)`
-    as a link. The page is sent each user turn as Markdown that shows it literally (conversation.as_typed) and reads
-    it back as typed, so the handlers see the text itself; the assistant's replies are Markdown, as before. A
-    gradio_client caller of /chat gets the page's value: its user turns escaped so. (The instance's two methods are
-    wrapped: a subclass of a gradio component makes gradio write a .pyi file beside this one.)"""
+    """chatbot, its visitors' turns shown as typed: gradio renders every message as Markdown, and a visitor's
+    `<img src=x onerror=...>` showed as an image. User turns go out as literal Markdown (conversation.as_typed) and
+    come back as typed. (The instance's methods are wrapped: a subclass makes gradio write a .pyi file here.)"""
     postprocess, preprocess = chatbot.postprocess, chatbot.preprocess
     chatbot.postprocess = lambda value: postprocess([_user_turn(m, as_typed) for m in value] if value else value)
     chatbot.preprocess = lambda payload: [_user_turn(m, typed_text) for m in preprocess(payload)]
@@ -72,8 +68,7 @@ def shows_visitors_text(chatbot: gr.Chatbot) -> gr.Chatbot:
 
 
 def _user_turn(message, convert):
-    """message with its text converted if it is a user's turn (a dict, or gr.ChatMessage; its content a string or
-    gradio's list of parts)."""
+    """message with its text converted if it is a user's turn (a dict or gr.ChatMessage)."""
     is_dict = isinstance(message, dict)
     role, content = (message.get("role"), message.get("content")) if is_dict else (
         getattr(message, "role", None), getattr(message, "content", None))
@@ -93,8 +88,7 @@ WATCHED_CHATS = 64  # a watched server's seats are not known here: it is usually
 
 
 def chat_seats(pg: Playground | Watcher) -> int:
-    """How many chats the page streams at once: as many as the engine has seats (and a few waiting), not gradio's
-    default; the page's chat and the API's share that limit."""
+    """How many chats the page streams at once: the engine's seats and a few waiting, not gradio's default."""
     return max(16, pg.service.config_view().resolved["max_num_seqs"] + 4) if pg.local else WATCHED_CHATS
 
 
@@ -141,12 +135,10 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
         yield from pg.chat(message, history, temperature_value, max_tokens_value, s, audience=seated_as())
 
     seats = chat_seats(pg)
-    # On the page (gradio's ChatInterface does the same): the message moves from the box to the tab's state at
-    # once, so the box is empty while the reply streams and Enter again sends nothing; then the chat reads it from
-    # the state. The same event submits it to the engine (ChatHandlers.presubmit says why). A message typed while
-    # this tab's reply is still on its way stays in the box, unsent (one reply at a time per tab: two would stream
-    # into one history). The live view's timer starts here, before the chat: the page applies a trigger's updates
-    # in order, and a timer started beside the streaming chat only ran once the reply had ended.
+    # As gradio's ChatInterface does: the message moves from the box to the tab's state at once, so Enter again
+    # sends nothing; the same event submits it (ChatHandlers.presubmit). One reply at a time per tab: two would
+    # stream into one history. The live view's timer starts here: one started beside the streaming chat only ran
+    # once the reply had ended.
     @audience
     def take(message, history, temperature_value, max_tokens_value, s: ChatSession):
         if not (message and message.strip()):
@@ -196,8 +188,7 @@ def build_chat_tab(pg: Playground | Watcher, serialised: SerialisedFigures, acce
 
 
 def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures) -> list[gr.Plot]:
-    """The live charts (returned, for the page's clock to refresh) and, for this machine's engine, the traffic
-    generator."""
+    """The live charts (returned, for the page's clock) and, for this machine's engine, the traffic generator."""
     with gr.Tab("Dashboard", id=DASHBOARD_TAB):
         gr.Markdown("Live view of the engine, refreshed every second (figures are shared by all tabs). "
                     + HELP["markers"] if pg.local else "Live view of the watched server, from its /metrics "
@@ -237,22 +228,21 @@ def build_dashboard_tab(pg: Playground | Watcher, serialised: SerialisedFigures)
 
 
 def timer_period(pg: Playground):
-    """A page's timer as its own tick returns it (the timer is the tick's input too): the room's period when it has
-    changed (Playground.page_period), else untouched."""
+    """A page's timer as its own tick returns it: the room's period when it has changed, else untouched."""
     def period(every: float):
         want = pg.page_period()
         return gr.Timer(want) if want != every else gr.skip()
     return period
 
 
-def track_shown_tab(demo: gr.Blocks, tabs: gr.Tabs, dashboard_label: str = "Dashboard") -> gr.State:
+def track_shown_tab(demo: gr.Blocks, tabs: gr.Tabs) -> gr.State:
     """The tab a visitor's page shows, as far as the dashboard's charts care: DASHBOARD_TAB, another tab's label, or
     None before the page has said (a gradio_client session, which has no tabs: it is sent every chart)."""
     shown = gr.State(None)
 
     @audience
     def selected(evt: gr.SelectData) -> str:
-        return DASHBOARD_TAB if evt.value == dashboard_label else str(evt.value)
+        return DASHBOARD_TAB if evt.value == "Dashboard" else str(evt.value)
     tabs.select(selected, None, shown, show_progress="hidden", api_name=False)
     # the page opens on the first tab (Chat): said at load, so the dashboard's charts wait until it is opened
     demo.load(audience(lambda: "Chat"), None, shown, show_progress="hidden", api_name=False)
@@ -260,9 +250,8 @@ def track_shown_tab(demo: gr.Blocks, tabs: gr.Tabs, dashboard_label: str = "Dash
 
 
 def chart_updates(serialised: SerialisedFigures, figures, sent: dict, shown: str | None) -> list:
-    """The dashboard's figures (DashboardFigures) as the page's clock sends them, in build_dashboard_tab's order:
-    only to a page showing the Dashboard (or an API client), and only those it was not sent already. `sent`: the
-    page's record of what it was sent, updated."""
+    """The dashboard's figures as the page's clock sends them: only to a page showing the Dashboard (or an API
+    client), and only those not in `sent` already (updated)."""
     if shown not in (None, DASHBOARD_TAB):
         return [gr.skip() for _ in DASHBOARD_CHARTS]
     return [serialised.unless_sent(getattr(figures, k), k, sent) for k in DASHBOARD_CHARTS]

@@ -5,12 +5,9 @@
     python -m playground.loadtest --workshop --sessions 38 --chats 8 --duration 60 --toggle-s 20
 
 Starts the app on a free local port, then runs the same chats twice: alone, and while every open session polls
-the page as a browser tab does: the page's clock asks for the status line and dashboard once a second, and a
-chatting tab's live view asks for its own view once a second while its reply streams. Each session is its own
-tab (its own session hash and event stream, over plain HTTP as the page's script talks to gradio). Prints TTFT,
-the gaps between streamed tokens as the clients saw them (p95 is the workshop's number; tokens that arrive
-within one display frame count as one update of the text), how long polls took, the CPU the app's process and
-the clients used (100% = one core), and every error a session met. A benchmark, not a test.
+the page as a browser tab does (dashboard once a second, a chatting tab's live view while its reply streams).
+Prints TTFT, the gaps between streamed tokens as the clients saw them (p95 is the workshop's number), how long
+polls took, the CPU the app and the clients used (100% = one core), and every error. A benchmark, not a test.
 
 --workshop: the app starts with a presenter token, every session is audience (its chats under the audience's
 caps), the chatting sessions chat again and again for --duration seconds, and one more session, the presenter
@@ -50,9 +47,8 @@ class ChatTiming:
     _last_s: float = 0.0  # when the text last grew, since the message was sent
 
     def saw(self, elapsed_s: float, text: str) -> None:
-        """An update of the chat, `elapsed_s` after the message was sent, showing `text` as the reply so far. Only
-        an update that brings new text is a streamed token: the first update echoes the user's message (its reply
-        is ""), and one may carry the stats line alone (the last one does)."""
+        """An update of the chat, `elapsed_s` after the message was sent, `text` the reply so far. Only new text is
+        a streamed token: the first update echoes the user's message, and the last may carry the stats line alone."""
         if not text or text == self.reply:
             return
         self.reply = text
@@ -123,8 +119,7 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
-def chat_once(session: Session, prompt: str, max_tokens: int, tally: Tally | None = None,
-              view_stop: threading.Event | None = None) -> ChatTiming:
+def chat_once(session: Session, prompt: str, max_tokens: int, tally: Tally | None = None) -> ChatTiming:
     """One chat through the /chat endpoint, as a tab sends it (its session state is the server's)."""
     timing = ChatTiming()
     start = time.perf_counter()
@@ -136,9 +131,8 @@ def chat_once(session: Session, prompt: str, max_tokens: int, tally: Tally | Non
     return timing
 
 
-# what a browser tab sends with each poll: one value per input, a state's as None (the server keeps its own).
-# /chat_view reads the tab's chat state; /dashboard the Lessons tab's pick, the followed-lesson state, the tab shown
-# and the page's clock (its period).
+# what a browser tab sends with each poll: one value per input, a state's as None (the server keeps its own);
+# /dashboard's last is the page's clock (its period)
 POLL_INPUTS = {"/chat_view": [None], "/dashboard": [None, None, None, 1.0]}
 
 
@@ -189,10 +183,8 @@ class Presenter:
 def run_phase(sessions: list, phase: str, num_chats: int, watch: bool, max_tokens: int,
               server_pid: int | None = None, duration_s: float = 0.0, presenter: Presenter | None = None,
               toggle_s: float = 20.0) -> PhaseResult:
-    """The first num_chats sessions chat at once. With `watch`, every session polls the dashboard meanwhile, and
-    each chatting one its live view while its reply streams. `server_pid`: the app's process, whose CPU use the
-    phase reports (100% is one core). `duration_s`: each chatting session chats again until then (0: once).
-    `presenter`: flips prefix caching every toggle_s meanwhile."""
+    """The first num_chats sessions chat at once (again until `duration_s`; 0: once). With `watch`, every session
+    polls the dashboard meanwhile. `server_pid`: the app's process, whose CPU use the phase reports."""
     tally, stop = Tally(), threading.Event()
     pollers = [threading.Thread(target=poll, args=(s, "/dashboard", "dashboard_polls", stop, tally), daemon=True)
                for s in (sessions if watch else [])]

@@ -1,7 +1,6 @@
 """The measurement tabs' side of the playground: an ablation or a comparison run over the loaded weights while
 the live engine is held still, one at a time, cancellable, with progress every tab can read. A mixin of
-Playground (playground/handlers.py).
-"""
+Playground (playground/handlers.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -70,9 +69,8 @@ class MeasurementHandlers:
         return rows
 
     def full_engine_note(self) -> str:
-        """What the ablation's "full engine" is, and where the live engine differs from it (the int4 weights, the
-        int8 KV and speculation of the full engine are not the live engine's defaults: "no quantization" came
-        out fastest, and the page did not say why)."""
+        """What the ablation's "full engine" is, and where the live engine differs from it (without this, "no
+        quantization" came out fastest and the page did not say why)."""
         live = self.service.config_view().requested
         full = ", ".join(f"{k}={v}" for k, v in measure.FULL_FIELDS.items())
         differ = [f"{k}={live.get(k)}" for k, v in measure.FULL_FIELDS.items() if live.get(k) != v]

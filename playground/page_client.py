@@ -1,7 +1,6 @@
 """A visitor's tab over plain HTTP, and the app started as a user starts it: what playground/loadtest.py and the
 tests drive the page with. A Session talks to gradio as the page's own script does (rather than through
-gradio_client, whose 1 ms sleep loop per job, not the server, decided when tokens were seen under load).
-"""
+gradio_client, whose 1 ms sleep loop per job, not the server, decided when tokens were seen under load)."""
 from __future__ import annotations
 
 import json
@@ -24,14 +23,12 @@ from .conversation import text_of
 
 class Session:
     """One browser tab: an event joins the queue (POST queue/join with the tab's session hash, so gr.State is the
-    tab's own) and its updates come back over the session's one event stream (GET queue/data, server-sent events),
-    which a reader thread routes to the event by its id and reopens while events are pending (why not
-    gradio_client: the module's docstring, and docs/measurements.md, "Does the page stay responsive?")."""
+    tab's own) and its updates come back over the session's one event stream (GET queue/data), which a reader
+    thread routes to the event by its id (docs/measurements.md, "Does the page stay responsive?")."""
 
     def __init__(self, url: str, fn_ids: dict[str, int], headers: dict | None = None, source: str | None = None
                  ) -> None:
-        """`source`: the local address to connect from (a loopback address such as 127.0.0.7: another client, as
-        far as the server can tell)."""
+        """`source`: the local address to connect from (127.0.0.7: another client, as far as the server can tell)."""
         import httpx
         self.api = url + "gradio_api/"
         self.fn_ids = fn_ids
@@ -43,9 +40,8 @@ class Session:
         self._reader: threading.Thread | None = None
 
     def load(self) -> str | None:
-        """What the page does as it loads, where the app asks for it: take the visitor id the server issues (a shared
-        page's shares and bounds are each visitor's; a session without one counts as its address). Returns the
-        signed id, or None (no such event: a desk's page; or this address was issued too many lately)."""
+        """Take the visitor id the server issues as the page loads (a session without one counts as its address).
+        The signed id, or None (a desk's page, or this address was issued too many lately)."""
         if "visitor" not in self.fn_ids:
             return None
         out = self.predict("visitor", [None])
@@ -123,8 +119,8 @@ def free_port() -> int:
 
 def launch(model: str | None, timeout_s: float = 180.0, presenter_token: str | None = None,
            log: Path | None = None, args: list[str] | None = None) -> tuple[subprocess.Popen, str]:
-    """`python app.py` in its own process, as a user runs it; the clients here play the browsers. The token goes in
-    through the environment (a command line shows in `ps`); `log`: where its output goes (default: nowhere)."""
+    """`python app.py` in its own process, as a user runs it. The token goes in through the environment (a command
+    line shows in `ps`); `log`: where its output goes (default: nowhere)."""
     port = free_port()
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)}
     if presenter_token:

@@ -1,18 +1,12 @@
 """Watching another server: any server with the OpenAI API and vLLM's /metrics (a vLLM deployment, or another
 instance of this app) instead of the engine in this process.
 
-A thread scrapes URL/metrics every second (backing off while it fails) and parses it with prometheus_client's own
-parser; counters stay
-cumulative and histograms become the mean TTFT / inter-token latency of each interval, in the same HistorySample
-series the local engine publishes, so the dashboard's own figure functions draw it. The chat streams from
-URL/v1/chat/completions. What needs the engine's insides (the block table, step mode, settings, measurements)
-is not available remotely, and says so.
+A thread scrapes URL/metrics every second into the same HistorySample series the local engine publishes (the
+histograms as each interval's mean TTFT / inter-token latency), so the dashboard's own figure functions draw it.
 
 The address is the presenter's to give (a visitor's typing must never become a server-side fetch): every fetch has
-a total deadline (connect and whole body) and a size cap, read as a stream; what a remote answered is never shown
-(only its status, its words go to the server's log), its model name only to the presenter, and every kind of
-unreachable reads the same, so the page is no port scanner. Its address is shown as scheme://host:port only.
-"""
+a total deadline and a size cap; what a remote answered is never shown (its words go to the server's log), its
+model name only to the presenter, and every kind of unreachable reads the same, so the page is no port scanner."""
 from __future__ import annotations
 
 import json
@@ -182,9 +176,8 @@ class TooLarge(ValueError):
 
 
 def fetch(url: str, max_bytes: int, deadline_s: float = DEADLINE_S) -> tuple[int, bytes]:
-    """GET url: (status, body), the body read as a stream and given up past `max_bytes` (TooLarge) or past the
-    deadline, whichever comes first (a server trickling one byte at a time cannot hold a worker longer). Any
-    failure to get an answer: ValueError(unreachable)."""
+    """GET url: (status, body), given up past `max_bytes` (TooLarge) or the deadline, so a server trickling one
+    byte at a time cannot hold a worker longer. Any failure to get an answer: ValueError(unreachable)."""
     end = time.monotonic() + deadline_s
     try:
         with httpx.stream("GET", url, timeout=httpx.Timeout(deadline_s), follow_redirects=False) as response:
@@ -248,8 +241,7 @@ class RemoteServer:
             raise ValueError(f"{self.url}/metrics {why}") from None
 
     def connect(self) -> None:
-        """The first scrape, and the served model's name: refuses (ValueError) a server that is not there or has
-        no vLLM metrics, so attaching to a wrong address says so at once."""
+        """The first scrape and the served model's name; ValueError for a server not there or without vLLM metrics."""
         first = self.scrape()  # before the models: a server that is not there is refused after one deadline
         try:
             status, body = fetch(self._target + "/v1/models", MAX_SMALL_BYTES)
@@ -280,9 +272,8 @@ class RemoteServer:
             self.failures += 1
 
     def next_wait_s(self) -> float:
-        """One missed scrape (a busy server, an answer past the deadline) is retried at the usual pace, so the
-        charts lose one point rather than seconds of them; from the second failure in a row each wait doubles,
-        up to MAX_POLL_S."""
+        """One missed scrape is retried at the usual pace, so the charts lose one point rather than seconds of them;
+        from the second failure in a row each wait doubles, up to MAX_POLL_S."""
         return min(self.poll_s * 2 ** max(0, self.failures - 1), max(MAX_POLL_S, self.poll_s))
 
     def start(self) -> None:
@@ -341,8 +332,7 @@ class RemoteServer:
     # ---- chat ----------------------------------------------------------------------------------------------
     def chat(self, message: str, history: list[dict], temperature: float = 0.7,
              max_tokens: int = 256) -> Iterator[tuple[list[dict], str]]:
-        """Stream the reply from the remote server's /v1/chat/completions into the history (a refusal, a busy
-        server or an unreachable one shows as a warning in the chat, as the local engine's do)."""
+        """Stream the reply from the remote server's /v1/chat/completions into the history; failures as warnings."""
         if (turn := conversation.next_turn(message, history)) is None:
             yield list(history or []), ""
             return

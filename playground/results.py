@@ -88,9 +88,8 @@ def _rows_from(source: Path | str | list | None, kind: str) -> list:
 def bundle(cumulative_json: Path | str | list | None, concurrency_json: Path | str | list | None,
            memory_json: Path | str | list | None, measured_on: str, date: str, command: str | None = None,
            kv_bytes_per_token: int | None = None, quality_json: Path | str | list | None = None) -> dict:
-    """The shipped file's content from the `--json` row files (paths, or their lists already loaded). Each is
-    checked to be the experiment it is given as; None leaves that experiment out. command: what produced them
-    (default: COMMANDS of the experiments given)."""
+    """The shipped file's content from the `--json` row files (paths, or their lists), each checked to be the
+    experiment it is given as; None leaves that experiment out."""
     if not measured_on.strip() or not date.strip():
         raise ValueError("say where and when the results were measured (measured_on, date)")
     given = {"cumulative": cumulative_json, "concurrency": concurrency_json, "memory": memory_json,

@@ -1,6 +1,5 @@
 """The Engine settings tab's side of the playground: the form's values, a change applied (at once, at a step
-boundary, or as a rebuild of the weights), Reset and Restart. A mixin of Playground (playground/handlers.py).
-"""
+boundary, or as a rebuild of the weights), Reset and Restart. A mixin of Playground (playground/handlers.py)."""
 from __future__ import annotations
 
 import time
@@ -41,8 +40,7 @@ class SettingsHandlers:
                 for k in (*FEATURE_SWITCHES, *SIZE_FIELDS, *KV_DTYPE_FIELDS, *WEIGHT_FIELDS)}
 
     def weights_note(self) -> str:
-        """What the weights are now, what runs them here, whether each scheme is faster than fp32 on this CPU at all,
-        and what changing them does."""
+        """What the weights are now, what runs them here, and what changing them does."""
         snap = self.service.snapshot()
         kernel = snap.kernels.get("weights")
         runs = f" Its projections run on the {snap.kernels['weights_kernel']}: {snap.kernels['weights_why']}." \
@@ -58,8 +56,7 @@ class SettingsHandlers:
                 "once (about 2 s), which halves what the int8 cache costs in quality.")
 
     def speed_note(self) -> str:
-        """Each scheme against fp32 on this CPU, as measured here once (quant/speed.py), so that a scheme slower
-        than fp32 on this machine is not offered as the faster one."""
+        """Each scheme against fp32 on this CPU (quant/speed.py): one slower here is not offered as the faster."""
         speeds = model_speeds(self.llm.engine.model)
         if not speeds:
             return ""
@@ -76,8 +73,7 @@ class SettingsHandlers:
                 for k, unit in AUTOMATIC_FIELDS.items()}
 
     def settings_note(self) -> str:
-        """Changes still waiting for a step boundary, a change that could not be applied, and, while the page
-        watches another server, that this form is this process's engine's and not that server's."""
+        """Changes waiting for a step boundary, one that could not be applied, and an attached server's caveat."""
         view, notes = self.service.config_view(), []
         if (remote := self.remote) is not None:
             notes.append(f"⚠️ The page is attached to {plain(remote.url)}: this form shows the engine in this "
@@ -91,9 +87,8 @@ class SettingsHandlers:
         return "\n\n".join(notes)
 
     def apply_settings(self, loaded: dict | None = None, progress: ProgressFn | None = None, **values) -> str:
-        """Send only the fields the user changed: those that differ from the values the form was loaded with
-        (`loaded`), so a stale field never undoes another change. Without `loaded` (an API call), every field
-        that differs from what the engine will run is sent. `progress`: a rebuild's stages (weights changed)."""
+        """Send only the fields that differ from what the form was loaded with (`loaded`), so a stale field never
+        undoes another change; without `loaded` (an API call), every field that differs from what the engine runs."""
         current = self.settings()
         base = {**current, **{k: self._config_value(k, v) for k, v in (loaded or {}).items() if k in current}}
         wanted = {k: self._config_value(k, v) for k, v in values.items() if k in current}
@@ -136,9 +131,8 @@ class SettingsHandlers:
         return f"Applied: {_fields(changes)}." + (f" Re-prefilled: {', '.join(moved)}." if moved else "")
 
     def _change_weights(self, changes: dict, progress: ProgressFn | None) -> str:
-        """A change of the weights (WEIGHT_FIELDS) cannot apply while serving: the new weights are loaded first,
-        the old engine serving meanwhile, then restart() replaces the engine. Anything refused before the old
-        engine stops (a bad value, a group size that does not divide a layer, no kernel) leaves it untouched."""
+        """The new weights are loaded while the old engine serves, then _restart replaces the engine. Anything
+        refused before the old engine stops (a bad value, a group size, no kernel) leaves it untouched."""
         view, before = self.service.config_view(), self.service.snapshot().precision
         changes = {**view.pending, **changes}  # a change still waiting for a step is not lost with the engine
         weights = {k: v for k, v in changes.items() if k in WEIGHT_FIELDS}
@@ -180,10 +174,8 @@ class SettingsHandlers:
                 f"up in {time.perf_counter() - start - loaded:.1f} s. " + (ended or "No request was open."))
 
     def restart(self, changes: dict | None = None, progress: ProgressFn | None = None) -> str:
-        """A new engine thread over the same weights (after a crash, or to start clean). It comes back with the
-        last configuration that ran (plus `changes`, for a change applied to a stopped engine); if that cannot
-        be built, with the defaults. Never raises: the page must always get an engine back. `progress`: its
-        stages (building the engine and its pool, warming up), as a rebuild's."""
+        """A new engine thread over the same weights, with the last configuration that ran (plus `changes`), else
+        the defaults. Never raises: the page must always get an engine back."""
         if note := self.local_only("Restarting the engine"):
             return note
         if self.rebuilding:
@@ -195,9 +187,8 @@ class SettingsHandlers:
     def _restart(self, changes: dict | None = None, progress: ProgressFn | None = None,
                  reason: str = "the engine was restarted: this request was ended; send it again",
                  what: str = "restarting the engine") -> tuple[str, bool, str]:
-        """restart(), saying each stage to `progress` and the status line; requests still open end with `reason`.
-        Returns the message, whether the engine came back with `changes` (the first attempt), and how many
-        requests were ended, in words ("" for none)."""
+        """restart(); requests still open end with `reason`. Returns the message, whether the engine came back with
+        `changes`, and how many requests were ended, in words ("" for none)."""
         old = self.service
         self.rebuilding = what
         self._engine_up.clear()
@@ -255,8 +246,7 @@ def _coerce(name: str, value):
 
 
 def form_value(name: str, value):
-    """A setting as the form shows it (no quantization as NO_QUANTIZATION, the LM head's True and False in
-    LM_HEAD_WORDS); _coerce turns it back."""
+    """A setting as the form shows it; _coerce turns it back."""
     if name == "quantize_lm_head" and isinstance(value, bool):
         return LM_HEAD_WORDS[value]
     return NO_QUANTIZATION if name == "quantization" and value is None else value

@@ -1,8 +1,5 @@
-"""The ablation and comparison tables as the page shows them: named columns, numbers rounded for reading.
-
-gr.Dataframe takes {"headers": [...], "data": [[...]]}; without headers it labels columns "1 2 3", and raw
-floats ("5.665796017719589") are noise. Cells are strings formatted like the bench reports' markdown.
-"""
+"""The ablation and comparison tables as the page shows them: named columns, numbers rounded as the bench
+reports' markdown (gr.Dataframe's {"headers": [...], "data": [[...]]})."""
 from __future__ import annotations
 
 from typing import Any
@@ -100,8 +97,7 @@ QUALITY_HEADERS = ["precision", "top-1 agreement with fp32", "mean |logprob diff
 
 
 def quality_table(rows: list) -> dict:
-    """One line per QualityRow: how close each precision stays to fp32, and its goal if it has one
-    (fp32's own perplexity and each row's spec are in the section's note and command)."""
+    """One line per QualityRow: how close each precision stays to fp32, and its goal if it has one."""
     data = [[r.precision, _percent(r.top1_agreement, 1), f"{r.mean_abs_logprob_diff:.3f}", f"{r.perplexity:.2f}",
              _signed_percent(r.perplexity_change), r.kernel or "-", r.speed_vs_fp32 or "-",
              goal.verdict(r) if (goal := goal_for(r.spec)) else "-"]

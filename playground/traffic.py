@@ -1,10 +1,7 @@
 """Sustained traffic: N simulated users, each sending a request, waiting for its reply, thinking, sending again.
 
-A run lasts a chosen duration (0: each user sends once) or until stopped, in its own threads, so a class can
-watch the engine under a steady load while the teacher flips switches. Users look the engine service up at every
-request, so a restarted engine is used as soon as it is back; a refused request, or a reply ended by an engine
-error, is counted and shown, never fatal to the run.
-"""
+Users look the engine service up at every request, so a restarted engine is used as soon as it is back; a refused
+or failed request is counted and shown, never fatal to the run."""
 from __future__ import annotations
 
 import queue
@@ -28,9 +25,8 @@ class Service(Protocol):
     def abort(self, request_id: str) -> None: ...
 
 
-# people (the page's chat, the API) are priority 0 and up (how many their address already has on their way, at most
-# 999: access.Seats): under the engine's priority policy a simulated user's request waits while a person's is read,
-# and gives its seat to one (engine/policies.py)
+# people are priority 0 to 999 (access.Seats): under the engine's priority policy a simulated user's request waits
+# while a person's is read, and gives its seat to one (engine/policies.py)
 SIMULATED_PRIORITY = 1000
 POLL_S = 0.25  # how often a waiting user looks up from its reply to see whether Stop was pressed
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this much recent time

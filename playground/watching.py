@@ -1,12 +1,6 @@
-"""Watching another server (the OpenAI API and vLLM's /metrics), in two shapes:
-
-- `Watching`, a mixin of Playground (playground/handlers.py): the page of this machine's engine, attached for a
-  while to another server (the Remote server tab); Detach returns to the local engine.
-- `Watcher`: a page that only watches (`python app.py --attach URL`). No model is loaded here, no engine runs:
-  the page is the chat, the dashboard and the Remote server tab, for a deployment that lives elsewhere.
-
-What a remote server says is never shown (playground/remote.py); every address and name goes through `plain`.
-"""
+"""Watching another server (the OpenAI API and vLLM's /metrics): `Watching`, a mixin of Playground attached for a
+while (the Remote server tab), and `Watcher`, a page that only watches (`python app.py --attach URL`).
+What a remote server says is never shown (playground/remote.py); every address and name goes through `plain`."""
 from __future__ import annotations
 
 import logging
@@ -46,9 +40,8 @@ class Watching:
         try:
             remote.connect()
         except ValueError as exc:
-            # One message and one duration for every way of failing (refused, no such host, stalled, not HTTP, not
-            # vLLM's metrics), so the page tells a closed port from an open one to nobody; the reason goes to the
-            # server's log, which only whoever started it reads
+            # One message and one duration for every way of failing, so the page tells a closed port from an open
+            # one to nobody; the reason goes to the server's log
             log.warning("attach to %s failed: %s", remote.url, exc)
             time.sleep(max(0.0, ATTACH_FAILS_AFTER_S - (time.monotonic() - started)))
             self.attach_error = f"could not attach to {plain(remote.url, 80)}: {ATTACH_FAILED}"
@@ -75,9 +68,7 @@ class Watching:
 
 
 class Watcher(Watching, ChatHandlers):
-    """A page that watches one server at a time and loads no model: its chat streams from that server, its
-    dashboard draws that server's metrics. The presenter may attach it to another server; there is no local
-    engine to detach to."""
+    """A page that watches one server at a time and loads no model; the presenter may attach it to another."""
 
     local = False  # no engine in this process: the page leaves out the tabs that need one
 
@@ -92,9 +83,8 @@ class Watcher(Watching, ChatHandlers):
     @classmethod
     def connect(cls, url: str, say: Callable[[str], None] = print, retry_s: float = RETRY_S,
                 give_up_s: float | None = None) -> Watcher:
-        """Watch `url` once it answers with vLLM's metrics, asking again every `retry_s` (a server still starting
-        answers nothing for a while) until `give_up_s` (None: until interrupted). A malformed address, or
-        `give_up_s` spent, is a ValueError that says why."""
+        """Watch `url` once it answers with vLLM's metrics, asking again every `retry_s` until `give_up_s` (None:
+        until interrupted); ValueError for a malformed address or `give_up_s` spent."""
         remote = RemoteServer(url)  # a malformed address raises here, at once
         deadline = None if give_up_s is None else time.monotonic() + give_up_s
         while True:

@@ -4,11 +4,9 @@ lesson changes it, and a person's time to first token, idle and while 32 simulat
     python tools/browser_room_check.py            # a presenter and three attendees (token mode), lesson 5
     python tools/browser_room_check.py --one-page # one attendee's page only: the TTFT part
 
-With the presenter and three attendees, attendee 1 and 3 watch the Engine settings tab (its prefix_caching box and
-the status line), attendee 2 the Dashboard (the status line, and the chart on screen: every page follows the presenter
-to the lesson, whose chart names it and then draws its flip). The
-browsers run on the same cores as the engine, as they would not in a room: docs/measurements.md ("The room in
-Chromium") has runs of both forms. Needs Debian's chromium (/usr/bin/chromium) and playwright.
+Attendees 1 and 3 watch the Engine settings tab, attendee 2 the Dashboard. The browsers run on the engine's cores,
+as they would not in a room: docs/measurements.md ("The room in Chromium") has runs of both forms. Needs Debian's
+chromium (/usr/bin/chromium) and playwright.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The dashboard's figures, built once per engine step and shared by every open tab.
-
-Each browser tab runs its own timer; without this cache, N tabs would build N copies of every figure. A chat's
-live view (the block table with its own request highlighted) is cached beside them, one per request per build.
-"""
+"""The dashboard's figures, built once per engine step and shared by every open tab (each runs its own timer),
+and beside them each chat's live view, one per request per build."""
 from __future__ import annotations
 
 import os

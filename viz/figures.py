@@ -28,9 +28,8 @@ CELL_PX = 22  # a block table row at 32 columns, in pixels: the grid's height de
 CHAT_CELL_PX = 15  # the same in a chat's live view, which shares its row with the conversation (~450-600 px wide)
 PREFILLING_OPACITY = 0.45  # a request whose prompt is still being prefilled in chunks: its blocks drawn faint
 DIMMED_OPACITY = 0.25  # a chat's own view of the pool: everyone else's blocks drawn faint beside its own
-# A configuration change's label is drawn upright beside its marker, from the top of the plot area down: longer
-# labels would run past the plot's bottom (hover shows the whole change). Markers closer than MARKER_MERGE of the
-# time span share one line, so their labels never pile on each other.
+# A change's label is drawn upright from the top of the plot down: longer ones would run past its bottom. Markers
+# closer than MARKER_MERGE of the time span share one line, so their labels never pile on each other.
 MARKER_LABEL_CHARS = 24
 MARKER_MERGE = 0.04
 
@@ -159,9 +158,8 @@ def block_table_figure(snap, cols: int | None = None, cells: list[dict] | None =
 
 
 def highlighted_block_figure(snap, request_id: str | None, live: bool = False, cells: list[dict] | None = None) -> dict:
-    """The block table as one chat sees it: its own request's blocks (shared ones too) in full colour and outlined,
-    every other request's dimmed. `live`: the request is still streaming, though perhaps not in this snapshot yet.
-    `cells`: the snapshot's block_cells at grid_columns, when the caller has them (one list for every chat's view)."""
+    """The block table as one chat sees it: its own request's blocks outlined, every other request's dimmed.
+    `live`: the request is still streaming, though perhaps not in this snapshot yet."""
     cols = grid_columns(len(snap.block_ref_counts))
     pitch = CHAT_CELL_PX * min(1.0, 32 / cols)
     cells = block_cells(snap, cols) if cells is None else cells
@@ -405,9 +403,8 @@ def prefix_cache_figure(history: Sequence, window: int = 20, active: bool = True
                         idle_gap_s: float = IDLE_GAP_S, changes: Sequence = ()) -> dict:
     """`active`: whether prefix caching is on now (the snapshot's features); when off, the chart says so."""
     t, starts = _times(history), _busy_starts(history, idle_gap_s)
-    # The recent rate is the last `window` steps' (counters only move at steps), never reaching back across a
-    # configuration change: with caching switched off no prompt is looked up, so the line stops at the change
-    # instead of being drawn on from the hits before it.
+    # The recent rate never reaches back across a configuration change: with caching switched off no prompt is looked
+    # up, so the line stops at the change instead of being drawn on from the hits before it.
     breaks = _after_changes(history, changes, starts)
     rate = _windowed_ratio(history, window, lambda h: h.prefix_cache_hits, lambda h: h.prefix_cache_queries, 100,
                            starts=breaks)
@@ -479,9 +476,8 @@ GPU_SPLIT_COLOURS = ("#6baed6", "#fd8d3c", "#31a354", "#d9d9d9")
 
 
 def gpu_memory_split(snap, system: dict) -> list[tuple[str, float]]:
-    """The card's memory in GB as the engine sized its KV pool (snapshot.gpu_memory, on CUDA) and NVML sees it:
-    weights and everything in use before the pool, the activations' peak, the KV pool, the rest. Empty without
-    both (CPU, a pool given in GB or blocks, no NVML)."""
+    """The card's memory in GB as the engine sized its KV pool (snapshot.gpu_memory) and NVML sees it; empty
+    without both (CPU, a pool given in GB or blocks, no NVML)."""
     plan, total = getattr(snap, "gpu_memory", None), system.get("gpu_total_gb")
     if not plan or not total:
         return []

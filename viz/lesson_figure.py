@@ -1,6 +1,5 @@
-"""A lesson's chart, for a room: the lesson's own number over the lesson's own window only, before the switch and
-after it as two named lines, the table's two numbers as two level lines, one short marker at the flip (the details
-on hover), and axis titles in words. The points are the table's numbers bin by bin (playground/lesson_numbers.py's
+"""A lesson's chart, for a room: its number before and after the switch as two lines, the table's two numbers as
+level lines, a marker at the flip. The points are the table's numbers bin by bin (playground/lesson_numbers.py's
 `series`), so the chart and the table never disagree."""
 from __future__ import annotations
 

@@ -23,9 +23,8 @@ def _panels(titles: Sequence[str], xgap: float) -> dict:
 
 
 def compare_figure(result) -> dict:
-    """Two configurations side by side (a CompareResult): throughput, mean TTFT and mean TPOT, a panel each. In
-    each panel the better of the two is green (more tokens/s, less time), both blue when they tie or one is
-    missing; labels are plain numbers (2270, not 2.27e+3)."""
+    """Two configurations side by side (a CompareResult): throughput, mean TTFT and mean TPOT, a panel each, the
+    better of the two green."""
     metrics = [("throughput", "tokens/s", 1.0, True), ("mean_ttft_s", "TTFT (ms)", 1e3, False),
                ("mean_tpot_s", "TPOT (ms)", 1e3, False)]
     labels = list(result.labels)
@@ -99,9 +98,8 @@ def cumulative_figure(rows: Sequence) -> dict:
 
 
 def concurrency_figure(rows: Sequence, level: int | None = None, names: dict[str, str] | None = None) -> dict:
-    """Each feature's worth at each concurrency (AblationRows of ablate_concurrency): the full engine's tokens/s
-    over the engine's without it (1 / ratio), drawn up from 1x for a gain and down for a loss, on a log axis so
-    a 10x and a 1.1x both read. level: only that concurrency. names: switch -> the feature's name."""
+    """Each feature's worth at each concurrency: the full engine's tokens/s over the engine's without it, drawn
+    from 1x on a log axis so a 10x and a 1.1x both read. level: only that concurrency. names: switch -> name."""
     names = names or {}
     label = {r.switch: names.get(r.switch, r.feature) for r in rows if r.switch}
     levels = sorted({r.concurrency for r in rows if r.concurrency is not None})
@@ -132,9 +130,8 @@ MEMORY_PANELS = (("peak_running", "requests running at once (peak)"), ("preempti
 
 
 def memory_sweep_figure(rows: Sequence) -> dict:
-    """The memory sweep (MemoryRows): for each KV pool, paged vs contiguous (and each KV dtype), how many requests
-    ran at once, how often one was preempted, tokens/s, over the pool's size in MB (so dtypes line up by memory).
-    A layout that could not run in a pool is drawn as 0 requests, with an x."""
+    """The memory sweep (MemoryRows), each layout and KV dtype over the pool's size in MB (so dtypes line up by
+    memory); a layout that could not run in a pool is drawn as 0 requests, with an x."""
     mb = {}  # a pool that could not be built has no size of its own: take its sibling's
     for r in rows:
         key = (r.num_kv_blocks, getattr(r, "kv_cache_dtype", None))
