@@ -40,7 +40,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self._to_device = host_to_device(self.device)
         self.scratch_block = num_kv_blocks if scratch_block else None
-        self.graphs = None  # DecodeGraphs, set by the engine when cuda_graphs=True
+        self.graphs = None  # DecodeGraphs, set by factory.CoreBuilder.build when cuda_graphs=True
         s = model.shape
         self.key_scales = None if key_scales is None else [
             KeyScale.of(scale.to(model.device), s.num_heads, model.dtype) for scale in key_scales]
