@@ -20,8 +20,8 @@ from .utils import cdiv
 class Block:
     block_id: int
     ref_count: int = 0
-    # (parent block's hash, this block's tokens), set once the block is full and registered in the
-    # prefix cache. The dict of cached blocks is keyed by it, so a hash collision cannot alias two prefixes.
+    # set once the block is full and registered; the cached blocks are keyed by it, not by its hash, so a hash
+    # collision cannot alias two prefixes
     hash_key: tuple | None = None
 
 
@@ -93,7 +93,7 @@ class BlockPool:
 
 @dataclass
 class KVCacheStats:
-    """The pool's counters, read by the snapshot and the benchmarks alike (names as the snapshot shows them)."""
+    """The pool's counters, named as the snapshot shows them."""
     kv_blocks_total: int
     kv_blocks_used: int  # held by at least one request
     kv_blocks_cached_free: int  # held by none, but still naming a cached prefix
@@ -125,9 +125,8 @@ class Freed:
 
 
 class KVCache(ABC):
-    """What the scheduler and the engine ask of a KV layout: PagedKVCache, ContiguousKVCache and NoKVCache.
-    Each says which blocks a request holds and how it makes room; the defaults are a layout with no pool and no
-    prefix cache (the hooks with empty bodies are deliberately no-ops: only the paged layout shares blocks)."""
+    """What the scheduler and the engine ask of a KV layout. The defaults are a layout with no pool and no prefix
+    cache (the empty hooks are deliberately no-ops: only the paged layout shares blocks)."""
 
     block_size: int
     num_blocks = num_used = 0
@@ -173,7 +172,7 @@ class KVCache(ABC):
             self.prefix_cache_hits += num_hit
 
     def set_prefix_caching(self, on: bool) -> None:
-        """Switched in place; only the paged layout's configuration ever switches it on."""
+        """Switched in place (a reconfiguration that keeps the pool)."""
 
     def adopt_counters(self, old: KVCache) -> None:
         """Carry the prefix-cache counters over when the pool is rebuilt (they describe the engine's life)."""
@@ -268,7 +267,6 @@ class PagedKVCache(KVCacheManager):
             self.pool.clear_cache()
 
     def _hash_keys(self, request: Request) -> list[tuple]:
-        """Chained hash keys of the request's full blocks, extended as its tokens grow."""
         bs, keys = self.block_size, self._table(request).hash_keys
         while (len(keys) + 1) * bs <= request.num_tokens:
             i = len(keys)
@@ -320,8 +318,7 @@ class PagedKVCache(KVCacheManager):
 
 
 class NoKVCache(KVCache):
-    """The naive loop's cache: nothing is kept, so every step recomputes each sequence from its first token (its
-    num_computed_tokens stays 0), allocation always succeeds, and there is nothing to share or free."""
+    """The naive loop's: nothing is kept, so every step recomputes each sequence from its first token."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

@@ -1,8 +1,5 @@
-"""EngineConfig: every size and feature switch of the engine, validated in one place.
-
-`LLM(**kwargs)` and the playground both go through `EngineConfig.from_kwargs`, so a typo in a
-field name or an impossible value is a clear ValueError before any weights are loaded.
-"""
+"""EngineConfig: every size and feature switch of the engine, validated in one place (`from_kwargs`, which LLM and the
+playground both use), so a misspelt field or an impossible value is a ValueError before any weights are loaded."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +13,7 @@ FEATURE_SWITCHES = ("kv_cache", "paged_kv", "continuous_batching", "prefix_cachi
 STRUCTURAL_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "kv_cache", "paged_kv", "kv_cache_dtype",
                      "kv_cache_smoothing",
                      "attention_backend", "cuda_graphs", "gpu_memory_utilization")
-# How the weights are stored: a model is loaded (and quantized) with them, so they cannot change while serving.
+# How the weights are stored: a model is loaded (and quantized) with them.
 WEIGHT_FIELDS = ("dtype", "quantization", "quantization_group_size", "quantize_lm_head", "quantization_smoothing",
                  "quantization_gptq")
 # These need a new model load and cannot change while serving.
@@ -43,9 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: by device and chunked prefill (factory.py's default_...)
     max_model_len: int | None = None  # None: min(model context, 2048)
     seed: int = 0
-    # which request goes first (engine/policies.py): "priority" (a request's priority, lower first, then first
-    # come: equal priorities are served as "fcfs") or "fcfs"
-    scheduling_policy: str = "priority"
+    scheduling_policy: str = "priority"  # or "fcfs" (engine/policies.py)
     # feature switches
     kv_cache: bool = True
     paged_kv: bool = True
@@ -56,12 +51,11 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # k: draft tokens per request and step, at most
     prompt_lookup_min: int = 2  # shortest n-gram matched to propose drafts
     prompt_lookup_max: int = 4  # longest n-gram tried first
-    # rows (decodes + drafts) a step may verify before drafts shrink: k = min(k, budget // decoding - 1), so none
-    # above 8 decoding requests (why: docs/measurements.md, "Speculative decoding")
+    # rows (decodes + drafts) a step verifies before drafts shrink (spec.adaptive_k; why: docs/measurements.md,
+    # "Speculative decoding")
     speculative_token_budget: int = 16
     cuda_graphs: bool = False  # CUDA only: decode steps replayed from graphs captured per batch-size bucket
-    # precision: the weights quantized at load, and the KV cache's element type (docs/engine.md's table says what
-    # each of these fields stores; why int4's groups are 32: docs/measurements.md, the caution under the quality table)
+    # precision (docs/engine.md's table; why int4's groups are 32: docs/measurements.md, under the quality table)
     quantization: str | None = None  # None, "int8", "int4" or "w8a8"
     quantization_group_size: int = 32  # int4: input features per scale and zero
     quantize_lm_head: bool | str = True  # True: as the projections; False: the model's dtype; or a scheme
@@ -147,7 +141,6 @@ class EngineConfig:
             parts.append(f"{self.kv_cache_dtype} KV" + (", keys smoothed" if self.key_smoothing_active else ""))
         return ", ".join(parts)
 
-    # kv_cache_smoothing rescales what an int8 KV cache stores; with the model's dtype there is nothing to rescale.
     @property
     def key_smoothing_active(self) -> bool:
         return self.kv_cache_smoothing and self.kv_cache_dtype == "int8"

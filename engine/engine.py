@@ -1,10 +1,4 @@
-"""LLMEngine: add_request / step / abort; step() is schedule -> prepare -> forward -> sample -> retire.
-
-It runs one resolved configuration and does not know how it is replaced: its owner hands it the next one at a step
-boundary (swap_core; engine/reconfigure.py builds it), and a new KV pool re-prefills running requests (freed and
-requeued in order), so nothing in flight is lost. What the engine shows of itself is built by engine/snapshot.py, a
-new request's checks are engine/inputs.py's.
-"""
+"""LLMEngine: add_request / step / abort; step() is schedule -> prepare -> forward -> sample -> retire."""
 from __future__ import annotations
 
 import itertools
@@ -32,16 +26,15 @@ from .threads import compute_threads
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer, hf_config=None,
                  requested: EngineConfig | None = None) -> None:
-        """`config`: what to run, its dtype decided (engine/factory.py; its sizes may be left None, the factory
-        fills them). `requested`: as asked, kept to report (dtype "auto" there); it may differ from config in
-        nothing else. LLM builds engines so (llm.py's engine_for)."""
+        """`config`: what to run, its dtype decided (its sizes may be left None: the factory fills them).
+        `requested`: as asked, kept to report (dtype "auto" there). llm.py's engine_for builds engines so."""
         requested = config if requested is None else requested
         check_resolved(config, requested)
         check_weights(config, model)
         self.model = model
         self.tokenizer = tokenizer
         self.hf_config = hf_config
-        builder = CoreBuilder(model, tokenizer)  # the first core: sizes filled in and checked, pool and runner built
+        builder = CoreBuilder(model, tokenizer)
         self.config = builder.resolve(requested)
         check_weights(self.config, model)  # a requested "auto" decided otherwise than config's dtype
         self.kv, self.runner = builder.build(self.config)
@@ -57,18 +50,16 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.spec_stats = SpecDecodeStats()
         self.steps: deque[StepRecord] = deque(maxlen=256)
-        # the C++ kernels' own threads on a CPU, else torch's following the cores others leave (engine/threads.py)
         self.cores = compute_threads(model.device)
         self.generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
-        # each new token's text and whether it ends its request (engine/output.py)
         self.output = OutputProcessor(tokenizer, eos_token_ids(tokenizer, hf_config))
 
     # ---- the next configuration, handed in from outside (engine/reconfigure.py builds and checks it) ---------
     def swap_core(self, config: EngineConfig, kv: KVCache | None = None,
                   runner: ModelRunner | None = None) -> list[str]:
-        """Run `config` from the next step on; only between steps. With a new pool (`kv` and its `runner`), each
-        running request's blocks are freed in the old one and it is requeued, to be re-prefilled; their ids come
-        back, oldest first. Without one, config applies in place (prefix caching switched on the pool kept)."""
+        """Run `config` from the next step on; only between steps. With a new pool (`kv` and its `runner`), every
+        running request is freed and requeued, to be re-prefilled (nothing in flight is lost); their ids come back,
+        oldest first. Without one, config applies in place (prefix caching switched on the pool kept)."""
         if kv is None:
             moved: list[str] = []
             self.kv.set_prefix_caching(config.prefix_caching_active)
@@ -85,7 +76,6 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, priority: int = 0) -> str:
-        """`priority`: lower goes first under the priority policy (vLLM's), equal ones first come, first served."""
         text, token_ids, params = checked_inputs(prompt, params, priority, self.tokenizer, self.model.shape.vocab_size)
         check_fits(len(token_ids), params, self.config)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -116,7 +106,7 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self.cores.computing():  # on the threads a step computes on (engine/threads.py)
+        with self.cores.computing():
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
@@ -145,9 +135,8 @@ class LLMEngine:
         return outputs
 
     def _sample(self, batch: Batch, logits) -> list[list[tuple[int, TokenLogprobs | None]]]:
-        """The tokens each scheduled request gains this step, in batch order, each with its logprobs (None unless
-        asked for): one for a prefill's end or a decode, the accepted drafts plus one for a verify, none for a
-        prefill chunk short of the prompt's end."""
+        """The tokens each scheduled request gains this step, in batch order, with their logprobs (None unless asked
+        for): one for a prefill's end or a decode, the accepted drafts plus one for a verify."""
         rows, row = [], 0  # where each request's rows to sample from start (after its prompt-logprob rows)
         for s in batch.scheduled:
             positions = s.prompt_logprob_positions
@@ -217,7 +206,6 @@ class LLMEngine:
         return outputs
 
     def _pop(self, req: Request) -> RequestOutput:
-        """A finished or aborted request's last output; the engine and the output processor let it go."""
         self.requests.pop(req.request_id, None)
         return req.to_output(self.output.pop(req.request_id))
 

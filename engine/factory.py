@@ -49,8 +49,7 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 
 def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str:
     """None: triton on CUDA when there is a KV cache to page through (in the model's dtype), sdpa otherwise. An
-    explicit 'triton' is checked here (triton importable, a device it can run on), so a bad choice fails at
-    construction."""
+    explicit 'triton' is checked here, so a bad choice fails at construction."""
     backend = config.attention_backend
     if backend is None:
         backend = ("triton" if device.type == "cuda" and config.kv_cache and config.kv_cache_dtype != "int8"
@@ -76,8 +75,7 @@ CHUNKED_PREFILL_BUDGET = {"cpu": 256, "cuda": 2048}
 
 
 def default_max_num_batched_tokens(config: EngineConfig, max_model_len: int, device_type: str = "cpu") -> int:
-    """With chunked prefill, by the device (CHUNKED_PREFILL_BUDGET); without it, the budget must hold a whole
-    prompt."""
+    """Without chunked prefill the budget must hold a whole prompt."""
     if config.chunked_prefill_active:
         return CHUNKED_PREFILL_BUDGET.get(device_type, CHUNKED_PREFILL_BUDGET["cpu"])
     return max(2048, max_model_len)
@@ -125,9 +123,8 @@ class Resolved:
     in_features: tuple[int, ...]
 
     def weights_kernel(self) -> str:
-        """The kernel the decoder's projections run the weights' precision with, and why (quant/kernels.py decides,
-        asked for each K): "kernel: why", or, where projections of different K get different kernels,
-        "kernel for K=a, b: why; ..." for each."""
+        """The kernel the decoder's projections run the weights' precision with, and why (quant/kernels.py decides
+        for each K): "kernel: why", or where Ks differ in kernel, "kernel for K=a, b: why; ..." for each."""
         by_choice: dict[tuple[str, str], list[int]] = {}
         for k in self.in_features:
             choice = choose_kernel(self.config.quantization, self.config.device, TORCH_DTYPES[self.config.dtype],
@@ -168,8 +165,7 @@ def stored_as(model) -> tuple[str, WeightFormat]:
 
 
 def check_resolved(config: EngineConfig, requested: EngineConfig) -> None:
-    """An engine runs one resolved configuration: the dtype is decided before it is built (the weights are loaded
-    in it), here, never by the engine."""
+    """The dtype is decided before an engine is built (the weights are loaded in it), never by the engine."""
     if config.dtype == "auto":
         raise ValueError("LLMEngine was given dtype='auto': the dtype is decided by engine/factory.py before an "
                          "engine is built (resolve_weights(config, model.device), or llm.py's engine_for, does it)")
@@ -189,9 +185,8 @@ def check_weights(config: EngineConfig, model) -> None:
 
 class CoreBuilder:
     """What an engine runs, over one loaded model: a configuration resolved (every automatic field decided) and
-    checked, and the KV manager and model runner built for it. A GPU's memory profile is measured once and kept
-    (`gpu_memory`) while the utilization and the step size stay; `pool_bytes`: the bytes the KV pool in use holds
-    (0 before there is one), which a profile counts as taken."""
+    checked, and the KV manager and model runner built for it. `pool_bytes`: the bytes the KV pool in use holds
+    (0 before there is one), which a GPU memory profile counts as taken."""
 
     def __init__(self, model, tokenizer, pool_bytes: Callable[[], int] = lambda: 0,
                  gpu_memory: GpuMemoryPlan | None = None) -> None:
@@ -199,7 +194,6 @@ class CoreBuilder:
         self.gpu_memory = gpu_memory  # CUDA: how the pool was sized (gpu.py)
 
     def automatic_sizes(self, config: EngineConfig) -> dict:
-        """What each size left empty (None) comes to, given config's other fields (the settings form says it)."""
         return automatic_sizes(config, self.model, self._plan_gpu_memory)
 
     def _plan_gpu_memory(self, config: EngineConfig, max_len: int, budget_tokens: int) -> GpuMemoryPlan:

@@ -49,8 +49,7 @@ class LLM:
     # ---- the engine's configuration, changed between two of its steps -------------------------------------------
     @property
     def reconfig(self) -> Reconfiguration:
-        """What the engine was asked, what it runs, what waits and the last change's record; begun again from the
-        engine when another owner (a service, a rebuild that replaced self.engine) has changed it since."""
+        """Begun again when another owner (a service, a rebuild that replaced self.engine) has changed the engine."""
         if self._reconfig is None or self._reconfig.current is not self.engine.config:
             self._reconfig = Reconfiguration.of(self.engine)
         return self._reconfig

@@ -7,8 +7,7 @@ import torch
 
 class TokenLogprobs(dict):
     """One position's log probabilities in vLLM's form, a dict {token_id: logprob} holding the chosen (or given)
-    token and the most likely ones; also .token_id, .logprob and .top (the most likely, most likely first), which
-    an OpenAI response lists in order. From the model's own logits, before temperature or any filter."""
+    token and the most likely ones; also .token_id, .logprob and .top (most likely first), for an OpenAI response."""
 
     def __init__(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> None:
         super().__init__(((token_id, logprob), *top))

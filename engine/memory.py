@@ -14,8 +14,7 @@ GIB = 2**30  # "GB" in messages means GiB, like EngineConfig.kv_cache_memory_gb
 # Host memory per block of the pool's Python bookkeeping (Block object, free-queue entry, the snapshot's
 # per-block lists): ~290 bytes measured with tracemalloc on CPython 3.11, rounded up.
 BLOCK_OBJECT_BYTES = 320
-# Kept free for everything else: activations, the page, other processes. RAM: 10% of what is available (at
-# least 1 GB); GPU: 10% of the card (at least 1 GB), since a forward pass needs room beside the cache.
+# Kept free for everything else: activations (a forward pass needs room beside the cache), the page, other processes.
 RESERVE_FRACTION = 0.10
 MIN_RESERVE = 1 * GIB
 

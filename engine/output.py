@@ -1,7 +1,5 @@
 """Output processing, outside the engine's core (as vLLM v1's output processor): each new token's text (incremental
-detokenization) and whether the request ends there (stop tokens, stop strings, the length limit). The engine calls
-`process` once per sampled token and does the finishing; the text and its offsets are kept here from `add` to `pop`.
-"""
+detokenization) and whether the request ends there (stop tokens, stop strings, the length limit)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +11,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class _DetokState:
-    """A request's text so far and the offsets for incremental detokenization (decode a short window, not the
-    whole output), with where the next stop-string scan starts."""
+    """A request's text so far, the offsets that decode only a short window of it, and the next stop scan's start."""
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
@@ -40,7 +37,6 @@ class OutputProcessor:
         return "" if state is None else state.text
 
     def __len__(self) -> int:
-        """How many requests' states are held."""
         return len(self._states)
 
     def process(self, req: Request, token: int, max_model_len: int) -> str | None:
@@ -50,7 +46,6 @@ class OutputProcessor:
         return self._stop_reason(state, req, token, max_model_len)
 
     def _detokenize(self, d: _DetokState, ids: list[int]) -> None:
-        """Append the new token's text, decoding only a short window of recent tokens."""
         prefix = self.tokenizer.decode(ids[d.prefix_offset:d.read_offset], skip_special_tokens=True)
         full = self.tokenizer.decode(ids[d.prefix_offset:], skip_special_tokens=True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

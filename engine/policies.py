@@ -1,11 +1,9 @@
-"""Scheduling policies: which waiting request is admitted next, which running one gives its blocks back when the
-pool runs dry, and whether a step belongs to some requests before others. The scheduler asks; a policy is one
-small class and one line in POLICIES (EngineConfig.scheduling_policy names it, as vLLM's --scheduling-policy).
+"""Scheduling policies (EngineConfig.scheduling_policy, as vLLM's --scheduling-policy): which waiting request is
+admitted next, which running one gives its blocks back when the pool runs dry, and which requests sit a step out.
 
-- fcfs: first come, first served; the newest running request is preempted first.
-- priority (vLLM's): lower `priority` first, then first come. A better request waiting takes the worst running
-  one's seat and blocks, and while one still reads its prompt the worse ones wait a step (running or newly come):
-  a person's first token does not queue behind simulated users'.
+- fcfs: first come, first served.
+- priority (vLLM's): lower `priority` first, then first come. While a better request reads its prompt the worse
+  ones wait a step, so a person's first token does not queue behind simulated users'.
 """
 from __future__ import annotations
 

@@ -30,8 +30,7 @@ class Change:
 
 
 class Reconfiguration(CoreBuilder):
-    """One engine's configuration life: what it asked for, what that resolved to, what waits to apply, and the last
-    change's record. Built for an engine with `of(engine)`; `current` given: it runs already (not resolved again)."""
+    """One engine's configuration life (`of(engine)`). `current` given: it runs already (not resolved again)."""
 
     def __init__(self, model, tokenizer, requested: EngineConfig, current: EngineConfig | None = None,
                  gpu_memory: GpuMemoryPlan | None = None, pool_bytes=lambda: 0) -> None:

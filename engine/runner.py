@@ -40,7 +40,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self._to_device = host_to_device(self.device)
         self.scratch_block = num_kv_blocks if scratch_block else None
-        self.graphs = None  # DecodeGraphs, set by the engine when cuda_graphs=True
+        self.graphs = None  # DecodeGraphs, set by factory.CoreBuilder.build when cuda_graphs=True
         s = model.shape
         self.key_scales = None if key_scales is None else [
             KeyScale.of(scale.to(model.device), s.num_heads, model.dtype) for scale in key_scales]
@@ -60,7 +60,6 @@ class ModelRunner:
 
     @property
     def attention_kernel(self) -> str:
-        """What attends a decode step here, in words."""
         return self.attention.kernel
 
     @property
@@ -68,8 +67,7 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.kv_scales) if t is not None)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> Batch:
-        """Rows for every scheduled request, decodes first (one row each), then each prefill chunk or verify; the
-        attention backend builds the step's metadata over them."""
+        """The step's rows, in Batch.scheduled's order, and the attention backend's metadata over them."""
         use_cache = self.kv_cache is not None
         decodes = [s for s in scheduled if s.phase is Phase.DECODE]
         ordered = decodes + [s for s in scheduled if s.phase is not Phase.DECODE]

@@ -1,7 +1,6 @@
 """The sampler: one token per row of logits, greedy or drawn from the request's filtered distribution. Each seeded
 request owns a torch.Generator that draws exactly one number per step, so its output does not depend on what else
-is in the batch. The per-row arithmetic is engine/sampler_ops.py's; the params, sampling_params.py's.
-"""
+is in the batch."""
 from __future__ import annotations
 
 import torch
@@ -12,15 +11,16 @@ from .sampling_params import SamplingParams
 
 def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The rows as the sampler draws from them (float32 once any row samples): greedy rows as they are, the others
-    scaled by their temperature and filtered. Both the draw and the logprobs read these, so a logprob is that of
-    the draw."""
+    scaled by their temperature and filtered."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return logits  # argmax reads them as they are: float32 changes no comparison
     source, logits = logits, logits.float()
+    # bf16 logits' float32 copy is ours to write in; the caller's float32 logits (its logprobs read them) never are
+    own = logits.data_ptr() != source.data_ptr()
     every = len(rows) == len(params)
     if all(params[i].plain(logits.shape[1]) for i in rows):  # nothing to scale or mask, only a copy to give
-        return logits.clone() if logits.data_ptr() == source.data_ptr() else logits  # (the draw writes in it)
+        return logits if own else logits.clone()  # (the draw writes in it)
     dev = logits.device
     filtered = filter_logits(
         logits if every else logits[rows],
@@ -28,21 +28,18 @@ def processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torc
         torch.tensor([params[i].top_k for i in rows], device=dev),
         torch.tensor([params[i].top_p for i in rows], device=dev, dtype=torch.float32),
         torch.tensor([params[i].min_p for i in rows], device=dev, dtype=torch.float32),
-        # a copy of the rows, or the float32 copy of bf16 logits: scaled where it is; the caller's float32 logits
-        # (its logprobs read them) never
-        in_place=not every or logits.data_ptr() != source.data_ptr(),
+        in_place=own or not every,  # logits[rows] is a copy too
     )
     if every:
         return filtered
-    out = logits.clone() if logits.data_ptr() == source.data_ptr() else logits  # the caller's stays as it was
+    out = logits if own else logits.clone()
     out[rows] = filtered
     return out
 
 
 def draw(processed: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of processed logits (the caller's to give away: a sampled batch overwrites it). Greedy rows
-    take the argmax; the rest draw at once by inverting their cumulative sum at one uniform number per row, each
-    generator drawing for its own rows only, so a seeded request's tokens do not depend on the batch."""
+    take the argmax; the rest draw at once by inverting their cumulative sum at one uniform number per row."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return most_likely(processed).tolist()

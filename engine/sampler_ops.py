@@ -11,10 +11,9 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     """Scale by temperature and mask (to -inf) what top-k / top-p / min-p exclude. Rows: requests.
 
     top_k <= 0 (or >= the vocabulary), top_p = 1 and min_p = 0 disable a filter for that row. Each filter judges
-    the tempered distribution, and a token stays when every filter keeps it (an intersection). Only what a row asks
-    for is computed: no filter, no sort. In C++ where it is built (a tie at a boundary goes to the lower token id),
-    else torch's calls (a tie broken by topk's order). `in_place`: `logits` is the caller's own copy, scaled and
-    masked where it is (one allocation of the logits' size fewer per step).
+    the tempered distribution; a token stays when every filter keeps it. No filter, no sort. A tie at a boundary
+    goes to the lower token id in C++, by topk's order in torch. `in_place`: `logits` is the caller's own copy,
+    scaled and masked where it is (one allocation of the logits' size fewer per step).
     """
     if bool((temperature != 1).any()):
         logits = logits.div_(temperature.unsqueeze(1)) if in_place else logits / temperature.unsqueeze(1)
@@ -75,9 +74,8 @@ TOP_P_CANDIDATES = (256, 4096)  # top-p looks among this many most likely tokens
 
 def _top_p_drop(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """What top-p drops: all but the smallest prefix of the most likely tokens whose mass reaches p (the token
-    that crosses p stays). Sorting the vocabulary is the costly part, and a nucleus is most often small
-    (docs/measurements.md), so the most likely TOP_P_CANDIDATES come first; a row whose candidates already hold
-    mass p is settled exactly as a full sort would settle it, and only the rows still short look further."""
+    that crosses p stays). Sorting the vocabulary is the costly part and a nucleus is most often small
+    (docs/measurements.md), so a row whose TOP_P_CANDIDATES already hold mass p is settled there, exactly."""
     n, vocab = probs.shape
     drop = torch.ones_like(probs, dtype=torch.bool)
     pending = torch.arange(n, device=probs.device)
@@ -114,9 +112,8 @@ EXP_FLOOR = -87.0  # float32's exp underflows below about this; torch's exp_ tak
 
 
 def shifted_exp(x: torch.Tensor) -> torch.Tensor:
-    """exp(x - each row's max) in place, exactly 0 where x is -inf (a token a filter dropped: never drawn). torch's
-    exp_ takes a slow path below EXP_FLOOR (docs/measurements.md), so what lies below is taken at the floor, where
-    the float would underflow anyway."""
+    """exp(x - each row's max) in place, exactly 0 where x is -inf (a token a filter dropped: never drawn); what
+    lies below EXP_FLOOR is taken at the floor (docs/measurements.md)."""
     if (ext := _native(x)) is not None:
         return ext.exp_shifted_rows(x)
     dropped = x == float("-inf")
@@ -137,9 +134,8 @@ def invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     probability p_i. A token of probability 0 (a filter removed it) adds no width, so no u lands on it.
 
     Two levels, for speed and for precision: a float32 running sum over 49k probabilities would misplace the
-    tail's boundaries by up to ~1e-3 of mass, and a cumulative sum over every entry is the slow part. So the row
-    is cut into chunks of CDF_CHUNK; the chunks' masses (a vectorized sum) are accumulated in float64 to pick the
-    chunk, and only the picked chunk gets a running sum, each boundary in it off by at most an ulp of its mass."""
+    tail's boundaries by up to ~1e-3 of mass, and a cumulative sum over every entry is the slow part. So the
+    chunks' masses are accumulated in float64 to pick a chunk, and only that chunk gets a running sum."""
     n, vocab = probs.shape
     chunks = -(-vocab // CDF_CHUNK)
     if vocab % CDF_CHUNK:

@@ -17,7 +17,6 @@ class InvalidSamplingParam(ValueError):
         self.param = param
 
 
-
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -29,13 +28,11 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    # None: no logprobs; N: the chosen token's and the N most likely tokens' log probabilities, from the model's
-    # own logits before temperature or any filter (vLLM's raw logprobs): a sampled token a filter allowed keeps
-    # the probability the model gave it
+    # None: none; N: the chosen token's and the N most likely tokens' log probabilities (logprobs.py: a sampled
+    # token a filter allowed keeps the probability the model gave it)
     logprobs: int | None = None
-    # None: none; N: at each prompt position after the first, the given token's and the N most likely tokens'
-    # log probabilities, from the model's own logits (vLLM's meaning). A request asking for them is not served
-    # from the prefix cache: every prompt position must be computed to have its logits.
+    # None: none; N: at each prompt position after the first, the given token's and the N most likely tokens'. Such
+    # a request is not served from the prefix cache: every prompt position must be computed to have its logits.
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:

@@ -1,10 +1,8 @@
 """Who runs this step and with how many tokens.
 
 The scheduler thinks in {request: num_new_tokens}: a prefill is many new tokens, a decode is one, so both share
-one token budget. It decides each scheduled request's phase once and hands it on in `SchedulerOutput`: the runner
-and the step log read it, neither guesses it again. Running requests go first; when the pool runs dry the policy's
-victim (engine/policies.py) is preempted by recompute; waiting requests are admitted in the policy's order while
-seats, budget and blocks last (static batching: only into an empty batch).
+one token budget. Each scheduled request's phase is decided here once; the runner and the step log read it. When
+the pool runs dry the policy's victim (engine/policies.py) is preempted by recompute.
 """
 from __future__ import annotations
 
@@ -101,8 +99,7 @@ class Scheduler:
         self.spec_k = (adaptive_k(c.num_speculative_tokens, num_decoding, c.speculative_token_budget)
                        if c.speculative_decoding_active else 0)
 
-        # Running requests: decodes first, so streams never stall behind a long prompt's chunks. Under the priority
-        # policy, while a better request reads its prompt (or waits to), the worse ones sit this step out
+        # Running requests: decodes first, so streams never stall behind a long prompt's chunks
         cutoff = self.policy.cutoff(self.running, self.waiting)
         for req in sorted(self.running, key=lambda r: r.is_prefilling):
             if req.status is not RequestStatus.RUNNING:
@@ -116,7 +113,7 @@ class Scheduler:
             if n == 0:
                 continue
             if not self._allocate_or_preempt(req, n, cached, out):
-                continue  # req itself was preempted: it was the newest
+                continue
             self._take(ScheduledRequest(req, Phase.VERIFY if drafts else _phase(req, start), start, n,
                                         cached.num_tokens, drafts), out)
         # no request leaves the batch from here on (admission preempts none in it): its full blocks can be named now
@@ -165,17 +162,15 @@ class Scheduler:
         self._budget -= s.num_tokens
 
     def _propose(self, req: Request) -> list[int]:
-        """Draft tokens for a decoding request: never past max_tokens or max_model_len (the verified token
-        after the drafts always counts), and never more than the step's budget can verify."""
+        """Draft tokens for a decoding request (each bound less 1: the token verified after them always counts)."""
         c = self.config
         room = min(self.spec_k, req.params.max_tokens - req.num_output_tokens - 1,
                    c.max_model_len - req.num_tokens - 1, self._budget - 1)
         return propose_ngram(req.token_ids, room, c.prompt_lookup_min, c.prompt_lookup_max) if room > 0 else []
 
     def _fit(self, start: int, n: int) -> int:
-        """How many of a request's n remaining tokens run this step: all of them if the budget allows; with
-        chunked prefill, a chunk of what is left of the budget (ending on a block boundary where possible, so
-        the next chunk can be skipped if its blocks turn up in the prefix cache); otherwise none."""
+        """How many of a request's n remaining tokens run this step. A chunk ends on a block boundary where possible,
+        so the next chunk can be skipped if its blocks turn up in the prefix cache."""
         if n <= self._budget:
             return n
         if not self.config.chunked_prefill_active or self._budget == 0:
@@ -185,8 +180,7 @@ class Scheduler:
         return aligned if aligned > 0 else self._budget
 
     def _allocate_or_preempt(self, req: Request, n: int, cached: CachedPrefix, out: SchedulerOutput) -> bool:
-        """Slots for n new tokens, preempting the policy's victims (the newest running requests, or the worst
-        priority's) until they fit."""
+        """Slots for n new tokens, preempting the policy's victims until they fit; False if req itself was one."""
         while self.kv.allocate_slots(req, n, cached) is None:
             if self._give_way(out) is req:
                 return False

@@ -1,11 +1,9 @@
 """EngineService: the engine in one background thread, with thread-safe submit / abort / stream / config.
 
-Only the service thread touches the engine. Callers send commands through a queue and get replies through
-futures; every request's outputs go to its own stream queue (or a sink the caller brings); after each step the
-thread stores a snapshot and a small history sample, so any number of viewers can read them without slowing
-the engine, and hands what the step did (IterationStats) to its listeners (the metrics endpoint). The service owns
-the engine's configuration life (engine/reconfigure.py): a change waits for a step boundary, or applies at once
-to an idle engine, and the engine is handed its new core then.
+Only the service thread touches the engine: callers send commands through a queue and get replies through futures.
+After each step the thread stores a snapshot and a history sample, so any number of viewers can read them without
+slowing the engine. A configuration change (engine/reconfigure.py) waits for a step boundary, or applies at once to
+an idle engine.
 """
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ from .snapshot import EngineCounters, EngineSnapshot, StepCounters
 DEFAULT_MAX_WAITING_REQUESTS = 256
 # while the engine steps, its whole snapshot (every block's state, every live request) is taken at most this often:
 # a reader polls it at most a few times a second, and taking it every step cost a share of a batch-1 step worth
-# saving (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every 50 ms"). Every step's counters
-# (engine.counters()) go to the history.
+# saving (docs/measurements.md, "The weights in 2 MB pages, and the snapshot every 50 ms").
 SNAPSHOT_INTERVAL_S = 0.05
 # steps the time series keeps: it must outlast the dashboard's 180 s charts and a lesson's phases at the fastest step
 # (docs/measurements.md, "The lessons, rehearsed")
@@ -80,8 +77,7 @@ class IterationStats:
 
 @dataclass(slots=True)
 class HistorySample(StepCounters):
-    """One point of the dashboard's time series (taken after every step): the engine's counters then, and the step's
-    own measures."""
+    """One point of the dashboard's time series: the engine's counters after a step, and the step's own measures."""
     time: float  # when (time.time())
     step_ms: float  # how long the step took
     ttft_s: float | None  # of requests that got their first token in this step (mean)
@@ -125,12 +121,10 @@ class EngineService:
                  stat_listeners: list[Callable[[IterationStats], None]] | None = None,
                  follows: EngineService | None = None,
                  runner: Callable[[EngineLoop], None] = on_its_own_thread) -> None:
-        """`max_waiting_requests`: beyond it submit raises ServiceBusy (None: no bound). `stat_listeners`: called
-        on the engine thread after every step; the list is kept, not copied, so its owner can add to it later
-        (and hand the same list to the service that replaces this one after a restart). `follows`: the service this
-        one replaces: its time series and configuration changes carry on here, with a marker for the restart, so
-        the charts keep their before and after across it. `runner`: where the engine loop runs (its own thread,
-        or an EngineHost's)."""
+        """`stat_listeners`: called on the engine thread after every step; the list is kept, not copied, so its owner
+        can add to it later (and hand it to the service that replaces this one after a restart). `follows`: the
+        service this one replaces: its time series and configuration changes carry on here, with a marker for the
+        restart. `runner`: where the engine loop runs (its own thread, or an EngineHost's)."""
         if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool)
                                                  or not isinstance(max_waiting_requests, int)
                                                  or max_waiting_requests < 1):
@@ -180,8 +174,7 @@ class EngineService:
 
     def follow(self, rid: str, q: queue.Queue, timeout: float = 600.0,
                latest: bool = False) -> Iterator[RequestOutput]:
-        """The outputs of a request already submitted (its id and stream from `submit`), as `stream` yields them:
-        a caller that needs the id first (a chat showing its own request) submits, then follows.
+        """The outputs of a request already submitted, as `stream` yields them (for a caller that needs the id first).
         `latest`: skip to the newest output already waiting (each holds the whole text so far, not a delta), so a
         consumer slower than the engine (a busy web server) shows the newest text instead of falling behind."""
         try:

@@ -23,8 +23,7 @@ class FeatureState:
 
 
 def feature_states(c: EngineConfig) -> dict[str, FeatureState]:
-    """Every switch as asked for and as it runs (the snapshot's `features`: what /metrics, the dashboard and the
-    benchmarks read, rather than each deriving it again from the requested fields)."""
+    """The snapshot's `features`, so that no reader derives them again from the requested fields."""
     no_cache = "needs a KV cache (kv_cache is off)"
     rules = {
         "kv_cache": (c.kv_cache, ""),
@@ -89,7 +88,7 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class RequestView:
-    """One live request as the snapshot shows it (plain data: no tensors, no engine objects)."""
+    """One live request as the snapshot shows it."""
     status: str  # RequestStatus's value: "waiting", "running", ...
     num_prompt_tokens: int
     num_output_tokens: int = 0
@@ -105,8 +104,7 @@ class RequestView:
 
 @dataclass(slots=True)
 class StepCounters:
-    """The engine's counters after a step, as its time series keeps them (service.HistorySample adds the step's
-    time and latencies)."""
+    """The engine's counters after a step, as its time series keeps them (service.HistorySample adds the rest)."""
     step: int
     num_running: int
     num_waiting: int
@@ -120,8 +118,7 @@ class StepCounters:
 @dataclass(slots=True)
 class EngineCounters(StepCounters):
     """The engine's counters now, without the snapshot's per-block and per-request lists: cheap enough to read after
-    every step (the service's time series and its per-step deltas), where the whole snapshot is taken less often
-    (service.py's SNAPSHOT_INTERVAL_S says why)."""
+    every step, where the whole snapshot is taken less often (service.py's SNAPSHOT_INTERVAL_S says why)."""
     spec_num_drafts: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
@@ -166,7 +163,6 @@ class EngineSnapshot:
 
 
 def snapshot_of(engine, num_steps: int = 64) -> EngineSnapshot:
-    """A plain-data picture of the engine now; no tensors, cheap enough for every refresh."""
     s, kv, config = engine.scheduler, engine.kv, engine.config
     live = list(s.running) + list(s.waiting)
     ref_counts, hashes = kv.block_states()

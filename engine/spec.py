@@ -1,9 +1,8 @@
 """Speculative decoding with n-gram prompt lookup: propose, then verify inside the normal step.
 
-Propose: the k tokens that followed the most recent earlier occurrence of a request's last n tokens: free, and
-right whenever the answer copies from the prompt. Verify: the request's 1 + k rows in the step's forward pass check
-the drafts at once. Greedy keeps the longest draft prefix equal to the argmax; sampling keeps a draft d with
-probability p(d), else draws from p without d (rejection sampling), so the output is distributed exactly as p.
+Proposing is free, and right whenever the answer copies from the prompt; the request's 1 + k rows in the step's
+forward pass verify the drafts. Greedy keeps the longest draft prefix equal to the argmax; sampling keeps a draft d
+with probability p(d), else draws from p without d (rejection sampling), so the output is distributed exactly as p.
 """
 from __future__ import annotations
 

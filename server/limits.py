@@ -63,8 +63,7 @@ def too_large(limit: int) -> ApiError:
 
 
 def check_sizes(body: dict, limits: ApiLimits) -> None:
-    """Every list and object the API reads within its cap (a 400 naming the field and the cap), counted by len():
-    the first check after parsing, before anything walks the body."""
+    """Every list and object the API reads within its cap (a 400 naming the field and the cap)."""
     _check_len(body.get("messages"), "messages", limits.max_messages)
     messages = body.get("messages")
     if isinstance(messages, list):

@@ -1,8 +1,6 @@
-"""OpenAI-compatible routes (/v1/models, /v1/completions, /v1/chat/completions) and /metrics, over EngineService.
-
-The routes share the one engine service with the playground's chat tabs (the same batches, the same dashboard).
-Outputs reach the event loop through a sink, so no thread waits per request. A client that goes away mid-request
-has its request aborted at once (its KV blocks freed).
+"""OpenAI-compatible routes (/v1/models, /v1/completions, /v1/chat/completions) and /metrics, over EngineService,
+which they share with the playground's chat tabs (the same batches, the same dashboard). A client that goes away
+mid-request has its request aborted at once (its KV blocks freed).
 """
 from __future__ import annotations
 
@@ -215,12 +213,12 @@ class OpenAIApi:
         """Tokenize (through the chat template for a chat) and submit, on a worker thread: the engine thread gets
         token ids, so tokenizing never holds up its steps, and the default max_tokens needs the prompt's length."""
         max_len = service.snapshot().config["max_model_len"]
+        param = "messages" if req.chat else "prompt"
         if not isinstance(req.prompt, list) or req.chat:
             tokenize = lambda text: self.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
             if limits.probe_too_long(prompt_text(req), tokenize, max_len, self.limits):
                 raise protocol.bad_request(f"the prompt is longer than this model's context of {max_len} tokens "
-                                           f"(its start alone is)", "messages" if req.chat else "prompt",
-                                           "context_length_exceeded")
+                                           f"(its start alone is)", param, "context_length_exceeded")
         prompt = req.prompt
         if req.chat:
             try:
@@ -240,10 +238,9 @@ class OpenAIApi:
             raise ApiError(429, str(exc), "rate_limit_exceeded", None, "too_many_waiting_requests",
                            {"Retry-After": str(RETRY_AFTER_S)}) from exc
         except ContextLengthError as exc:
-            raise protocol.bad_request(str(exc), "messages" if req.chat else "prompt",
-                                       "context_length_exceeded") from exc
+            raise protocol.bad_request(str(exc), param, "context_length_exceeded") from exc
         except ValueError as exc:
-            raise protocol.bad_request(str(exc), "messages" if req.chat else "prompt") from exc
+            raise protocol.bad_request(str(exc), param) from exc
         except RuntimeError as exc:  # the engine thread has stopped
             raise engine_stopped(str(exc)) from exc
         return rid, params
