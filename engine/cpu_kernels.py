@@ -125,8 +125,7 @@ def _compile(folder: Path, name: str, verbose: bool):
 
 
 def build(say=_say, verbose: bool = False, force: bool = False):
-    """Build the module (or load the build already there, unless force) and return it; None if it could not be built
-    (said why)."""
+    """Build the module (or load the one there, unless force) and return it; None if it could not be (said why)."""
     name, folder = module_name(), build_folder()
     library = folder / f"{name}{LIB_EXT}"
     with _build_lock:

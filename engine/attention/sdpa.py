@@ -119,8 +119,7 @@ class LayerKV(NamedTuple):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV | None,
               meta: AttentionMetadata) -> torch.Tensor:
-    """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim], written into the cache (when there is one).
-    Returns [T, num_heads * head_dim]."""
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (into the cache if any) -> [T, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads

@@ -169,8 +169,7 @@ def compare_logprobs(windows: list[list[int]], ref: list[list], got: list[list])
 
 def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, Any] | None = None,
             text: str | None = None, window: int = 1024, progress: Progress = None) -> list[QualityRow]:
-    """Teacher-forced over the same text (prompt_logprobs): each spec's engine against the fp32 one, position by
-    position."""
+    """Teacher-forced over the same text: each spec's engine against the fp32 one, position by position."""
     settings = {k: v for k, v in (settings or {}).items() if k not in (*REFERENCE_PRECISION, "model")}
     windows = text_windows(llm, QUALITY_TEXT.read_text() if text is None else text, window)
     total = len(specs) + 1

@@ -147,8 +147,7 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, list[float]]:
 
 
 def gemm_rate(n: int, dtype: torch.dtype, repeats: int = 3) -> dict[str, list[float]]:
-    """GFLOP/s of an n x n x n matmul in dtype, one per repeat, by torch.mm and by the engine's projection kernel:
-    torch's may not be the machine's best."""
+    """GFLOP/s of an n x n x n matmul, one per repeat, by torch.mm and by the engine's kernel (torch's may lose)."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
     own = Linear(b)
@@ -216,8 +215,7 @@ def _engine(llm: LLM, spec: str, config, model, settings: dict[str, Any], sizes:
 
 def roofline(llm: LLM, specs: Sequence[str] = SPECS, sizes: Sizes | None = None,
              settings: dict[str, Any] | None = None, progress: Progress = None) -> Roofline:
-    """The machine's limits, then each precision's decode against them; the rounds go round every precision, so a
-    busy moment hits each alike."""
+    """The machine's limits, then each precision's decode against them, the rounds going round every precision."""
     sizes = sizes or Sizes()
     if llm.engine.model.device.type != "cpu":
         raise ValueError("roofline measures a CPU's bandwidth and matmul peak: load the model on the CPU")

@@ -45,8 +45,7 @@ class Cancelled(Exception):
 
 
 def load_llm(settings: dict[str, Any] | None = None) -> LLM:
-    """The weights, loaded once (load-time fields and max_model_len only); its own engine keeps no KV pool, so it
-    costs no cache memory: benchmarks build their engines from it with LLM.build_engine."""
+    """The weights, loaded once; its own engine keeps no KV pool: benchmarks build theirs with LLM.build_engine."""
     settings = settings or {}
     check_fields(settings, "settings")
     load = {k: settings[k] for k in (*LOAD_TIME_FIELDS, "max_model_len") if k in settings and k != "model"}

@@ -4,6 +4,7 @@ so it is done once and kept as safetensors in the cache folder (docs/measurement
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -111,10 +112,8 @@ def gguf_sha256(gguf: Path) -> str:
                 json.dump(index, f, indent=1, sort_keys=True)
             os.replace(tmp, index_file)
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
     except OSError:  # a read-only cache: hashed again next time
         pass
