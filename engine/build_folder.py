@@ -108,8 +108,7 @@ def _try_flock(f) -> bool:
 
 
 def _wait(ready, folder: Path, deadline: float, say, what: str) -> bool:
-    """Poll ready() until it holds (True) or the deadline passes (False), saying whom it waits for at the start and
-    each minute after."""
+    """Poll ready() until it holds (True) or the deadline passes (False), saying whom it waits for each minute."""
     started, said = time.monotonic(), 0
     while not ready():
         waited = time.monotonic() - started

@@ -1,19 +1,11 @@
-"""The CPU engine's own kernels (csrc/cpu_kernels.cpp), each where torch's calls spent most of their time outside the
-arithmetic for the few rows of a decode step: w8a8's per-row work around fbgemm's matmul, decode attention straight
-over the paged KV pool, a step's K and V written into the pool (int8 too), the int8 / int4 weight-only matmuls (on
-AVX-512 VNNI's integer dot products where the CPU has them), the float32 / bf16 matmuls of the unquantized projections
-(on AMX's tiles where it has them), a decoder layer's elementwise steps and the sampler's rows. Why each, and how
-closely it agrees with the torch calls it replaces (bit for bit, or to float rounding; tested), is said at its section
-of the C++ source; what each gained, in docs/measurements.md. Built ahead by `make kernels` / `make install` (`python
--m engine.cpu_kernels build`: torch's cpp_extension with gcc and ninja, -march=native, ninja's output shown) into the
-cache, one folder per source, CPU, Python and torch install.
+"""The CPU engine's own kernels (csrc/cpu_kernels.cpp), each where torch's calls spent most of a decode step's time
+outside the arithmetic; why each, and how closely it agrees with torch, is said at its section of the C++ source,
+what each gained in docs/measurements.md. Built ahead by `make kernels` (`python -m engine.cpu_kernels build`) into
+the cache, one folder per source, CPU, Python and torch install.
 
-At run time (compiled(): app.py, LLM(), the tests) nothing is compiled: a build present in its folder is imported as
-it is, and without one a single line on stderr says how to build it and torch's calls run (the same results, more
-slowly). WATCHLLM_BUILD_KERNELS=1 builds it at first use instead, saying so first; WATCHLLM_CPU_EXTENSIONS=0 keeps to
-the torch calls. A build cut short (Ctrl-C, a timeout, a restarted kernel) leaves torch's lock file behind: the next
-build or start sees that the process named in the folder's builder.pid is gone and removes it; a live build is
-waited for at most WAIT_S seconds. `python -m engine.cpu_kernels status` says in one line what runs here.
+At run time (compiled()) nothing is compiled: a build present is imported, and without one a line on stderr says how
+to build it and torch's calls run (the same results, more slowly). WATCHLLM_BUILD_KERNELS=1 builds it at first use
+instead; WATCHLLM_CPU_EXTENSIONS=0 keeps to the torch calls. A build cut short is cleared by build_folder.py.
 """
 from __future__ import annotations
 
@@ -57,8 +49,7 @@ warnings.filterwarnings("ignore", message=r"'engine\.cpu_kernels' found in sys\.
 
 
 def quantize_rows_python(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, K] fp32 -> (q - 128 as fp32 [T, K], scale [T], zero - 128 [T]): quant.quantize_uint8's rows, centred
-    on fbgemm's zero point."""
+    """quant.quantize_uint8's rows centred on fbgemm's zero point: (q - 128 as fp32, scale, zero - 128)."""
     q, scale, zero = quantize_uint8(x)
     return q.float().sub_(W8A8_ZERO_POINT), scale, zero.sub_(W8A8_ZERO_POINT)
 
@@ -74,9 +65,8 @@ def _torch_path() -> str:
 
 
 def _build_key() -> str:
-    """What the machine code depends on: the source and the flags it is built with, the CPU's flags (it is built for
-    this CPU), Python, torch's version and its install path (two environments with the same torch each build their
-    own). Each its own folder, so two checkouts or environments never rebuild over each other."""
+    """What the machine code depends on (torch's install path too: two environments with the same torch each build
+    their own), so two checkouts or environments never rebuild over each other."""
     flags = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -97,7 +87,6 @@ def build_folder() -> Path:
 
 
 def library_path() -> Path:
-    """The module torch's build leaves in the folder: <folder>/<name>.so."""
     return build_folder() / f"{module_name()}{LIB_EXT}"
 
 
@@ -117,8 +106,7 @@ def _last_line(exc: BaseException) -> str:
 
 
 def _import_built(name: str, library: Path):
-    """The built module straight from its file, as torch's cpp_extension imports it after a build, without running
-    ninja or the compiler; once per process."""
+    """The built module straight from its file, without running ninja or the compiler; once per process."""
     key = str(library)
     if key not in _loaded:
         spec = importlib.util.spec_from_file_location(name, library)
@@ -131,17 +119,13 @@ def _import_built(name: str, library: Path):
 
 
 def _compile(folder: Path, name: str, verbose: bool):
-    """torch's cpp_extension build (gcc and ninja) into folder; the module it leaves there, imported."""
     from torch.utils.cpp_extension import load
     return load(name, [str(SOURCE)], build_directory=str(folder), extra_ldflags=LDFLAGS, extra_cflags=CFLAGS,
                 verbose=verbose)
 
 
-# ---- building and loading ----------------------------------------------------------------------------------------
-
 def build(say=_say, verbose: bool = False, force: bool = False):
-    """Build the module into build_folder() (or load the build already there, unless force) and return it; None if
-    it could not be built (said why, in one line)."""
+    """Build the module (or load the one there, unless force) and return it; None if it could not be (said why)."""
     name, folder = module_name(), build_folder()
     library = folder / f"{name}{LIB_EXT}"
     with _build_lock:
@@ -201,8 +185,7 @@ def _build():
 
 
 def compiled():
-    """The built module, or None: WATCHLLM_CPU_EXTENSIONS=0, not built (said once), or the build failed (said).
-    Never compiles unless WATCHLLM_BUILD_KERNELS=1."""
+    """The built module, or None; never compiles unless WATCHLLM_BUILD_KERNELS=1."""
     with _build_lock:  # two engines loading at once load (or build) it once
         return _build()
 
@@ -230,7 +213,6 @@ def describe(ext) -> str:
 
 
 def status() -> str:
-    """One line: built or not, the key, the folder, and what runs."""
     if os.environ.get("WATCHLLM_CPU_EXTENSIONS", "1") == "0":
         return "C++ CPU kernels: off (WATCHLLM_CPU_EXTENSIONS=0): torch's calls run"
     name, folder = module_name(), build_folder()

@@ -1,10 +1,6 @@
-"""CUDA graphs for decode steps (`cuda_graphs=True`): the whole forward of a pure-decode batch replayed as one graph,
-since at small batches the launches of hundreds of tiny kernels, not the math, set a GPU's time per token.
-
-A graph's tensors are fixed, so there is one per batch-size bucket (1, 2, 4, ... max_num_seqs), the batch padded
-into static buffers with harmless decodes (token 0 at position 0, K/V into a scratch slot after the pool); only
-steps whose every row decodes replay, and only with the triton backend, whose kernels read block tables and context
-lengths from device tensors (SDPA gathers a copy whose shape changes). docs/gpu.md has the table of what runs how.
+"""CUDA graphs for decode steps (`cuda_graphs=True`): at small batches the launches of hundreds of tiny kernels, not
+the math, set a GPU's time per token. One graph per batch-size bucket, the batch padded with harmless decodes into
+static buffers; only pure-decode steps with the triton backend replay (SDPA gathers a copy whose shape changes).
 """
 from __future__ import annotations
 
@@ -17,7 +13,6 @@ from .utils import cdiv
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """Powers of two below max_num_seqs, then max_num_seqs itself: 1, 2, 4, ..., max_num_seqs."""
     buckets, b = [], 1
     while b < max_num_seqs:
         buckets.append(b)
@@ -26,13 +21,13 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 def bucket_for(num_rows: int, buckets: list[int]) -> int | None:
-    """The smallest bucket holding num_rows rows; None when the batch is larger than every bucket."""
+    """The smallest bucket holding num_rows rows, or None."""
     i = bisect.bisect_left(buckets, num_rows)
     return buckets[i] if i < len(buckets) else None
 
 
 def check_cuda_graphs(device: torch.device, attention_backend: str, kv_cache: bool) -> None:
-    """Raise ValueError naming why cuda_graphs=True cannot run here (never a silent fallback to eager)."""
+    """ValueError naming why cuda_graphs=True cannot run here (never a silent fallback to eager)."""
     if device.type != "cuda":
         raise ValueError(f"cuda_graphs=True captures CUDA graphs: it needs a CUDA GPU, and this engine runs on "
                          f"{device}; leave cuda_graphs off")
@@ -66,7 +61,6 @@ class StaticDecodeInputs:
                              decode_block_tables=self.block_tables[:rows], decode_context_lens=self.context_lens[:rows])
 
     def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata, bucket: int) -> None:
-        """Copy a decode batch of n <= bucket rows in; pad rows n..bucket as dummy decodes on the scratch block."""
         n, width = input_ids.shape[0], meta.decode_block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)

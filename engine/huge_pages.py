@@ -55,8 +55,7 @@ def _movable(t: torch.Tensor) -> bool:
 
 
 def gather(tensors: Iterable[torch.Tensor]) -> int:
-    """Move these tensors, in place, into one buffer backed by 2 MB pages where the system gives them; returns the
-    bytes moved (0 where it gives none, or none of them could move: see _movable)."""
+    """Move these tensors, in place, into one buffer backed by 2 MB pages where the system gives them: bytes moved."""
     if thp_mode() not in ("always", "madvise"):
         return 0
     libc = _libc()

@@ -1,13 +1,8 @@
-"""The engine's compute threads. On a CPU nearly all of a step runs in the engine's C++ kernels, on their own threads
-(engine/csrc/cpu_kernels.cpp, namespace pool), whose parallel regions never wait for a thread that has not claimed
-a share of the work: beside a busy process the OS keeps one of them off its core and the other goes on, so the
-engine keeps a thread per core (KernelThreads). torch's own calls left in a step run on one thread: an OpenMP region
-ends at a barrier, and OpenMP's idle threads spin against the kernels' own (docs/measurements.md, "Beside a busy
-neighbour").
-
-Without the C++ kernels a step is hundreds of OpenMP regions, each ending at a barrier, and CoreShare sets torch's
-threads to the cores nobody else wants instead. Readings in a row (DROP_AFTER, RISE_AFTER) are asked before the
-count moves, so a passing process does not make it flap.
+"""The engine's compute threads. The C++ kernels' parallel regions never wait for a thread that has not claimed a
+share of the work, so beside a busy process the engine keeps a thread per core (KernelThreads) and torch's own calls
+on one: an OpenMP region ends at a barrier, and its idle threads spin against the kernels' (docs/measurements.md,
+"Beside a busy neighbour"). Without the C++ kernels, CoreShare sets torch's threads to the cores nobody else wants.
+Readings in a row (DROP_AFTER, RISE_AFTER) are asked before anything moves, so a passing process does not make it flap.
 """
 from __future__ import annotations
 
@@ -50,7 +45,6 @@ def others_running() -> int | None:
 
 
 def wanting(others: int) -> str:
-    """"3 other threads want a core", as the status line says it."""
     return f"{others} other thread{'s want' if others != 1 else ' wants'} a core"
 
 
@@ -62,11 +56,10 @@ def usable_cores() -> int:
 
 
 class FollowsOthers:
-    """The other threads that want a core, read at most every EVERY_S (`others`: the last reading); a subclass's
-    adjust() acts on them before each step."""
+    """The other threads that want a core, read at most every EVERY_S; a subclass's adjust() acts on them."""
 
     def __init__(self) -> None:
-        self.others = 0  # the other threads wanting a CPU, at the last reading
+        self.others = 0  # at the last reading
         self._due = 0.0
 
     def _reading(self, now: float | None) -> int | None:
@@ -84,8 +77,8 @@ class FollowsOthers:
         raise NotImplementedError
 
     def settle(self, gap_s: float = 0.02) -> None:
-        """Take now, gap_s apart, the readings a change waits for: a measurement beside a set number of busy
-        processes (bench closed-loop) then times their effect, not the engine's time to see them come."""
+        """Take now the readings a change waits for: a measurement beside busy processes (bench closed-loop) then
+        times their effect, not the engine's time to see them come."""
         for _ in range(max(DROP_AFTER, RISE_AFTER)):
             self._due = 0.0
             self.adjust()
@@ -94,7 +87,7 @@ class FollowsOthers:
 
 class CoreShare(FollowsOthers):
     """Sets torch's thread count (from the thread that steps: an OpenMP setting is that thread's) to the cores left
-    over by everyone else. `adjust()` before each step; it reads the system at most every EVERY_S."""
+    over by everyone else."""
 
     def __init__(self, most: int | None = None) -> None:
         super().__init__()
@@ -127,11 +120,9 @@ _given: int | None = None  # torch's threads when the process's first engine sta
 
 
 class KernelThreads(FollowsOthers):
-    """The C++ kernels on `most` threads (torch's count when the first engine started, a user's OMP_NUM_THREADS or a
-    test lane's 1), at most a usable core each, and torch's own calls in a step on one: CoreShare's interface. What
-    it follows: while other threads want some of the cores but fewer than all (0 < others < usable cores, DROP_AFTER
-    readings in a row), an idle worker yields YIELD_US before it sleeps (kernel_yield_us); beside 1 busy process
-    that gained, beside 4 or 6 it cost (docs/measurements.md, "Where the share goes"); otherwise it sleeps as quiet."""
+    """The C++ kernels on `most` threads (torch's count when the first engine started), at most a usable core each,
+    and torch's own calls on one. While others want some of the cores but fewer than all, an idle worker yields
+    YIELD_US before it sleeps (docs/measurements.md, "Where the share goes")."""
 
     def __init__(self, kernels, most: int | None = None) -> None:
         super().__init__()
@@ -152,8 +143,7 @@ class KernelThreads(FollowsOthers):
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
-        """Around a step: the stepping thread's torch calls on one thread (an OpenMP setting is that thread's), its
-        count put back after, for whatever else that thread runs."""
+        """Around a step: the stepping thread's torch calls on one thread, its count put back after."""
         self.adjust()
         before = torch.get_num_threads()
         if before != 1:
@@ -171,8 +161,7 @@ class KernelThreads(FollowsOthers):
 
 
 def compute_threads(device: torch.device) -> CoreShare | KernelThreads:
-    """What a step computes on: on a CPU with the C++ kernels built, their own threads; on a CPU without them,
-    torch's, following the cores others leave free; beside a GPU, the one host thread."""
+    """What a step computes on: the C++ kernels' threads, else torch's; beside a GPU, the one host thread."""
     if device.type != "cpu":
         return CoreShare(most=1)
     kernels = cpu_kernels.compiled()

@@ -14,8 +14,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 def attention(q, k, v, cache: LayerKV | None, meta):
-    """Dispatch on the metadata the runner built for this step's backend. `cache`: this layer's slice of the pool
-    (an int8 pool's scales included: the SDPA path's only; the config refuses int8 KV with the triton backend)."""
+    """Dispatch on the metadata the runner built for this step's backend; `cache`: this layer's slice of the pool."""
     if isinstance(meta, PagedMetadata):
         from .triton_paged import attention as paged_attention
         k_cache, v_cache = (None, None) if cache is None else (cache.k, cache.v)

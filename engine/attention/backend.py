@@ -1,6 +1,5 @@
 """What every attention backend is to the runner (as mini-sglang's build their own metadata): made once from a
-`BackendSetup`, asked each step to `build` that step's metadata, able to say in words what attends (`kernel`).
-The runner keeps what all of them share and no branch on which backend runs."""
+`BackendSetup`, asked each step to `build` that step's metadata; the runner has no branch on which backend runs."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -17,7 +16,6 @@ ToDevice = Callable[[list, torch.dtype], torch.Tensor]
 
 @dataclass(frozen=True)
 class BackendSetup:
-    """What a backend knows of its runner, fixed at load."""
     block_size: int
     device: torch.device
     dtype: torch.dtype  # the model's (its weights' and activations')
@@ -33,8 +31,7 @@ def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> l
 
 
 class AttentionBackend(ABC):
-    # the engine's C++ kernels this backend calls (cpu_kernels.py), None where it calls none; tests and
-    # `bench kernel-worth` set them to None (runner.attention.decode_attention) to run the torch path instead
+    # the C++ kernels this backend calls, if any; tests and `bench kernel-worth` set them to None for the torch path
     decode_attention: Callable | None = None
     write_kv: Callable | None = None
 
@@ -49,7 +46,7 @@ class AttentionBackend(ABC):
     @property
     @abstractmethod
     def kernel(self) -> str:
-        """What attends a decode step here, in words (the snapshot's kernels)."""
+        """What attends a decode step here, in words."""
 
     @abstractmethod
     def build(self, ordered: list[ScheduledRequest], decodes: list[ScheduledRequest], slots: list[int],

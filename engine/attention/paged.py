@@ -1,7 +1,5 @@
-"""The triton backend (`attention_backend="triton"`): the paged kernels' metadata, built once per step without
-importing triton. Every tensor is made on the host in one go and copied to the device (pinned and non-blocking on
-CUDA), and nothing is gathered: the kernels read the block tables themselves.
-"""
+"""The triton backend's metadata, built once per step without importing triton: nothing is gathered, the kernels
+read the block tables themselves."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,8 +13,8 @@ from .backend import AttentionBackend, ToDevice
 
 @dataclass
 class PagedMetadata:
-    """Rows: the first num_decode are single-token decodes, the rest the prefill/verify sequences one after
-    another. Block tables are padded with 0 past a sequence's blocks (never read: its length stops the loop)."""
+    """The first num_decode rows are single-token decodes, the rest prefill/verify sequences one after another.
+    Block tables are padded with 0 (never read: a sequence's length stops the loop)."""
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token (negative: not stored)
     num_decode: int
     block_size: int
@@ -71,7 +69,6 @@ def build_paged_metadata(decodes: Sequence[tuple[list[int], int]], prefills: Seq
 
 
 class TritonBackend(AttentionBackend):
-    """The paged Triton kernels read the block tables themselves: nothing is gathered, no mask is built."""
     kernel = "Triton paged kernels"
 
     def build(self, ordered: list[ScheduledRequest], decodes: list[ScheduledRequest], slots: list[int],

@@ -1,10 +1,6 @@
-"""Paged attention with torch's scaled_dot_product_attention, or on CPU the engine's C++ kernel.
-
-With the C++ kernels (CppPoolBackend) every row of a step reads its own slots of the pool in one call a layer,
-after the step's K/V are written. Without them (SdpaBackend) decode rows are batched over K/V gathered through a
-padded slot index under a mask (none when all are as long: SDPA is faster without one), GQA folded into the query
-axis so K/V are never repeated; each prefill runs on its own, causally, over its gathered context. An int8 cache
-is quantized as written and dequantized as read; with kv_cache_smoothing its keys are first rescaled (KeyScale).
+"""Paged attention with torch's scaled_dot_product_attention, or on CPU the engine's C++ kernel (CppPoolBackend).
+Without it, decode rows are batched over gathered K/V under a mask (GQA folded into the query axis, so K/V are
+never repeated) and each prefill runs on its own, causally. An int8 cache is quantized as written.
 """
 from __future__ import annotations
 
@@ -31,21 +27,17 @@ class PrefillSeq:
 
 
 class KeyScale(NamedTuple):
-    """One layer's key smoothing for an int8 KV cache (kv_cache_smoothing; why, and how the scales s are found:
-    engine/quant/calibrate.py): each key channel divided by s and each query channel multiplied by it, so q . k is
-    unchanged. Applied after RoPE, to what the cache stores and every query that reads it."""
+    """One layer's key smoothing for an int8 KV cache, after RoPE: q * s and k / s (engine/quant/calibrate.py)."""
     query: torch.Tensor  # [num_heads, head_dim]: s of each query head's KV head
     key_inverse: torch.Tensor  # [num_kv_heads, head_dim]: 1 / s
 
     @classmethod
     def of(cls, scale: torch.Tensor, num_heads: int, dtype: torch.dtype) -> KeyScale:
-        """scale: [num_kv_heads, head_dim]; query head h reads KV head h // (num_heads / num_kv_heads); both kept in
-        the model's dtype (so a bf16 query stays bf16)."""
+        """scale: [num_kv_heads, head_dim]; both kept in the model's dtype (so a bf16 query stays bf16)."""
         query = scale.repeat_interleave(num_heads // scale.shape[0], dim=0)
         return cls(query.to(dtype), scale.reciprocal().to(dtype))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] -> (q * s, k / s)."""
         return q * self.query, k * self.key_inverse
 
 
@@ -55,12 +47,9 @@ class AttentionMetadata:
     num_decode: int = 0  # the first num_decode rows are single-token decodes
     decode_slots: torch.Tensor | None = None  # [num_decode, max_context] gather index (padding -> slot 0)
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] additive (0 / -inf); None: none hidden
-    # the C++ decode attention over the pool (cpu_kernels.py), when the runner has it: each row reads the first
-    # decode_lens[row] of its decode_slots, and no mask is built
+    # the C++ decode attention over the pool: each row reads the first decode_lens[row] of its decode_slots, no mask
     decode_attention: Callable | None = None
-    # C++ too (cpu_kernels.py): this step's K and V into the pool in one call (two scatters as torch calls), or
-    # quantized straight into an int8 pool for a step whose every row reads the pool (no prefill attended by SDPA
-    # over its rows in flight: those need the rows dequantized)
+    # C++ too: this step's K and V into the pool in one call (an int8 pool's only where every row reads the pool)
     write_kv: Callable | None = None
     decode_lens: torch.Tensor | None = None  # [num_decode] int64
     # [num_tokens] int64, when the C++ kernel attends every row of the step (CppPoolBackend): row t reads the first
@@ -70,8 +59,7 @@ class AttentionMetadata:
     # K/V at int8 precision: stored so when there is a cache, and rounded so even when there is none (the naive
     # loop), so that turning a cache feature off never changes what attention sees
     kv_int8: bool = False
-    # per layer, what the model applies to its queries and keys before attention (KeyScale: an int8 cache's key
-    # smoothing); None: nothing
+    # per layer, an int8 cache's key smoothing (KeyScale) the model applies before attention; None: none
     key_scales: list[Callable] | None = None
     # the gather index of each slot list read this step, over a pool's K|V pair (LayerKV.pair_index): built once,
     # read by every layer; keyed by the list's storage, which this metadata keeps alive for the step
@@ -88,9 +76,8 @@ class AttentionMetadata:
 
 class LayerKV(NamedTuple):
     """One layer's slice of the pool: k, v [slots, kv_heads, head_dim]; an int8 pool's scales [slots, kv_heads].
-    pair (and scale_pair): k and v as one [2 * slots, ...] tensor, K's slots then V's, when they are the two halves
-    of one (the runner's pool), so that a read gathers both in one call over the first dimension (why this layout:
-    docs/measurements.md, "Reading K and V for SDPA")."""
+    pair (and scale_pair): k and v as one [2 * slots, ...] tensor, so that a read gathers both in one call
+    (docs/measurements.md, "Reading K and V for SDPA")."""
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
@@ -115,7 +102,7 @@ class LayerKV(NamedTuple):
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype,
              pair_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of slots, dequantized to dtype from an int8 pool; pair_index: pair_index(slots), if built."""
+        """K and V of slots, dequantized to dtype from an int8 pool."""
         if self.pair is not None:
             index = self.pair_index(slots) if pair_index is None else pair_index
             k, v = self.pair.index_select(0, index).chunk(2)
@@ -132,17 +119,12 @@ class LayerKV(NamedTuple):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV | None,
               meta: AttentionMetadata) -> torch.Tensor:
-    """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] for this step's tokens.
-
-    Writes k, v into the cache (when there is one) and returns [T, num_heads * head_dim].
-    """
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (into the cache if any) -> [T, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     if cache is not None and meta.write_kv is not None and not (meta.kv_int8 and meta.prefills):
-        # into the pool in one call; an int8 pool's only where every row reads K and V from it (decodes, and prefill
-        # rows through the C++ kernel): the same integers and scales as quantize_int8's, in one call instead of a
-        # dozen and four scatters
+        # an int8 pool's only where every row reads K and V from it: the same integers as quantize_int8's
         meta.write_kv(k, v, meta.slot_mapping, cache.k, cache.v, cache.k_scale, cache.v_scale)
     elif meta.kv_int8:
         (kq, k_scale), (vq, v_scale) = quantize_int8(k), quantize_int8(v)
@@ -192,14 +174,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV 
 
 
 class SdpaBackend(AttentionBackend):
-    """torch SDPA over K/V gathered from the pool (CPU and GPU, the reference): decodes batched under a mask where
-    they are not all as long, each prefill chunk or verify causally over its cached context plus its new rows."""
     kernel = "torch SDPA over gathered K/V"
 
     @classmethod
     def create(cls, setup: BackendSetup) -> AttentionBackend:
-        """On CPU, with a KV cache, fp32 or bf16 weights (the pool in the same dtype or int8) and the engine's C++
-        kernels built: CppPoolBackend; their functions looked up here, at load, rather than in the first step."""
+        """CppPoolBackend on CPU where it applies, its functions looked up at load rather than in the first step."""
         if (setup.use_kv_cache and setup.device.type == "cpu" and setup.dtype in (torch.float32, torch.bfloat16)
                 and (ext := cpu_kernels.compiled()) is not None):
             return CppPoolBackend(setup, ext.decode_attention, ext.write_kv)
@@ -239,8 +218,8 @@ class SdpaBackend(AttentionBackend):
         return meta
 
     def _slot_lists(self, seqs: list[ScheduledRequest]) -> torch.Tensor:
-        """[len(seqs), longest end] each scheduled request's slots for positions 0 .. its end after this step, the
-        shorter padded with slot 0's (never read: every reader stops at its own length)."""
+        """[len(seqs), longest end] each request's slots up to its end after this step, padded with slot 0's (never
+        read: every reader stops at its own length)."""
         bs, dev, max_ctx = self.setup.block_size, self.setup.device, max(s.end for s in seqs)
         width = cdiv(max_ctx, bs)
         tables = torch.tensor([s.block_ids[:width] + [0] * (width - len(s.block_ids[:width]))
@@ -255,11 +234,9 @@ class SdpaBackend(AttentionBackend):
 
 
 class CppPoolBackend(SdpaBackend):
-    """The sdpa backend on CPU with the engine's C++ kernels (cpu_kernels.py): this step's K/V written into the pool
-    in one call, then every row of the step, a prefill chunk's as well as decodes, attended over the pool in one
-    call a layer, each row up to its own position. It does a prefill wave's attention in a fraction of the time of
-    torch's SDPA a sequence (docs/measurements.md, "On a faster AMD EPYC, with every row's attention in C++").
-    With decode_attention set to None (tests, `bench kernel-worth`) it builds SdpaBackend's gathered metadata."""
+    """The sdpa backend with the C++ kernels: every row of a step, prefill chunks' too, attended over the pool in one
+    call a layer, each up to its own position (docs/measurements.md, "On a faster AMD EPYC, with every row's
+    attention in C++"). With decode_attention None it builds SdpaBackend's gathered metadata."""
 
     def __init__(self, setup: BackendSetup, decode_attention: Callable, write_kv: Callable) -> None:
         super().__init__(setup)
@@ -271,9 +248,8 @@ class CppPoolBackend(SdpaBackend):
 
     def build(self, ordered: list[ScheduledRequest], decodes: list[ScheduledRequest], slots: list[int],
               positions: torch.Tensor) -> AttentionMetadata:
-        """Each scheduled request's slot list (its context up to the end of this step's rows), and for each row
-        which list it reads and how far: up to its own position, so a prefill chunk's rows attend causally over
-        the pool (its own new K/V, written first, and any cached prefix)."""
+        """Each request's slot list, and for each row which list it reads and how far: up to its own position, so a
+        prefill chunk's rows attend causally over the pool (its own new K/V, written first)."""
         if self.decode_attention is None:
             return super().build(ordered, decodes, slots, positions)
         meta = self._metadata(decodes, slots)

@@ -1,15 +1,9 @@
-"""Paged attention in Triton: the GPU path (`attention_backend="triton"`).
+"""Paged attention in Triton: the GPU path (`attention_backend="triton"`), over the scheduler's block tables.
 
-Three kernels read and write the paged KV cache in place, through the same block tables the scheduler keeps:
-
-- `_store_kv`: each new token's K and V into its slot (slot_mapping; a negative slot is skipped).
-- `_decode`: one query per sequence; a program per (sequence, KV head) walks the sequence's block table in
-  tiles of BLOCK_N positions with an online softmax, the KV head's whole query group folded into the tile's
-  rows (GQA: each K/V tile is read once for the group). No gathered copy, no mask tensor: the context length
-  bounds the loop and masks the last, partial tile.
-- `_prefill`: a prefill chunk (or a speculative verify) over everything before it in the cache plus its own new
-  tokens, causal: query row i at absolute position ctx_len - q_len + i sees keys 0..that position. The new
-  tokens' K/V were stored first, so cached prefix and new tokens are read the same way.
+- `_store_kv`: each new token's K and V into its slot (a negative slot is skipped).
+- `_decode`: a program per (sequence, KV head) walks the block table in tiles with an online softmax, the KV head's
+  query group folded into the tile's rows (each K/V tile read once for the group); no gathered copy, no mask.
+- `_prefill`: a prefill chunk (or verify) causally over the cache, its own K/V stored first.
 
 On CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported): for tests.
 """
@@ -29,7 +23,7 @@ NEG = tl.constexpr(-1.0e30)
 
 
 def require_triton(device: torch.device) -> None:
-    """Raise ValueError saying why the triton backend cannot run on this device (called before any kernel)."""
+    """ValueError saying why the triton backend cannot run on this device."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("attention_backend='triton' runs Triton GPU kernels: on CPU they run only in Triton's "
                          "interpreter (set TRITON_INTERPRET=1 before starting; slow, meant for tests). "
@@ -194,8 +188,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               meta: PagedMetadata) -> torch.Tensor:
-    """The triton backend behind `engine.attention.attention`: same arguments and result as the SDPA path.
-    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; returns [T, heads * head_dim]."""
+    """The triton backend behind `engine.attention.attention`: same arguments and result as the SDPA path."""
     if k_cache is None:
         raise ValueError("attention_backend='triton' reads K/V from the paged cache: it needs kv_cache=True")
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -1,10 +1,5 @@
 """The command line: a thin front over engine/measure; it alone prints. Each command can also write --json.
-
-    python -m engine.bench                  # `table`, the default: Batch | Time | TTFT | TPOT | Memory | TPS, and HF
-    python -m engine.bench -h               # every command; `python -m engine.bench COMMAND -h`: its options
-    python -m engine.bench gpu-check -h     # the GPU engine checked on one GPU (gpu_check.py, not in the list above)
-
-A configuration SPEC is a preset name (presets/features/NAME.toml) or flags such as "prefix_caching=false".
+`table` is the default command; `gpu-check` (gpu_check.py) has its own options and is not in -h's list.
 """
 from __future__ import annotations
 
@@ -47,7 +42,7 @@ def _float_list(text: str) -> list[float]:
 
 
 def _busy_pair(text: str) -> tuple[float, float]:
-    """--beside-busy's BUSY_MS,IDLE_MS: two milliseconds, the first above 0 (finite: the loop must sleep)."""
+    """--busy-duty's BUSY_MS,IDLE_MS: finite, so that the loop sleeps."""
     values = _number_list(text, float, 0, "milliseconds")
     if len(values) != 2 or not all(math.isfinite(v) and v < 1e6 for v in values) or values[0] <= 0:
         raise argparse.ArgumentTypeError(f"expected BUSY_MS,IDLE_MS (e.g. 2,3), each under 1e6 and BUSY_MS > 0, "
@@ -56,7 +51,6 @@ def _busy_pair(text: str) -> tuple[float, float]:
 
 
 def _neighbour_counts(text: str) -> list[int]:
-    """closed-loop's --beside-busy: how many busy processes, one count per condition (1,2,4,6)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -83,7 +77,7 @@ SIZE_HELP = {"tokens": "decode steps timed per round", "concurrency": "requests 
 
 
 def _sizes(p: argparse.ArgumentParser, **defaults: int | None) -> None:
-    """A positive --name N for each name=default (prompt_len: --prompt-len), the sizes most commands share."""
+    """A positive --name N for each name=default: the sizes most commands share."""
     for name, default in defaults.items():
         p.add_argument("--" + name.replace("_", "-"), type=_positive, default=default, metavar="N",
                        help=SIZE_HELP.get(name))
@@ -230,7 +224,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def quality_specs(args: argparse.Namespace, settings: dict[str, Any]) -> list[str]:
-    """--spec as given; else the precision fields of --set (`quality --set quantization=int8`); else every scheme."""
+    """--spec; else the precision fields of --set (`quality --set quantization=int8`); else every scheme."""
     if args.specs:
         return args.specs
     given = [f"{k}={v}" for k, v in settings.items() if k in pr.REFERENCE_PRECISION]
@@ -238,7 +232,6 @@ def quality_specs(args: argparse.Namespace, settings: dict[str, Any]) -> list[st
 
 
 def roofline_sizes(args: argparse.Namespace) -> rf.Sizes:
-    """--quick's sizes or the defaults, each replaced by its option where given."""
     sizes = rf.QUICK if args.quick else rf.Sizes()
     given = {"batch": args.batch, "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
              "gemm_n": args.gemm, "read_bytes": None if args.read_mb is None else args.read_mb * 2**20}
@@ -315,8 +308,7 @@ def run_command(args: argparse.Namespace) -> rp.Report:
 
 
 def run_http_command(args: argparse.Namespace) -> tuple[str, Any, bool]:
-    """`serve` and `versus` talk HTTP, so they load no weights here (a tokenizer at most).
-    Returns the text, the JSON data and whether a request failed."""
+    """`serve` and `versus` load no weights (a tokenizer at most): (text, JSON data, whether a request failed)."""
     from . import serve as sv
     if args.command == "versus":
         from . import versus as vs

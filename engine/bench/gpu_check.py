@@ -53,8 +53,7 @@ def _free(device) -> None:
 
 
 def random_engine(model: str, dtype: str, device: str, overrides: dict, fields: dict):
-    """An engine over a random architecture (seed 0, the same weights every time it is built), quantized as fields
-    ask (`quantization=...`)."""
+    """An engine over a random architecture, seed 0: the same weights every time it is built."""
     import torch
 
     from ..config import EngineConfig
@@ -137,8 +136,8 @@ def parity(plan: Plan) -> dict:
 
 
 def sweep(plan: Plan, rows: list[dict] | None = None, on_row=lambda: None) -> list[dict]:
-    """The reference table for each backend, and CUDA graphs on vs off at the graph batches. Rows are appended to
-    `rows` as they finish (on_row() after each, so the report can be written); a row that fails holds its error."""
+    """The reference table for each backend, and CUDA graphs on at the graph batches; rows appended to `rows` as they
+    finish (on_row() after each, so the report can be written), a failed one holding its error."""
     import torch
 
     from ..measure.experiments import run_table_row

@@ -1,7 +1,5 @@
 """What each of the engine's C++ CPU kernels is worth end to end: decode steps with every kernel on, against the
-same engine with one kernel on its torch path (`_off` says which path), alternating rounds in one process.
-`python -m engine.bench kernel-worth`; its table goes to docs/measurements.md with the CPU named. A kernel that
-does not measurably pay here is a candidate for the portable path.
+same engine with one kernel on its torch path (`_off`), in alternating rounds in one process.
 """
 from __future__ import annotations
 
@@ -44,7 +42,6 @@ def _kernels_for(fields: dict) -> list[str]:
 
 @contextlib.contextmanager
 def _off(engine, kernel: str, torch_model):
-    """The engine with one kernel on its torch path for the duration (restored after)."""
     runner, model = engine.runner, engine.model
     swaps = {"attention": [(runner.attention, "decode_attention", None), (runner.attention, "write_kv", None)],
              "layer ops": [(model, "cpu_ops", None)],

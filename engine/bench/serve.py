@@ -1,9 +1,6 @@
 """`python -m engine.bench serve`: a load generator for any OpenAI-compatible server, after `vllm bench serve`.
-
-N requests in flight stream the API; each chunk is timed on arrival at the client, so the numbers are what a user of
-the server sees (TTFT, ITL between chunks as vLLM counts it, TPOT, end-to-end latency). Tokens are counted from the
-server's own `usage`, chunks where it reports none. Pure httpx + asyncio: no engine, no torch unless a
-tokenizer turns random-token prompts into text.
+Each chunk is timed on arrival at the client, so the numbers are what a user of the server sees; tokens are counted
+from the server's own `usage`, chunks where it reports none. No engine, no torch unless a tokenizer is needed.
 """
 from __future__ import annotations
 
@@ -27,7 +24,6 @@ APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 @dataclass
 class ServeRequest:
-    """One request as the bench sends it: a user message (chat) or a prompt (completions), its length limit."""
     text: str
     max_tokens: int
     ignore_eos: bool = False
@@ -46,7 +42,7 @@ class ServeRequest:
 
 @dataclass
 class RequestRecord:
-    """What the client saw of one request. Times in seconds, from the moment it was sent."""
+    """What the client saw of one request, in seconds from the moment it was sent."""
     ok: bool
     error: str | None = None
     start_s: float = 0.0  # since the run began
@@ -141,9 +137,8 @@ def stats_ms(values: Sequence[float | None]) -> dict[str, float | None]:
 
 def workload_requests(workload: Workload, tokenizer: Any | None, num_requests: int, max_tokens: int | None = None,
                       ignore_eos: bool | None = None) -> list[ServeRequest]:
-    """The workload's requests as texts, cycled to num_requests. A random-token prompt becomes the tokenizer's
-    decoding of it (the server tokenizes it again: the length may differ by a token or two, as in vLLM's random
-    dataset). max_tokens / ignore_eos: the workload's own unless given."""
+    """The workload's requests as texts, cycled to num_requests; a random-token prompt decoded (the server tokenizes
+    it again: the length may differ by a token or two, as in vLLM's random dataset)."""
     if not workload.requests:
         raise ValueError(f"workload {workload.name!r} has no requests")
     if tokenizer is None and any(r.text is None for r in workload.requests):

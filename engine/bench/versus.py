@@ -1,9 +1,6 @@
-"""`python -m engine.bench versus`: two OpenAI-compatible servers side by side, driven alternately.
-
-Each cell (concurrency x temperature) and round draws fresh random-token prompts and sends them to both servers,
-the order swapped every round, so neither always runs on a warmer or quieter machine and no prefix cache serves
-an earlier run's prompts. Every request generates exactly --output-len tokens (ignore_eos). The table gives the
-first server's numbers over the second's, per round (min-max over rounds).
+"""`python -m engine.bench versus`: two OpenAI-compatible servers driven alternately. Each cell and round draws
+fresh random prompts for both, the order swapped every round, so neither always runs on a warmer or quieter machine
+and no prefix cache serves an earlier run's prompts.
 """
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ from .serve import ServeRequest, ServeResult, run_serve
 # engine's threads sleep at once (measured: docs/measurements.md, "Quiet between runs, and the table once more")
 SETTLE_S = 2.0
 
-# (label, how to read it from a ServeResult's summary)
 METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {
     "output tok/s": lambda s: s["output_throughput"],
     "TTFT mean": lambda s: s["ttft_ms"]["mean"],

@@ -36,10 +36,9 @@ class Feature:
         return dict(given) if given is not None else {self.switch: on}
 
 
-# The course's fifth feature, "INT4 weights + INT8 KV": fewer bytes per weight and per KV slot. Its output is not
-# expected to equal the unquantized engine's token for token (AblationRow.precision says which rows compare).
-QUANTIZED = load_feature_preset("int4")  # one place: the preset says what the course's int4 + int8 KV is
-# In the course's order: the cumulative ablation adds them back one by one in this order.
+# the course's "INT4 weights + INT8 KV": not expected to equal the unquantized output token for token
+QUANTIZED = load_feature_preset("int4")
+# in the course's order, which the cumulative ablation adds them back in
 FEATURES = (
     Feature("kv_cache", "KV cache", "no KV cache (naive loop)"),
     Feature("paged_kv", "paged KV", "contiguous KV (no paging)"),
@@ -118,9 +117,8 @@ def _run_plan(llm: LLM, workload: Workload, settings: dict[str, Any], plan: list
 
 def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None, progress: Progress = None,
            concurrency: int | None = None, should_stop: StopCheck | None = None) -> list[AblationRow]:
-    """The full engine (every built switch on), then each switch off in turn. A configuration that cannot run on
-    this workload (contiguous KV in a pool too small for max_model_len) gets a row with `error`. concurrency:
-    requests at a time (max_num_seqs), instead of the workload's own."""
+    """The full engine, then each switch off in turn; a configuration that cannot run on this workload (contiguous
+    KV in a pool too small for max_model_len) gets a row with `error`."""
     settings = {**(settings or {}), **({"max_num_seqs": concurrency} if concurrency else {})}
     plan = [(FULL_ENGINE, None, FULL_FIELDS)]
     plan += [(f.off_label, f.switch, {**FULL_FIELDS, **f.fields(False)}) for f in FEATURES]
@@ -129,8 +127,7 @@ def ablate(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
 
 def ablate_cumulative(llm: LLM, workload: Workload, settings: dict[str, Any] | None = None,
                       progress: Progress = None, should_stop: StopCheck | None = None) -> list[AblationRow]:
-    """The course's "engine, feature by feature", measured: everything off (the naive loop), then the features
-    added back one at a time in the course's order. ratio: against the naive loop; step_ratio: what each added."""
+    """The course's "engine, feature by feature": the naive loop, then the features added back one at a time."""
     plan = [(NAIVE_LOOP, None, features_fields(lambda f: False))]
     for i, f in enumerate(FEATURES):
         plan.append((f"+ {f.name}", f.switch, features_fields(lambda g, i=i: FEATURES.index(g) <= i)))
@@ -164,16 +161,14 @@ class MemoryRow:
     kv_cache_dtype: str | None = None  # the KV cache's element type when swept (e.g. "int8"); None: the model's
 
 
-# The memory sweep's KV dtypes: the model's own and int8, at the same memory per pool
 KV_CACHE_DTYPES_SWEPT = ("auto", "int8")
 
 
 def memory_sweep(llm: LLM, workload: Workload, pool_sizes: Sequence[int], settings: dict[str, Any] | None = None,
                  progress: Progress = None, should_stop: StopCheck | None = None,
                  kv_cache_dtypes: Sequence[str] = KV_CACHE_DTYPES_SWEPT) -> list[MemoryRow]:
-    """Each pool size, paged and contiguous, for each KV dtype: how many requests fit at once, what it costs when
-    they do not. pool_sizes are in blocks of the model's own dtype; another KV dtype gets the blocks that fit in
-    the same bytes (an int8 pool of the same memory holds ~4x the blocks of fp32), so rows line up by memory."""
+    """Each pool size, paged and contiguous, for each KV dtype: how many requests fit at once. pool_sizes are in
+    blocks of the model's own dtype; another KV dtype gets the blocks that fit in the same bytes, so rows line up."""
     plan = [(blocks, paged, kv) for blocks in pool_sizes for kv in kv_cache_dtypes for paged in (True, False)]
     rows: list[MemoryRow] = []
     for i, (blocks, paged, kv) in enumerate(plan):

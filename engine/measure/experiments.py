@@ -153,10 +153,8 @@ def hf_static(llm: LLM, workload: Workload, batch_size: int = 8,
                           useful, hf_tps, engine_run, engine_run.throughput / hf_tps if hf_tps else float("inf"))
 
 
-# A process that computes busy_ms, then sleeps idle_ms, until killed: another program sharing the cores (as the
-# benchmark client does beside a server: docs/measurements.md, "Why c=32 loses served but not offline"). busy_ms
-# "inf" never sleeps: a neighbour that wants a whole core. It says "spinning" once it is, and ends by itself when
-# the process that started it has gone (a parent killed without its finally: no spinner is left behind).
+# A neighbour sharing the cores (docs/measurements.md, "Why c=32 loses served but not offline"): busy_ms computing,
+# idle_ms asleep; it ends by itself once its parent has gone, so a parent killed without its finally leaves no spinner
 _BUSY_LOOP = """
 import os, sys, time
 busy, idle = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
@@ -177,9 +175,8 @@ MAX_NEIGHBOURS = 64  # busy processes one measurement may start at once
 
 @contextmanager
 def busy_processes(count: int, busy_ms: float = math.inf, idle_ms: float = 0.0) -> Iterator[list[subprocess.Popen]]:
-    """`count` other processes, each taking busy_ms / (busy_ms + idle_ms) of one core (busy_ms inf: all of it) while
-    the block runs; every one of them spinning before the block starts, and killed and reaped when it ends, however
-    it ends (one that failed to start takes the others down with it)."""
+    """`count` processes each taking busy_ms / (busy_ms + idle_ms) of a core, all spinning before the block starts
+    and killed and reaped however it ends."""
     if not 0 <= count <= MAX_NEIGHBOURS:
         raise ValueError(f"busy processes: 0 to {MAX_NEIGHBOURS} at once, got {count}")
     procs: list[subprocess.Popen] = []
@@ -220,9 +217,8 @@ class ClosedLoopRow:
 
 
 def fair_share(neighbours: int, threads: int, cores: int, duty: float = 1.0) -> float:
-    """What the engine keeps of its quiet speed when every thread that wants a CPU gets an equal slice of the cores
-    (max-min fair): its `threads` against `neighbours` one-thread processes that each want `duty` of a core. With a
-    thread per core and whole-core neighbours: cores / (cores + neighbours) (docs/measurements.md, "Beside a busy
+    """What the engine keeps of its quiet speed when every thread that wants a CPU gets a max-min fair slice of the
+    cores, beside `neighbours` processes wanting `duty` of a core each (docs/measurements.md, "Beside a busy
     neighbour")."""
     demands = sorted([1.0] * threads + [duty] * neighbours)
     left, level = float(cores), 1.0
@@ -239,11 +235,9 @@ def closed_loop(llm: LLM, concurrency: int = 32, requests: int = 64, prompt_len:
                 rounds: int = 2, settings: dict[str, Any] | None = None, seed: int = 0,
                 busy: tuple[float, float] | None = None, neighbours: Sequence[int] | None = None,
                 settle: bool = True) -> list[ClosedLoopRow]:
-    """What `bench versus` asks of a server, in-process and without HTTP: `concurrency` requests kept in flight until
-    `requests` have run (fresh random prompts, ignore_eos, greedy). `neighbours` (counts): each round runs quiet,
-    then beside that many busy processes for each count, so what neighbours on the same cores cost is read side by
-    side. `busy` (busy_ms, idle_ms): each neighbour's duty cycle (default: always busy); alone, one neighbour.
-    `settle`: the thread count settles before each run, so no run starts with the threads the last one left."""
+    """`bench versus`'s load in-process: `concurrency` requests in flight until `requests` have run. Each round runs
+    quiet, then beside each count in `neighbours` of busy processes (duty cycle `busy`; alone, one neighbour).
+    `settle`: no run starts with the thread count the last one left."""
     counts = list(neighbours) if neighbours else ([1] if busy is not None else [])
     if any(k < 1 for k in counts):
         raise ValueError(f"neighbour counts must be at least 1 (the quiet run is always made), got {counts}")

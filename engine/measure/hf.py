@@ -13,8 +13,7 @@ from .runs import random_prompts
 
 
 def load_hf_model(llm: LLM) -> tuple[Any, int]:
-    """transformers' model over the same weights, in the engine's dtype (float32 by default) and device, warmed up;
-    and the pad id its batches use."""
+    """transformers' model over the same weights, dtype and device, warmed up; and its pad id."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=TORCH_DTYPES[llm.config.dtype])
     hf = hf.to(llm.engine.model.device).eval()

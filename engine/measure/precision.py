@@ -23,8 +23,7 @@ from .specs import FEATURE_DIR, resolve_spec
 
 
 def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -> tuple[list, list]:
-    """(configs, models): each spec's engine configuration and weights, all loaded before any timing (progress
-    counts the loads, then `rounds` rounds)."""
+    """(configs, models): each spec's configuration and weights, all loaded before any timing."""
     configs = [llm.config_for(resolve_spec(spec)) for spec in specs]
     models = []
     for i, (spec, config) in enumerate(zip(specs, configs, strict=True)):
@@ -34,8 +33,7 @@ def load_each(llm: LLM, specs: Sequence[str], rounds: int, progress: Progress) -
     return configs, models
 
 
-# each scheme as is (every projection quantized), then the int8 and int4 presets whole (LM head unquantized, int8 KV
-# with smoothed keys): what `--preset int4` runs
+# each scheme with every projection quantized, then the int8 and int4 presets whole
 DECODE_SPECS = ("dtype=float32", "dtype=bfloat16", "quantization=int8", "int8", "quantization=int4", "int4",
                 "quantization=w8a8")
 
@@ -88,9 +86,8 @@ class LlamaCppDecoder:
 def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: int = 128, tokens: int = 64,
                    rounds: int = 3, settings: dict[str, Any] | None = None,
                    progress: Progress = None, llama_cpp: Path | None = None) -> list[DecodeRow]:
-    """The whole engine's time per decode step (schedule, forward, sample) in each precision, one greedy request
-    alone (batch 1, no speculation). Every precision is loaded first and the rounds go round all of them, so a busy
-    moment hits each alike. llama_cpp: a GGUF file llama.cpp decodes in the same rounds, as a last row."""
+    """The whole engine's batch-1 time per decode step in each precision (no speculation); the rounds go round every
+    precision, so a busy moment hits each alike. llama_cpp: a GGUF file timed in the same rounds, as a last row."""
     other = None if llama_cpp is None else LlamaCppDecoder(llama_cpp)
     configs, models = load_each(llm, specs, rounds, progress)
     prompt = random_prompts(1, prompt_len, seed=5)[0]  # llama.cpp's: decode_ms draws the same
@@ -115,12 +112,9 @@ def decode_timings(llm: LLM, specs: Sequence[str] = DECODE_SPECS, prompt_len: in
 
 
 QUALITY_TEXT = FEATURE_DIR.parent / "quality" / "text.txt"
-# The precision every row is compared with: the model as trained, unquantized, an fp32 KV cache
 REFERENCE_PRECISION = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto",
                        "quantization_smoothing": False, "quantization_gptq": False, "kv_cache_smoothing": False}
-# Each scheme plain (round to nearest, LM head quantized), then as calibrated and kept as measured best (the
-# int8 and int4 presets' weights; w8a8 smoothed and GPTQ-rounded), the KV cache alone (plain, then with its keys
-# smoothed as the presets have it), and the presets whole.
+# each scheme plain, then as calibrated for the presets, the KV cache alone (plain, then keys smoothed), the presets
 QUALITY_SPECS = ("quantization=int8", "quantization=int8,quantization_smoothing=true,quantize_lm_head=false",
                  "quantization=int4", "quantization=int4,quantization_gptq=true",
                  "quantization=int4,quantize_lm_head=false", "quantization=w8a8",
@@ -148,13 +142,11 @@ class QualityRow:
 
 
 def text_windows(llm: LLM, text: str, window: int) -> list[list[int]]:
-    """The text's tokens in consecutive windows of at most `window` (each one prompt)."""
     ids = llm.tokenizer(text).input_ids
     return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
 
 
 def teacher_forced(engine: LLMEngine, windows: list[list[int]]) -> list[list[dict[int, float] | None]]:
-    """Each window's prompt logprobs (the text's token and the most likely one at every position after the first)."""
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     return [o.prompt_logprobs for o in run_to_end(engine, windows, params)]
 
@@ -177,8 +169,7 @@ def compare_logprobs(windows: list[list[int]], ref: list[list], got: list[list])
 
 def quality(llm: LLM, specs: Sequence[str] = QUALITY_SPECS, settings: dict[str, Any] | None = None,
             text: str | None = None, window: int = 1024, progress: Progress = None) -> list[QualityRow]:
-    """Teacher-forced over the same text (through prompt_logprobs): each spec's engine against the fp32 one,
-    position by position. settings apply to every side; each spec's precision fields replace the reference's."""
+    """Teacher-forced over the same text: each spec's engine against the fp32 one, position by position."""
     settings = {k: v for k, v in (settings or {}).items() if k not in (*REFERENCE_PRECISION, "model")}
     windows = text_windows(llm, QUALITY_TEXT.read_text() if text is None else text, window)
     total = len(specs) + 1

@@ -1,10 +1,6 @@
-"""The roofline: how close the engine's decode comes to what this machine's memory and arithmetic allow.
-
-A batch-1 decode step reads every projection's weights once to compute one row: its floor is those bytes over the
-read bandwidth. A batch of B rows reads them once for B rows, 2 x params x B flops: its floor is those flops over
-the matmul peak. Both limits are measured here, in the engine's process and on its threads, and the bytes are
-counted from the loaded model's own buffers, never from a parameter count. What each part measures and how to read
-the ratios: docs/measurements.md, "Against the machine's limits (the roofline)".
+"""The roofline: batch-1 decode against the bytes it reads over the read bandwidth, a batch of B rows against
+2 x params x B flops over the matmul peak. Both limits are measured in the engine's process and on its threads, the
+bytes counted from the loaded model's buffers (docs/measurements.md, "Against the machine's limits (the roofline)").
 """
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ READ_OVER_LLC = 4
 
 @dataclass
 class Sizes:
-    """How long each part runs: the defaults, or --quick's (seconds on the tiny test model)."""
     read_bytes: int | None = None  # None: max(MIN_READ_BYTES, READ_OVER_LLC x LLC), at most a quarter of free memory
     gemm_n: int = 2048  # the square GEMMs' side
     repeats: int = 5  # of each machine measurement (the best is kept)
@@ -64,12 +59,10 @@ class Machine:
 
     @property
     def bandwidth(self) -> float:
-        """Bytes per second: the best read's best repeat (what the machine can do; the others met someone else's
-        work, or read less well)."""
+        """Bytes per second: the best repeat of the best read (the others met other work, or read less well)."""
         return max(max(runs) for runs in self.read_gb_s.values()) * 1e9
 
     def peak_flops(self, precision: str) -> float:
-        """The best rate either kernel reached in `precision` ("fp32" or "bf16")."""
         return max(max(runs) for name, runs in self.gemm_gflops.items() if name.startswith(precision)) * 1e9
 
 
@@ -93,7 +86,6 @@ class RooflineRow:
 
     @property
     def bytes_per_step(self) -> int:
-        """What a batch-1 decode step reads."""
         return self.weight_bytes + self.row_bytes
 
 
@@ -106,7 +98,6 @@ class Roofline:
 
 # ---- the machine -----------------------------------------------------------------------------------------
 def llc_bytes() -> int | None:
-    """The highest-level cache's size that Linux reports for CPU 0, or None."""
     best: tuple[int, int] | None = None
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
@@ -125,8 +116,7 @@ def llc_bytes() -> int | None:
 
 
 def default_read_bytes(llc: int | None, available: int | None = None) -> int:
-    """At least MIN_READ_BYTES and READ_OVER_LLC x the last-level cache, at most a quarter of `available` (default:
-    the free memory now)."""
+    """At most a quarter of `available` (default: the free memory now)."""
     want = max(MIN_READ_BYTES, READ_OVER_LLC * (llc or 0))
     available = available or available_bytes()
     return min(want, available // 4) if available else want
@@ -136,11 +126,8 @@ GEMV_COLS = 4096  # the read buffer as a [rows, 4096] fp32 matrix for the matrix
 
 
 def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, list[float]]:
-    """GB/s of reading a buffer of about nbytes whole, one per repeat, by each of four reads on the engine's
-    threads: a float32 sum, a bf16 sum (the same bytes), a float32 matrix-vector product by torch and one by the
-    engine's own fp32 kernel (what a batch-1 projection does; over a packed copy). Each touches every byte once; no
-    one of them is fastest on every machine (or every minute of a shared one), so the machine's bandwidth is the
-    best of all. Each page is touched before any timing."""
+    """GB/s of reading about nbytes whole, one per repeat, by four reads that each touch every byte once: no one of
+    them is fastest on every machine (or every minute of a shared one), so the bandwidth is the best of all."""
     buffer = torch.empty(max(1, nbytes // (4 * GEMV_COLS)) * GEMV_COLS, dtype=torch.float32)
     buffer.fill_(1.0)  # as bf16: pairs of 0 and 1, finite
     ones = torch.ones(GEMV_COLS)
@@ -160,8 +147,7 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, list[float]]:
 
 
 def gemm_rate(n: int, dtype: torch.dtype, repeats: int = 3) -> dict[str, list[float]]:
-    """GFLOP/s of an n x n x n matmul in dtype (2 n^3 flops), one per repeat, by torch.mm and by the kernel the
-    engine's projections use for dtype: the peak is the better of them (torch's may not be the machine's best)."""
+    """GFLOP/s of an n x n x n matmul, one per repeat, by torch.mm and by the engine's kernel (torch's may lose)."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
     own = Linear(b)
@@ -195,9 +181,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def weight_bytes_per_step(model: Any) -> int:
-    """Bytes every decode step reads whatever its batch: each projection's buffers as its kernel streams them
-    (weight_tensors: packed weights, scales; a projection that keeps them where Python cannot see, fbgemm's w8a8,
-    by its own count), and every layer's norms and biases and the final norm."""
+    """Bytes every decode step reads whatever its batch: each projection's buffers as its kernel streams them (by
+    its own count where Python cannot see them: fbgemm's w8a8), and the norms and biases."""
     total = 0
     for p in model.projections():
         tensors = p.weight_tensors()
@@ -209,21 +194,18 @@ def weight_bytes_per_step(model: Any) -> int:
 
 
 def row_bytes_per_step(model: Any, context: int, kv_cache_dtype: str = "auto") -> int:
-    """Bytes a step reads for each row: its token's embedding row, and K and V of `context` tokens in every layer."""
     return model.embed.shape[1] * model.embed.element_size() + context * model.kv_bytes_per_token(kv_cache_dtype)
 
 
 def matmul_params(model: Any) -> int:
-    """Multiply-adds a row costs in the projections (the LM head's included; attention's, which grow with the
-    context, are not: a few percent at these lengths)."""
+    """Multiply-adds a row costs in the projections (attention's left out: a few percent at these lengths)."""
     return sum(p.in_features * p.out_features for p in model.projections())
 
 
 # ---- the engine against the floors -------------------------------------------------------------------------
 def _engine(llm: LLM, spec: str, config, model, settings: dict[str, Any], sizes: Sizes):
-    """An engine over `model` (loaded for `config`'s weight fields), the spec's other fields (a preset's int8 KV
-    cache) over the --set settings; a pool with room for the batch's longest requests, no prefix cache (fresh
-    prompts), no speculation (a step a token)."""
+    """An engine over `model` with the spec's other fields (a preset's int8 KV cache), a pool with room for the
+    batch, no prefix cache (fresh prompts), no speculation (a step a token)."""
     longest = sizes.prompt_len + sizes.tokens + sizes.batch + 9
     fields = {**settings, **resolve_spec(spec), **{name: getattr(config, name) for name in WEIGHT_FIELDS}}
     fields.update(speculative_decoding=False, prefix_caching=False, max_num_seqs=sizes.batch,
@@ -233,9 +215,7 @@ def _engine(llm: LLM, spec: str, config, model, settings: dict[str, Any], sizes:
 
 def roofline(llm: LLM, specs: Sequence[str] = SPECS, sizes: Sizes | None = None,
              settings: dict[str, Any] | None = None, progress: Progress = None) -> Roofline:
-    """The machine's limits, then each precision's decode against them: batch 1 against the bandwidth floor, batch
-    `sizes.batch` against the compute floor. Every precision is loaded first and the rounds go round all of them,
-    so a busy moment on a shared machine hits each alike (medians reported, every round kept)."""
+    """The machine's limits, then each precision's decode against them, the rounds going round every precision."""
     sizes = sizes or Sizes()
     if llm.engine.model.device.type != "cpu":
         raise ValueError("roofline measures a CPU's bandwidth and matmul peak: load the model on the CPU")

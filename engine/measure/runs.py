@@ -1,6 +1,4 @@
-"""Running workloads: the weights loaded once (`load_llm`), an engine per configuration built from them
-(`LLM.build_engine`), every step recorded, one RunResult.
-"""
+"""Running workloads: the weights loaded once (`load_llm`), an engine per configuration, every step recorded."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,9 +45,7 @@ class Cancelled(Exception):
 
 
 def load_llm(settings: dict[str, Any] | None = None) -> LLM:
-    """Load the weights once. Only load-time fields (and max_model_len, which sizes the RoPE tables) are used;
-    the returned LLM's own engine keeps no KV pool (kv_cache=False), so it costs no cache memory:
-    benchmarks build their engines from it with LLM.build_engine."""
+    """The weights, loaded once; its own engine keeps no KV pool: benchmarks build theirs with LLM.build_engine."""
     settings = settings or {}
     check_fields(settings, "settings")
     load = {k: settings[k] for k in (*LOAD_TIME_FIELDS, "max_model_len") if k in settings and k != "model"}
@@ -62,9 +58,8 @@ def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def decode_ms(engine, rows: int, prompt_len: int, tokens: int, seed: int) -> float:
-    """Mean ms of a decode step with `rows` requests, every one of them in each timed step (their prefills first,
-    untimed; each may decode well past the window, and is aborted after it: with max_tokens just past `tokens`, the
-    first to start ended inside the window). The roofline, the kernels' worth and `decode` all time it."""
+    """Mean ms of a decode step with all `rows` requests in each timed step: prefills untimed, and max_tokens past
+    the window (each aborted after it), since with it just past `tokens` the first to start ended inside it."""
     params = SamplingParams(temperature=0, max_tokens=tokens + rows + 8, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in random_prompts(rows, prompt_len, seed=seed)]
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
@@ -81,7 +76,7 @@ def decode_ms(engine, rows: int, prompt_len: int, tokens: int, seed: int) -> flo
 
 
 def run_to_end(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams) -> list[RequestOutput]:
-    """Each prompt's final output, in order: all added at once, the engine stepped until every one has finished."""
+    """Each prompt's final output, in order: all added at once."""
     ids = [engine.add_request(p, params) for p in prompts]
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
@@ -120,6 +115,7 @@ def _weights(value: Any) -> Iterator[torch.Tensor | Projection]:
 
 def kv_bytes_per_block(engine: LLMEngine) -> int:
     return factory.kv_bytes_per_block(engine.config, engine.model)
+
 
 @dataclass
 class StepBreakdown:
@@ -215,6 +211,7 @@ class StepTracker:
 
     def token_gaps(self) -> list[float]:
         return [b - a for times in self.token_times.values() for a, b in itertools.pairwise(times)]
+
 
 def _kv_used(engine: LLMEngine) -> int:
     return engine.kv.stats().kv_blocks_used

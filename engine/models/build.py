@@ -14,8 +14,7 @@ from .llama import LayerWeights, LlamaFamilyModel, ModelShape, rope_inv_freq
 def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                 max_len: int, weight_format: WeightFormat = UNQUANTIZED,
                 hessians: dict[str, torch.Tensor] | None = None) -> LlamaFamilyModel:
-    """Fuse, transpose and cast HF weights into our decoder's layout, each projection quantized once if asked
-    (with GPTQ's rounding for those `hessians` names: see engine/quant/calibrate.py)."""
+    """hessians: X.T @ X by projection name, for GPTQ's rounding (engine/quant/calibrate.py)."""
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     shape = ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,

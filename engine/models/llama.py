@@ -1,10 +1,6 @@
-"""Our own Llama-family decoder (Llama / SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) over a ragged batch.
-
-All tokens of a step are one flat [num_tokens, hidden] tensor; projections are fused (qkv, gate|up). The math
-follows transformers' step by step (fp32 RMSNorm, rotate_half RoPE) so greedy outputs match it token for token;
-on CPU the elementwise steps run as the engine's C++ kernels (cpu_kernels.py), rounding where those formulas round,
-and where every step of a layer has one, a step's layers run as one C++ call (cpu_kernels.cpp's DecoderStack: the
-same kernels in the loop's order, the same floats).
+"""Our own Llama-family decoder (Llama / SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) over a ragged batch:
+a step's tokens are one flat [num_tokens, hidden] tensor. The math follows transformers' step by step so greedy
+outputs match it token for token; on CPU the C++ kernels round where those formulas round.
 """
 from __future__ import annotations
 
@@ -62,17 +58,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_rms_norm():
-    """The one-kernel RMSNorm of the triton backend (triton_norm.py), imported when first used: never on a CPU
-    install without triton."""
+    """triton_norm.py's RMSNorm, imported when first used: never on a CPU install without triton."""
     from .triton_norm import rms_norm as fused
     return fused
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """transformers' x * cos + rotate_half(x) * sin, with rotate_half's minus sign carried by signed_sin
-    (-sin on the first half): (-a) * b and a * (-b) are the same float, so the result is bit for bit the same,
-    one negation fewer. x in a narrower dtype than cos (a bf16 kernel's output) is widened exactly by the first
-    multiply, as a cast would."""
+    """transformers' x * cos + rotate_half(x) * sin, rotate_half's minus sign carried by signed_sin (-sin on the
+    first half): (-a) * b and a * (-b) are the same float, so bit for bit the same, one negation fewer."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
@@ -94,16 +87,14 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
 
 
 def stack_attends(meta: AttentionMetadata, kv_cache: list[LayerKV] | None, num_tokens: int) -> bool:
-    """Whether every row of this step takes attention/sdpa.py's C++ path (this step's K and V written into the pool
-    in one call, every row attended over the pool in one call), the one the DecoderStack runs."""
+    """Whether every row of this step takes attention/sdpa.py's C++ path, the one the DecoderStack runs."""
     return (kv_cache is not None and num_tokens > 0 and meta.write_kv is not None
             and meta.decode_attention is not None and not (meta.kv_int8 and meta.prefills)
             and (meta.decode_lists is not None or meta.num_decode == num_tokens))
 
 
 def pools_of(kv_cache: list[LayerKV], meta: AttentionMetadata) -> dict:
-    """The DecoderStack's per-step arguments besides x: each layer's pools, an int8 pool's scales and key smoothing,
-    the step's slots and lists."""
+    """The DecoderStack's per-step arguments besides x."""
     int8 = kv_cache[0].k_scale is not None
     return {"k_pools": [c.k for c in kv_cache], "v_pools": [c.v for c in kv_cache],
             "k_scales": [c.k_scale for c in kv_cache] if int8 else [],
@@ -135,23 +126,19 @@ class LlamaFamilyModel:
         sin = emb.sin() * attention_scaling
         half = sin.shape[-1] // 2
         self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype).to(self.device)
-        # Qwen3's q and k norms as one [heads + kv_heads, head_dim] weight: q and k are normed (and rotated) as one
-        # tensor, each head over its own head_dim as before, in half the calls
+        # Qwen3's q and k norms as one [heads + kv_heads, head_dim] weight: q and k normed as one tensor, half the calls
         self.qk_norms = [None if w.q_norm is None else
                          torch.cat((w.q_norm.expand(shape.num_heads, -1), w.k_norm.expand(shape.num_kv_heads, -1)))
                          for w in layers]
-        # the engine's C++ layer steps (cpu_kernels.py) where they apply: a float32 or bf16 model on CPU
         cpu_model = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         self.cpu_ops = cpu_kernels.compiled() if cpu_model else None
         # the projections' weights in 2 MB pages where the system gives them: a step streams them all
         self.huge_page_bytes = huge_pages.gather(self.streamed_tensors())
-        # every layer of a step in one C++ call where each of its steps has a C++ kernel (cpu_kernels.cpp's
-        # DecoderStack: the loop below, the same kernels in the same order); None: the loop runs
+        # every layer of a step in one C++ call (the loop below, the same kernels in the same order); None: the loop
         self.decoder_stack = self._decoder_stack()
 
     def _decoder_stack(self):
-        """The C++ DecoderStack over this model's layers, or None where a layer has a step it does not run: no C++
-        layer steps here, Qwen3's q and k norms, or a projection whose kernel is not the engine's own."""
+        """The C++ DecoderStack over this model's layers, or None where a layer has a step it does not run."""
         if self.cpu_ops is None or not hasattr(self.cpu_ops, "DecoderStack") or any(
                 n is not None for n in self.qk_norms):
             return None
@@ -171,7 +158,6 @@ class LlamaFamilyModel:
             heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim, eps=s.rms_norm_eps, dtype=self.dtype)
 
     def projections(self) -> list[Projection]:
-        """The projections one forward step runs, in order: each layer's qkv, o, gate|up, down, then the LM head."""
         return [p for w in self.layers for p in (w.qkv, w.o, w.gate_up, w.down)] + [self.lm_head]
 
     def streamed_tensors(self) -> list[torch.Tensor]:
@@ -179,8 +165,7 @@ class LlamaFamilyModel:
         return [t for p in self.projections() for t in p.weight_tensors()]
 
     def kernels(self) -> dict[str, str]:
-        """What runs this model's steps here, in words (each projection's choice is quant/kernels.py's): the
-        decoder's projections, the LM head's, and the layers' elementwise steps."""
+        """What runs this model's steps here, in words."""
         first = self.layers[0]
         runs: dict[str, list[str]] = {}  # each kernel, and the projections that run it (their K decides)
         whys: dict[str, None] = {}
@@ -200,7 +185,6 @@ class LlamaFamilyModel:
         return self.cos.shape[0]
 
     def kv_dtype(self, kv_cache_dtype: str = "auto") -> torch.dtype:
-        """The KV pool's element type: the model's own ("auto"), or int8."""
         return torch.int8 if kv_cache_dtype == "int8" else self.dtype
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
@@ -213,8 +197,7 @@ class LlamaFamilyModel:
 
     @torch.inference_mode()
     def forward_prompt(self, input_ids: torch.Tensor, logits_rows: torch.Tensor, key_scales=None) -> torch.Tensor:
-        """One prompt, read whole, with no KV cache: what calibration runs (engine/quant/calibrate.py), so it never
-        builds attention's metadata itself. `key_scales`: each layer's recorder of the keys' scales, or None."""
+        """One prompt, read whole, with no KV cache: what calibration runs (engine/quant/calibrate.py)."""
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         meta = AttentionMetadata(slot_mapping=None, prefills=[PrefillSeq(0, input_ids.shape[0])],
                                  key_scales=key_scales)
@@ -222,21 +205,17 @@ class LlamaFamilyModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: list[LayerKV] | None, logits_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]. kv_cache: each layer's slice of the pool, or None.
-
-        Returns float32 logits for the rows in logits_rows (the last token of each sequence that samples).
-        """
+        """input_ids, positions: [T]; kv_cache: each layer's slice of the pool, or None. Returns float32 logits for the
+        rows in logits_rows (the last token of each sequence that samples)."""
         s = self.shape
         q_size, kv_size, heads, eps = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_heads, s.rms_norm_eps
         paged = isinstance(meta, PagedMetadata)
-        # the triton backend's steps norm in one kernel each; on CPU the engine's C++ layer steps (self.cpu_ops),
-        # else transformers' formulas as torch calls
+        # the triton backend norms in one kernel each; on CPU the C++ layer steps, else transformers' formulas
         ops = None if paged else self.cpu_ops
         norm = fused_rms_norm() if paged else rms_norm
 
         def add_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, into=None):
-            """x + residual (when given) and its RMSNorm; the C++ step adds in place (x is this forward's own) and
-            hands the norm over in the next projection's dtype where that is bf16 (the same floats as its cast)."""
+            """x + residual (when given) and its RMSNorm; the C++ step adds in place (x is this forward's own)."""
             if ops is not None:
                 return x, ops.add_rms_norm(x, residual, weight, eps, bf16_for(into))
             if residual is not None:
@@ -255,8 +234,7 @@ class LlamaFamilyModel:
             x, residual = self.decoder_stack.run(x, self.cos, self.signed_sin, positions, **pools_of(kv_cache, meta))
             _, h = add_norm(x[logits_rows], residual[logits_rows], self.norm)
             return self.lm_head(h).float()
-        # `proj.raw(h)` is the kernel's own output dtype (bf16 from the weight-only kernels on CPU) where the next
-        # operation widens it exactly anyway (RoPE's multiply, a residual add, a cast): one cast fewer, same floats
+        # `proj.raw(h)` where the next operation widens it exactly anyway: one cast fewer, same floats
         for i, w in enumerate(self.layers):
             x, h = add_norm(x, residual, w.input_norm, w.qkv)
             qkv = w.qkv.raw(h)

@@ -4,6 +4,7 @@ so it is done once and kept as safetensors in the cache folder (docs/measurement
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -80,8 +81,7 @@ GGUF_HASHES = "gguf-sha256.json"  # under cache_dir(): resolved path -> {"size",
 
 
 def gguf_sha256(gguf: Path) -> str:
-    """The sha256 of the file's bytes (read in 1 MiB chunks), computed once per version of a file: remembered in a
-    small JSON index under cache_dir() by resolved path, size and mtime_ns, written atomically."""
+    """The sha256 of the file's bytes, computed once per version of a file (by path, size and mtime_ns)."""
     path = gguf.resolve()
     stat = path.stat()
     index_file = cache_dir() / GGUF_HASHES
@@ -112,10 +112,8 @@ def gguf_sha256(gguf: Path) -> str:
                 json.dump(index, f, indent=1, sort_keys=True)
             os.replace(tmp, index_file)
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
     except OSError:  # a read-only cache: hashed again next time
         pass
@@ -123,9 +121,8 @@ def gguf_sha256(gguf: Path) -> str:
 
 
 def gguf_to_safetensors(gguf: Path) -> Path:
-    """Dequantize a GGUF once through transformers and keep an HF folder in the cache, named <stem>-<sha256[:12]> of
-    the file's content: a copy at another path (or under another name) reuses the conversion, an edited file gets
-    its own."""
+    """Dequantize a GGUF once through transformers into an HF folder in the cache, named by the file's content: a
+    copy elsewhere reuses the conversion, an edited file gets its own."""
     tag = gguf_sha256(gguf)[:12]
     for out in sorted(cache_dir().glob(f"*-{tag}")):  # this content, converted before under any name
         if (out / "model.safetensors").is_file():
@@ -181,10 +178,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
 def load_tokenizer(folder: Path):
-    """The fast tokenizer straight from tokenizer.json (with its chat template); AutoTokenizer as a fallback.
-    Read once per process for a folder as its files are now (name, size, modification time): the engines built over
-    one folder (the playground's rebuilds, the benchmarks' configurations) share it, as the engine only reads it; a
-    changed file reads it again."""
+    """The fast tokenizer straight from tokenizer.json; AutoTokenizer as a fallback. Read once per process for a
+    folder as its files are now: the engines built over one folder share it, as the engine only reads it."""
     folder = Path(folder).resolve()
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
                    if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES))
@@ -226,10 +221,8 @@ def load_weights(folder: Path, hf_config, dtype: torch.dtype, device: torch.devi
 def calibrated_state(state: dict[str, torch.Tensor], hf_config, tokenizer, device: torch.device,
                      weight_format: WeightFormat,
                      folder: Path | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The checkpoint with each projection's input smoothed for weight_format's scheme, and the projections'
-    X.T @ X for GPTQ, as weight_format asks (engine/quant/calibrate.py), found with the unquantized fp32 model over the
-    calibration text. The smoothing scales are kept in the cache, keyed by the checkpoint's files, the format and
-    the text, so a second load with smoothing alone skips the calibration."""
+    """(state, hessians) as weight_format asks (engine/quant/calibrate.py); the smoothing scales are cached, so a
+    second load with smoothing alone skips the calibration."""
     state = {k.removeprefix("model."): v for k, v in state.items()}
     text = CALIBRATION_TEXT.read_text()
     ids = tokenizer(text).input_ids[:MAX_TOKENS]
@@ -251,8 +244,7 @@ def calibrated_state(state: dict[str, torch.Tensor], hf_config, tokenizer, devic
 
 
 def _scales_path(folder: Path, weight_format: WeightFormat, grids: tuple[int, int | None], text: str) -> Path:
-    """Where a checkpoint's smoothing scales for this format, grids (the projections' and the LM head's weight_max:
-    w8a8's depends on the machine) and calibration text are kept."""
+    """Where a checkpoint's smoothing scales for this format, grids and calibration text are kept."""
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.glob("*.safetensors"))
     key = repr((str(folder.resolve()), files, weight_format.quantization, weight_format.group_size,
                 weight_format.lm_head, grids, SEARCH_VERSION, text))

@@ -1,10 +1,6 @@
-"""RMSNorm as one Triton kernel, for the triton backend (`attention_backend="triton"`, the GPU default).
-
-transformers' RMSNorm is eight small kernels on a GPU, and at batch 1 a GPU step is bound by launches; this one
-does the same arithmetic in one pass per row. The reduction's order differs from torch's, so results agree to a
-rounding step, not bit for bit: the sdpa backend keeps transformers' formula (models/llama.py's rms_norm).
-Rows may be strided (Qwen3's q/k heads are views into the fused qkv output): row r is head r % heads of token
-r // heads, and the weight has one row per head or one row for all.
+"""RMSNorm as one Triton kernel for the triton backend: transformers' is eight small kernels, and at batch 1 a GPU
+step is bound by launches. Its reduction order differs from torch's (agreeing to a rounding step), so the sdpa
+backend keeps transformers' formula. Row r is head r % heads of token r // heads (Qwen3's strided q/k heads).
 """
 from __future__ import annotations
 
@@ -33,8 +29,8 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, num_rows, heads, w_rows, stride_t, stride_h
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, N] or [T, heads, N] (each row contiguous); weight: [N] or [heads, N]. Returns a contiguous result
-    in the dtype weight * x.to(x.dtype) has in torch (the promotion of the two)."""
+    """x: [T, N] or [T, heads, N] (each row contiguous); weight: [N] or [heads, N]; the result contiguous, in the
+    promotion of the two dtypes."""
     n = x.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -1,7 +1,5 @@
-"""Quantization, in one package: the arithmetic (numerics.py), the schemes and their settings (format.py), which
-kernel runs them here and why (kernels.py), the quantized projections (linear.py), calibration (calibrate.py) and
-whether a scheme is faster than fp32 on this CPU at all (speed.py). The package itself exports the arithmetic only,
-which the attention and the C++ kernels' Python fallbacks use."""
+"""Quantization: the arithmetic (numerics.py, the only part exported here), the formats (format.py), which kernel
+runs them (kernels.py), the projections (linear.py), calibration (calibrate.py), and speed against fp32 (speed.py)."""
 from .numerics import (
     INT4_LEVELS,
     INT4_MID,

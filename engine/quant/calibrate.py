@@ -1,29 +1,16 @@
 """Activation-aware smoothing before quantization (the idea of SmoothQuant and AWQ), done once at load.
 
-A projection y = x @ W.T gives the same result with its input channels rescaled: y = (x / s) @ (W * s).T for any
-positive s per input channel. Quantization does not: W * s rounds differently, and so do the activations x / s.
-Channels whose activations are large (SmolLM2 has a few, 10-100x the rest) matter most, so multiplying their
-weights up before rounding (AWQ) or moving their range from the activations into the weights (SmoothQuant,
-for w8a8, whose activations are rounded too) cuts the error. The 1 / s is folded into what feeds the projection,
-so nothing is added to a step:
+y = x @ W.T = (x / s) @ (W * s).T for any positive s per input channel, but W * s and x / s round differently:
+channels with large activations (SmolLM2 has a few, 10-100x the rest) matter most, so scaling their weights up
+before rounding cuts the error. The 1 / s is folded into what feeds each projection, adding nothing to a step
+(qkv and gate|up: the RMSNorm before them; o: v's output rows; down: up's rows; the LM head: the final norm).
+s = act^alpha / w^(1 - alpha) per channel, alpha per projection the one of a grid with the least output error over
+the unquantized model's activations on presets/quality/calibration.txt; s = 1 is always a candidate, so a projection
+is never made worse on the calibration text.
 
-  qkv      <- input RMSNorm's weight          gate|up  <- post-attention RMSNorm's weight
-  o        <- v's output rows (one s per KV head and dimension: every query head of a group reads that v)
-  down     <- up's output rows (silu(gate) * up / s)
-  LM head  <- the final RMSNorm's weight (a tied head gets its own smoothed copy: the embedding stays)
-
-s = act^alpha / w^(1 - alpha) per input channel (act: the mean |x| for weight-only schemes, the max |x| for w8a8;
-w: the max |W| over output channels), alpha chosen per projection from a grid by the output error of the
-quantized projection over calibration activations, with no smoothing (s = 1) always a candidate, so a
-projection is never made worse on the calibration text. The activations come from the unquantized model over
-presets/quality/calibration.txt (prose, a dialogue, code and a report; not the text quality is scored on).
-
-An int8 KV cache's keys are smoothed the same way (kv_cache_smoothing, key_scales below): a key's few large channels
-set its token's one int8 scale, so the rest get few levels. Dividing each key channel by s and multiplying each
-query channel by s leaves q . k as it was; s = max|k|^alpha per channel (after RoPE, so RoPE needs no change),
-alpha per layer chosen by the error of the attention scores q . k over calibration queries and keys, none (s = 1)
-always a candidate. The scales are applied at run time (attention.KeyScale), two multiplies a layer, not folded into
-the weights: the same weights serve an engine with an int8 cache and one without.
+An int8 KV cache's keys are smoothed the same way (key_scales): each key channel divided by s, each query channel
+multiplied by it, q . k unchanged. Applied at run time (attention.KeyScale), not folded into the weights, so the
+same weights serve an engine with an int8 cache and one without.
 """
 from __future__ import annotations
 
@@ -70,9 +57,8 @@ class Fake:
 
 
 def best_scale(x: Inputs, w: torch.Tensor, fake: Fake, heads: tuple[int, int] | None = None) -> torch.Tensor:
-    """The s [K] for the inputs x entering w [N, K] with the least output error once quantized (ones if none
-    helps). heads = (num_kv_heads, group): K is query heads x head_dim (o's input) and s is tied across the query
-    heads of a group, which read the same v (query head h reads KV head h // group)."""
+    """The s [K] for the inputs x entering w [N, K] with the least output error once quantized. heads =
+    (num_kv_heads, group): s is tied across the query heads of a group (o's input), which read the same v."""
     act = (x.max_abs if fake.uses_max else x.mean_abs).clamp(min=1e-5)
     wmax = w.abs().amax(0).clamp(min=1e-5)
     if heads is not None:
@@ -98,8 +84,7 @@ def best_scale(x: Inputs, w: torch.Tensor, fake: Fake, heads: tuple[int, int] | 
 
 def least_error(error: Callable[[torch.Tensor], float], none: torch.Tensor,
                 candidates: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The candidate scale with the least error; `none` (no smoothing) unless one beats it, so that smoothing never
-    makes the calibration inputs' error worse."""
+    """The candidate scale with the least error; `none` (no smoothing) unless one beats it."""
     best, best_err = none, error(none)
     for s in candidates:
         err = error(s)
@@ -109,8 +94,7 @@ def least_error(error: Callable[[torch.Tensor], float], none: torch.Tensor,
 
 
 class _Recorder:
-    """Stands in for a projection during calibration: keeps what the smoothing search and GPTQ need of its
-    inputs (a sample of rows, each channel's mean and max |x|, and X.T @ X), then computes as it would."""
+    """Stands in for a projection during calibration: keeps what the search and GPTQ need of its inputs."""
 
     def __init__(self, proj, gram: bool) -> None:
         self.proj, self.want_gram, self.gram = proj, gram, None
@@ -145,9 +129,7 @@ class Inputs:
 
 
 def calibration_inputs(model, token_ids: list[int], gram: bool = True) -> dict[tuple[int, str], Inputs]:
-    """Every projection's inputs over the calibration tokens (one forward pass of an unquantized model):
-    {(layer, name): Inputs}, layer -1 being the LM head's; X.T @ X only when `gram`."""
-
+    """Every projection's inputs over the calibration tokens: {(layer, name): Inputs}, layer -1 the LM head's."""
     owners = {(i, name): w for i, w in enumerate(model.layers) for name in ("qkv", "o", "gate_up", "down")}
     owners[-1, "lm_head"] = model
     recorders = {}
@@ -173,12 +155,9 @@ def projection_name(layer: int, name: str) -> str:
 def calibrate(state: dict[str, torch.Tensor], model, token_ids: list[int], fake: Fake, num_kv_heads: int,
               head_dim: int, tied: bool, head: Fake | None, smooth: bool, gptq: bool,
               known: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict, dict[str, torch.Tensor]]:
-    """(state, hessians, scales): the checkpoint's state (keys without "model.") with every projection's input
-    smoothed for fake's scheme (the LM head's for `head`'s; None leaves the head unquantized, so unsmoothed) when
-    `smooth`, when `gptq` each projection's H = X.T @ X over its (smoothed)
-    inputs, and the smoothing scales; the last two keyed by projection_name. Found by `model`, built unquantized
-    from `state`, over token_ids; `known`: scales found before for the same checkpoint, format and text (a cache),
-    used as they are, so without GPTQ the calibration pass is skipped."""
+    """(state, hessians, scales): the state with every projection's input smoothed for fake's scheme (the LM head's
+    for `head`'s; None: unsmoothed) when `smooth`, each projection's X.T @ X over its smoothed inputs when `gptq`,
+    and the scales. `known`: scales cached for this checkpoint, format and text, so without GPTQ no forward runs."""
     inputs = calibration_inputs(model, token_ids, gram=gptq) if gptq or (smooth and not known) else {}
     out = {k: v.float().clone() if v.is_floating_point() else v for k, v in state.items()}
     scales: dict[tuple[int, str], torch.Tensor] = {}
@@ -236,8 +215,7 @@ _key_scales: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model ->
 
 
 class _KeyRecorder:
-    """Stands in for a layer's KeyScale during calibration: keeps a sample of the queries and keys it sees (after
-    RoPE) and each key channel's max |k| over all of them, and changes nothing."""
+    """Stands in for a layer's KeyScale during calibration: samples the queries and keys, changing nothing."""
 
     def __init__(self) -> None:
         self.queries: list[torch.Tensor] = []
@@ -280,9 +258,7 @@ def calibration_token_ids(tokenizer, vocab_size: int) -> list[int]:
 
 
 def key_scales(model, token_ids: list[int]) -> torch.Tensor:
-    """Each layer's key smoothing scales for an int8 KV cache, [num_layers, num_kv_heads, head_dim] fp32, found over
-    token_ids by the model as it is (its own weights and dtype), in windows its RoPE table covers."""
-
+    """Each layer's key smoothing scales, [num_layers, num_kv_heads, head_dim], in windows its RoPE table covers."""
     recorders = [_KeyRecorder() for _ in model.layers]
     for start in range(0, len(token_ids), model.max_len):
         ids = torch.tensor(token_ids[start:start + model.max_len], device=model.device)
@@ -291,7 +267,7 @@ def key_scales(model, token_ids: list[int]) -> torch.Tensor:
 
 
 def key_scales_for(model, tokenizer) -> torch.Tensor:
-    """key_scales over the calibration text, found once per model (every engine over it shares them)."""
+    """key_scales over the calibration text, once per model."""
     if model not in _key_scales:
         _key_scales[model] = key_scales(model, calibration_token_ids(tokenizer, model.embed.shape[0]))
     return _key_scales[model]

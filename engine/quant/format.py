@@ -25,7 +25,6 @@ def check_scheme(quantization, group_size, smoothing: bool, gptq: bool, lm_head:
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a model's projections are stored: unquantized, or one of QUANTIZATION_SCHEMES."""
     quantization: str | None = None
     group_size: int = 32  # int4 only (EngineConfig.quantization_group_size's default)
     # the LM head: True as the projections, False in the model's dtype, or a scheme of its own (head_scheme)
@@ -35,8 +34,8 @@ class WeightFormat:
 
     @classmethod
     def of(cls, config) -> WeightFormat:
-        """The format an EngineConfig asks for, with fields that do not apply at their defaults (so equal formats
-        compare equal: int8 with any group size is the same int8)."""
+        """The format an EngineConfig asks for, fields that do not apply at their defaults so equal formats compare
+        equal."""
         if config.quantization is None:
             return cls()
         group = config.quantization_group_size if config.quantization == "int4" else cls.group_size

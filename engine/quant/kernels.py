@@ -1,24 +1,9 @@
-"""Which kernel runs a projection: one function, `choose_kernel`, decides it for a (scheme, device, dtype, CPU
-features, built C++ kernels) and says why; the projections (quant/linear.py), the loader, the
-engine's snapshot, the status line and the benchmarks all ask it, and none decides on its own.
+"""Which kernel runs a projection: `choose_kernel` alone decides it, and says why; everything else asks it.
 
-  scheme  device  kernel                                          when
-  None    cpu     the engine's C++ dense_matmul (packed once)     fp32 with AVX-512; bf16 with AVX-512 BF16 (with
-                                                                  AMX: on AMX's tiles where the build can use them);
-                                                                  the C++ kernels built
-          cpu     oneDNN's linear (weight reordered once)         otherwise: fp32; bf16 with AVX-512 BF16 / AMX
-          cpu     x @ W                                           bf16 without them, a torch without oneDNN
-          cuda    x @ W
-  int8    cpu     the engine's C++ int8_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built,
-                  in two 8-bit parts, integer dot products)       K (in_features) a multiple of 32
-          cpu     the engine's C++ int8_matmul (AVX-512)          AVX-512 here and the C++ kernels built
-          cpu     torch._weight_int8pack_mm (bf16 activations)    otherwise
-  int4    cpu     the engine's C++ int4_matmul_vnni (activations  AVX-512 VNNI here and the C++ kernels built,
-                  in two 8-bit parts, integer dot products)       K a multiple of 32 (its groups are)
-          cpu     the engine's C++ int4_matmul (AVX-512)          AVX-512 here and the C++ kernels built
-          cpu     torch._weight_int4pack_mm_for_cpu (bf16)        otherwise
-          cuda    torch._weight_int4pack_mm (bf16)
-  w8a8    cpu     fbgemm's int8 linear, rows quantized in C++ or by torch calls; 8-bit weights with VNNI, else 7
+On CPU, with the C++ kernels built and AVX-512: the engine's own (dense fp32, bf16 with AVX-512 BF16 or on AMX's
+tiles; int8 / int4 on VNNI's integer dot products where K runs in 32s, else widening the weights in registers);
+otherwise oneDNN's linear (fp32, bf16 with bf16 instructions), x @ W, or torch's int8 / int4 kernels on bf16
+activations. w8a8 is fbgemm's. On CUDA: x @ W, and torch's int4 kernel.
 An int8 or w8a8 model on CUDA is refused (measured: slower than bf16 there, NO_KERNEL_BECAUSE), never run
 unquantized. Whether a scheme's kernel is faster than fp32 on the CPU at hand is measured, not assumed: quant/speed.py.
 """
@@ -53,25 +38,23 @@ W8A8_WEIGHT_MAX_BY_SUMS = {"int32": 127, "int16 pairs": 63}
 VNNI_K_MULTIPLE = 32  # the VNNI kernels' input features: one scale of the activations per run of 32
 
 
-@cache
-def cpu_features() -> frozenset[str]:
-    """This CPU's instruction-set flags (/proc/cpuinfo's "flags"; empty where there is none to read)."""
+def _cpuinfo(field: str) -> str:
+    """The value of /proc/cpuinfo's first `field` line; "" where there is none to read."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
+            return next((line.partition(":")[2].strip() for line in f if line.startswith(field)), "")
     except OSError:
-        line = ""
-    return frozenset(line.partition(":")[2].split())
+        return ""
+
+
+@cache
+def cpu_features() -> frozenset[str]:
+    """This CPU's instruction-set flags."""
+    return frozenset(_cpuinfo("flags").split())
 
 
 def cpu_name() -> str:
-    """The CPU's model name, for saying where a kernel ran or a speed was measured."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        name = ""
-    return name or platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def isa(features: frozenset[str]) -> str:
@@ -154,8 +137,7 @@ def w8a8_weight_max() -> int:
 
 
 def _dense_amx(ext) -> bool:
-    """Whether the built module's bf16 dense_matmul runs on AMX here (a build without AMX, or one older than it,
-    says no)."""
+    """Whether the built module's bf16 dense_matmul runs on AMX here."""
     return bool(getattr(ext, "dense_amx", lambda: False)())
 
 
@@ -191,10 +173,9 @@ def _unquantized(device: str, dtype: torch.dtype, features: frozenset[str], ext)
 def choose_kernel(scheme: str | None, device: torch.device | str, dtype: torch.dtype = torch.float32,
                   features: frozenset[str] | None = None, extension=..., in_features: int | None = None
                   ) -> KernelChoice:
-    """The kernel for scheme's projections on device (a model of dtype), and why; ValueError when this engine has
-    none there (never run unquantized instead). features: the CPU's flags (this one's by default); extension: the
-    engine's compiled C++ module or None (cpu_kernels.compiled() by default); in_features: the projection's K, where
-    it is known (a projection's own choice), which the VNNI kernels need in runs of VNNI_K_MULTIPLE."""
+    """The kernel for scheme's projections on device, and why; ValueError when this engine has none there (never
+    run unquantized instead). extension: the compiled C++ module or None (default: cpu_kernels.compiled());
+    in_features: the projection's K where known, which the VNNI kernels need in runs of VNNI_K_MULTIPLE."""
     device, name = torch.device(device).type, str(dtype).removeprefix("torch.")
     if device == "cpu":
         features = cpu_features() if features is None else features

@@ -1,8 +1,6 @@
-"""A projection's weight, stored once at load for the kernel quant/kernels.py's choose_kernel picks on this device:
-`Linear(w)(x)` is x @ w.T, or one of its quantized siblings when the model's weight format asks for one
-(make_projection). Each gives a row the same result whatever else shares the call, so a request's tokens are the same
-whoever it is batched with: without the C++ kernels, fp32 and bf16 go through oneDNN's linear over a weight reordered
-once at load, whose rows do not depend on how many share the call (MKL's `x @ W` does for one or two rows).
+"""A projection's weight, stored once at load for the kernel choose_kernel picks: `Linear(w)(x)` is x @ w.T, or a
+quantized sibling (make_projection). Each gives a row the same result whatever else shares the call, so a request's
+tokens do not depend on its batch (why oneDNN's linear, not MKL's `x @ W`, without the C++ kernels).
 """
 from __future__ import annotations
 
@@ -22,12 +20,10 @@ INT4_INNER_K_TILES = (8, 4, 2)  # CUDA's int4 packing: the largest tiling (16 in
 
 
 class _Quantized:
-    """What the quantized projections share: shapes, dtypes, an empty batch."""
     scheme: str
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
-        # ValueError where none runs here
         self.choice = choose_kernel(self.scheme, weight.device, weight.dtype, in_features=self.in_features)
         self.kernel = self.choice.kernel.rsplit(".", 1)[-1]
         self.dtype, self.device = weight.dtype, weight.device  # the model's: what comes in and goes out
@@ -36,14 +32,12 @@ class _Quantized:
         return self.raw(x).to(x.dtype)
 
     def raw(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T, left in the kernel's own dtype (bf16 from the weight-only kernels on CPU) when x is fp32, for a
-        caller whose next operation widens it to fp32 anyway, exactly: the model saves a cast per projection so.
-        Otherwise in x's dtype, so that no sum of the two ever promotes past the model's dtype."""
+        """x @ W.T, left in the kernel's own dtype when x is fp32, for a caller whose next operation widens it
+        exactly anyway (a cast saved per projection); otherwise in x's dtype."""
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         y = self._matmul(x)
-        # (each cast skipped in Python where it would do nothing: a torch call costs its dispatch even then, and
-        # there are 121 a token; docs/measurements.md, "The engine's own weight-only kernels")
+        # a no-op cast still costs its dispatch (docs/measurements.md, "The engine's own weight-only kernels")
         return y if x.dtype == torch.float32 or y.dtype == x.dtype else y.to(x.dtype)
 
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -59,7 +53,6 @@ class _Quantized:
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in dtype: x itself when it already is (without the torch call a no-op cast still costs)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 
@@ -69,8 +62,7 @@ def _bytes(*tensors: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class CppPlan:
-    """A projection as cpu_kernels.cpp's DecoderStack calls its kernel: which one (CPP_DENSE, CPP_INT8_VNNI,
-    CPP_INT4_VNNI), the packed weight, int8's scales (else an empty tensor), int4's group (else 0)."""
+    """A projection as cpu_kernels.cpp's DecoderStack calls its kernel (kind: CPP_DENSE, CPP_INT8_VNNI, ...)."""
     kind: int
     packed: torch.Tensor
     scale: torch.Tensor
@@ -84,9 +76,8 @@ INT8_K_MULTIPLE = 16  # both CPU kernels' step over input features (torch's retu
 
 
 class _WeightOnly(_Quantized):
-    """int8 and int4: the engine's own C++ kernel where choose_kernel picks it (the activations as they come, fp32
-    sums), else torch's, which is fast only with bf16 activations, so an fp32 model's enter it as bf16. One choice
-    per machine, whatever the rows: a row's result never depends on its batch."""
+    """int8 and int4: the engine's own C++ kernel where choose_kernel picks it, else torch's, which is fast only with
+    bf16 activations. One choice per machine, whatever the rows: a row's result never depends on its batch."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
@@ -101,10 +92,8 @@ class _WeightOnly(_Quantized):
 
 
 class Int8Linear(_WeightOnly):
-    """Weight-only int8: q [N, K] int8 and one scale per output channel; the kernel computes x @ (q * scale).T.
-    int8_matmul_vnni (AVX-512 VNNI, K a multiple of 32: choose_kernel takes K) keeps them in pack_int8_vnni's layout
-    and multiplies integers; int8_matmul widens the weights as it reads them. The C++ kernels keep the scales in fp32;
-    torch's _weight_int8pack_mm wants them in bf16, like its activations."""
+    """Weight-only int8, one scale per output channel: x @ (q * scale).T. int8_matmul_vnni keeps q in
+    pack_int8_vnni's layout; torch's _weight_int8pack_mm wants the scales in bf16, like its activations."""
     scheme = "int8"
 
     def __init__(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> None:
@@ -123,7 +112,6 @@ class Int8Linear(_WeightOnly):
 
     @property
     def qweight(self) -> torch.Tensor:
-        """q [N, K] int8 (read back from the VNNI kernel's layout where it runs)."""
         return unpack_int8_vnni(self.packed, self.out_features) if self.vnni else self._qweight
 
     @property
@@ -189,10 +177,9 @@ def unpack_int8_vnni(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class Int4Linear(_WeightOnly):
-    """Weight-only int4 in groups of `group_size` input features, asymmetric: two values per byte, with each group's
-    scale and mid in bf16. int4_matmul_vnni's layout: pack_int4_vnni's. int4_matmul's: [N, K / 2] bytes, in each run of
-    32 features c in a low nibble and c + 16 in the high one, and [N, K / g, 2] pairs; torch's: packed once by torch
-    for it, pairs [K / g, N, 2]."""
+    """Weight-only int4 in groups of `group_size` input features, two values per byte, each group's scale and mid in
+    bf16: for int4_matmul_vnni in pack_int4_vnni's layout; for int4_matmul (runs of 32 features: c in a low nibble,
+    c + 16 high) pairs [N, K / g, 2]; for torch's, packed by torch, pairs [K / g, N, 2]."""
     scheme = "int4"
 
     def __init__(self, weight: torch.Tensor, group_size: int, hessian: torch.Tensor | None = None) -> None:
@@ -210,7 +197,7 @@ class Int4Linear(_WeightOnly):
             self.scales_and_zeros = self.packed.new_empty(0)  # in packed, beside their weights
             return
         if self._own is not None:
-            runs = q.reshape(self.out_features, -1, 2, 16)  # runs of 32 features: c in a low nibble, c + 16 high
+            runs = q.reshape(self.out_features, -1, 2, 16)
             self.packed = (runs[:, :, 0] | runs[:, :, 1] << 4).reshape(self.out_features, -1).contiguous()
             self.scales_and_zeros = torch.stack([scale, mid], dim=-1).to(torch.bfloat16).contiguous()
             return
@@ -226,7 +213,7 @@ class Int4Linear(_WeightOnly):
             self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # the kernel computes (q - 8) * scale + zero, its "zero" being our mid
         self.scales_and_zeros = torch.stack([scale.t(), mid.t()], dim=-1).to(self.activation_dtype).contiguous()
-        self._kernel = getattr(torch, self.kernel)  # the device's, as KERNELS names it: looked up once, not per call
+        self._kernel = getattr(torch, self.kernel)  # looked up once, not per call
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.packed, self.scales_and_zeros) if t.numel()]
@@ -243,10 +230,8 @@ class Int4Linear(_WeightOnly):
 
 
 class W8A8Linear(_Quantized):
-    """int8 weights per output channel (8-bit values, or 7 where fbgemm's sums need it: kernels.py's
-    W8A8_WEIGHT_MAX_BY_SUMS) and uint8 activations quantized per token on the fly (asymmetric over all 256 levels,
-    closer to fp32 than symmetric), multiplied in integers with int32 sums by fbgemm, then scaled back:
-    y = (x_q - zero) @ w_q.T * w_scale * x_scale. Integer sums are exact, so a row's result is the same in any batch.
+    """int8 weights per output channel (7-bit where fbgemm's sums need it) and uint8 activations per token,
+    multiplied in exact integer sums by fbgemm: y = (x_q - zero) @ w_q.T * w_scale * x_scale, the same in any batch.
     fbgemm takes one zero point for the whole input, so it is given 128 and each row's own is corrected after:
     y -= (zero - 128) * w_scale * sum(w_q) per output channel."""
     scheme = "w8a8"
@@ -268,18 +253,16 @@ class W8A8Linear(_Quantized):
         self._kernel = getattr(torch.ops.quantized, W8A8_OP).default
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [N, K] int8, scales [N]) as packed: read back from fbgemm's layout."""
+        """(q [N, K] int8, scales [N]), read back from fbgemm's layout."""
         qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
         return qweight.int_repr(), qweight.q_per_channel_scales().float()
 
     @property
     def nbytes(self) -> int:
-        # int8 weights, plus fbgemm's scale and column offset per output channel (its packing padding not counted),
-        # and the zero-point correction
+        # int8 weights, plus fbgemm's scale and column offset and the zero-point correction per output channel
         return self.out_features * (self.in_features + 12)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # each row's q - 128 (as floats), its scale and its zero point - 128 (engine/cpu_kernels.py)
         xq, x_scale, shifted = self._quantize_rows(_as(x, torch.float32).contiguous())
         # the kernel quantizes its input with scale 1 and zero point 128: integers in, so that step is exact
         y = self._kernel(xq, 1.0, W8A8_ZERO_POINT, self.packed)
@@ -322,12 +305,11 @@ class Linear:
         return None if self._own is None else CppPlan(CPP_DENSE, self.packed, self.packed.new_empty(0))
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        """The tensors each call streams (engine/huge_pages.py places them; oneDNN's opaque one stays put)."""
+        """The tensors each call streams (oneDNN's opaque one is not among them)."""
         return [t for t in (self.packed, self.weight_t) if t is not None]
 
     @property
     def input_dtype(self) -> torch.dtype:
-        """The activations' dtype the kernel computes in (a caller may hand them over in it already)."""
         return self.dtype
 
     @property
@@ -345,8 +327,7 @@ PROJECTION_TYPES = (Linear, *QUANTIZED_TYPES)
 
 def make_projection(weight_format: WeightFormat, weight: torch.Tensor, name: str, is_lm_head: bool = False,
                     hessian: torch.Tensor | None = None) -> Projection:
-    """The projection for weight [out, in] stored as weight_format; name says which layer a refusal is about;
-    hessian: X.T @ X over its calibration inputs, for GPTQ's rounding."""
+    """The projection for weight [out, in] stored as weight_format; name says which layer a refusal is about."""
     scheme = weight_format.head_scheme if is_lm_head else weight_format.quantization
     if scheme is None:
         return Linear(weight)

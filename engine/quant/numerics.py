@@ -1,17 +1,12 @@
 """Quantization arithmetic, in one place: int8 rows (weights per output channel, K/V per token and head), uint8
-rows (w8a8's activations per token) and int4 groups. Pure functions over tensors; the kernels that use them live in
-quant/linear.py and attention/sdpa.py.
+rows (w8a8's activations per token) and int4 groups, each element within half a step of its value.
 
-int8 is symmetric: x ~ q * scale, q in [-127, 127], scale = max|x| / 127 over the row, so the error of one element
-is at most scale / 2. uint8 is asymmetric: x ~ (q - zero) * scale, q in [0, 255] over the row's [min, max]. int4 is
-asymmetric per group of g input features: w ~ (q - 8) * scale + mid, q in [0, 15], scale = (max - min) / 15,
-mid = min + 8 * scale, error at most scale / 2.
+int8 is symmetric: x ~ q * scale, q in [-127, 127]. uint8 is asymmetric: x ~ (q - zero) * scale, q in [0, 255] over
+the row's [min, max]. int4 is asymmetric per group: w ~ (q - 8) * scale + mid, q in [0, 15] (torch's int4 form).
 
-A weight's q is its nearest level, unless a `hessian` (H = X.T @ X over calibration inputs X of the projection)
-is given: then GPTQ's rounding (Frantar et al., 2022) picks them column by column, each column's rounding error
-pushed onto the columns not yet rounded in proportion to how the inputs correlate (through H's inverse), so the
-projection's output over such inputs errs less though every weight still sits on the same grid with the same
-scales.
+A weight's q is its nearest level, unless a `hessian` (H = X.T @ X over the projection's calibration inputs) is
+given: then GPTQ's rounding (Frantar et al., 2022) carries each column's rounding error onto the columns not yet
+rounded through H's inverse, so the output over such inputs errs less on the same grid.
 """
 from __future__ import annotations
 
@@ -32,9 +27,8 @@ GPTQ_ROWS = 8192  # output channels rounded together (the LM head in chunks that
 
 def quantize_int8(x: torch.Tensor, qmax: int = INT8_MAX, scale_dtype: torch.dtype | None = None,
                   hessian: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric over the last dim into [-qmax, qmax] (127: int8; less for a kernel that needs headroom):
-    (q int8 like x, scale fp32 of shape x.shape[:-1]). scale_dtype: the dtype a kernel keeps the scales in; they
-    are rounded to it first and q is chosen against the rounded scale, so the error stays within half a step."""
+    """(q int8, scale fp32 [x.shape[:-1]]) over the last dim into [-qmax, qmax]. scale_dtype: the dtype a kernel
+    keeps the scales in; q is chosen against the scale rounded to it, so the error stays within half a step."""
     xf = x.to(SCALE_DTYPE)
     scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp_(min=_TINY)
     if scale_dtype is not None:
@@ -51,11 +45,8 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 
 def quantize_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric over the last dim into [0, 255], for activations (w8a8's, per token): x ~ (q - zero) * scale, the
-    row's [min, max] (widened to take in 0) split in 255 steps, zero the integer level 0 falls on. A lopsided row
-    (after an RMSNorm or SiLU, most are) gets up to twice the levels the symmetric int8 form gives it. The rounded
-    zero shifts the grid by at most half a step, so x / scale + zero stays within [-0.5, 255.5] and the error within
-    half a step. Returns (q uint8, scale fp32, zero fp32), the last two of shape x.shape[:-1]."""
+    """(q uint8, scale fp32, zero fp32) over the last dim, the row's [min, max] widened to take in 0: a lopsided row
+    (after an RMSNorm or SiLU, most are) gets up to twice the levels the symmetric int8 form gives it."""
     xf = x.to(SCALE_DTYPE)
     low, high = xf.amin(dim=-1, keepdim=True).clamp_(max=0), xf.amax(dim=-1, keepdim=True).clamp_(min=0)
     scale = ((high - low) / UINT8_MAX).clamp_(min=_TINY)
@@ -70,11 +61,8 @@ def dequantize_uint8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, d
 
 def quantize_int4(w: torch.Tensor, group_size: int, param_dtype: torch.dtype | None = None,
                   hessian: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 per group of group_size along the last dim of w [N, K]: w ~ (q - 8) * scale + mid, q in 0..15,
-    the group's range split in 15 steps, mid the weight q = 8 stands for (torch's int4 kernels take that form).
-    Returns (q uint8 [N, K], scale fp32 [N, K / group_size], mid fp32 [N, K / group_size]). param_dtype: the dtype a
-    kernel keeps scale and mid in; they are rounded to it first and q is chosen against them (a rounded mid would
-    otherwise shift every weight of its group the same way)."""
+    """(q uint8 [N, K], scale and mid fp32 [N, K / group_size]) of w [N, K]. param_dtype: the dtype a kernel keeps
+    scale and mid in; q is chosen against them rounded to it (a rounded mid would shift its whole group)."""
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"group size {group_size} does not divide {k} input features")
@@ -104,10 +92,8 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor, dty
 
 def gptq(w: torch.Tensor, hessian: torch.Tensor,
          level: Callable[[torch.Tensor, int, slice], torch.Tensor]) -> torch.Tensor:
-    """w [N, K] with every column j replaced by level(column[rows], j, rows), its value on the grid, chosen in order
-    so that the error over the calibration inputs, (w_rounded - w) @ X.T, stays small: each column's rounding
-    error is carried onto the later columns through the inverse of H = X.T @ X (GPTQ, with its lazy batches).
-    Input features no calibration input used (H's diagonal 0) are rounded as they are."""
+    """w [N, K] with every column j replaced by level(column[rows], j, rows), its value on the grid, in order, with
+    GPTQ's lazy batches. Input features no calibration input used (H's diagonal 0) are rounded as they are."""
     n, k = w.shape
     h = hessian.to(SCALE_DTYPE).clone()
     dead = h.diagonal() == 0

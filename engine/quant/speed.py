@@ -1,11 +1,6 @@
-"""Whether a quantization scheme is faster than fp32 on the CPU at hand: measured, once per machine, and cached.
-
-What pays on one CPU costs on another (docs/measurements.md, "Which kernel runs, and what each C++ kernel is
-worth"), so the page and the quality table do not assume a scheme is faster: they show what this measured here. It
-times one decoder layer's projections of the model at hand (random weights: speed does not depend on the values),
-each scheme on the kernel quant/kernels.py picks against fp32 on its own, interleaved so a busy machine slows both.
-The result is cached under a key of everything the timing depends on (_key), so it is measured once per machine and
-kernel build.
+"""Whether a quantization scheme is faster than fp32 on the CPU at hand: measured once per machine and kernel build
+(one decoder layer's projections, random weights), and cached. What pays on one CPU costs on another
+(docs/measurements.md, "Which kernel runs, and what each C++ kernel is worth"), so nothing assumes it.
 """
 from __future__ import annotations
 
@@ -53,7 +48,6 @@ class SchemeSpeed:
 
 
 def layer_shapes(model) -> list[tuple[int, int]]:
-    """(out_features, in_features) of one decoder layer's projections of a loaded model."""
     layer = model.layers[0]
     return [(p.out_features, p.in_features) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
@@ -107,8 +101,7 @@ def _key(shapes) -> str:
 
 
 def scheme_speeds(shapes: list[tuple[int, int]], refresh: bool = False) -> dict[str, SchemeSpeed]:
-    """measure()'s result, from the cache when this machine measured the same thing before (refresh: measure
-    again). A cache that cannot be read or written only costs the measurement."""
+    """measure()'s result, from the cache when this machine measured the same thing before."""
     shapes = [tuple(s) for s in shapes]
     key = _key(shapes)
     path = cache_dir() / CACHE_FILE
