@@ -179,6 +179,9 @@ def test_time_series_break_across_idle_periods():
     # a lone point (one step in step mode) is drawn as a marker, since a one-point line shows nothing
     lone = figures.queues_figure([sample(0.0), sample(10.0), sample(20.0)])["data"][0]
     assert lone["marker"]["size"] == [6, 0, 6, 0, 6]
+    # a busy period's line has no markers at all: the page would draw one per point (size 0 or not) every second
+    busy = figures.queues_figure([sample(t / 10) for t in range(50)])["data"][0]
+    assert busy["mode"] == "lines" and "marker" not in busy and len(busy["x"]) == 50
 
 
 def test_prefix_chart_says_when_prefix_caching_is_off():

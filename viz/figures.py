@@ -285,8 +285,10 @@ def _windowed_ratio(history: Sequence, window: int, num, den, scale: float = 1.0
 
 def _line(t: Sequence[float], y: Sequence, starts: Sequence[bool], drop_missing: bool = False, **kw) -> dict:
     """A line broken at idle periods (no slope drawn through time when nothing ran). A point with no neighbour
-    (a lone step, as in step mode) gets a marker, since a line of one point draws nothing. With drop_missing,
-    points without a value are left out, so the line joins its neighbours within a busy period."""
+    (a lone step, as in step mode) gets a marker, since a line of one point draws nothing; a line with none has no
+    markers at all (even of size 0 the page draws one per point, every second: docs/measurements.md, "What the
+    Dashboard costs the browser"). With drop_missing, points without a value are left out, so the line joins its
+    neighbours within a busy period."""
     xs: list[float | None] = []
     ys: list = []
     broken = False
@@ -302,6 +304,8 @@ def _line(t: Sequence[float], y: Sequence, starts: Sequence[bool], drop_missing:
         ys.append(v)
     lone = [v is not None and (i == 0 or ys[i - 1] is None) and (i == len(ys) - 1 or ys[i + 1] is None)
             for i, v in enumerate(ys)]
+    if not any(lone):
+        return scatter(x=xs, y=ys, mode="lines", **kw)
     return scatter(x=xs, y=ys, mode="lines+markers", marker=dict(size=[6 if a else 0 for a in lone]), **kw)
 
 
