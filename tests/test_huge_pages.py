@@ -72,13 +72,19 @@ def test_gather_moves_in_place_into_huge_pages():
     assert view.data_ptr() == base.data_ptr() + base.stride(0) * 4
     big[1].add_(1)  # each still its own memory: writing one leaves its neighbours alone
     assert torch.equal(big[1], before[1] + 1) and torch.equal(big[0], before[0]) and torch.equal(big[2], before[2])
-    # the buffer is marked for 2 MB pages; how many the kernel gives depends on how fragmented memory is (under a
-    # full test run: 6 of 14 MB), so only that it gave some is asserted
+    # the buffer is marked for 2 MB pages; how many the kernel gives depends on how fragmented memory is at that
+    # moment (under a full test run: 6 of 14 MB; none at all once, with the other lane's tests running), so only
+    # that it gave some, to this buffer or to one of two more gathered the same way, is asserted
     assert advised(big[0])  # (not `small`'s absence: the heap may reuse memory an earlier buffer marked)
     if huge_bytes(big[0]) == 0 and not kernel_gives_huge_pages():
         pytest.skip("this kernel marks the buffer but gives no 2 MB page even to a fresh probe (seen in a "
                     "Firecracker VM whose THP setting says madvise): the move itself is checked above")
-    assert huge_bytes(big[0]) > 0
+    tries = [big[0]]
+    while huge_bytes(tries[-1]) == 0 and len(tries) < 3:
+        again = [t.clone() for t in big]
+        huge_pages.gather(again)
+        tries.append(again[0])
+    assert huge_bytes(tries[-1]) > 0, f"no 2 MB page in {len(tries)} gathers, where a fresh probe gets them"
 
 
 def kernel_gives_huge_pages() -> bool:
