@@ -335,6 +335,11 @@ def test_memory_sweep_figure_paged_vs_contiguous_and_a_series_per_kv_dtype():
     fig = figures.to_figure(result_figures.memory_sweep_figure(quantized))
     legend = [(t.name, t.line.dash) for t in fig.data if t.showlegend]
     assert legend == [("paged", "solid"), ("contiguous", "solid"), ("paged, KV int8", "dash")]
+    # an int8 pool sized to a float32 pool's memory lands within a percent of it: one tick label, not two overprinted
+    near = rows + [MemoryRow(120, True, 7.47, peak_running=9, preemptions=0, throughput_tok_s=44.0,
+                             kv_cache_dtype="int8")]
+    assert list(figures.to_figure(result_figures.memory_sweep_figure(near)).layout.xaxis.ticktext) == [
+        "7.47 MB", "15 MB"]
     # rows from before the field existed still draw
     old = [SimpleNamespace(**{k: v for k, v in vars(r).items() if k != "kv_cache_dtype"}) for r in rows]
     names = [t.name for t in figures.to_figure(result_figures.memory_sweep_figure(old)).data]

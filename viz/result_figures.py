@@ -158,7 +158,12 @@ def memory_sweep_figure(rows: Sequence) -> dict:
                 marker=dict(color=style["color"], size=8, symbol=["x" if r.error else "circle" for r in members]),
                 customdata=[f"{r.num_kv_blocks} blocks" + (f": {r.error}" if r.error else "") for r in members],
                 hovertemplate=f"{name}, %{{x:.3~g}} MB, %{{customdata}}: %{{y}}<extra></extra>"))
-    ticks = sorted(set(v for v in mb.values() if v > 0))
+    # one tick label for pools within 5% of each other (an int8 pool sized to a float32 one's memory lands within a
+    # percent of it): two labels there overprinted each other
+    ticks: list[float] = []
+    for v in sorted(set(v for v in mb.values() if v > 0)):
+        if not ticks or v > ticks[-1] * 1.05:
+            ticks.append(v)
     layout = {**_panels([label for _, label in MEMORY_PANELS], 0.12),
               "legend": dict(orientation="v", x=1.01, xanchor="left", y=1.0, yanchor="top")}
     if not ticks:
