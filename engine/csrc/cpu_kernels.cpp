@@ -63,6 +63,17 @@ void check(const at::Tensor& t, int64_t dim, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim && t.is_contiguous(),
               what, " must be a contiguous float32 CPU tensor of ", dim, " dimensions");
 }
+
+// A kernel's temporaries: memory of this thread's that grows and is kept, one buffer per use (Use), its contents
+// left from the last call. A std::vector a call cost an allocation and a free each, about 40 a layer of a decode
+// step, each a few microseconds on a cache the step's weights have just streamed through
+enum class Use { kRowsQ, kRowsUnit, kRowsUnitSum, kRowsSums, kCost, kQuery, kAcc, kScores, kQueryBf16, kAt, kNormRow };
+template <typename T, Use U>
+T* scratch(int64_t n) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
+  return buffer.data();
+}
 }  // namespace
 
 // ---- the kernels' own threads ------------------------------------------------------------------------------------
@@ -776,48 +787,46 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
+  const int64_t longest = rows > 0 ? *std::max_element(lp, lp + rows) : 0;
   auto attend = [&](int64_t begin, int64_t end) {  // tasks [begin, end): task i is row i / KV, KV head i % KV
-    std::vector<float> query(dim), acc(dim), s;
+    float* query = scratch<float, Use::kQuery>(group * dim);
+    float* acc = scratch<float, Use::kAcc>(group * dim);
+    float* s = scratch<float, Use::kScores>(std::min<int64_t>(group, 4) * longest);
 #if defined(__AVX512BF16__)
     constexpr bool bf16_scores = std::is_same_v<T, c10::BFloat16> && std::is_same_v<P, c10::BFloat16>;
 #else
     constexpr bool bf16_scores = false;
 #endif
-    std::vector<c10::BFloat16> qb(bf16_scores ? group * dim : 0);  // the group's queries as they came (scores_bf16)
-    std::vector<int64_t> at;  // where each slot's K (and V) of this KV head starts, in units of dim
+    // the group's queries as they came (scores_bf16)
+    c10::BFloat16* qb = bf16_scores ? scratch<c10::BFloat16, Use::kQueryBf16>(group * dim) : nullptr;
+    int64_t* at = scratch<int64_t, Use::kAt>(longest);  // where each slot's K (and V) of this KV head starts, in dims
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / kv_heads, kvh = i % kv_heads, n = lp[row];
       const int64_t* row_slots = sp + (lists == nullptr ? row : lists[row]) * width;
-      at.resize(n);
       for (int64_t j = 0; j < n; ++j) at[j] = row_slots[j] * kv_heads + kvh;
 #if defined(__AVX512F__)
       {  // the whole group at once, where the head size has the vector loops (heads_vectorized)
-        query.resize(group * dim);
-        acc.resize(group * dim);
-        s.resize(std::min<int64_t>(group, 4) * n);
         for (int64_t h = 0; h < group; ++h) {
           const T* src = qp + row * qs_row + (kvh * group + h) * qs_head;
           for (int64_t d = 0; d < dim; ++d) query[h * dim + d] = static_cast<float>(src[d]) * scale;
-          if constexpr (bf16_scores) std::copy(src, src + dim, qb.begin() + h * dim);
+          if constexpr (bf16_scores) std::copy(src, src + dim, qb + h * dim);
         }
-        if (heads_vectorized(query.data(), group, dim, kp, vp, at.data(), n, k_scale, v_scale, s.data(),
-                             acc.data(), bf16_scores ? qb.data() : nullptr, scale)) {
+        if (heads_vectorized(query, group, dim, kp, vp, at, n, k_scale, v_scale, s, acc, qb, scale)) {
           T* dst = op + (row * heads + kvh * group) * dim;
           for (int64_t d = 0; d < group * dim; ++d) dst[d] = static_cast<T>(acc[d]);
           continue;
         }
       }
 #endif
-      s.resize(n);
       for (int64_t h = 0; h < group; ++h) {
         const T* src = qp + row * qs_row + (kvh * group + h) * qs_head;
         for (int64_t d = 0; d < dim; ++d) query[d] = static_cast<float>(src[d]) * scale;
-        scores(query.data(), kp, at.data(), n, dim, k_scale, s.data());
+        scores(query, kp, at, n, dim, k_scale, s);
         float top = -INFINITY;
         for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
         for (int64_t j = 0; j < n; ++j) s[j] = fast_exp(s[j] - top);
-        const float inv = 1.f / lane_sum(s.data(), n);
-        weighted_values(s.data(), vp, at.data(), n, dim, v_scale, acc.data());
+        const float inv = 1.f / lane_sum(s, n);
+        weighted_values(s, vp, at, n, dim, v_scale, acc);
         T* dst = op + (row * heads + kvh * group + h) * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
       }
@@ -827,12 +836,13 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
   // 1, 2, ... slots, a decode row hundreds), so equal counts left one thread waiting on the other. Four parts a
   // thread: a part some thread has claimed is all the caller can be left waiting for
   const int64_t tasks = rows * kv_heads;
-  std::vector<int64_t> cost(tasks + 1, 0);  // cost[i]: that of tasks [0, i)
+  int64_t* cost = scratch<int64_t, Use::kCost>(tasks + 1);  // cost[i]: that of tasks [0, i)
+  cost[0] = 0;
   for (int64_t i = 0; i < tasks; ++i) cost[i + 1] = cost[i] + lp[i / kv_heads] + 16;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(4 * pool::threads_for_call(), tasks));
   auto first_task = [&](int64_t part) {  // where part `part` of `parts` starts
     if (part >= parts) return tasks;
-    return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end(), cost[tasks] * part / parts) - cost.begin());
+    return static_cast<int64_t>(std::lower_bound(cost, cost + tasks + 1, cost[tasks] * part / parts) - cost);
   };
   pool::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) { attend(first_task(begin), first_task(end)); });
 }
@@ -957,7 +967,7 @@ inline void store16_as(O* p, __m512 v) {
 template <typename X, typename R, typename H>
 void add_rms_norm_rows(X* xp, const R* rp, const X* wp, H* hp, int64_t rows, int64_t cols, float eps) {
   pool::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(cols);
+    float* xf = scratch<float, Use::kNormRow>(cols);
     for (int64_t t = begin; t < end; ++t) {
       X* x = xp + t * cols;
       int64_t k0 = 0;  // where the scalar loops take over from the 16-lane ones (the same floats)
@@ -977,7 +987,7 @@ void add_rms_norm_rows(X* xp, const R* rp, const X* wp, H* hp, int64_t rows, int
       k0 = 0;
 #if defined(__AVX512F__)
       for (const __m512 by = _mm512_set1_ps(inv); k0 + 16 <= cols; k0 += 16) {
-        const __m512 normed = round16<X>(_mm512_mul_ps(_mm512_loadu_ps(xf.data() + k0), by));
+        const __m512 normed = round16<X>(_mm512_mul_ps(_mm512_loadu_ps(xf + k0), by));
         store16_as<X>(h + k0, _mm512_mul_ps(load16(wp + k0), normed));
       }
 #endif
@@ -1917,19 +1927,22 @@ void q4_quantize_row(const X* x, int64_t k_len, int8_t* q, float* unit, float* u
 }
 
 // A call's rows made integers (q4_quantize_row's), rows split between the threads where there are many
+// (the calling thread's scratch: valid until its next call)
 struct IntegerRows {
   int64_t runs;
-  std::vector<int8_t> q;
-  std::vector<float> unit, unit_sum;
-  std::vector<int32_t> sums;
+  int8_t* q;
+  float *unit, *unit_sum;
+  int32_t* sums;
 
   template <typename X>
   IntegerRows(const X* xp, int64_t m, int64_t k_len)
-      : runs(k_len / kQ4Run), q(m * 2 * k_len), unit(m * runs), unit_sum(m * runs), sums(m * runs) {
+      : runs(k_len / kQ4Run), q(scratch<int8_t, Use::kRowsQ>(m * 2 * k_len)),
+        unit(scratch<float, Use::kRowsUnit>(m * runs)), unit_sum(scratch<float, Use::kRowsUnitSum>(m * runs)),
+        sums(scratch<int32_t, Use::kRowsSums>(m * runs)) {
     pool::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
-        q4_quantize_row(xp + i * k_len, k_len, q.data() + i * 2 * k_len, unit.data() + i * runs,
-                        unit_sum.data() + i * runs, sums.data() + i * runs);
+        q4_quantize_row(xp + i * k_len, k_len, q + i * 2 * k_len, unit + i * runs, unit_sum + i * runs,
+                        sums + i * runs);
     });
   }
 };
@@ -2038,8 +2051,8 @@ template <typename X>
 void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, int64_t group, int64_t n, float* yp) {
   const int64_t runs = k_len / kQ4Run, groups = k_len / group, block_bytes = groups * 64 + runs * 256;
   IntegerRows rows_as_integers(xp, m, k_len);
-  const int8_t* q = rows_as_integers.q.data();
-  const float *unit = rows_as_integers.unit.data(), *unit_sum = rows_as_integers.unit_sum.data();
+  const int8_t* q = rows_as_integers.q;
+  const float *unit = rows_as_integers.unit, *unit_sum = rows_as_integers.unit_sum;
   vnni_tiles(m, n, [&](auto mb, auto nb, int64_t i, int64_t block, __mmask16 last) {
     q4_tile<decltype(mb)::value, decltype(nb)::value>(
         q + i * 2 * k_len, 2 * k_len, unit + i * runs, unit_sum + i * runs, runs, wp + block * block_bytes,
@@ -2098,9 +2111,9 @@ void int8_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, con
                    float* yp) {
   const int64_t runs = k_len / kQ4Run, block_bytes = runs * 512;
   IntegerRows rows_as_integers(xp, m, k_len);
-  const int8_t* q = rows_as_integers.q.data();
-  const float* unit = rows_as_integers.unit.data();
-  const int32_t* sums = rows_as_integers.sums.data();
+  const int8_t* q = rows_as_integers.q;
+  const float* unit = rows_as_integers.unit;
+  const int32_t* sums = rows_as_integers.sums;
   vnni_tiles(m, n, [&](auto mb, auto nb, int64_t i, int64_t block, __mmask16 last) {
     q8_tile<decltype(mb)::value, decltype(nb)::value>(
         q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, wp + block * block_bytes, block_bytes,
