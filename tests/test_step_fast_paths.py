@@ -446,3 +446,38 @@ def test_the_decoder_stack_gives_the_python_loops_floats(tiny_models, arch, prec
     assert counting.runs >= 12  # the decode steps at least (an int8 pool's prefills take the loop)
     model.decoder_stack = None
     assert outputs(llm, prompts) == with_stack
+
+
+def test_the_decoder_stack_checks_a_steps_inputs_once_and_refuses_bad_ones(tiny_models):
+    """The stack hands its kernels pointers, not tensors, so it checks the step itself: a slot past the pool, a
+    position past the RoPE tables, a row reading no context or past its list, a pool of another layout each raise
+    an error naming the problem, before any layer runs (x, which the first norm adds into, stays as it was)."""
+    llm = LLM(tiny_models["llama"][0], max_model_len=64)
+    model, runner = llm.engine.runner.model, llm.engine.runner
+    stack = model.decoder_stack
+    if stack is None:
+        pytest.skip("no C++ DecoderStack in this build")
+    layers, slots = runner.kv_layers, runner.kv_layers[0].k.shape[0]
+    hidden = model.embed.shape[1]
+
+    def run(x=None, positions=(3,), slot_mapping=(5,), lens=(4,), lists=None, k_pools=None):
+        x = torch.randn(1, hidden) if x is None else x
+        long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        return stack.run(x, model.cos, model.signed_sin, long(positions),
+                         k_pools=[c.k for c in layers] if k_pools is None else k_pools, v_pools=[c.v for c in layers],
+                         k_scales=[], v_scales=[], slot_mapping=long(slot_mapping), slots=long([[0, 1, 2, 3, 4, 5]]),
+                         lens=long(lens), lists=None if lists is None else long(lists), query_scales=[],
+                         key_inverses=[])
+
+    x = torch.randn(1, hidden)
+    out, residual = run(x.clone())  # a good step runs
+    assert out.shape == residual.shape == (1, hidden) and torch.isfinite(residual).all()
+    for kwargs, message in [({"slot_mapping": (slots,)}, "past the pool"), ({"slot_mapping": (-1,)}, "past the pool"),
+                            ({"positions": (model.cos.shape[0],)}, "past the table"),
+                            ({"lens": (0,)}, "context slots"), ({"lens": (7,)}, "context slots"),
+                            ({"lists": (1,)}, "past slots"),
+                            ({"k_pools": [c.k[:, :, :-1] for c in layers]}, "pools must be")]:
+        before = x.clone()
+        with pytest.raises(RuntimeError, match=message):
+            run(x, **kwargs)
+        assert torch.equal(x, before)

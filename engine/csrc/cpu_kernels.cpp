@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -62,6 +63,10 @@ constexpr float kTiny = 1e-12f;   // an all-zero row's scale (engine/quant.py's 
 void check(const at::Tensor& t, int64_t dim, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim && t.is_contiguous(),
               what, " must be a contiguous float32 CPU tensor of ", dim, " dimensions");
+}
+
+bool float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
 // A kernel's temporaries: memory of this thread's that grows and is kept, one buffer per use (Use), its contents
@@ -774,19 +779,31 @@ void weighted_values(const float* weight, const P* vp, const int64_t* at, int64_
 
 // T: q's and the output's dtype; P: the pool's (T, or int8 with a float scale per slot and KV head, k_scale and
 // v_scale [slots, KV], each element read as q * scale)
+// One call of decode_attention below, its tensors checked, as pointers: q [rows, heads, dim] (row and head strides
+// q_row, q_head) and the output [rows, heads * dim] of q_type; the pools [slots, kv_heads, dim] (int8 with k_scale
+// and v_scale, or q_type); slot lists [*, width], lens [rows] and lists [rows] or null
+struct Attention {
+  at::ScalarType q_type;
+  const void* q;
+  int64_t q_row, q_head, rows, heads, dim, kv_heads;
+  const void *k, *v;
+  const float *k_scale, *v_scale;
+  const int64_t *slots, *lens, *lists;
+  int64_t width;
+  void* out;
+};
+
 template <typename T, typename P>
-void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                           const at::Tensor& lens, const int64_t* lists, const float* k_scale, const float* v_scale,
-                           at::Tensor& out, float scale) {
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
-  const int64_t group = heads / kv_heads, width = slots.size(1);
-  const int64_t qs_row = q.stride(0), qs_head = q.stride(1);
-  const T* qp = q.data_ptr<T>();
-  const P* kp = k.data_ptr<P>();
-  const P* vp = v.data_ptr<P>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
+void decode_attention_rows(const Attention& a) {
+  const int64_t rows = a.rows, heads = a.heads, dim = a.dim, kv_heads = a.kv_heads;
+  const int64_t group = heads / kv_heads, width = a.width, qs_row = a.q_row, qs_head = a.q_head;
+  const T* qp = static_cast<const T*>(a.q);
+  const P* kp = static_cast<const P*>(a.k);
+  const P* vp = static_cast<const P*>(a.v);
+  const int64_t *sp = a.slots, *lp = a.lens, *lists = a.lists;
+  const float *k_scale = a.k_scale, *v_scale = a.v_scale;
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  T* op = static_cast<T*>(a.out);
   const int64_t longest = rows > 0 ? *std::max_element(lp, lp + rows) : 0;
   auto attend = [&](int64_t begin, int64_t end) {  // tasks [begin, end): task i is row i / KV, KV head i % KV
     float* query = scratch<float, Use::kQuery>(group * dim);
@@ -846,6 +863,49 @@ void decode_attention_rows(const at::Tensor& q, const at::Tensor& k, const at::T
   };
   pool::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) { attend(first_task(begin), first_task(end)); });
 }
+
+void attend(const Attention& a) {
+  const bool int8_pool = a.k_scale != nullptr;
+  if (a.q_type == at::kFloat) {
+    int8_pool ? decode_attention_rows<float, int8_t>(a) : decode_attention_rows<float, float>(a);
+  } else {
+    int8_pool ? decode_attention_rows<c10::BFloat16, int8_t>(a) : decode_attention_rows<c10::BFloat16, c10::BFloat16>(a);
+  }
+}
+}  // namespace
+
+namespace {
+// slots [rows, W] (or [S, W] with lists [rows]) and lens [rows], int64: the slot list each row reads and how many of
+// its slots (1..W). Returns lists' data, or null without. Plain loops: torch's min / max cost more than the kernel
+const int64_t* check_slot_lists(const at::Tensor& slots, const at::Tensor& lens,
+                                const c10::optional<at::Tensor>& lists, int64_t rows) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.is_contiguous() &&
+                  (lists.has_value() || slots.size(0) == rows) && lens.scalar_type() == at::kLong &&
+                  lens.dim() == 1 && lens.is_contiguous() && lens.size(0) == rows,
+              "slots [B, W] (or [S, W] with lists) and lens [B] must be int64");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t row = 0; row < rows; ++row) {
+    TORCH_CHECK(lp[row] >= 1 && lp[row] <= slots.size(1), "each row needs 1..W context slots");
+  }
+  if (!lists.has_value()) return nullptr;
+  TORCH_CHECK(lists->scalar_type() == at::kLong && lists->dim() == 1 && lists->is_contiguous() &&
+                  lists->size(0) == rows,
+              "lists must be int64 [B]");
+  const int64_t* listp = lists->data_ptr<int64_t>();
+  for (int64_t row = 0; row < rows; ++row) {
+    TORCH_CHECK(listp[row] >= 0 && listp[row] < slots.size(0), "a row's list is past slots' ", slots.size(0));
+  }
+  return listp;
+}
+
+// an int64 [rows] tensor of indices each in [0, end): a step's slots in the pool, or its positions in the RoPE tables
+const int64_t* check_indices(const at::Tensor& t, int64_t rows, int64_t end, const char* what, const char* past) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() && t.size(0) == rows, what,
+              " must be int64 [T]");
+  const int64_t* p = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(p[i] >= 0 && p[i] < end, past, " (", p[i], " of ", end, ")");
+  return p;
+}
 }  // namespace
 
 // an int8 pool [slots, KV, D] comes with float32 scales [slots, KV] for its K and its V, and only an int8 pool does
@@ -880,38 +940,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float* ks = int8_pool ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = int8_pool ? v_scale->data_ptr<float>() : nullptr;
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.is_contiguous() &&
-                  (lists.has_value() || slots.size(0) == q.size(0)) && lens.scalar_type() == at::kLong &&
-                  lens.dim() == 1 && lens.size(0) == q.size(0),
-              "slots [B, W] (or [S, W] with lists) and lens [B] must be int64");
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* listp = nullptr;
-  if (lists.has_value()) {
-    TORCH_CHECK(lists->scalar_type() == at::kLong && lists->dim() == 1 && lists->is_contiguous() &&
-                    lists->size(0) == q.size(0),
-                "lists must be int64 [B]");
-    listp = lists->data_ptr<int64_t>();
-    for (int64_t row = 0; row < q.size(0); ++row) {
-      TORCH_CHECK(listp[row] >= 0 && listp[row] < slots.size(0), "a row's list is past slots' ", slots.size(0));
-    }
-  }
-  for (int64_t row = 0; row < lens.size(0); ++row) {  // a plain loop: torch's min / max cost more than the kernel
-    TORCH_CHECK(lp[row] >= 1 && lp[row] <= slots.size(1), "each row needs 1..W context slots");
-  }
-  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  const float scale = 1.f / std::sqrt(static_cast<float>(q.size(2)));
-  if (q.scalar_type() == at::kFloat && int8_pool) {
-    decode_attention_rows<float, int8_t>(q, k, v, slots, lens, listp, ks, vs, out, scale);
-  } else if (q.scalar_type() == at::kFloat) {
-    decode_attention_rows<float, float>(q, k, v, slots, lens, listp, ks, vs, out, scale);
-  } else if (q.scalar_type() == at::kBFloat16 && int8_pool) {
-    decode_attention_rows<c10::BFloat16, int8_t>(q, k, v, slots, lens, listp, ks, vs, out, scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_rows<c10::BFloat16, c10::BFloat16>(q, k, v, slots, lens, listp, ks, vs, out, scale);
-  } else {
-    TORCH_CHECK(false, "decode_attention takes float32 or bfloat16");
-  }
-  return out.view({q.size(0), q.size(1) * q.size(2)});
+  const int64_t* listp = check_slot_lists(slots, lens, lists, q.size(0));
+  TORCH_CHECK(float_or_bf16(q), "decode_attention takes float32 or bfloat16");
+  auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  attend({q.scalar_type(), q.data_ptr(), q.stride(0), q.stride(1), q.size(0), q.size(1), q.size(2), k.size(1),
+          k.data_ptr(), v.data_ptr(), ks, vs, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), listp, slots.size(1),
+          out.data_ptr()});
+  return out;
 }
 
 // ---- A decoder layer's elementwise steps, one call each (models/llama.py). As torch calls, an RMSNorm is seven
@@ -999,6 +1034,32 @@ void add_rms_norm_rows(X* xp, const R* rp, const X* wp, H* hp, int64_t rows, int
   });
 }
 
+// add_rms_norm below over pointers: x [rows, cols] of x_type (added to in place), the residual of r_type (Undefined:
+// none), weight of x_type, h of h_type (x_type, or bf16)
+void add_rms_norm_into(at::ScalarType x_type, void* x, at::ScalarType r_type, const void* r, const void* w,
+                       at::ScalarType h_type, void* h, int64_t rows, int64_t cols, float eps) {
+  using B = c10::BFloat16;
+  const bool bf16_residual = r_type == at::kBFloat16, has_residual = r_type != at::ScalarType::Undefined;
+  if (x_type == at::kBFloat16) {
+    add_rms_norm_rows<B, B, B>(static_cast<B*>(x), has_residual ? static_cast<const B*>(r) : nullptr,
+                               static_cast<const B*>(w), static_cast<B*>(h), rows, cols, eps);
+    return;
+  }
+  float* xf = static_cast<float*>(x);
+  const float* wf = static_cast<const float*>(w);
+  const float* rf = has_residual && !bf16_residual ? static_cast<const float*>(r) : nullptr;
+  const B* rb = bf16_residual ? static_cast<const B*>(r) : nullptr;
+  if (h_type == at::kFloat && !bf16_residual) {
+    add_rms_norm_rows<float, float, float>(xf, rf, wf, static_cast<float*>(h), rows, cols, eps);
+  } else if (h_type == at::kFloat) {
+    add_rms_norm_rows<float, B, float>(xf, rb, wf, static_cast<float*>(h), rows, cols, eps);
+  } else if (!bf16_residual) {
+    add_rms_norm_rows<float, float, B>(xf, rf, wf, static_cast<B*>(h), rows, cols, eps);
+  } else {
+    add_rms_norm_rows<float, B, B>(xf, rb, wf, static_cast<B*>(h), rows, cols, eps);
+  }
+}
+
 template <typename X, typename C, typename O>
 void rope_rows(const X* xp, int64_t row_stride, int64_t head_stride, const C* cp, const C* sp, const int64_t* pos,
                O* op, int64_t rows, int64_t heads, int64_t dim) {
@@ -1032,6 +1093,25 @@ void rope_rows(const X* xp, int64_t row_stride, int64_t head_stride, const C* cp
   });
 }
 
+// rope below over pointers: qk of qk_type (row and head strides), tables of table_type; out [rows, heads, dim] in
+// bf16 where the tables are, else float32
+void rope_into(at::ScalarType qk_type, const void* qk, int64_t row_stride, int64_t head_stride, at::ScalarType table_type,
+               const void* cos, const void* sin, const int64_t* pos, void* out, int64_t rows, int64_t heads,
+               int64_t dim) {
+  using B = c10::BFloat16;
+  if (qk_type == at::kFloat) {
+    rope_rows<float, float, float>(static_cast<const float*>(qk), row_stride, head_stride,
+                                   static_cast<const float*>(cos), static_cast<const float*>(sin), pos,
+                                   static_cast<float*>(out), rows, heads, dim);
+  } else if (table_type == at::kFloat) {
+    rope_rows<B, float, float>(static_cast<const B*>(qk), row_stride, head_stride, static_cast<const float*>(cos),
+                               static_cast<const float*>(sin), pos, static_cast<float*>(out), rows, heads, dim);
+  } else {
+    rope_rows<B, B, B>(static_cast<const B*>(qk), row_stride, head_stride, static_cast<const B*>(cos),
+                       static_cast<const B*>(sin), pos, static_cast<B*>(out), rows, heads, dim);
+  }
+}
+
 template <typename X, typename M, typename O>
 void silu_mul_rows(const X* gp, O* op, int64_t rows, int64_t inter) {
   pool::parallel_for(0, rows, kRowsPerNormTask, [&](int64_t begin, int64_t end) {
@@ -1056,9 +1136,22 @@ void silu_mul_rows(const X* gp, O* op, int64_t rows, int64_t inter) {
     }
   });
 }
-
-bool float_or_bf16(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+// silu_mul below over pointers: gate_up [rows, 2 * inter] of in_type, computed in dtype, out of result
+void silu_mul_into(at::ScalarType in_type, const void* gate_up, at::ScalarType dtype, at::ScalarType result, void* out,
+                   int64_t rows, int64_t inter) {
+  using B = c10::BFloat16;
+  const bool bf16_in = in_type == at::kBFloat16;
+  if (dtype == at::kBFloat16) {
+    silu_mul_rows<B, B, B>(static_cast<const B*>(gate_up), static_cast<B*>(out), rows, inter);
+  } else if (!bf16_in && result == at::kFloat) {
+    silu_mul_rows<float, float, float>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter);
+  } else if (!bf16_in) {
+    silu_mul_rows<float, float, B>(static_cast<const float*>(gate_up), static_cast<B*>(out), rows, inter);
+  } else if (result == at::kFloat) {
+    silu_mul_rows<B, float, float>(static_cast<const B*>(gate_up), static_cast<float*>(out), rows, inter);
+  } else {
+    silu_mul_rows<B, float, B>(static_cast<const B*>(gate_up), static_cast<B*>(out), rows, inter);
+  }
 }
 }  // namespace
 
@@ -1079,30 +1172,13 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual,
   }
   const at::ScalarType out_dtype = dtype.value_or(x.scalar_type());
   TORCH_CHECK(out_dtype == x.scalar_type() || out_dtype == at::kBFloat16, "the norm returns x's dtype or bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || !residual.has_value() || residual->scalar_type() == at::kBFloat16,
+              "a bfloat16 x takes a bfloat16 residual");
   auto h = at::empty(x.sizes(), x.options().dtype(out_dtype));
-  const int64_t rows = x.size(0), cols = x.size(1);
-  const float e = static_cast<float>(eps);
-  const bool bf16_residual = residual.has_value() && residual->scalar_type() == at::kBFloat16;
-  using B = c10::BFloat16;
-  if (x.scalar_type() == at::kFloat) {  // (an empty tensor's data pointer is null: test the dtype, not it)
-    float* xf = x.data_ptr<float>();
-    const float* w = weight.data_ptr<float>();
-    const float* rf = residual.has_value() && !bf16_residual ? residual->data_ptr<float>() : nullptr;
-    const B* rb = bf16_residual ? residual->data_ptr<B>() : nullptr;
-    if (out_dtype == at::kFloat && !bf16_residual) {
-      add_rms_norm_rows<float, float, float>(xf, rf, w, h.data_ptr<float>(), rows, cols, e);
-    } else if (out_dtype == at::kFloat) {
-      add_rms_norm_rows<float, B, float>(xf, rb, w, h.data_ptr<float>(), rows, cols, e);
-    } else if (!bf16_residual) {
-      add_rms_norm_rows<float, float, B>(xf, rf, w, h.data_ptr<B>(), rows, cols, e);
-    } else {
-      add_rms_norm_rows<float, B, B>(xf, rb, w, h.data_ptr<B>(), rows, cols, e);
-    }
-  } else {
-    TORCH_CHECK(!residual.has_value() || bf16_residual, "a bfloat16 x takes a bfloat16 residual");
-    add_rms_norm_rows<B, B, B>(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr, weight.data_ptr<B>(),
-                               h.data_ptr<B>(), rows, cols, e);
-  }
+  // (an empty tensor's data pointer is null: the dtypes, not the pointers, choose)
+  add_rms_norm_into(x.scalar_type(), x.data_ptr(), residual ? residual->scalar_type() : at::ScalarType::Undefined,
+                    residual ? residual->data_ptr() : nullptr, weight.data_ptr(), out_dtype, h.data_ptr(), x.size(0),
+                    x.size(1), static_cast<float>(eps));
   return h;
 }
 
@@ -1117,26 +1193,13 @@ at::Tensor rope(const at::Tensor& qk, const at::Tensor& cos, const at::Tensor& s
                   signed_sin.is_contiguous() && signed_sin.scalar_type() == cos.scalar_type() &&
                   cos.size(1) == qk.size(2) && float_or_bf16(cos),
               "cos and signed_sin must be contiguous [L, D] tables of one dtype");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous() &&
-                  positions.size(0) == qk.size(0),
-              "positions must be int64 [T]");
   const int64_t rows = qk.size(0), heads = qk.size(1), dim = qk.size(2);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "a position is past the table");
+  const int64_t* pos = check_indices(positions, rows, cos.size(0), "positions", "a position is past the table");
   const bool bf16_in = qk.scalar_type() == at::kBFloat16, bf16_table = cos.scalar_type() == at::kBFloat16;
   TORCH_CHECK(!bf16_table || bf16_in, "bfloat16 tables take bfloat16 qk");
   auto out = at::empty({rows, heads, dim}, qk.options().dtype(bf16_table ? at::kBFloat16 : at::kFloat));
-  using B = c10::BFloat16;
-  if (!bf16_in) {
-    rope_rows<float, float, float>(qk.data_ptr<float>(), qk.stride(0), qk.stride(1), cos.data_ptr<float>(),
-                                   signed_sin.data_ptr<float>(), pos, out.data_ptr<float>(), rows, heads, dim);
-  } else if (!bf16_table) {
-    rope_rows<B, float, float>(qk.data_ptr<B>(), qk.stride(0), qk.stride(1), cos.data_ptr<float>(),
-                               signed_sin.data_ptr<float>(), pos, out.data_ptr<float>(), rows, heads, dim);
-  } else {
-    rope_rows<B, B, B>(qk.data_ptr<B>(), qk.stride(0), qk.stride(1), cos.data_ptr<B>(), signed_sin.data_ptr<B>(),
-                       pos, out.data_ptr<B>(), rows, heads, dim);
-  }
+  rope_into(qk.scalar_type(), qk.data_ptr(), qk.stride(0), qk.stride(1), cos.scalar_type(), cos.data_ptr(),
+            signed_sin.data_ptr(), pos, out.data_ptr(), rows, heads, dim);
   return out;
 }
 
@@ -1153,19 +1216,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype, c10::option
   TORCH_CHECK(result == dtype || result == at::kBFloat16, "silu_mul returns its dtype or bfloat16");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto out = at::empty({rows, inter}, gate_up.options().dtype(result));
-  using B = c10::BFloat16;
-  const bool bf16_in = gate_up.scalar_type() == at::kBFloat16;
-  if (dtype == at::kBFloat16) {
-    silu_mul_rows<B, B, B>(gate_up.data_ptr<B>(), out.data_ptr<B>(), rows, inter);
-  } else if (!bf16_in && result == at::kFloat) {
-    silu_mul_rows<float, float, float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
-  } else if (!bf16_in) {
-    silu_mul_rows<float, float, B>(gate_up.data_ptr<float>(), out.data_ptr<B>(), rows, inter);
-  } else if (result == at::kFloat) {
-    silu_mul_rows<B, float, float>(gate_up.data_ptr<B>(), out.data_ptr<float>(), rows, inter);
-  } else {
-    silu_mul_rows<B, float, B>(gate_up.data_ptr<B>(), out.data_ptr<B>(), rows, inter);
-  }
+  silu_mul_into(gate_up.scalar_type(), gate_up.data_ptr(), dtype, result, out.data_ptr(), rows, inter);
   return out;
 }
 
@@ -1175,10 +1226,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up, at::ScalarType dtype, c10::option
 // (token, KV head) row quantized as engine/quant.py's quantize_int8 does it, scale = max(max|x| / 127, 1e-12) and
 // q = clamp(round(x / scale), -127, 127), rounding half to even: the same integers and scales bit for bit (tested).
 namespace {
+// K or V of a step as pointers: [rows, kv, dim] of its dtype, with its row and head strides (dim contiguous)
+struct Rows3 {
+  const void* p;
+  int64_t row_stride, head_stride;
+};
+
 template <typename T>
-void quantize_into(const at::Tensor& x, const int64_t* slots, int8_t* pool, float* scales) {
-  const int64_t rows = x.size(0), kv = x.size(1), dim = x.size(2), row_stride = x.stride(0), head_stride = x.stride(1);
-  const T* xp = x.data_ptr<T>();
+void quantize_into(Rows3 x, int64_t rows, int64_t kv, int64_t dim, const int64_t* slots, int8_t* pool, float* scales) {
+  const int64_t row_stride = x.row_stride, head_stride = x.head_stride;
+  const T* xp = static_cast<const T*>(x.p);
   for (int64_t t = 0; t < rows; ++t) {
     for (int64_t h = 0; h < kv; ++h) {
       const T* src = xp + t * row_stride + h * head_stride;
@@ -1196,12 +1253,31 @@ void quantize_into(const at::Tensor& x, const int64_t* slots, int8_t* pool, floa
 }
 
 template <typename T>
-void copy_into(const at::Tensor& x, const int64_t* slots, T* pool) {
-  const int64_t rows = x.size(0), kv = x.size(1), dim = x.size(2), row_stride = x.stride(0), head_stride = x.stride(1);
-  const T* xp = x.data_ptr<T>();
+void copy_into(Rows3 x, int64_t rows, int64_t kv, int64_t dim, const int64_t* slots, T* pool) {
+  const T* xp = static_cast<const T*>(x.p);
   for (int64_t t = 0; t < rows; ++t) {
     for (int64_t h = 0; h < kv; ++h) {
-      std::memcpy(pool + (slots[t] * kv + h) * dim, xp + t * row_stride + h * head_stride, dim * sizeof(T));
+      std::memcpy(pool + (slots[t] * kv + h) * dim, xp + t * x.row_stride + h * x.head_stride, dim * sizeof(T));
+    }
+  }
+}
+
+// write_kv below over pointers: k and v of type (float32 or bf16) into pools of that type, or int8 ones with scales
+// (k_scale non-null)
+void write_kv_into(at::ScalarType type, Rows3 k, Rows3 v, int64_t rows, int64_t kv, int64_t dim, const int64_t* slots,
+                   void* k_pool, void* v_pool, float* k_scale, float* v_scale) {
+  using B = c10::BFloat16;
+  const bool bf16 = type == at::kBFloat16;
+  for (int kind = 0; kind < 2; ++kind) {
+    const Rows3 x = kind == 0 ? k : v;
+    void* pool = kind == 0 ? k_pool : v_pool;
+    if (k_scale != nullptr) {
+      float* scales = kind == 0 ? k_scale : v_scale;
+      bf16 ? quantize_into<B>(x, rows, kv, dim, slots, static_cast<int8_t*>(pool), scales)
+           : quantize_into<float>(x, rows, kv, dim, slots, static_cast<int8_t*>(pool), scales);
+    } else {
+      bf16 ? copy_into<B>(x, rows, kv, dim, slots, static_cast<B*>(pool))
+           : copy_into<float>(x, rows, kv, dim, slots, static_cast<float*>(pool));
     }
   }
 }
@@ -1225,27 +1301,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                 "the pools must be contiguous CPU tensors [slots, KV, D] of k's dtype or int8");
   }
   check_pool_scales(k_pool, k_scale, v_scale);
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == k.size(0),
-              "slots must be int64 [T]");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.size(0); ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < k_pool.size(0), "a slot is past the pool");
-  const bool bf16 = k.scalar_type() == at::kBFloat16;
-  for (int kind = 0; kind < 2; ++kind) {
-    const at::Tensor& x = kind == 0 ? k : v;
-    at::Tensor& pool = kind == 0 ? k_pool : v_pool;
-    if (int8_pool) {
-      float* scales = (kind == 0 ? *k_scale : *v_scale).data_ptr<float>();
-      if (bf16) {
-        quantize_into<c10::BFloat16>(x, sp, pool.data_ptr<int8_t>(), scales);
-      } else {
-        quantize_into<float>(x, sp, pool.data_ptr<int8_t>(), scales);
-      }
-    } else if (bf16) {
-      copy_into<c10::BFloat16>(x, sp, pool.data_ptr<c10::BFloat16>());
-    } else {
-      copy_into<float>(x, sp, pool.data_ptr<float>());
-    }
-  }
+  const int64_t* sp = check_indices(slots, k.size(0), k_pool.size(0), "slots", "a slot is past the pool");
+  write_kv_into(k.scalar_type(), {k.data_ptr(), k.stride(0), k.stride(1)}, {v.data_ptr(), v.stride(0), v.stride(1)},
+                k.size(0), k.size(1), k.size(2), sp, k_pool.data_ptr(), v_pool.data_ptr(),
+                int8_pool ? k_scale->data_ptr<float>() : nullptr, int8_pool ? v_scale->data_ptr<float>() : nullptr);
 }
 
 // ---- Weight-only matmuls (models/linear.py's Int8Linear and Int4Linear): y [M, N] float32 = x [M, K] @ W.T, the
@@ -1840,14 +1899,12 @@ at::Tensor pack_dense(const at::Tensor& w) {
   return padded.view({blocks, kDenseBlock, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// x [M, K] (rows contiguous, any row stride), packed from pack_dense of a [N, K] weight in x's dtype -> y [M, N]
-at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && float_or_bf16(x) && x.stride(1) == 1,
-              "x must be a float32 or bf16 CPU tensor [M, K] with contiguous rows");
-  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous(),
-              "packed must be pack_dense's tensor in x's dtype");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const int64_t k_len = x.size(1), blocks = (n + kDenseBlock - 1) / kDenseBlock;
+namespace {
+// packed holds pack_dense's layout of a [n, k_len] weight of that dtype, and this build multiplies it
+void check_dense_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t k_len, int64_t n) {
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.is_contiguous(), "packed must be pack_dense's tensor in x's dtype");
+  const bool bf16 = dtype == at::kBFloat16;
+  const int64_t blocks = (n + kDenseBlock - 1) / kDenseBlock;
   TORCH_CHECK(n > 0 && packed.size(0) == blocks &&
                   (bf16 ? packed.dim() == 4 && packed.size(1) == (k_len + 1) / 2 && packed.size(2) == kDenseBlock &&
                               packed.size(3) == 2
@@ -1855,20 +1912,35 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
               "packed does not hold a [", n, ", ", k_len, "] weight (pack_dense's layout), got ", packed.sizes());
   TORCH_CHECK(bf16 ? kDenseBf16 : kDenseF32, "dense_matmul in ",
               bf16 ? "bf16 needs AVX-512 BF16" : "float32 needs AVX-512", " in this build");
+}
+
+// dense_matmul below over pointers: x [m, k_len] (row stride ldx) and y [m, n] of dtype
+void dense_into(at::ScalarType dtype, const void* x, int64_t ldx, const void* packed, int64_t m, int64_t k_len,
+                int64_t n, void* y) {
+  using B = c10::BFloat16;
+  if (dtype == at::kBFloat16 && dense_bf16_on_amx(k_len)) {
+#if WATCHLLM_AMX
+    dense_matmul_amx(static_cast<const B*>(x), ldx, static_cast<const B*>(packed), m, k_len, n, static_cast<B*>(y));
+#endif
+  } else if (dtype == at::kBFloat16) {
+    dense_matmul_any(static_cast<const B*>(x), ldx, static_cast<const B*>(packed), m, k_len, n, static_cast<B*>(y));
+  } else {
+    dense_matmul_any(static_cast<const float*>(x), ldx, static_cast<const float*>(packed), m, k_len, n,
+                     static_cast<float*>(y));
+  }
+}
+}  // namespace
+
+// x [M, K] (rows contiguous, any row stride), packed from pack_dense of a [N, K] weight in x's dtype -> y [M, N]
+at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && float_or_bf16(x) && x.stride(1) == 1,
+              "x must be a float32 or bf16 CPU tensor [M, K] with contiguous rows");
+  const int64_t k_len = x.size(1);
+  check_dense_packed(packed, x.scalar_type(), k_len, n);
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
-  const int64_t ldx = x.size(0) > 1 ? x.stride(0) : k_len;
-  if (bf16 && dense_bf16_on_amx(k_len)) {
-#if WATCHLLM_AMX
-    dense_matmul_amx(x.data_ptr<c10::BFloat16>(), ldx, packed.data_ptr<c10::BFloat16>(), x.size(0), k_len, n,
-                     y.data_ptr<c10::BFloat16>());
-#endif
-  } else if (bf16) {
-    dense_matmul_any(x.data_ptr<c10::BFloat16>(), ldx, packed.data_ptr<c10::BFloat16>(), x.size(0), k_len, n,
-                     y.data_ptr<c10::BFloat16>());
-  } else {
-    dense_matmul_any(x.data_ptr<float>(), ldx, packed.data_ptr<float>(), x.size(0), k_len, n, y.data_ptr<float>());
-  }
+  dense_into(x.scalar_type(), x.data_ptr(), x.size(0) > 1 ? x.stride(0) : k_len, packed.data_ptr(), x.size(0), k_len,
+             n, y.data_ptr());
   return y;
 }
 
@@ -2127,27 +2199,38 @@ void int8_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, con
 
 // x [M, K] (float32 or bf16, contiguous; K a multiple of 32), packed: the weights q + 128 in the layout above,
 // [ceil(N / 16) * 16, K] uint8, scale [ceil(N / 16) * 16] float32 (zero past N) -> y [M, n] float32
-at::Tensor int8_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n) {
+namespace {
+void check_int8_vnni_packed(const at::Tensor& packed, const at::Tensor& scale, int64_t k_len, int64_t n) {
   TORCH_CHECK(WATCHLLM_INT4_VNNI, "int8_matmul_vnni needs AVX-512 VNNI");
-  const int64_t k_len = x.dim() == 2 ? x.size(1) : 0, blocks = (n + kQ4Block - 1) / kQ4Block;
-  check_activations(x, k_len, kQ4Run);
+  TORCH_CHECK(k_len % kQ4Run == 0, "the weight-only kernels need K in multiples of ", kQ4Run, ", got ", k_len);
+  const int64_t blocks = (n + kQ4Block - 1) / kQ4Block;
   TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(0) == blocks * kQ4Block && packed.size(1) == k_len,
               "packed must be a contiguous uint8 tensor [", blocks * kQ4Block, ", ", k_len, "], got ", packed.sizes());
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 &&
                   scale.size(0) == blocks * kQ4Block,
               "scale must be a contiguous float32 tensor [", blocks * kQ4Block, "], got ", scale.sizes());
+}
+
+// int8_matmul_vnni below over pointers: x [m, k_len] of x_type (contiguous), y [m, n] float32
+void int8_vnni_into(at::ScalarType x_type, const void* x, int64_t m, int64_t k_len, const void* packed,
+                    const float* scale, int64_t n, float* y) {
+#if WATCHLLM_INT4_VNNI
+  const uint8_t* wp = static_cast<const uint8_t*>(packed);
+  x_type == at::kBFloat16 ? int8_vnni_run(static_cast<const c10::BFloat16*>(x), m, k_len, wp, scale, n, y)
+                          : int8_vnni_run(static_cast<const float*>(x), m, k_len, wp, scale, n, y);
+#endif
+}
+}  // namespace
+
+at::Tensor int8_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n) {
+  const int64_t k_len = x.dim() == 2 ? x.size(1) : 0;
+  check_activations(x, k_len, kQ4Run);
+  check_int8_vnni_packed(packed, scale, k_len, n);
   at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
   if (x.size(0) == 0) return y;
-#if WATCHLLM_INT4_VNNI
-  if (x.scalar_type() == at::kBFloat16) {
-    int8_vnni_run(x.data_ptr<c10::BFloat16>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                  n, y.data_ptr<float>());
-  } else {
-    int8_vnni_run(x.data_ptr<float>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), n,
-                  y.data_ptr<float>());
-  }
-#endif
+  int8_vnni_into(x.scalar_type(), x.data_ptr(), x.size(0), k_len, packed.data_ptr(), scale.data_ptr<float>(), n,
+                 y.data_ptr<float>());
   return y;
 }
 
@@ -2157,37 +2240,74 @@ bool vnni_available() { return WATCHLLM_INT4_VNNI; }
 // x [M, K] (float32 or bf16, contiguous; K a multiple of 32), packed: the weights' levels and their (scale, mid) pairs
 // in the layout above, [ceil(N / 16) * 16, K / 2 + 4 * K / group] uint8, group a multiple of 32 dividing K -> y [M, n]
 // float32
-at::Tensor int4_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t group, int64_t n) {
+namespace {
+void check_int4_vnni_packed(const at::Tensor& packed, int64_t group, int64_t k_len, int64_t n) {
   TORCH_CHECK(vnni_available(), "int4_matmul_vnni needs AVX-512 VNNI");
-  const int64_t k_len = x.dim() == 2 ? x.size(1) : 0, blocks = (n + kQ4Block - 1) / kQ4Block;
-  check_activations(x, k_len, kQ4Run);
+  TORCH_CHECK(k_len % kQ4Run == 0, "the weight-only kernels need K in multiples of ", kQ4Run, ", got ", k_len);
   TORCH_CHECK(group > 0 && group % kQ4Run == 0 && k_len % group == 0,
               "the group size must be a multiple of 32 dividing K (", k_len, "), got ", group);
+  const int64_t blocks = (n + kQ4Block - 1) / kQ4Block;
   TORCH_CHECK(n > 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(0) == blocks * kQ4Block && packed.size(1) == k_len / 2 + 4 * (k_len / group),
               "packed must be a contiguous uint8 tensor [", blocks * kQ4Block, ", ", k_len / 2 + 4 * (k_len / group),
               "], got ", packed.sizes());
+}
+
+// int4_matmul_vnni below over pointers: x [m, k_len] of x_type (contiguous), y [m, n] float32
+void int4_vnni_into(at::ScalarType x_type, const void* x, int64_t m, int64_t k_len, const void* packed, int64_t group,
+                    int64_t n, float* y) {
+#if WATCHLLM_INT4_VNNI
+  const uint8_t* wp = static_cast<const uint8_t*>(packed);
+  x_type == at::kBFloat16 ? int4_vnni_run(static_cast<const c10::BFloat16*>(x), m, k_len, wp, group, n, y)
+                          : int4_vnni_run(static_cast<const float*>(x), m, k_len, wp, group, n, y);
+#endif
+}
+}  // namespace
+
+at::Tensor int4_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t group, int64_t n) {
+  const int64_t k_len = x.dim() == 2 ? x.size(1) : 0;
+  check_activations(x, k_len, kQ4Run);
+  check_int4_vnni_packed(packed, group, k_len, n);
   at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
   if (x.size(0) == 0) return y;
-#if WATCHLLM_INT4_VNNI
-  if (x.scalar_type() == at::kBFloat16) {
-    int4_vnni_run(x.data_ptr<c10::BFloat16>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), group, n,
-                  y.data_ptr<float>());
-  } else {
-    int4_vnni_run(x.data_ptr<float>(), x.size(0), k_len, packed.data_ptr<uint8_t>(), group, n, y.data_ptr<float>());
-  }
-#endif
+  int4_vnni_into(x.scalar_type(), x.data_ptr(), x.size(0), k_len, packed.data_ptr(), group, n, y.data_ptr<float>());
   return y;
 }
 
 // ---- A step's decoder layers in one call (models/llama.py's DecoderStack): where every step of a layer runs on the
 // kernels above (the C++ layer steps, a projection kernel of this file, the C++ KV write and attention over the
 // pool), the Python loop over the layers called them one by one, about fifteen Python calls and tensor views a layer;
-// here the same kernels run in the same order on the same tensors, so the floats are the same as the loop's (tested
-// bit for bit), with the calls' Python dispatch gone. Built once per model: the layers' weights, held here.
+// here the same kernels run in the same order, on the same dtypes, so the floats are the same as the loop's (tested
+// bit for bit). The step's inputs are checked once, and the layers' intermediates live in one buffer a step, handed
+// to the kernels as pointers: a tensor each (about 16 allocations and views a layer) cost 0.3-0.4 ms of an int4
+// step at one row (docs/measurements.md, "A step's layers over one buffer"). Built once per model: the weights, held.
 namespace {
 enum ProjectionKind : int64_t { kProjectDense = 0, kProjectInt8Vnni = 1, kProjectInt4Vnni = 2 };
+
+at::ScalarType promoted(at::ScalarType a, at::ScalarType b) { return a == b ? a : at::kFloat; }
+
+// out [rows, cols] of out_type (contiguous) = a [rows, cols] of a_type (row stride lda) op b [rows, cols] of b_type
+// (row stride ldb: 0 broadcasts one row, a bias); float32 or bf16 each, every element as torch computes it, in float
+// and rounded to out_type. b null: a converted
+template <typename Op>
+void elementwise(at::ScalarType a_type, const void* a, int64_t lda, at::ScalarType b_type, const void* b, int64_t ldb,
+                 at::ScalarType out_type, void* out, int64_t rows, int64_t cols, Op op) {
+  using B = c10::BFloat16;
+  auto run = [&](auto* ap, auto* bp, auto* op_out) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        op_out[r * cols + c] = static_cast<std::remove_pointer_t<decltype(op_out)>>(op(
+            static_cast<float>(ap[r * lda + c]), bp == nullptr ? 0.f : static_cast<float>(bp[r * ldb + c])));
+  };
+  auto with_out = [&](auto* ap, auto* bp) {
+    out_type == at::kFloat ? run(ap, bp, static_cast<float*>(out)) : run(ap, bp, static_cast<B*>(out));
+  };
+  auto with_b = [&](auto* ap) {
+    b_type == at::kFloat ? with_out(ap, static_cast<const float*>(b)) : with_out(ap, static_cast<const B*>(b));
+  };
+  a_type == at::kFloat ? with_b(static_cast<const float*>(a)) : with_b(static_cast<const B*>(a));
 }
+}  // namespace
 
 class DecoderStack {
  public:
@@ -2203,11 +2323,40 @@ class DecoderStack {
         qkv_bias_(std::move(qkv_bias)), o_bias_(std::move(o_bias)), layers_(static_cast<int64_t>(qkv_bias_.size())),
         heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), dtype_(dtype) {
     const size_t n = static_cast<size_t>(layers_);
-    TORCH_CHECK(norms_.size() == 2 * n && kinds_.size() == 4 * n && packed_.size() == 4 * n &&
+    TORCH_CHECK(n > 0 && norms_.size() == 2 * n && kinds_.size() == 4 * n && packed_.size() == 4 * n &&
                     scales_.size() == 4 * n && groups_.size() == 4 * n && outs_.size() == 4 * n &&
                     bf16_in_.size() == 4 * n && o_bias_.size() == n,
                 "a DecoderStack takes 2 norms and 4 projections a layer");
-    for (int64_t kind : kinds_) TORCH_CHECK(kind >= kProjectDense && kind <= kProjectInt4Vnni, "unknown projection kind");
+    TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "a DecoderStack runs float32 or bfloat16 models");
+    TORCH_CHECK(heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0 && head_dim_ > 0 && head_dim_ % 2 == 0,
+                "query heads must be a multiple of KV heads, the head size even");
+    hidden_ = norms_[0].numel();
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    for (const auto& w : norms_) {
+      TORCH_CHECK(w.scalar_type() == dtype_ && w.dim() == 1 && w.numel() == hidden_ && w.is_contiguous(),
+                  "each norm's weight must be [hidden] in the model's dtype");
+    }
+    for (int64_t i = 0; i < layers_; ++i) {
+      const int64_t p = 4 * i;
+      TORCH_CHECK(outs_[p] == q_size + 2 * kv_size && outs_[p + 1] == hidden_ && outs_[p + 2] % 2 == 0 &&
+                      outs_[p + 3] == hidden_,
+                  "layer ", i, "'s projections do not fit its heads and hidden size");
+      for (const auto& [bias, size] : {std::pair{qkv_bias_[i], outs_[p]}, std::pair{o_bias_[i], hidden_}}) {
+        TORCH_CHECK(!has(bias) || (bias.scalar_type() == dtype_ && bias.dim() == 1 && bias.numel() == size &&
+                                    bias.is_contiguous()),
+                    "a bias must be [features] in the model's dtype");
+      }
+      for (int64_t j = p; j < p + 4; ++j) {
+        const int64_t k_len = in_features(j), n_out = outs_[j];
+        switch (kinds_[j]) {
+          case kProjectDense: check_dense_packed(packed_[j], in_type(j), k_len, n_out); break;
+          case kProjectInt8Vnni: check_int8_vnni_packed(packed_[j], scales_[j], k_len, n_out); break;
+          case kProjectInt4Vnni: check_int4_vnni_packed(packed_[j], groups_[j], k_len, n_out); break;
+          default: TORCH_CHECK(false, "unknown projection kind");
+        }
+        widest_ = std::max(widest_, n_out);
+      }
+    }
   }
 
   int64_t num_layers() const { return layers_; }
@@ -2230,57 +2379,149 @@ class DecoderStack {
     TORCH_CHECK(k_pools.size() == n && v_pools.size() == n && (!int8_pool || (k_scales.size() == n &&
                 v_scales.size() == n)) && (!smoothed || (query_scales.size() == n && key_inverses.size() == n)),
                 "a pool (and an int8 pool's scales, and key scales where given) for each of the ", n, " layers");
-    const int64_t tokens = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    c10::optional<at::Tensor> residual;
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == dtype_ && x.dim() == 2 && x.size(1) == hidden_ &&
+                    x.size(0) > 0 && x.is_contiguous(),
+                "x must be a contiguous [T, hidden] tensor in the model's dtype, T > 0");
+    const int64_t tokens = x.size(0), D = head_dim_, KV = kv_heads_, H = heads_;
+    const int64_t q_size = H * D, kv_size = KV * D, qkv_size = q_size + 2 * kv_size;
+    TORCH_CHECK(cos.scalar_type() == dtype_ && cos.dim() == 2 && cos.is_contiguous() && cos.size(1) == D &&
+                    sin.sizes() == cos.sizes() && sin.scalar_type() == dtype_ && sin.is_contiguous(),
+                "cos and signed_sin must be contiguous [L, head_dim] tables in the model's dtype");
+    const int64_t* pos = check_indices(positions, tokens, cos.size(0), "positions", "a position is past the table");
+    const int64_t pool_slots = k_pools[0].size(0);
+    for (size_t i = 0; i < n; ++i) {
+      for (const auto& pool : {k_pools[i], v_pools[i]}) {
+        TORCH_CHECK(pool.device().is_cpu() && pool.is_contiguous() && pool.dim() == 3 && pool.size(0) == pool_slots &&
+                        pool.size(1) == KV && pool.size(2) == D &&
+                        pool.scalar_type() == (int8_pool ? at::kChar : dtype_),
+                    "the pools must be contiguous [slots, KV, head_dim] tensors, of one size, in the model's dtype "
+                    "or int8 (with scales)");
+      }
+      if (int8_pool) check_pool_scales(k_pools[i], k_scales[i], v_scales[i]);
+      if (smoothed) {
+        for (const auto& [scale, rows] : {std::pair{query_scales[i], H}, std::pair{key_inverses[i], KV}}) {
+          TORCH_CHECK(scale.scalar_type() == dtype_ && scale.is_contiguous() && scale.dim() == 2 &&
+                          scale.size(0) == rows && scale.size(1) == D,
+                      "key smoothing's scales must be contiguous [heads, head_dim] in the model's dtype");
+        }
+      }
+    }
+    const int64_t* sm = check_indices(slot_mapping, tokens, pool_slots, "slot_mapping", "a slot is past the pool");
+    const int64_t* listp = check_slot_lists(slots, lens, lists, tokens);
+    const int64_t* lp = lens.data_ptr<int64_t>();
+
+    // the step's intermediates, each [T, features] at 4 bytes an element at most, 64-byte aligned, in one buffer
+    char *h, *qkv, *biased, *v_own, *rotated, *q_smooth, *k_smooth, *attended, *o, *gate_up, *act, *residual, *wide;
+    const std::pair<char**, int64_t> parts[] = {
+        {&h, hidden_}, {&qkv, qkv_size}, {&biased, qkv_size}, {&v_own, kv_size}, {&rotated, q_size + kv_size},
+        {&q_smooth, q_size}, {&k_smooth, kv_size}, {&attended, q_size}, {&o, hidden_}, {&gate_up, widest_},
+        {&act, widest_}, {&residual, hidden_},
+        {&wide, widest_}};  // a weight-only kernel's float32 sums for a bf16 input
+    auto bytes = [&](int64_t features) { return (tokens * features * 4 + 63) / 64 * 64; };
+    int64_t total = 64;
+    for (const auto& part : parts) total += bytes(part.second);
+    at::Tensor buffer = at::empty({total}, x.options().dtype(at::kByte));
+    char* next = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(buffer.data_ptr()) + 63) & ~uintptr_t{63});
+    for (const auto& [at, features] : parts) {
+      *at = next;
+      next += bytes(features);
+    }
+    at::Tensor last = at::empty({tokens, hidden_}, x.options().dtype(in_type(4 * layers_ - 1)));
+
+    const at::ScalarType X = dtype_;
+    const int64_t rot_row = q_size + kv_size;
+    at::ScalarType residual_type = at::ScalarType::Undefined;
+    const char* residual_in = nullptr;
     for (int64_t i = 0; i < layers_; ++i) {
       const int64_t p = 4 * i;
-      at::Tensor h = add_rms_norm(x, residual, norms_[2 * i], eps_, bf16_for(p));
-      at::Tensor qkv = project(p, h);
-      if (qkv_bias_[i].defined() && qkv_bias_[i].numel()) qkv = qkv + qkv_bias_[i];
-      const at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({tokens, heads_ + kv_heads_, head_dim_});
-      const at::Tensor v =
-          qkv.slice(1, q_size + kv_size).view({tokens, kv_heads_, head_dim_}).to(dtype_).contiguous();
-      const at::Tensor rotated = rope(qk, cos, sin, positions);
-      at::Tensor q = rotated.slice(1, 0, heads_), k = rotated.slice(1, heads_);
-      if (smoothed) {
-        q = q * query_scales[i];
-        k = k * key_inverses[i];
+      const at::ScalarType h_type = in_type(p);
+      add_rms_norm_into(X, x.data_ptr(), residual_type, residual_in, norms_[2 * i].data_ptr(), h_type, h, tokens,
+                        hidden_, static_cast<float>(eps_));
+      project(p, h_type, h, tokens, qkv, wide);
+      at::ScalarType qkv_type = h_type;
+      const char* qkv_out = qkv;
+      if (has(qkv_bias_[i])) {
+        const at::ScalarType sum_type = promoted(h_type, X);
+        elementwise(h_type, qkv, qkv_size, X, qkv_bias_[i].data_ptr(), 0, sum_type, biased, tokens, qkv_size,
+                    std::plus<float>());
+        qkv_type = sum_type;
+        qkv_out = biased;
       }
-      c10::optional<at::Tensor> ks, vs;
-      if (int8_pool) {
-        ks = k_scales[i];
-        vs = v_scales[i];
+      const int64_t qkv_bytes = at::elementSize(qkv_type);
+      Rows3 v{qkv_out + (q_size + kv_size) * qkv_bytes, qkv_size, D};  // qkv[:, q + kv:] as [T, KV, D]
+      if (qkv_type != X) {  // the loop's v.to(dtype): bf16 into float32, exactly
+        elementwise(qkv_type, v.p, qkv_size, X, nullptr, 0, X, v_own, tokens, kv_size,
+                    [](float a, float) { return a; });
+        v = {v_own, kv_size, D};
       }
-      at::Tensor k_pool = k_pools[i], v_pool = v_pools[i];
-      write_kv(k, v, slot_mapping, k_pool, v_pool, ks, vs);
-      at::Tensor a = project(p + 1, decode_attention(q, k_pool, v_pool, slots, lens, ks, vs, lists));
-      if (o_bias_[i].defined() && o_bias_[i].numel()) a = a + o_bias_[i];
-      h = add_rms_norm(x, a, norms_[2 * i + 1], eps_, bf16_for(p + 2));
-      residual = project(p + 3, silu_mul(project(p + 2, h), dtype_, bf16_for(p + 3)));
+      rope_into(qkv_type, qkv_out, qkv_size, D, X, cos.data_ptr(), sin.data_ptr(), pos, rotated, tokens, H + KV, D);
+      const int64_t x_bytes = at::elementSize(X);
+      Rows3 q{rotated, rot_row, D}, k{rotated + q_size * x_bytes, rot_row, D};
+      if (smoothed) {  // q * query, k * key_inverse, [heads, D] each broadcast over the rows
+        for (int64_t t = 0; t < tokens; ++t) {
+          elementwise(X, static_cast<const char*>(q.p) + t * rot_row * x_bytes, D, X, query_scales[i].data_ptr(), D,
+                      X, q_smooth + t * q_size * x_bytes, H, D, std::multiplies<float>());
+          elementwise(X, static_cast<const char*>(k.p) + t * rot_row * x_bytes, D, X, key_inverses[i].data_ptr(), D,
+                      X, k_smooth + t * kv_size * x_bytes, KV, D, std::multiplies<float>());
+        }
+        q = {q_smooth, q_size, D};
+        k = {k_smooth, kv_size, D};
+      }
+      float* ks = int8_pool ? k_scales[i].data_ptr<float>() : nullptr;
+      float* vs = int8_pool ? v_scales[i].data_ptr<float>() : nullptr;
+      write_kv_into(X, k, v, tokens, KV, D, sm, k_pools[i].data_ptr(), v_pools[i].data_ptr(), ks, vs);
+      attend({X, q.p, q.row_stride, q.head_stride, tokens, H, D, KV, k_pools[i].data_ptr(), v_pools[i].data_ptr(), ks,
+              vs, slots.data_ptr<int64_t>(), lp, listp, slots.size(1), attended});
+      project(p + 1, X, attended, tokens, o, wide);
+      if (has(o_bias_[i])) {
+        elementwise(X, o, hidden_, X, o_bias_[i].data_ptr(), 0, X, o, tokens, hidden_, std::plus<float>());
+      }
+      const at::ScalarType up_type = in_type(p + 2), act_type = in_type(p + 3);
+      add_rms_norm_into(X, x.data_ptr(), X, o, norms_[2 * i + 1].data_ptr(), up_type, h, tokens, hidden_,
+                        static_cast<float>(eps_));
+      project(p + 2, up_type, h, tokens, gate_up, wide);
+      silu_mul_into(up_type, gate_up, X, act_type, act, tokens, outs_[p + 2] / 2);
+      char* down = i + 1 == layers_ ? static_cast<char*>(last.data_ptr()) : residual;
+      project(p + 3, act_type, act, tokens, down, wide);
+      residual_type = act_type;
+      residual_in = down;
     }
-    return {x, residual.has_value() ? *residual : at::Tensor()};
+    return {x, last};
   }
 
  private:
-  c10::optional<at::ScalarType> bf16_for(int64_t p) const {
-    return bf16_in_[p] ? c10::optional<at::ScalarType>(at::kBFloat16) : c10::nullopt;
-  }
+  static bool has(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
-  // quant/linear.py's `raw`: the kernel's own output, cast to x's dtype only where x is not float32 (a weight-only
-  // kernel's float32 sums handed to a bf16 model); the dense kernel answers in x's dtype
-  at::Tensor project(int64_t p, const at::Tensor& x) const {
-    switch (kinds_[p]) {
-      case kProjectDense:
-        return dense_matmul(x.stride(-1) == 1 ? x : x.contiguous(), packed_[p], outs_[p]);
-      case kProjectInt8Vnni:
-        return as_input(x, int8_matmul_vnni(x.contiguous(), packed_[p], scales_[p], outs_[p]));
-      default:
-        return as_input(x, int4_matmul_vnni(x.contiguous(), packed_[p], groups_[p], outs_[p]));
+  // what projection p takes (and, as the loop's `raw`, returns): bf16 where the step before hands it bf16, else the
+  // model's dtype (the attention's output, into o, is always the model's)
+  at::ScalarType in_type(int64_t p) const { return bf16_in_[p] ? at::kBFloat16 : dtype_; }
+
+  int64_t in_features(int64_t p) const {
+    switch (p % 4) {
+      case 1: return heads_ * head_dim_;
+      case 3: return outs_[p - 1] / 2;
+      default: return hidden_;
     }
   }
 
-  static at::Tensor as_input(const at::Tensor& x, const at::Tensor& y) {
-    return x.scalar_type() == at::kFloat || y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  // y [m, outs] of x's type = x [m, K] (contiguous) @ W.T, by projection p's kernel; a weight-only kernel's float32
+  // sums cast to bf16 for a bf16 x (quant/linear.py's `raw`), through `wide`
+  void project(int64_t p, at::ScalarType x_type, const void* x, int64_t m, void* y, char* wide) const {
+    const int64_t k_len = in_features(p), n = outs_[p];
+    if (kinds_[p] == kProjectDense) {
+      dense_into(x_type, x, k_len, packed_[p].data_ptr(), m, k_len, n, y);
+      return;
+    }
+    float* sums = static_cast<float*>(x_type == at::kFloat ? y : static_cast<void*>(wide));
+    if (kinds_[p] == kProjectInt8Vnni) {
+      int8_vnni_into(x_type, x, m, k_len, packed_[p].data_ptr(), scales_[p].data_ptr<float>(), n, sums);
+    } else {
+      int4_vnni_into(x_type, x, m, k_len, packed_[p].data_ptr(), groups_[p], n, sums);
+    }
+    if (x_type != at::kFloat) {
+      c10::BFloat16* out = static_cast<c10::BFloat16*>(y);
+      for (int64_t e = 0; e < m * n; ++e) out[e] = c10::BFloat16(sums[e]);
+    }
   }
 
   std::vector<at::Tensor> norms_;
@@ -2289,7 +2530,7 @@ class DecoderStack {
   std::vector<int64_t> groups_, outs_;
   std::vector<bool> bf16_in_;
   std::vector<at::Tensor> qkv_bias_, o_bias_;
-  int64_t layers_, heads_, kv_heads_, head_dim_;
+  int64_t layers_, heads_, kv_heads_, head_dim_, hidden_ = 0, widest_ = 0;
   double eps_;
   at::ScalarType dtype_;
 };
