@@ -422,11 +422,13 @@ class CountingStack:
 
 STACK_PRECISIONS = {**PRECISIONS, "bf16": {"dtype": "bfloat16"},
                     "int4 preset": {"quantization": "int4", "quantize_lm_head": "int8", "kv_cache_dtype": "int8",
-                                    "kv_cache_smoothing": True}}
+                                    "kv_cache_smoothing": True},
+                    "int4 preset in bf16": {"quantization": "int4", "dtype": "bfloat16", "kv_cache_dtype": "int8",
+                                            "kv_cache_smoothing": True}}
 
 
 @pytest.mark.parametrize("arch,precision", [("llama", p) for p in STACK_PRECISIONS] +
-                         [("qwen2", p) for p in ("fp32", "int4", "bf16")] + [("qwen3", "int4")])
+                         [("qwen2", p) for p in ("fp32", "int4", "bf16", "int4 in bf16")] + [("qwen3", "int4")])
 def test_the_decoder_stack_gives_the_python_loops_floats(tiny_models, arch, precision):
     """Every layer of a step in one C++ call (cpu_kernels.cpp's DecoderStack) runs the loop's kernels in its order:
     the same tokens, logprobs and prompt logprobs, float for float, as the loop over the layers in Python; taken
