@@ -107,6 +107,10 @@ def test_the_floors_are_bytes_over_bandwidth_and_flops_over_peak(result):
         assert r.bytes_per_step == r.weight_bytes + r.row_bytes
         assert math.isclose(r.bandwidth_floor_ms, r.bytes_per_step / m.bandwidth * 1e3)
         assert math.isclose(r.batch1_ratio, statistics.median(r.batch1_ms) / r.bandwidth_floor_ms)
+        # each round also against a read taken just before it: the same bytes over that read's rate
+        assert len(r.batch1_read_gb_s) == TINY.rounds and min(r.batch1_read_gb_s) > 0
+        for ratio, ms, gb_s in zip(r.batch1_beside_ratios, r.batch1_ms, r.batch1_read_gb_s, strict=True):
+            assert math.isclose(ratio, ms / (r.bytes_per_step / (gb_s * 1e9) * 1e3))
         assert r.peak == {"dtype=float32": "fp32", "dtype=bfloat16": "bf16"}.get(r.spec, r.peak) in ("fp32", "bf16")
         assert math.isclose(r.compute_floor_ms, 2 * r.matmul_params * b / m.peak_flops(r.peak) * 1e3)
         assert math.isclose(r.batch_bandwidth_floor_ms, (r.weight_bytes + b * r.row_bytes) / m.bandwidth * 1e3)
@@ -121,7 +125,7 @@ def test_the_report_has_the_machine_and_both_floors(result):
     assert len(machine) == 8 and all("GB/s" in row["best"] for row in machine[:4])
     assert all("GFLOP/s" in row["best"] and "GEMM" in row["measure"] for row in machine[4:])
     assert [row["spec"] for row in one] == [row["spec"] for row in many] == list(rf.SPECS)
-    assert {"weights MB a step", "floor ms", "measured / floor"} <= set(one[0])
+    assert {"weights MB a step", "floor ms", "measured / floor", "each round / the read just before it"} <= set(one[0])
     assert {"compute floor ms", "peak", "measured / compute floor"} <= set(many[0])
     assert f"batch {TINY.batch}" in list(report.tables)[2]
     assert "1 is the machine's limit" in "\n".join(report.notes)

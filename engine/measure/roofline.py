@@ -53,7 +53,7 @@ class Machine:
     cores: int
     llc_bytes: int | None  # the last-level cache as the system reports it (a VM's may not be what it has)
     read_bytes: int  # the buffer read
-    read_gb_s: dict[str, list[float]]  # each read (read_bandwidth) -> GB/s, one per repeat
+    read_gb_s: dict[str, list[float]]  # each read (Reads) -> GB/s, one per repeat
     gemm_n: int
     gemm_gflops: dict[str, list[float]]  # "fp32 GEMM by torch.mm", "fp32 GEMM by the engine's ...", ... -> per repeat
 
@@ -78,8 +78,10 @@ class RooflineRow:
     batch1_ms: list[float]  # ms per decode step, one request, per round
     batch_ms: list[float]  # ms per decode step, `batch` requests, per round
     threads: str  # the engine's compute threads at the end (engine/threads.py)
+    batch1_read_gb_s: list[float] = field(default_factory=list)  # the best read just before each round's batch 1
     bandwidth_floor_ms: float = 0.0  # batch 1: (weight_bytes + row_bytes) / read bandwidth
     batch1_ratio: float = 0.0  # measured (median) / bandwidth floor
+    batch1_beside_ratios: list[float] = field(default_factory=list)  # each round against the read just before it
     compute_floor_ms: float = 0.0  # batch B: 2 x matmul_params x B / peak
     batch_bandwidth_floor_ms: float = 0.0  # batch B: (weight_bytes + B x row_bytes) / read bandwidth
     batch_ratio: float = 0.0  # measured (median) / compute floor
@@ -125,25 +127,35 @@ def default_read_bytes(llc: int | None, available: int | None = None) -> int:
 GEMV_COLS = 4096  # the read buffer as a [rows, 4096] fp32 matrix for the matrix-vector read
 
 
-def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, list[float]]:
-    """GB/s of reading about nbytes whole, one per repeat, by four reads that each touch every byte once: no one of
-    them is fastest on every machine (or every minute of a shared one), so the bandwidth is the best of all."""
-    buffer = torch.empty(max(1, nbytes // (4 * GEMV_COLS)) * GEMV_COLS, dtype=torch.float32)
-    buffer.fill_(1.0)  # as bf16: pairs of 0 and 1, finite
-    ones = torch.ones(GEMV_COLS)
-    own = Linear(buffer.view(-1, GEMV_COLS))
-    reads = {"fp32 sum": buffer.sum, "bf16 sum": buffer.view(torch.bfloat16).sum,
-             "fp32 matrix-vector": lambda: torch.mv(buffer.view(-1, GEMV_COLS), ones),
-             f"fp32 matrix-vector by the engine's {own.choice.kernel}": lambda: own(ones[None])}
-    out: dict[str, list[float]] = {name: [] for name in reads}
-    for read in reads.values():  # untimed: each call's first-time costs
-        read()
-    for _ in range(repeats):  # the reads alternate, so a busy moment hits each alike
-        for name, read in reads.items():
-            start = time.perf_counter()
+class Reads:
+    """Four reads of one buffer of about nbytes, each touching every byte once: no one of them is fastest on every
+    machine (or every minute of a shared one), so the bandwidth is the best of all. Kept to read again beside each
+    round of decode steps: a VM's memory can change speed from one minute to the next."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = buffer = torch.empty(max(1, nbytes // (4 * GEMV_COLS)) * GEMV_COLS, dtype=torch.float32)
+        buffer.fill_(1.0)  # as bf16: pairs of 0 and 1, finite
+        ones = torch.ones(GEMV_COLS)
+        own = Linear(buffer.view(-1, GEMV_COLS))
+        self.reads = {"fp32 sum": buffer.sum, "bf16 sum": buffer.view(torch.bfloat16).sum,
+                      "fp32 matrix-vector": lambda: torch.mv(buffer.view(-1, GEMV_COLS), ones),
+                      f"fp32 matrix-vector by the engine's {own.choice.kernel}": lambda: own(ones[None])}
+        for read in self.reads.values():  # untimed: each call's first-time costs
             read()
-            out[name].append(buffer.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    return out
+
+    def measure(self, repeats: int) -> dict[str, list[float]]:
+        """GB/s of each read, one per repeat, the reads alternating so that a busy moment hits each alike."""
+        out: dict[str, list[float]] = {name: [] for name in self.reads}
+        for _ in range(repeats):
+            for name, read in self.reads.items():
+                start = time.perf_counter()
+                read()
+                out[name].append(self.buffer.numel() * 4 / (time.perf_counter() - start) / 1e9)
+        return out
+
+    def best(self) -> float:
+        """GB/s: the best of one pass of the four reads."""
+        return max(runs[0] for runs in self.measure(1).values())
 
 
 def gemm_rate(n: int, dtype: torch.dtype, repeats: int = 3) -> dict[str, list[float]]:
@@ -170,7 +182,7 @@ def measure_machine(read_bytes: int | None = None, gemm_n: int = 2048, repeats: 
     extras = [name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX BF16")) if flag in flags]
     return Machine(cpu=f"{cpu_name()} ({', '.join([isa(flags), *extras])})", threads=torch.get_num_threads(),
                    cores=usable_cores(), llc_bytes=llc, read_bytes=read_bytes,
-                   read_gb_s=read_bandwidth(read_bytes, repeats), gemm_n=gemm_n,
+                   read_gb_s=Reads(read_bytes).measure(repeats), gemm_n=gemm_n,
                    gemm_gflops={**gemm_rate(gemm_n, torch.float32, repeats),
                                 **gemm_rate(gemm_n, torch.bfloat16, repeats)})
 
@@ -225,13 +237,15 @@ def roofline(llm: LLM, specs: Sequence[str] = SPECS, sizes: Sizes | None = None,
     machine = measure_machine(sizes.read_bytes, sizes.gemm_n, sizes.repeats)
     configs, models = load_each(llm, specs, sizes.rounds, None)
     engines = [_engine(llm, spec, c, m, settings, sizes) for spec, c, m in zip(specs, configs, models, strict=True)]
-    times = [([], []) for _ in specs]
+    times = [([], [], []) for _ in specs]
+    reads = Reads(machine.read_bytes)
     try:
         for engine in engines:
             warm_up(engine)
         for r in range(sizes.rounds):
             tell(progress, len(specs) + 1 + r, total, f"round {r + 1} of {sizes.rounds}")
-            for engine, (one, many) in zip(engines, times, strict=True):
+            for engine, (one, many, beside) in zip(engines, times, strict=True):
+                beside.append(reads.best())
                 one.append(decode_ms(engine, 1, sizes.prompt_len, sizes.tokens, seed=2 * r))
                 many.append(decode_ms(engine, sizes.batch, sizes.prompt_len, sizes.tokens, seed=2 * r + 1))
     finally:
@@ -239,12 +253,12 @@ def roofline(llm: LLM, specs: Sequence[str] = SPECS, sizes: Sizes | None = None,
     tell(progress, total, total, "done")
     result = Roofline(machine, sizes)
     context = sizes.prompt_len + sizes.tokens // 2  # the timed steps' mean context, near enough
-    for spec, config, engine, (one, many) in zip(specs, configs, engines, times, strict=True):
+    for spec, config, engine, (one, many, beside) in zip(specs, configs, engines, times, strict=True):
         model = engine.model
         peak = "bf16" if model.projections()[0].input_dtype == torch.bfloat16 else "fp32"
         row = RooflineRow(spec, config.precision, engine.kernels()["weights"], weight_bytes_per_step(model),
                           row_bytes_per_step(model, context, engine.config.kv_cache_dtype), matmul_params(model),
-                          peak, one, many, engine.cores.describe())
+                          peak, one, many, engine.cores.describe(), beside)
         fill_floors(row, machine, sizes.batch)
         result.rows.append(row)
     return result
@@ -253,6 +267,8 @@ def roofline(llm: LLM, specs: Sequence[str] = SPECS, sizes: Sizes | None = None,
 def fill_floors(row: RooflineRow, machine: Machine, batch: int) -> None:
     row.bandwidth_floor_ms = row.bytes_per_step / machine.bandwidth * 1e3
     row.batch1_ratio = statistics.median(row.batch1_ms) / row.bandwidth_floor_ms
+    row.batch1_beside_ratios = [ms / (row.bytes_per_step / (gb_s * 1e6))
+                                for ms, gb_s in zip(row.batch1_ms, row.batch1_read_gb_s, strict=True)]
     row.compute_floor_ms = 2 * row.matmul_params * batch / machine.peak_flops(row.peak) * 1e3
     row.batch_bandwidth_floor_ms = (row.weight_bytes + batch * row.row_bytes) / machine.bandwidth * 1e3
     row.batch_ratio = statistics.median(row.batch_ms) / row.compute_floor_ms
@@ -272,7 +288,9 @@ def roofline_report(result: Roofline) -> Report:
         {"spec": r.spec, "precision": r.precision, "weights MB a step": r.weight_bytes / 1e6,
          "K, V and embedding MB": r.row_bytes / 1e6, "floor ms": r.bandwidth_floor_ms,
          "measured ms (median)": statistics.median(r.batch1_ms), "measured ms (runs)": rounds_text(r.batch1_ms),
-         "measured / floor": r.batch1_ratio, "threads": r.threads} for r in result.rows]
+         "measured / floor": r.batch1_ratio,
+         "each round / the read just before it": rounds_text(r.batch1_beside_ratios),
+         "threads": r.threads} for r in result.rows]
     report.tables[f"batch {s.batch}: ms a step against the compute floor"] = [
         {"spec": r.spec, "kernel": r.kernel, "matmul params (M)": r.matmul_params / 1e6,
          "GFLOP a step": 2 * r.matmul_params * s.batch / 1e9, "peak": r.peak,
@@ -281,8 +299,9 @@ def roofline_report(result: Roofline) -> Report:
          "measured / compute floor": r.batch_ratio} for r in result.rows]
     report.notes.append(f"decode steps: prompts of {s.prompt_len} random tokens, {s.tokens} steps timed a round "
                         f"after untimed prefills, {s.rounds} rounds going round every precision; the floors use the "
-                        "best machine measurement (the bandwidth: the best of the three reads), the ratios the median "
-                        "step")
+                        "best machine measurement (the bandwidth: the best of the four reads), the ratios the median "
+                        "step; beside them, each round's step against the best of the four reads taken just before it "
+                        "(a VM's memory can change speed from one minute to the next)")
     report.notes.append("bytes: each projection's stored weights and scales as its kernel reads them, the norms, and "
                         f"per row its embedding row and K and V at the timed steps' mean context "
                         f"({s.prompt_len + s.tokens // 2} tokens); compute: 2 x the projections' multiply-adds x "
