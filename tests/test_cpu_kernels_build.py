@@ -261,3 +261,25 @@ def test_the_commands_say_what_they_do(cache, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "could not be built (ninja is required); torch's calls run instead" in out
     assert out.splitlines()[-1].startswith("the engine runs without them")
+
+
+@pytest.mark.slow
+def test_the_source_compiles_for_cpus_without_avx512():
+    """The build uses -march=native, so this machine's compile says nothing of a laptop's: the source must also
+    compile for a plain x86-64, for AVX2 (no AVX-512: the portable loops and torch's weight-only kernels) and for
+    AVX-512 without BF16 or VNNI. A definition left inside an #if once broke every build without AVX-512."""
+    import shutil
+    import sysconfig
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler here")
+    includes = [f"-I{p}" for p in [*torch.utils.cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
+    flags = [f for f in cpu_kernels.CFLAGS if not f.startswith(("-march", "-O"))]
+    procs = {arch: subprocess.Popen([compiler, "-std=c++17", "-fsyntax-only", f"-march={arch}", *flags,
+                                     "-DTORCH_EXTENSION_NAME=syntax_check", *includes, str(cpu_kernels.SOURCE)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for arch in ("x86-64", "haswell", "skylake-avx512")}
+    errors = {arch: [line for line in p.communicate(timeout=300)[1].splitlines() if "error" in line]
+              for arch, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()) and not any(errors.values()), errors

@@ -1535,6 +1535,17 @@ inline int32_t bf16_pair(const c10::BFloat16* p) {
   return v;
 }
 
+// A row tile after a group's first computes from weights the first left in the cache, while the memory idles: it
+// fetches a slice of the group that comes next (Ahead) into the cache meanwhile, spread over its steps, so that
+// group's first tile does not wait on memory either. Measured with 32 rows (a batch-32 decode step's projections,
+// docs/measurements.md, "The next weights fetched ahead, and this CPU's ceilings").
+constexpr int64_t kAheadTiles = 8;  // the most row tiles a call fetches ahead in (64 rows)
+
+struct Ahead {
+  const char* lines = nullptr;  // the slice's first cache line; nullptr: none
+  int64_t count = 0;            // its lines
+};
+
 #if defined(__AVX512F__)
 // Each block's weights are one stream through memory; with more than one row the kernel computes long enough per
 // line that the hardware's prefetcher falls behind, so each stream is prefetched 32 lines (2 KB) ahead (measured
@@ -1548,17 +1559,6 @@ inline void dense_prefetch(const T* w, int64_t steps, int64_t step) {
   for (int j = 0; j < NB; ++j)
     _mm_prefetch(reinterpret_cast<const char*>(w + (j * steps + step + kDensePrefetch) * kVector), _MM_HINT_T0);
 }
-
-// A row tile after a group's first computes from weights the first left in the cache, while the memory idles: it
-// fetches a slice of the group that comes next (Ahead) into the cache meanwhile, spread over its steps, so that
-// group's first tile does not wait on memory either. Measured with 32 rows (a batch-32 decode step's projections,
-// docs/measurements.md, "The next weights fetched ahead, and this CPU's ceilings").
-constexpr int64_t kAheadTiles = 8;  // the most row tiles a call fetches ahead in (64 rows)
-
-struct Ahead {
-  const char* lines = nullptr;  // the slice's first cache line; nullptr: none
-  int64_t count = 0;            // its lines
-};
 
 // `ahead`'s lines spread evenly over a tile's `steps` steps: each step asks for the ones due by its end, a prefetch
 // a line
