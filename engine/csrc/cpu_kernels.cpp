@@ -2279,7 +2279,7 @@ at::Tensor int4_matmul_vnni(const at::Tensor& x, const at::Tensor& packed, int64
 // pool), the Python loop over the layers called them one by one, about fifteen Python calls and tensor views a layer;
 // here the same kernels run in the same order, on the same dtypes, so the floats are the same as the loop's (tested
 // bit for bit). The step's inputs are checked once, and the layers' intermediates live in one buffer a step, handed
-// to the kernels as pointers: a tensor each (about 16 allocations and views a layer) cost 0.3-0.4 ms of an int4
+// to the kernels as pointers: a tensor each (about 16 allocations and views a layer) cost about 0.4 ms of an int4
 // step at one row (docs/measurements.md, "A step's layers over one buffer"). Built once per model: the weights, held.
 namespace {
 enum ProjectionKind : int64_t { kProjectDense = 0, kProjectInt8Vnni = 1, kProjectInt4Vnni = 2 };
