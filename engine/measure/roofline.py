@@ -133,6 +133,7 @@ class Reads:
     round of decode steps: a VM's memory can change speed from one minute to the next."""
 
     def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
         self.buffer = buffer = torch.empty(max(1, nbytes // (4 * GEMV_COLS)) * GEMV_COLS, dtype=torch.float32)
         buffer.fill_(1.0)  # as bf16: pairs of 0 and 1, finite
         ones = torch.ones(GEMV_COLS)
@@ -175,14 +176,12 @@ def gemm_rate(n: int, dtype: torch.dtype, repeats: int = 3) -> dict[str, list[fl
     return out
 
 
-def measure_machine(read_bytes: int | None = None, gemm_n: int = 2048, repeats: int = 5) -> Machine:
-    llc = llc_bytes()
-    read_bytes = read_bytes or default_read_bytes(llc)
+def measure_machine(reads: Reads, llc: int | None, gemm_n: int = 2048, repeats: int = 5) -> Machine:
     flags = cpu_features()
     extras = [name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX BF16")) if flag in flags]
     return Machine(cpu=f"{cpu_name()} ({', '.join([isa(flags), *extras])})", threads=torch.get_num_threads(),
-                   cores=usable_cores(), llc_bytes=llc, read_bytes=read_bytes,
-                   read_gb_s=Reads(read_bytes).measure(repeats), gemm_n=gemm_n,
+                   cores=usable_cores(), llc_bytes=llc, read_bytes=reads.nbytes,
+                   read_gb_s=reads.measure(repeats), gemm_n=gemm_n,
                    gemm_gflops={**gemm_rate(gemm_n, torch.float32, repeats),
                                 **gemm_rate(gemm_n, torch.bfloat16, repeats)})
 
@@ -234,11 +233,12 @@ def roofline(llm: LLM, specs: Sequence[str] = SPECS, sizes: Sizes | None = None,
     settings = {k: v for k, v in (settings or {}).items() if k != "model"}
     total = len(specs) + 1 + sizes.rounds
     tell(progress, 0, total, "the machine: read bandwidth, GEMM peaks")
-    machine = measure_machine(sizes.read_bytes, sizes.gemm_n, sizes.repeats)
+    llc = llc_bytes()
+    reads = Reads(sizes.read_bytes or default_read_bytes(llc))  # read again beside each round below
+    machine = measure_machine(reads, llc, sizes.gemm_n, sizes.repeats)
     configs, models = load_each(llm, specs, sizes.rounds, None)
     engines = [_engine(llm, spec, c, m, settings, sizes) for spec, c, m in zip(specs, configs, models, strict=True)]
     times = [([], [], []) for _ in specs]
-    reads = Reads(machine.read_bytes)
     try:
         for engine in engines:
             warm_up(engine)
