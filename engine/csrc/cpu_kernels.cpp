@@ -908,15 +908,23 @@ const int64_t* check_indices(const at::Tensor& t, int64_t rows, int64_t end, con
 }
 }  // namespace
 
-// an int8 pool [slots, KV, D] comes with float32 scales [slots, KV] for its K and its V, and only an int8 pool does
-void check_pool_scales(const at::Tensor& pool, const c10::optional<at::Tensor>& k_scale,
-                       const c10::optional<at::Tensor>& v_scale) {
-  const bool int8_pool = pool.scalar_type() == at::kChar;
+// the K and V pools [slots, KV, D]: contiguous CPU tensors of one shape, in dtype (`whose`, in the message) or int8,
+// with kv KV heads (any where kv < 0) and head size dim; an int8 pool comes with float32 scales [slots, KV] for its
+// K and its V, and only an int8 pool does
+void check_pools(const at::Tensor& k, const at::Tensor& v, int64_t kv, int64_t dim, at::ScalarType dtype,
+                 const char* whose, const c10::optional<at::Tensor>& k_scale,
+                 const c10::optional<at::Tensor>& v_scale) {
+  const bool int8_pool = k.scalar_type() == at::kChar;
+  TORCH_CHECK(k.device().is_cpu() && k.dim() == 3 && k.is_contiguous() && v.sizes() == k.sizes() &&
+                  v.is_contiguous() && v.scalar_type() == k.scalar_type() && (int8_pool || k.scalar_type() == dtype) &&
+                  (kv < 0 || k.size(1) == kv) && k.size(2) == dim,
+              "the K and V pools must be contiguous pools [slots, KV, D] of one shape, in ", whose, " or int8 (",
+              dtype, ")");
   TORCH_CHECK(int8_pool == (k_scale.has_value() && v_scale.has_value()), "an int8 pool, and only one, has scales");
   if (!int8_pool) return;
   for (const auto& t : {*k_scale, *v_scale}) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == pool.size(0) &&
-                    t.size(1) == pool.size(1),
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == k.size(0) &&
+                    t.size(1) == k.size(1),
                 "an int8 pool's scales must be contiguous float32 [slots, KV]");
   }
 }
@@ -932,11 +940,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lists) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, "q must be a CPU tensor [B, H, D]");
   const bool int8_pool = k.scalar_type() == at::kChar;
-  TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.sizes() == k.sizes() && v.is_contiguous() &&
-                  v.scalar_type() == k.scalar_type() && (int8_pool || k.scalar_type() == q.scalar_type()) &&
-                  k.size(2) == q.size(2),
-              "k and v must be contiguous pools [slots, KV, D] of q's dtype or int8");
-  check_pool_scales(k, k_scale, v_scale);
+  check_pools(k, v, -1, q.size(2), q.scalar_type(), "q's dtype", k_scale, v_scale);
   const float* ks = int8_pool ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = int8_pool ? v_scale->data_ptr<float>() : nullptr;
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
@@ -1294,13 +1298,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
   }
   TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v must be of one dtype");
   const bool int8_pool = k_pool.scalar_type() == at::kChar;
-  for (const auto& pool : {k_pool, v_pool}) {
-    TORCH_CHECK((pool.scalar_type() == k.scalar_type() || pool.scalar_type() == at::kChar) &&
-                    pool.scalar_type() == k_pool.scalar_type() && pool.device().is_cpu() && pool.is_contiguous() &&
-                    pool.dim() == 3 && pool.size(1) == k.size(1) && pool.size(2) == k.size(2),
-                "the pools must be contiguous CPU tensors [slots, KV, D] of k's dtype or int8");
-  }
-  check_pool_scales(k_pool, k_scale, v_scale);
+  check_pools(k_pool, v_pool, k.size(1), k.size(2), k.scalar_type(), "k's dtype", k_scale, v_scale);
   const int64_t* sp = check_indices(slots, k.size(0), k_pool.size(0), "slots", "a slot is past the pool");
   write_kv_into(k.scalar_type(), {k.data_ptr(), k.stride(0), k.stride(1)}, {v.data_ptr(), v.stride(0), v.stride(1)},
                 k.size(0), k.size(1), k.size(2), sp, k_pool.data_ptr(), v_pool.data_ptr(),
@@ -2390,14 +2388,13 @@ class DecoderStack {
     const int64_t* pos = check_indices(positions, tokens, cos.size(0), "positions", "a position is past the table");
     const int64_t pool_slots = k_pools[0].size(0);
     for (size_t i = 0; i < n; ++i) {
-      for (const auto& pool : {k_pools[i], v_pools[i]}) {
-        TORCH_CHECK(pool.device().is_cpu() && pool.is_contiguous() && pool.dim() == 3 && pool.size(0) == pool_slots &&
-                        pool.size(1) == KV && pool.size(2) == D &&
-                        pool.scalar_type() == (int8_pool ? at::kChar : dtype_),
-                    "the pools must be contiguous [slots, KV, head_dim] tensors, of one size, in the model's dtype "
-                    "or int8 (with scales)");
+      c10::optional<at::Tensor> ks, vs;
+      if (int8_pool) {
+        ks = k_scales[i];
+        vs = v_scales[i];
       }
-      if (int8_pool) check_pool_scales(k_pools[i], k_scales[i], v_scales[i]);
+      check_pools(k_pools[i], v_pools[i], KV, D, dtype_, "the model's dtype", ks, vs);
+      TORCH_CHECK(k_pools[i].size(0) == pool_slots, "every layer's pools must have the first layer's slots");
       if (smoothed) {
         for (const auto& [scale, rows] : {std::pair{query_scales[i], H}, std::pair{key_inverses[i], KV}}) {
           TORCH_CHECK(scale.scalar_type() == dtype_ && scale.is_contiguous() && scale.dim() == 2 &&
