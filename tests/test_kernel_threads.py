@@ -46,6 +46,30 @@ def test_workers_take_chunks(kernel_threads):
                       and ext.pool_stats()["worker_chunks"] > before, timeout_s=30.0, poll_s=0.01)
 
 
+@needs_two_cores
+def test_the_caller_takes_chunks_from_the_front_and_the_workers_from_the_back(kernel_threads):
+    """Each thread walks its own end of a region: the caller's chunks are a prefix, started in order, and the
+    workers' the rest, each worker's started from the back. A kernel's threads then read contiguous runs of a weight
+    (and fetch ahead where they go next), not chunks dealt out in turn."""
+    for threads in sorted({2, min(3, usable_cores())}):
+        kernel_threads(threads)
+        seen = {}
+
+        def worker_took_part():
+            seen["runs"] = ext.pool_runs(64, 100)
+            return bool((seen["runs"][:, 0] > 0).any())
+
+        assert wait_until(worker_took_part, timeout_s=30.0, poll_s=0.01)  # a loaded machine can keep it waiting
+        who, order = seen["runs"][:, 0].tolist(), seen["runs"][:, 1].tolist()
+        assert sorted(order) == list(range(64))
+        front = who.index(next(w for w in who if w > 0))
+        assert all(w == 0 for w in who[:front]) and all(w > 0 for w in who[front:]), who
+        assert order[:front] == sorted(order[:front])
+        for worker in set(who[front:]):
+            mine = [i for i in range(64) if who[i] == worker]
+            assert [order[i] for i in mine] == sorted((order[i] for i in mine), reverse=True), (worker, who, order)
+
+
 def test_idle_workers_that_yield_before_sleeping_still_run_every_chunk_once(kernel_threads):
     """kernel_yield_us (off by default): an idle worker checks for work between sched_yield calls before it sleeps;
     the regions' chunks still run exactly once, and the pool counts its regions."""

@@ -85,18 +85,32 @@ T* scratch(int64_t n) {
 // A parallel region that never waits for a thread that has not started its share. at::parallel_for (OpenMP) ends
 // each region at a barrier: beside a busy neighbour the OS keeps one of the threads off its core and the other
 // waits for it at every one of a step's hundreds of regions (docs/measurements.md, "Beside a busy neighbour").
-// Here the calling thread publishes a job (a sequence number and a chunk counter in one word), claims and runs
-// chunks itself like any worker, and returns once every chunk is done: it waits only for chunks a worker has
-// claimed, and a worker that wakes late finds none left. Workers are persistent; each spins a while after a job,
+// Here the calling thread publishes a job (a sequence number and the range of unclaimed chunks in one word), claims
+// and runs chunks itself like any worker, and returns once every chunk is done: it waits only for chunks a worker
+// has claimed, and a worker that wakes late finds none left. Workers are persistent; each spins a while after a job,
 // then sleeps on a futex.
 //
 // Why a worker never touches a job that has returned: the word's sequence is odd while the job is live. A worker
 // claims a chunk by compare-and-swap on the whole word, so a worker preempted between reading the word and claiming
 // fails the swap once the job has ended (its caller sets an even sequence before it returns). A successful claim
 // holds the job open (its caller waits for that chunk), and a worker claims its next chunk before it reports the
-// last one done, so it reads the job's data only while it holds a chunk.
+// last one done, so it reads the job's data only while it holds a chunk. What a claim takes is read from the word it
+// swaps, nothing beside it, so even a worker whose word's sequence came round again (2^23 jobs later) takes a chunk
+// of the job that is live then, and runs that job's.
 namespace pool {
-constexpr uint64_t kChunkMask = 0xFFFFFFFFull;
+// the job word: its sequence (24 bits; odd while a job is live) | its front (20) | its back (20). The calling thread
+// claims chunks from the front, workers from the back: at one row each thread of a weight kernel reads its own
+// contiguous run of the weights, where chunks dealt out in turn had each thread skip over the other's every few
+// kilobytes (docs/measurements.md, "The two ends of a region")
+constexpr int kEndBits = 20;
+constexpr uint64_t kEndMask = (1ull << kEndBits) - 1;
+constexpr int64_t kMaxChunks = static_cast<int64_t>(kEndMask);
+inline uint64_t job_word(uint64_t seq, int64_t front, int64_t back) {
+  return (seq & 0xFFFFFF) << (2 * kEndBits) | static_cast<uint64_t>(front) << kEndBits | static_cast<uint64_t>(back);
+}
+inline uint64_t seq_of(uint64_t w) { return w >> (2 * kEndBits); }
+inline int64_t front_of(uint64_t w) { return static_cast<int64_t>((w >> kEndBits) & kEndMask); }
+inline int64_t back_of(uint64_t w) { return static_cast<int64_t>(w & kEndMask); }
 
 struct Job {
   void* ctx;
@@ -106,8 +120,7 @@ struct Job {
 };
 
 struct State {
-  alignas(64) std::atomic<uint64_t> word{0};  // sequence (odd: a job is live) << 32 | the next chunk to claim
-  alignas(64) std::atomic<int64_t> chunks{0};
+  alignas(64) std::atomic<uint64_t> word{0};  // job_word: the live job's sequence and the chunks not yet claimed
   std::atomic<Job*> job{nullptr};
   std::atomic<int> helpers{0};  // workers 0 .. helpers - 1 take part in this job
   alignas(64) std::atomic<int64_t> done{0};  // chunks finished and reported
@@ -132,6 +145,8 @@ struct State {
 // never destroyed: a worker may still be asleep on it when the process exits
 State* state = new State;
 thread_local bool in_worker = false;
+thread_local bool from_back = false;  // this thread claims from the back of a job's chunks (a worker)
+thread_local int thread_slot = 0;     // 0: a calling thread; a worker's index + 1 (what pool_runs reports)
 
 int usable_cores() {
   cpu_set_t set;
@@ -153,18 +168,32 @@ void note_error(State& s) {
   if (!s.error) s.error = std::current_exception();
 }
 
-// Claims the next chunk of the live job with sequence `seq` (of `n` chunks); -1 when none is left or it ended
-int64_t claim(State& s, uint64_t seq, int64_t n) {
+// word w with the chunk at this thread's end taken, and that chunk in `chunk` (-1 if none is left)
+inline uint64_t taken(uint64_t w, int64_t& chunk) {
+  const int64_t front = front_of(w), back = back_of(w);
+  if (front >= back) {
+    chunk = -1;
+    return w;
+  }
+  chunk = from_back ? back - 1 : front;
+  return from_back ? w - 1 : w + (1ull << kEndBits);
+}
+
+// Claims the next chunk at this thread's end of the live job with sequence `seq`; -1 when none is left or it ended
+int64_t claim(State& s, uint64_t seq) {
   uint64_t w = s.word.load();
-  while ((w >> 32) == seq && static_cast<int64_t>(w & kChunkMask) < n) {
-    if (s.word.compare_exchange_weak(w, w + 1)) return static_cast<int64_t>(w & kChunkMask);
+  while (seq_of(w) == seq) {
+    int64_t chunk;
+    const uint64_t next = taken(w, chunk);
+    if (chunk < 0) return -1;
+    if (s.word.compare_exchange_weak(w, next)) return chunk;
   }
   return -1;
 }
 
 // Runs chunk `first` (already claimed) and every further one this thread claims, between enter and leave; the last
 // one is reported only after leave, so the job outlives everything this thread does with it
-void run_claimed(State& s, Job* job, uint64_t seq, int64_t n, int64_t first, bool worker) {
+void run_claimed(State& s, Job* job, uint64_t seq, int64_t first, bool worker) {
   bool entered = false;
   try {
     job->enter(job->ctx);
@@ -181,7 +210,7 @@ void run_claimed(State& s, Job* job, uint64_t seq, int64_t n, int64_t first, boo
       }
     }
     if (worker) s.worker_chunks.fetch_add(1, std::memory_order_relaxed);
-    const int64_t next = claim(s, seq, n);
+    const int64_t next = claim(s, seq);
     if (next < 0 && entered) {
       try {
         job->leave(job->ctx);
@@ -197,26 +226,26 @@ void run_claimed(State& s, Job* job, uint64_t seq, int64_t n, int64_t first, boo
 // What a worker finds: true if it took part in a job (or lost a claim and should look again)
 bool work(State& s, int index) {
   uint64_t w = s.word.load();
-  const uint64_t seq = w >> 32;
+  const uint64_t seq = seq_of(w);
   if (!(seq & 1) || index >= s.helpers.load()) return false;
-  const int64_t n = s.chunks.load();  // the live job's, or a later one's: then the swap below fails
-  if (static_cast<int64_t>(w & kChunkMask) >= n) return false;
+  int64_t chunk;
+  const uint64_t next = taken(w, chunk);  // what is left is in the word itself, read in the one load
+  if (chunk < 0) return false;
   if (s.hold.load()) {  // the tests' stand-in for a worker the OS stops right here
     s.holds.fetch_add(1);
     while (s.hold.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (!s.word.compare_exchange_strong(w, w + 1)) {
+  if (!s.word.compare_exchange_strong(w, next)) {
     s.refused_claims.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
-  run_claimed(s, s.job.load(), seq, n, static_cast<int64_t>(w & kChunkMask), true);
+  run_claimed(s, s.job.load(), seq, chunk, true);
   return true;
 }
 
 bool claimable(const State& s, int index) {
   const uint64_t w = s.word.load(std::memory_order_relaxed);
-  return ((w >> 32) & 1) && index < s.helpers.load(std::memory_order_relaxed) &&
-         static_cast<int64_t>(w & kChunkMask) < s.chunks.load(std::memory_order_relaxed);
+  return (seq_of(w) & 1) && index < s.helpers.load(std::memory_order_relaxed) && front_of(w) < back_of(w);
 }
 
 // Checks for work to claim for `ns`, with sched_yield between checks when `yielding`: true once some is found
@@ -234,6 +263,8 @@ bool look_for_work(const State& s, int index, int64_t ns, bool yielding) {
 
 void worker_main(State* s, int index) {
   in_worker = true;
+  from_back = true;
+  thread_slot = index + 1;
   for (;;) {
     if (work(*s, index)) continue;
     // spin a while: a step's next region comes within microseconds, and waking a sleeper costs more than that.
@@ -268,6 +299,7 @@ int threads_for_call() {
 
 void run(int64_t n, Job& job, int threads) {
   if (n <= 0) return;
+  TORCH_CHECK(n <= kMaxChunks, "a parallel region takes at most ", kMaxChunks, " chunks, got ", n);
   State& s = *state;
   threads = static_cast<int>(std::min<int64_t>(threads, n));
   const auto t0 = std::chrono::steady_clock::now();
@@ -282,16 +314,15 @@ void run(int64_t n, Job& job, int threads) {
     return;
   }
   start_workers(s, threads - 1);
-  s.chunks.store(n);
   s.job.store(&job);
   s.helpers.store(threads - 1);
   s.done.store(0);
-  const uint64_t seq = (s.word.load() >> 32) + 1;  // odd: live
-  s.word.store(seq << 32);
+  const uint64_t seq = (seq_of(s.word.load()) + 1) & 0xFFFFFF;  // odd: live
+  s.word.store(job_word(seq, 0, n));
   s.wake.fetch_add(1);
   if (s.sleepers.load() > 0) futex_wake_all(&s.wake);
-  const int64_t first = claim(s, seq, n);
-  if (first >= 0) run_claimed(s, &job, seq, n, first, false);
+  const int64_t first = claim(s, seq);
+  if (first >= 0) run_claimed(s, &job, seq, first, false);
   // only chunks a worker has claimed are left: wait for those (yielding, in case it is off its core)
   const auto t1 = std::chrono::steady_clock::now();
   const bool waited = s.done.load() < n;
@@ -312,7 +343,7 @@ void run(int64_t n, Job& job, int threads) {
     if (w > 1000000) s.waits_1ms.fetch_add(1, std::memory_order_relaxed);
     if (w > s.wait_max_ns.load(std::memory_order_relaxed)) s.wait_max_ns.store(w, std::memory_order_relaxed);
   }
-  s.word.store((seq + 1) << 32);  // even: ended; a late claim fails
+  s.word.store(job_word(seq + 1, 0, 0));  // even: ended; a late claim fails
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
@@ -340,13 +371,16 @@ void parallel_chunks(int64_t chunks, const E& enter, const R& run_chunk, const L
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (end <= begin) return;
-  grain = std::max<int64_t>(1, grain);
+  grain = std::max({int64_t{1}, grain, (end - begin + kMaxChunks - 1) / kMaxChunks});
   const auto none = [] {};
   parallel_chunks((end - begin + grain - 1) / grain, none, [&](int64_t c) {
     const int64_t b = begin + c * grain;
     f(b, std::min(end, b + grain));
   }, none);
 }
+
+// whether this thread claims from the back of a region's chunks (its next chunk comes before the one it runs)
+inline bool claims_from_back() { return from_back; }
 
 // Every fork's child starts without workers
 void forget_workers() { state = new State; }
@@ -401,6 +435,23 @@ at::Tensor pool_count(int64_t items, int64_t grain, int64_t work_us) {
   int32_t* cp = counts.data_ptr<int32_t>();
   for (int64_t i = 0; i < items; ++i) cp[i] = seen[i].load();
   return counts;
+}
+
+// [0, items) through parallel_for one item a chunk, each busy ~work_us: int64 [items, 2], per item the thread that
+// ran it (0 the caller, a worker's index + 1) and its place in the order chunks started
+at::Tensor pool_runs(int64_t items, int64_t work_us) {
+  auto runs = at::full({items, 2}, -1, at::kLong);
+  int64_t* rp = runs.data_ptr<int64_t>();
+  std::atomic<int64_t> started{0};
+  pool::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      rp[2 * i] = pool::thread_slot;
+      rp[2 * i + 1] = started.fetch_add(1);
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(work_us);
+    while (std::chrono::steady_clock::now() < until) cpu_relax();
+  });
+  return runs;
 }
 
 // x [T, K] -> (q - 128 as float [T, K], scale [T], zero - 128 [T]): each row over its own [min, max] (widened to
@@ -1786,21 +1837,26 @@ void dense_rows(int64_t m, F&& tile) {
 }
 
 // groups [0, groups) run by the pool's threads, `chunk` groups a claim: about `claims` claims a thread, so a thread
-// the OS stops mid-claim leaves the caller little to wait for. run(g, more): `more` when the same thread runs g + 1
-// next (in the same claim)
+// the OS stops mid-claim leaves the caller little to wait for. run(g, next): `next` the group this thread runs after
+// g, what a kernel fetches ahead: the next of its claim, else the first of the claim it will take at its end of the
+// range (taken unless the threads met there); -1 past either end
 template <typename F>
 void dense_claims(int64_t groups, int64_t claims, F&& run) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool::threads_for_call(), groups));
   const int64_t chunk = std::max<int64_t>(1, groups / (threads * claims));
   pool::parallel_for(0, groups, chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) run(g, g + 1 < end);
+    const int64_t after = pool::claims_from_back() ? begin - chunk : end;
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t next = g + 1 < end ? g + 1 : after;
+      run(g, next >= 0 && next < groups ? next : -1);
+    }
   });
 }
 
-// dense_claims with about 8 claims a thread, each group on its own
+// dense_claims with about 8 claims a thread
 template <typename F>
 void dense_groups(int64_t groups, F&& run) {
-  dense_claims(groups, 8, [&](int64_t g, bool) { run(g); });
+  dense_claims(groups, 8, run);
 }
 
 template <typename T, int NB>
@@ -1813,14 +1869,14 @@ void dense_matmul_nb(const T* xp, int64_t ldx, const T* wp, int64_t m, int64_t k
   // is a small part of a group's time, and the engine's prefill steps measured no faster
   const int64_t tiles = (m + kDenseRows - 1) / kDenseRows;
   const bool fetch_ahead = tiles > 1 && tiles <= kAheadTiles;
-  dense_claims(groups, fetch_ahead ? 2 : 8, [&](int64_t g, bool more) {
+  dense_claims(groups, fetch_ahead ? 2 : 8, [&](int64_t g, int64_t after) {
     const int64_t first = g * NB, count = std::min<int64_t>(NB, blocks - first);
     const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
     const T* w = wp + first * block_elems;
     T* y = yp + first * kDenseBlock;
-    const int64_t next_blocks = fetch_ahead && more ? std::min<int64_t>(NB, blocks - first - NB) : 0;
+    const int64_t next_blocks = fetch_ahead && after >= 0 ? std::min<int64_t>(NB, blocks - after * NB) : 0;
     const int64_t next_lines = next_blocks * block_elems * static_cast<int64_t>(sizeof(T)) / 64;  // whole lines
-    const char* next = reinterpret_cast<const char*>(w + count * block_elems);
+    const char* next = reinterpret_cast<const char*>(wp + after * NB * block_elems);
     auto with = [&](auto nb) {
       dense_rows<decltype(nb)::value>(m, [&](auto mb, int64_t i) {
         constexpr int MB = decltype(mb)::value, B = decltype(nb)::value;
@@ -2030,7 +2086,7 @@ inline __m512i broadcast4(const int8_t* p) {
 template <int MB, int NB>
 void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* unit_sum, int64_t s_stride,
              const uint8_t* w, int64_t block_bytes, int64_t runs, int64_t runs_per_group, float* y, int64_t ldy,
-             __mmask16 last) {
+             __mmask16 last, const uint8_t* next) {
   const int64_t group_bytes = 64 + runs_per_group * 256;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i top_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
@@ -2040,9 +2096,16 @@ void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* 
   for (int64_t r = 0; r < runs; ++r) {
     const int64_t g = r / runs_per_group;
     const uint8_t* run = w + g * group_bytes + 64 + (r - g * runs_per_group) * 256;  // block 0's run r
-    for (int j = 0; j < NB; ++j)  // past a block's end: the next block's start (a hint never faults)
-      for (int z = 0; z < 5; ++z)
-        _mm_prefetch(reinterpret_cast<const char*>(run + j * block_bytes + kQ4Ahead * 320 + z * 64), _MM_HINT_T0);
+    if (next == nullptr || r + kQ4Ahead < runs) {
+      for (int j = 0; j < NB; ++j)  // past a block's end: the next block's start (a hint never faults)
+        for (int z = 0; z < 5; ++z)
+          _mm_prefetch(reinterpret_cast<const char*>(run + j * block_bytes + kQ4Ahead * 320 + z * 64), _MM_HINT_T0);
+    } else {  // the last runs: the start of the group this thread runs next (at one row; else null)
+      const uint8_t* ahead = next + (r + kQ4Ahead - runs) * 320;
+      for (int j = 0; j < NB; ++j)
+        for (int z = 0; z < 5; ++z)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * block_bytes + z * 64), _MM_HINT_T0);
+    }
     __m512i hi_dot[MB][NB], lo_dot[MB][NB];  // dot(q, h) and dot(q, l) of this run
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) hi_dot[i][j] = lo_dot[i][j] = _mm512_setzero_si512();
@@ -2093,7 +2156,7 @@ void vnni_tiles(int64_t m, int64_t n, Tile&& tile) {
   using Two = std::integral_constant<int, 2>;
   const int64_t blocks = (n + kQ4Block - 1) / kQ4Block;
   const __mmask16 tail = n % kQ4Block ? __mmask16((1u << (n % kQ4Block)) - 1) : __mmask16(0xFFFF);
-  dense_groups((blocks + kQ4Blocks - 1) / kQ4Blocks, [&](int64_t g) {
+  dense_groups((blocks + kQ4Blocks - 1) / kQ4Blocks, [&](int64_t g, int64_t next) {
     const int64_t first = g * kQ4Blocks, count = std::min<int64_t>(kQ4Blocks, blocks - first);
     const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
     auto rows = [&](auto nb) {
@@ -2102,11 +2165,11 @@ void vnni_tiles(int64_t m, int64_t n, Tile&& tile) {
       for (; i + 2 <= m; i += 2)
         for (int j = 0; j < NB; j += 2) {
           if (j + 2 <= NB)
-            tile(Two{}, Two{}, i, first + j, j + 2 == NB ? last : __mmask16(0xFFFF));
+            tile(Two{}, Two{}, i, first + j, j + 2 == NB ? last : __mmask16(0xFFFF), -1);
           else
-            tile(Two{}, One{}, i, first + j, last);
+            tile(Two{}, One{}, i, first + j, last, -1);
         }
-      if (i < m) tile(One{}, nb, i, first, last);
+      if (i < m) tile(One{}, nb, i, first, last, m == 1 ? next * kQ4Blocks : -1);
     };
     switch (count) {
       case 4: rows(std::integral_constant<int, 4>{}); break;
@@ -2123,10 +2186,11 @@ void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, int
   IntegerRows rows_as_integers(xp, m, k_len);
   const int8_t* q = rows_as_integers.q;
   const float *unit = rows_as_integers.unit, *unit_sum = rows_as_integers.unit_sum;
-  vnni_tiles(m, n, [&](auto mb, auto nb, int64_t i, int64_t block, __mmask16 last) {
+  vnni_tiles(m, n, [&](auto mb, auto nb, int64_t i, int64_t block, __mmask16 last, int64_t next) {
     q4_tile<decltype(mb)::value, decltype(nb)::value>(
         q + i * 2 * k_len, 2 * k_len, unit + i * runs, unit_sum + i * runs, runs, wp + block * block_bytes,
-        block_bytes, runs, group / kQ4Run, yp + i * n + block * kQ4Block, n, last);
+        block_bytes, runs, group / kQ4Run, yp + i * n + block * kQ4Block, n, last,
+        next >= 0 ? wp + next * block_bytes : nullptr);
   });
 }
 
@@ -2138,14 +2202,16 @@ void int4_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, int
 template <int MB, int NB>
 void q8_tile(const int8_t* q, int64_t q_stride, const float* unit, const int32_t* sums, int64_t s_stride,
              const uint8_t* w, int64_t block_bytes, const float* scale, int64_t runs, float* y, int64_t ldy,
-             __mmask16 last) {
+             __mmask16 last, const uint8_t* next) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t r = 0; r < runs; ++r) {
+    const uint8_t* ahead =  // the last runs: the start of the group this thread runs next, as int4's
+        next == nullptr || r + kQ4Ahead < runs ? w + (r + kQ4Ahead) * 512 : next + (r + kQ4Ahead - runs) * 512;
     for (int j = 0; j < NB; ++j)
       for (int z = 0; z < 8; ++z)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * block_bytes + (r + kQ4Ahead) * 512 + z * 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * block_bytes + z * 64), _MM_HINT_T0);
     __m512i hi_dot[MB][NB], lo_dot[MB][NB];
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) hi_dot[i][j] = lo_dot[i][j] = _mm512_setzero_si512();
@@ -2184,10 +2250,11 @@ void int8_vnni_run(const X* xp, int64_t m, int64_t k_len, const uint8_t* wp, con
   const int8_t* q = rows_as_integers.q;
   const float* unit = rows_as_integers.unit;
   const int32_t* sums = rows_as_integers.sums;
-  vnni_tiles(m, n, [&](auto mb, auto nb, int64_t i, int64_t block, __mmask16 last) {
+  vnni_tiles(m, n, [&](auto mb, auto nb, int64_t i, int64_t block, __mmask16 last, int64_t next) {
     q8_tile<decltype(mb)::value, decltype(nb)::value>(
         q + i * 2 * k_len, 2 * k_len, unit + i * runs, sums + i * runs, runs, wp + block * block_bytes, block_bytes,
-        scale + block * kQ4Block, runs, yp + i * n + block * kQ4Block, n, last);
+        scale + block * kQ4Block, runs, yp + i * n + block * kQ4Block, n, last,
+        next >= 0 ? wp + next * block_bytes : nullptr);
   });
 }
 #else
@@ -2953,6 +3020,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the count set; regions run on several threads and alone, ns in each, the callers' ns waiting at their "
         "ends for a worker's chunk (waits over 50 us and 1 ms, the longest since the last call), worker sleeps");
   m.def("pool_hold", &pool_hold, "tests: stop every worker between reading a job and claiming a chunk (or let go)");
+  m.def("pool_runs", &pool_runs, nogil, "tests: which thread ran each of [0, items), and in what order",
+        py::arg("items"), py::arg("work_us"));
   m.def("pool_count", &pool_count, nogil, "tests: how many times each of [0, items) ran through the pool",
         py::arg("items"), py::arg("grain"), py::arg("work_us") = 0);
   py::class_<DecoderStack>(m, "DecoderStack", "a step's decoder layers in one call, over the layers' weights")
