@@ -1876,7 +1876,7 @@ void dense_matmul_nb(const T* xp, int64_t ldx, const T* wp, int64_t m, int64_t k
     T* y = yp + first * kDenseBlock;
     const int64_t next_blocks = fetch_ahead && after >= 0 ? std::min<int64_t>(NB, blocks - after * NB) : 0;
     const int64_t next_lines = next_blocks * block_elems * static_cast<int64_t>(sizeof(T)) / 64;  // whole lines
-    const char* next = reinterpret_cast<const char*>(wp + after * NB * block_elems);
+    const char* next = next_blocks > 0 ? reinterpret_cast<const char*>(wp + after * NB * block_elems) : nullptr;
     auto with = [&](auto nb) {
       dense_rows<decltype(nb)::value>(m, [&](auto mb, int64_t i) {
         constexpr int MB = decltype(mb)::value, B = decltype(nb)::value;
