@@ -51,14 +51,14 @@ def test_the_caller_takes_chunks_from_the_front_and_the_workers_from_the_back(ke
     """Each thread walks its own end of a region: the caller's chunks are a prefix, started in order, and the
     workers' the rest, each worker's started from the back. A kernel's threads then read contiguous runs of a weight
     (and fetch ahead where they go next), not chunks dealt out in turn."""
+    seen = {}
+
+    def worker_took_part():
+        seen["runs"] = ext.pool_runs(64, 100)
+        return bool((seen["runs"][:, 0] > 0).any())
+
     for threads in sorted({2, min(3, usable_cores())}):
         kernel_threads(threads)
-        seen = {}
-
-        def worker_took_part():
-            seen["runs"] = ext.pool_runs(64, 100)
-            return bool((seen["runs"][:, 0] > 0).any())
-
         assert wait_until(worker_took_part, timeout_s=30.0, poll_s=0.01)  # a loaded machine can keep it waiting
         who, order = seen["runs"][:, 0].tolist(), seen["runs"][:, 1].tolist()
         assert sorted(order) == list(range(64))
