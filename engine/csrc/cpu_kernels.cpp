@@ -2148,8 +2148,9 @@ void q4_tile(const int8_t* q, int64_t q_stride, const float* unit, const float* 
 
 // The loop int4's and int8's VNNI kernels share: the output blocks in groups of kQ4Blocks, a group to a thread; in
 // each, two rows share each weight vector two blocks at a time (more would spill), then an odd last row takes the
-// group's blocks at once. tile(mb, nb, i, block, mask) multiplies rows i.. (mb of them, a std::integral_constant)
-// by the blocks from `block` on (nb of them), the last block's outputs masked by `mask`.
+// group's blocks at once. tile(mb, nb, i, block, mask, next) multiplies rows i.. (mb of them, a
+// std::integral_constant) by the blocks from `block` on (nb of them), the last block's outputs masked by `mask`;
+// `next`: at one row, the first block of the group this thread runs next (dense_claims'), to fetch ahead; else -1.
 template <typename Tile>
 void vnni_tiles(int64_t m, int64_t n, Tile&& tile) {
   using One = std::integral_constant<int, 1>;
@@ -2169,7 +2170,7 @@ void vnni_tiles(int64_t m, int64_t n, Tile&& tile) {
           else
             tile(Two{}, One{}, i, first + j, last, -1);
         }
-      if (i < m) tile(One{}, nb, i, first, last, m == 1 ? next * kQ4Blocks : -1);
+      if (i < m) tile(One{}, nb, i, first, last, m == 1 && next >= 0 ? next * kQ4Blocks : -1);
     };
     switch (count) {
       case 4: rows(std::integral_constant<int, 4>{}); break;
