@@ -1853,12 +1853,6 @@ void dense_claims(int64_t groups, int64_t claims, F&& run) {
   });
 }
 
-// dense_claims with about 8 claims a thread
-template <typename F>
-void dense_groups(int64_t groups, F&& run) {
-  dense_claims(groups, 8, run);
-}
-
 template <typename T, int NB>
 void dense_matmul_nb(const T* xp, int64_t ldx, const T* wp, int64_t m, int64_t k_len, int64_t n, T* yp) {
   const int64_t blocks = (n + kDenseBlock - 1) / kDenseBlock, groups = (blocks + NB - 1) / NB;
@@ -2157,7 +2151,7 @@ void vnni_tiles(int64_t m, int64_t n, Tile&& tile) {
   using Two = std::integral_constant<int, 2>;
   const int64_t blocks = (n + kQ4Block - 1) / kQ4Block;
   const __mmask16 tail = n % kQ4Block ? __mmask16((1u << (n % kQ4Block)) - 1) : __mmask16(0xFFFF);
-  dense_groups((blocks + kQ4Blocks - 1) / kQ4Blocks, [&](int64_t g, int64_t next) {
+  dense_claims((blocks + kQ4Blocks - 1) / kQ4Blocks, 8, [&](int64_t g, int64_t next) {
     const int64_t first = g * kQ4Blocks, count = std::min<int64_t>(kQ4Blocks, blocks - first);
     const __mmask16 last = first + count == blocks ? tail : __mmask16(0xFFFF);
     auto rows = [&](auto nb) {
